@@ -201,3 +201,31 @@ class AsyncDiffusionOutput:
     @classmethod
     def rpc_failed(cls, rpc_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
         return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, failure=failure)
+
+
+@attrs.frozen
+class DiffusionRequest:
+    """One generation request as the worker sees it: an id and the model's parameters."""
+
+    request_id: str
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        _check_id("request_id", self.request_id)
+
+
+@attrs.frozen
+class RpcRequest:
+    """An RPC broadcast from the executor to every worker rank."""
+
+    rpc_id: str
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    # True: execute_model/execute_model_batch answer with COMPUTE_DONE and pack in the
+    # background (request mode).  False: the ordinary synchronous answer (step mode).
+    async_output: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check_id("rpc_id", self.rpc_id)
+        _check_id("method", self.method)

@@ -1,0 +1,61 @@
+"""Protocol traces: what the implementation did, in the spec's vocabulary.
+
+Tracing is off by default: every traced component takes ``tracer: Tracer | None``
+and skips the call when it is None, so the cost when off is one attribute test.
+
+A trace is a sequence of ``TraceEvent``: an action name plus flat fields
+(strings, ints, bools, None).  Components record at the points where the system
+is in a consistent state (the pump after it dequeued a message, the registry
+after a state change), never in the middle of one.
+
+Actions recorded by the executor side (the fields each carries):
+
+* ``PumpRecv``: kind, rank, rpc_id, ids (comma-separated), output_id, ok
+* ``Create``: output_id (a record is created in REGISTRY_INITIAL)
+* ``Fire``: output_id, event, src, dst (one request-machine transition)
+* ``Remove``: output_id, state (the record reached a terminal state)
+* ``WaiterAdd``: output_id
+* ``WaiterResolve``: output_id, outcome (output | failure | dropped | timeout | shutdown | worker_died | cancelled)
+* ``PayloadDeliver`` / ``PayloadRelease``: output_id
+* ``ProtocolError``: output_id, reason
+* ``RpcSubmit``: rpc_id, method, ranks (comma-separated)
+* ``RpcAnswer``: rpc_id, rank, ok
+* ``RpcResolve``: rpc_id, outcome (ok | failed | timeout | shutdown | worker_died)
+* ``Shutdown``
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Protocol
+
+import attrs
+
+FieldValue = str | int | bool | None
+
+
+@attrs.frozen
+class TraceEvent:
+    action: str
+    fields: Mapping[str, FieldValue]
+
+
+class Tracer(Protocol):
+    def __call__(self, action: str, fields: Mapping[str, FieldValue]) -> None: ...
+
+
+class ListTracer:
+    """Records events in memory, in order; safe to call from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[TraceEvent] = []
+
+    def __call__(self, action: str, fields: Mapping[str, FieldValue]) -> None:
+        with self._lock:
+            self.events.append(TraceEvent(action, dict(fields)))
+
+    def snapshot(self) -> list[TraceEvent]:
+        with self._lock:
+            return list(self.events)
