@@ -4,11 +4,11 @@ The worker's main thread hands each finished output to the packer together
 with a device event recorded right after the forward, sends COMPUTE_DONE, and
 takes the next request.  The packer then, for each output in order:
 
-1. makes its side stream wait on the event (the copy must not read the output
-   before the forward's last kernel wrote it -- F1; a platform that cannot
-   record an event gives a marker that makes it synchronize instead),
-2. packs the output (device -> shared memory, on the side stream),
-3. sends OUTPUT_READY, or OUTPUT_READY with a typed failure (F2).
+1. packs the output (device -> shared memory, on the side stream), the pack
+   function ordering its reads after the event (the copy must not read the
+   output before the forward's last kernel wrote it -- F1; a platform that
+   cannot record an event gives a marker that makes it synchronize instead),
+2. sends OUTPUT_READY, or OUTPUT_READY with a typed failure (F2).
 
 Back-pressure: at most ``max_outputs`` outputs and ``max_bytes`` bytes are in the
 packer at once.  The main thread calls ``wait_for_room`` *before* it starts the
@@ -44,20 +44,15 @@ from omni_async.trace import FieldValue, Tracer
 
 log = logging.getLogger(__name__)
 
-# pack(output, side_stream) -> the packed output (what travels on the channel).
-PackFn = Callable[[DiffusionOutput, Any], DiffusionOutput]
-# wait(event, side_stream): make the side stream (or the host) wait for the forward.
-WaitFn = Callable[[Any, Any], None]
+# pack(output, side_stream, ready_event) -> the packed output (what travels on the
+# channel).  It must order its reads after ready_event (see omni_async.platform).
+PackFn = Callable[[DiffusionOutput, Any, Any], DiffusionOutput]
 # Called with a packed output that could not be sent, to give its segments back.
 ReleaseFn = Callable[[DiffusionOutput], None]
 
 
-def _identity_pack(output: DiffusionOutput, stream: Any) -> DiffusionOutput:
+def _identity_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
     return output
-
-
-def _no_wait(event: Any, stream: Any) -> None:
-    return None
 
 
 def _no_release(output: DiffusionOutput) -> None:
@@ -94,7 +89,6 @@ class Packer:
         sender: ResultSender,
         *,
         pack: PackFn = _identity_pack,
-        wait_event: WaitFn = _no_wait,
         release: ReleaseFn = _no_release,
         make_stream: Callable[[], Any] = lambda: None,
         max_outputs: int = 4,
@@ -106,7 +100,6 @@ class Packer:
         self.rank = rank
         self._sender = sender
         self._pack = pack
-        self._wait_event = wait_event
         self._release = release
         self._make_stream = make_stream
         self._max_outputs = max_outputs
@@ -262,8 +255,7 @@ class Packer:
         self._fire(job, RequestEvent.PACK)
         t0 = time.perf_counter()
         try:
-            self._wait_event(job.event, stream)
-            packed = self._pack(attrs.evolve(job.output, async_output_id=job.output_id), stream)
+            packed = self._pack(attrs.evolve(job.output, async_output_id=job.output_id), stream, job.event)
         except Exception as exc:
             self.metrics.failed += 1
             self._send_failure(job, Failure.from_exception(exc))

@@ -20,6 +20,7 @@ Failures travel as a typed ``Failure`` in the answer (F2), never as a string.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,8 +44,9 @@ from omni_async.trace import FieldValue, Tracer
 log = logging.getLogger(__name__)
 
 DROP_OUTPUTS = "drop_outputs"
+LOOP_INFO = "loop_info"
 # Methods the loop answers itself, never forwarded to the model worker.
-CONTROL_METHODS = frozenset({DROP_OUTPUTS})
+CONTROL_METHODS = frozenset({DROP_OUTPUTS, LOOP_INFO})
 
 
 class DiffusionWorkerModel(Protocol):
@@ -118,6 +120,10 @@ class WorkerLoop:
             if self._packer is not None:
                 self._packer.drop(req.args[0] if req.args else ())
             return
+        if req.method == LOOP_INFO:
+            info = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
+            self._send(AsyncDiffusionOutput.rpc_result(req.rpc_id, info, rank=self.rank), req.rpc_id)
+            return
         if req.async_output and req.method in ASYNC_METHODS and self._packer is not None:
             self._execute_async(req)
             return
@@ -147,10 +153,11 @@ class WorkerLoop:
         pack = self._pack_sync
         if pack is None:
             return result
+        event = self._record_event()
         if isinstance(result, BatchDiffusionOutput):
-            return BatchDiffusionOutput(tuple(pack(o, None) for o in result.per_request()))
+            return BatchDiffusionOutput(tuple(pack(o, None, event) for o in result.per_request()))
         if isinstance(result, DiffusionOutput):
-            return pack(result, None)
+            return pack(result, None, event)
         return result
 
     def _execute_async(self, req: RpcRequest) -> None:

@@ -1,0 +1,50 @@
+"""Shared test configuration.
+
+* Hypothesis profiles: ``ci`` (derandomized, no example database) is loaded when
+  ``CI`` is set, ``dev`` otherwise.
+* Every test checks that it left no shared-memory segment of ours in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "omni-"
+
+
+def _ours() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments() -> Iterator[None]:
+    """Fail the test if it leaves a segment with the project's prefix behind."""
+    before = _ours()
+    yield
+    leaked = _ours() - before
+    if leaked:
+        for name in leaked:  # clean up so one leak does not fail every later test
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except OSError:
+                pass
+        pytest.fail(f"test leaked shared-memory segments: {sorted(leaked)}")
