@@ -24,23 +24,15 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "omni-"
-
-
-def _ours() -> set[str]:
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
-    except FileNotFoundError:
-        return set()
+from _leaks import SHM_DIR, ours
 
 
 @pytest.fixture(autouse=True)
 def no_leaked_segments() -> Iterator[None]:
     """Fail the test if it leaves a segment with the project's prefix behind."""
-    before = _ours()
+    before = ours()
     yield
-    leaked = _ours() - before
+    leaked = ours() - before
     if leaked:
         for name in leaked:  # clean up so one leak does not fail every later test
             try:

@@ -97,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--world-size", type=int, default=1)
     d.add_argument("--requests", type=int, default=16)
     d.add_argument("--batch", type=int, default=2)
-    d.add_argument("--height", type=int, default=32)
-    d.add_argument("--width", type=int, default=64)
+    # 256 x 256 fp32 = 256 KiB per image: above the inline threshold, so the
+    # images travel through the shared-memory pool.
+    d.add_argument("--height", type=int, default=256)
+    d.add_argument("--width", type=int, default=256)
     d.add_argument("--steps", type=int, default=4)
     d.add_argument("--compute-timeout", type=float, default=60.0)
     d.add_argument("--output-timeout", type=float, default=60.0)

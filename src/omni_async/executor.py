@@ -153,7 +153,15 @@ class DiffusionExecutor(abc.ABC):
         results = self.collective_rpc(method, args)
         reply = results[self.reply_rank]
         outputs = list(reply.per_request()) if hasattr(reply, "per_request") else [reply]
-        return [RunnerOutput(request_id=o.request_id, finished=True, result=o) for o in outputs]
+        return [RunnerOutput(request_id=o.request_id, finished=True, result=self._receive(o)) for o in outputs]
+
+    def _receive(self, output: DiffusionOutput) -> DiffusionOutput:
+        """Turn an output as it travelled into what the engine gets (identity in process)."""
+        return output
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every worker has sent every output it is packing (F8); raises on timeout."""
+        self.collective_rpc("drain_outputs", (timeout,), timeout=timeout + 5.0)
 
     def collective_rpc(
         self,
@@ -295,18 +303,34 @@ class DiffusionExecutor(abc.ABC):
         self.shutdown()
 
 
-def _map_future(inner: Future[Any], fn: Callable[[Any], Any]) -> Future[Any]:
-    """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one."""
+def _map_future(
+    inner: Future[Any], fn: Callable[[Any], Any], discard: Callable[[Any], object] | None = None
+) -> Future[Any]:
+    """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one.
+
+    ``discard`` receives a mapped value whose outer future was cancelled meanwhile
+    (so an output mapped for nobody still gives its segment back).
+    """
     outer: Future[Any] = Future()
 
     def on_inner(f: Future[Any]) -> None:
         if f.cancelled():
             outer.cancel()
-        elif (exc := f.exception()) is not None:
-            if outer.set_running_or_notify_cancel():
-                outer.set_exception(exc)
-        elif outer.set_running_or_notify_cancel():
-            outer.set_result(fn(f.result()))
+            return
+        exc = f.exception()
+        if exc is None:
+            try:
+                value = fn(f.result())
+            except BaseException as err:  # must reach the caller, not the callback logger
+                exc = err
+        if not outer.set_running_or_notify_cancel():
+            if exc is None and discard is not None:
+                discard(value)
+            return
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(value)
 
     def on_outer(f: Future[Any]) -> None:
         if f.cancelled():

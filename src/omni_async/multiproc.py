@@ -252,9 +252,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
         """The unpacked output: tensors view shared memory until ``release_output`` (zero copy)."""
         packed = super().wait_output_ready(async_output_id)
-        return _map_future(packed, self._unpack)
+        return _map_future(packed, self._receive, discard=self.release_output)
 
-    def _unpack(self, packed: DiffusionOutput) -> DiffusionOutput:
+    def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
         try:
             return unpack_diffusion_output_shm(packed, copy=self._copy_outputs)
         except BaseException:
@@ -284,7 +284,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                     continue
                 rank = sentinels.pop(s)
                 proc = self.procs[rank]
-                proc.join(0)
+                proc.join(1.0)  # the sentinel fires just before the exit code is readable
                 if self._closed:
                     continue
                 self._on_worker_death(rank, proc.exitcode, proc.pid)

@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import attrs
+
 from omni_async.channel import ResultSender
 from omni_async.dispatch import ASYNC_METHODS
 from omni_async.errors import UsageError
@@ -45,8 +47,13 @@ log = logging.getLogger(__name__)
 
 DROP_OUTPUTS = "drop_outputs"
 LOOP_INFO = "loop_info"
+DRAIN_OUTPUTS = "drain_outputs"
 # Methods the loop answers itself, never forwarded to the model worker.
-CONTROL_METHODS = frozenset({DROP_OUTPUTS, LOOP_INFO})
+CONTROL_METHODS = frozenset({DROP_OUTPUTS, LOOP_INFO, DRAIN_OUTPUTS})
+# Model methods that release or replace device memory: the packer must have copied
+# every output out before they run (F8).
+DRAIN_BEFORE = frozenset({"sleep", "load_weights", "update_weights", "release_memory"})
+DEFAULT_DRAIN_TIMEOUT = 60.0
 
 
 class DiffusionWorkerModel(Protocol):
@@ -120,9 +127,13 @@ class WorkerLoop:
             if self._packer is not None:
                 self._packer.drop(req.args[0] if req.args else ())
             return
-        if req.method == LOOP_INFO:
-            info = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
-            self._send(AsyncDiffusionOutput.rpc_result(req.rpc_id, info, rank=self.rank), req.rpc_id)
+        if req.method in (LOOP_INFO, DRAIN_OUTPUTS):
+            try:
+                result = self._control(req)
+                msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, result, rank=self.rank)
+            except Exception as exc:
+                msg = AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank)
+            self._send(msg, req.rpc_id)
             return
         if req.async_output and req.method in ASYNC_METHODS and self._packer is not None:
             self._execute_async(req)
@@ -138,7 +149,30 @@ class WorkerLoop:
 
     # ------------------------------------------------------------- internals
 
+    def _control(self, req: RpcRequest) -> Any:
+        if req.method == LOOP_INFO:
+            info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
+            if self._packer is not None:
+                info["packer"] = attrs.asdict(self._packer.metrics)
+                info["packer_state"] = self._packer.state.name
+            return info
+        timeout = float(req.args[0]) if req.args else DEFAULT_DRAIN_TIMEOUT
+        return self._drain(timeout)
+
+    def _drain(self, timeout: float) -> bool:
+        """Wait for every in-flight pack (F8); raise when it does not finish in time."""
+        if self._packer is None:
+            return True
+        if not self._packer.drain(timeout):
+            raise TimeoutError(
+                f"rank {self.rank}: {self._packer.metrics.in_flight_outputs} output(s) still packing after {timeout}s"
+            )
+        return True
+
     def _call(self, req: RpcRequest) -> Any:
+        if req.method in DRAIN_BEFORE:
+            self._drain(float(req.kwargs.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT)))
+            req = attrs.evolve(req, kwargs={k: v for k, v in req.kwargs.items() if k != "drain_timeout"})
         if req.method.startswith("_") or req.method in CONTROL_METHODS:
             raise UsageError(f"{req.method!r} is not an RPC method")
         fn = getattr(self.worker, req.method, None)
