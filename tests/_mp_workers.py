@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -58,7 +58,7 @@ class ScriptedWorker:
         return DiffusionOutput(request.request_id, out)
 
 
-def expected_image(params: dict[str, object]) -> torch.Tensor:
+def expected_image(params: Mapping[str, object]) -> torch.Tensor:
     n = int(params.get("numel", 1 << 16))  # type: ignore[call-overload]
     dtype = getattr(torch, str(params.get("dtype", "float32")))
     gen = torch.Generator().manual_seed(int(params.get("seed", 0)))  # type: ignore[call-overload]

@@ -8,8 +8,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from typing import Any
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def _req(rid: str, **params: object) -> DiffusionRequest:
     return DiffusionRequest(rid, params)
 
 
-def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: dict[str, object]) -> None:
+def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: Mapping[str, object]) -> None:
     assert ro.async_output_id is not None
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
     assert out.request_id == ro.request_id
@@ -184,7 +185,7 @@ def test_step_mode_returns_the_output_synchronously() -> None:
         _assert_quiet(ex)
 
 
-def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[object], rank: int = 0) -> float:
+def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any], rank: int = 0) -> float:
     pid = ex.procs[rank].pid
     assert pid is not None
     t0 = time.monotonic()
@@ -224,7 +225,7 @@ def test_worker_killed_mid_pack_fails_the_output_waiter() -> None:
         time.sleep(0.3)
         info_ok = not fut.done()
         assert info_ok, "the second output should still be packing"
-        assert _kill_and_expect_worker_died(ex, fut) < 1.5  # type: ignore[arg-type]
+        assert _kill_and_expect_worker_died(ex, fut) < 1.5
         ex.release_output(held)
 
 

@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import attrs
 
-from omni_async.errors import ComputeTimeout, OutputError, ProtocolError, RpcFailed
+from omni_async.errors import ComputeTimeout, ExecutorShutdown, OutputError, ProtocolError, RpcFailed
 from omni_async.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
 from omni_async.registry import OutputRegistry, Resolution
 from omni_async.trace import FieldValue, Tracer
@@ -86,6 +86,12 @@ class Dispatcher:
             raise ValueError(f"rpc id {rpc_id!r} is already pending")
         limit = self._compute_timeout if timeout is None else timeout
         fut: Future[tuple[RunnerOutput, ...]] = Future()
+        if self.registry.closed:
+            # FIX (tests/test_dispatch.py::test_submit_after_close_fails_at_once): after
+            # fail_all(close=True) nothing will ever resolve a new entry, so a submit that
+            # raced a pump stop (check_health passed just before) used to wait forever.
+            fut.set_exception(ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down"))
+            return fut
         self._pending[rpc_id] = PendingRpc(
             rpc_id,
             method,
@@ -134,11 +140,20 @@ class Dispatcher:
                 self.counters["orphan_compute_done"] += 1
                 self._drop_all(announced)
                 return None
-            if msg.rank != rpc.reply_rank or msg.rank in rpc.answers:
+            rejected = len(announced) != len(msg.async_output_ids)
+            if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
                 # Only the reply rank announces outputs, once: count it, drop what it
                 # announced, and let the offending rank's answer fail the call.
+                # FIX (tests/test_dispatch.py::test_compute_done_naming_another_calls_id_*):
+                # an id the registry refused (already announced, or finished) belongs to
+                # another call; the call used to hand it out as its own and, on failure,
+                # drop it (reply.async_output_ids) -- the other call's output.  Such a
+                # COMPUTE_DONE now fails the call like any other bad answer.
                 self._drop_all(announced)
-                reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE from rank {msg.rank} (reply rank {rpc.reply_rank})"
+                if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
+                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"
+                else:
+                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE from rank {msg.rank} (reply rank {rpc.reply_rank})"
                 self._protocol_error(reason)
                 if msg.rank in rpc.answers:
                     return None

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Self
 
 from omni_async.channel import InProcessChannel, ResultReceiver, ResultSender
 from omni_async.config import Deadlines
@@ -244,6 +244,13 @@ class DiffusionExecutor(abc.ABC):
         for f in futs:
             f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
+    def release_output(self, output: DiffusionOutput) -> int:
+        """The engine is done with a delivered output: give back what it holds (segments).
+
+        Returns how many segments went back; 0 for an executor without shared memory.
+        """
+        return 0
+
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away without aborting (F11): release everything it owned."""
         return self.pump.call(lambda d: d.registry.release_consumer(consumer))
@@ -296,7 +303,7 @@ class DiffusionExecutor(abc.ABC):
         self.pump.stop(reason)
         self._stop_workers()
 
-    def __enter__(self) -> DiffusionExecutor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
