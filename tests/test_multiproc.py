@@ -263,3 +263,25 @@ def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> Non
         time.sleep(0.05)
     _assert_quiet(ex2)
     assert all(r.async_output_id for r in ros)
+
+
+def test_backpressure_holds_the_next_forward_until_the_packer_has_room() -> None:
+    """A full packer makes the worker wait before its next forward; never a drop."""
+    pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
+    opts = WorkerOptions(max_outputs_in_flight=1, lease_timeout=60)
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool) as ex:
+        params = {"seed": 61, "numel": (1 << 18) - 1024}
+        first = ex.execute_request(_req("q1", **params))
+        assert first.async_output_id is not None
+        held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # pins the one segment
+        second = ex.execute_request(_req("q2", **params))  # forward runs; its pack waits for a segment
+        third = ex.submit_request(_req("q3", **params))  # must wait for packer room before its forward
+        time.sleep(0.5)
+        assert not third.done(), "the third forward started although the packer was full"
+        ex.release_output(held)
+        assert second.async_output_id is not None
+        _wait_ok(ex, second, params)
+        _wait_ok(ex, third.result(timeout=30), params)
+        packer = ex.collective_rpc("loop_info")[0]["packer"]
+        assert packer["backpressure_waits"] >= 1 and packer["backpressure_seconds"] > 0.3, packer
+        _assert_quiet(ex)

@@ -89,3 +89,46 @@ class TinyDiffusionWorker:
             "info": {"steps": steps, "shape": (height, width), "dtype": str(self.dtype)},
         }
         return DiffusionOutput(request_id=request.request_id, output=output)
+
+
+class SyntheticVideoWorker:
+    """A stand-in for a video pipeline, for benchmarks: a device forward of a set length
+    (a chain of square matmuls) and one large output tensor (a "video") per request.
+
+    Each request gets a freshly allocated output, written last by the forward, as a
+    real pipeline's decoder would: the packer must copy it while the next forward runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str = "cuda",
+        output_mb: float = 448.0,
+        matmuls: int = 32,
+        dim: int = 8192,
+        dtype: str = "bfloat16",
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.numel = int(output_mb * 1e6) // torch.empty((), dtype=self.dtype).element_size()
+        self.matmuls = matmuls
+        gen = torch.Generator().manual_seed(0)
+        self.a = (torch.randn(dim, dim, generator=gen) / dim**0.5).to(self.device, self.dtype)
+        self.b = (torch.randn(dim, dim, generator=gen) / dim**0.5).to(self.device, self.dtype)
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        x = self.a
+        for _ in range(int(request.params.get("matmuls", self.matmuls))):
+            x = x @ self.b
+        video = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        video.fill_(float(request.params.get("seed", 0)))
+        k = min(x.numel(), self.numel)
+        video[:k].copy_(x.reshape(-1)[:k])  # the forward's last kernel writes the output
+        return DiffusionOutput(request.request_id, {"video": video})
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self.execute_model(r) for r in requests))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
