@@ -72,7 +72,8 @@ def demo(args: argparse.Namespace) -> int:
             req = next(r for r in requests if r.request_id == ro.request_id)
             expected = reference.execute_model(req).output["image"]
             got = out.output["image"].to("cpu")
-            same = torch.equal(got, expected) if args.device == "cpu" else torch.allclose(got, expected, atol=1e-2)
+            # Bit-exact on the CPU; on a GPU the kernels differ from the CPU reference.
+            same = torch.equal(got, expected) if args.device == "cpu" else torch.allclose(got, expected, atol=0.05)
             bad += 0 if same else 1
             ex.release_output(out)
         done = time.perf_counter()
