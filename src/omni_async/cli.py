@@ -33,7 +33,7 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
             world_size=args.world_size,
             deadlines=deadlines,
         )
-    from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+    from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 
     return MultiprocDiffusionExecutor(
         WorkerSpec(
@@ -42,6 +42,7 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
         ),
         world_size=args.world_size,
         deadlines=deadlines,
+        options=WorkerOptions(device=args.device),
     )
 
 

@@ -98,6 +98,8 @@ def _device_setup(device: str) -> Any:
 
     dev = torch.device(device)
     if dev.type == "cuda":
+        if str(dev) == "cuda":  # no index given: the process's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     return dev
 
