@@ -22,6 +22,8 @@ from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, Work
 from omni_async.shm import SegmentPool
 
 from _leaks import LONG_LIVED, with_prefix
+from _traces import keep
+from omni_async.trace import ListTracer
 from _mp_workers import expected_image
 
 SPEC = WorkerSpec("_mp_workers:ScriptedWorker", pass_rank=True)
@@ -52,12 +54,13 @@ def _assert_quiet(ex: MultiprocDiffusionExecutor) -> None:
 
 @pytest.fixture(scope="module")
 def ex2() -> Iterator[MultiprocDiffusionExecutor]:
+    tracer = ListTracer()
     """Two ranks, reply rank 0: shared by the tests that leave it healthy.
 
     Its pool lives for the whole module, so the per-test /dev/shm check skips its
     prefix; this fixture checks after shutdown that none of its segments remain.
     """
-    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
+    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer)
     prefix = ex.pool.prefix
     LONG_LIVED.add(prefix)
     try:
@@ -65,7 +68,16 @@ def ex2() -> Iterator[MultiprocDiffusionExecutor]:
     finally:
         ex.shutdown()
         LONG_LIVED.discard(prefix)
+        keep("multiproc", tracer)
     assert not with_prefix(prefix), with_prefix(prefix)
+
+
+@pytest.fixture
+def tracer() -> Iterator[ListTracer]:
+    """Records the executor's protocol trace; kept for the TLC trace validation."""
+    t = ListTracer()
+    yield t
+    keep("multiproc", t)
 
 
 def test_request_mode_single_and_batch_bit_exact(ex2: MultiprocDiffusionExecutor) -> None:
@@ -157,9 +169,9 @@ def test_drain_and_sleep_wait_for_packing(ex2: MultiprocDiffusionExecutor) -> No
         _wait_ok(ex2, r, params)
 
 
-def test_several_ranks_one_failing_fails_the_call_f12() -> None:
+def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> None:
     spec = WorkerSpec("_mp_workers:ScriptedWorker", {"fail_rank": 1}, pass_rank=True)
-    with MultiprocDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES) as ex:
+    with MultiprocDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
         with pytest.raises(RpcFailed) as err:
             ex.execute_request(_req("x", numel=1 << 18))
         assert list(err.value.failures) == [1]
@@ -170,8 +182,8 @@ def test_several_ranks_one_failing_fails_the_call_f12() -> None:
         _assert_quiet(ex)
 
 
-def test_step_mode_returns_the_output_synchronously() -> None:
-    with MultiprocDiffusionExecutor(SPEC, step_mode=True, deadlines=DEADLINES) as ex:
+def test_step_mode_returns_the_output_synchronously(tracer: ListTracer) -> None:
+    with MultiprocDiffusionExecutor(SPEC, step_mode=True, deadlines=DEADLINES, tracer=tracer) as ex:
         params = {"seed": 21, "dtype": "bfloat16", "numel": 1 << 18}
         ro = ex.execute_request(_req("st", **params))
         assert ro.async_output_id is None and ro.result is not None
@@ -199,8 +211,8 @@ def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any
     return elapsed
 
 
-def test_worker_killed_mid_forward_fails_waiters_within_a_second() -> None:
-    with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES) as ex:
+def test_worker_killed_mid_forward_fails_waiters_within_a_second(tracer: ListTracer) -> None:
+    with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
         fut = ex.submit_request(_req("slow", sleep=30))
         time.sleep(0.3)  # the forward is running
         assert _kill_and_expect_worker_died(ex, fut, rank=1) < 1.5
@@ -209,12 +221,12 @@ def test_worker_killed_mid_forward_fails_waiters_within_a_second() -> None:
             ex.submit_request(_req("after"))
 
 
-def test_worker_killed_mid_pack_fails_the_output_waiter() -> None:
+def test_worker_killed_mid_pack_fails_the_output_waiter(tracer: ListTracer) -> None:
     # A pool with room for one 1 MiB segment: the second output's packing waits for a
     # segment the consumer still holds, so the kill lands inside the pack.
     pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
     opts = WorkerOptions(lease_timeout=60)
-    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool) as ex:
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool, tracer=tracer) as ex:
         params = {"seed": 31, "numel": (1 << 18) - 1024}
         first = ex.execute_request(_req("p1", **params))
         assert first.async_output_id is not None
@@ -229,8 +241,8 @@ def test_worker_killed_mid_pack_fails_the_output_waiter() -> None:
         ex.release_output(held)
 
 
-def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent() -> None:
-    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES)
+def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer: ListTracer) -> None:
+    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, tracer=tracer)
     params = {"seed": 41, "numel": 1 << 18}
     done = ex.execute_request(_req("ok", **params))
     assert done.async_output_id is not None
@@ -265,11 +277,11 @@ def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> Non
     assert all(r.async_output_id for r in ros)
 
 
-def test_backpressure_holds_the_next_forward_until_the_packer_has_room() -> None:
+def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: ListTracer) -> None:
     """A full packer makes the worker wait before its next forward; never a drop."""
     pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
     opts = WorkerOptions(max_outputs_in_flight=1, lease_timeout=60)
-    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool) as ex:
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool, tracer=tracer) as ex:
         params = {"seed": 61, "numel": (1 << 18) - 1024}
         first = ex.execute_request(_req("q1", **params))
         assert first.async_output_id is not None
