@@ -36,8 +36,10 @@ class Deadlines:
     def __attrs_post_init__(self) -> None:
         for name in ("compute_timeout", "output_timeout", "rpc_timeout"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise UsageError(f"{name} must be > 0 or None, got {value!r}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise UsageError(f"{name} must be a number of seconds > 0, or None; got {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: float | None) -> Deadlines:
@@ -58,12 +60,12 @@ class Deadlines:
 
 def _parse_seconds(var: str, raw: str) -> float | None:
     text = raw.strip().lower()
-    if text in ("", "none", "0", "off"):
+    if text in ("", "none", "off"):
         return None
     try:
         value = float(text)
     except ValueError:
         raise UsageError(f"{var}={raw!r} is not a number of seconds") from None
-    if value < 0:
-        raise UsageError(f"{var}={raw!r} must not be negative")
-    return value
+    if value != value or value < 0:  # NaN or negative
+        raise UsageError(f"{var}={raw!r} must be a non-negative number of seconds")
+    return None if value == 0 else value

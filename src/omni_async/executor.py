@@ -147,7 +147,17 @@ class DiffusionExecutor(abc.ABC):
             self.pump.call(lambda d: d.forget(rpc_id))
             inner.cancel()
             raise ExecutorShutdown(f"cannot send {method} to the workers: {exc}") from exc
-        return _map_future(inner, list)
+        # FIX (tests/test_inprocess_executor.py::test_call_cancelled_after_its_answer_was_claimed_*):
+        # a caller that cancels after the pump claimed the call's future (inner RUNNING,
+        # outer still cancellable) never sees its RunnerOutputs, so nobody would claim or
+        # drop their outputs; they stayed in the registry until the output deadline (or
+        # forever without one).  Drop them instead (F9/F10).
+        return _map_future(inner, list, discard=self._drop_runner_outputs)
+
+    def _drop_runner_outputs(self, outputs: list[RunnerOutput]) -> None:
+        for ro in outputs:
+            if ro.async_output_id is not None:
+                self.drop_output(ro.async_output_id)
 
     def _execute_sync(self, method: str, args: tuple[Any, ...]) -> list[RunnerOutput]:
         results = self.collective_rpc(method, args)
@@ -179,6 +189,11 @@ class DiffusionExecutor(abc.ABC):
         if method in ASYNC_METHODS and not self.step_mode:
             fut = self._submit(method, args, None)
             return list(fut.result())
+        if method == DROP_OUTPUTS:
+            # FIX (tests/test_inprocess_executor.py::test_collective_rpc_errors_name_the_failed_ranks):
+            # the workers never answer this control message, so the call used to wait for
+            # the whole rpc_timeout and then report a ComputeTimeout.
+            raise UsageError(f"{method!r} has no answer; use drop_output/abort_outputs")
         self.check_health()
         limit = self.deadlines.rpc_timeout if timeout is None else timeout
         with self._sync_lock:

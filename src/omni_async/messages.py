@@ -136,7 +136,7 @@ class AsyncDiffusionOutput:
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, AsyncOutputKind):
             raise MessageValidationError(f"kind must be an AsyncOutputKind, got {self.kind!r}")
-        if not isinstance(self.rank, int) or self.rank < 0:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise MessageValidationError(f"rank must be a non-negative int, got {self.rank!r}")
         if self.kind is AsyncOutputKind.COMPUTE_DONE:
             _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
@@ -160,7 +160,7 @@ class AsyncDiffusionOutput:
                 raise MessageValidationError(
                     f"OUTPUT_READY for {self.async_output_id!r} carries the output of {self.output.async_output_id!r}"
                 )
-            self._forbid("OUTPUT_READY", async_output_ids=(), request_ids=(), result=None)
+            self._forbid("OUTPUT_READY", rpc_id=None, async_output_ids=(), request_ids=(), result=None)
         else:
             _check_id("RPC_RESULT rpc_id", self.rpc_id)
             if self.failure is not None and self.result is not None:

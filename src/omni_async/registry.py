@@ -26,7 +26,8 @@ moment it arrives.  ``len(registry) == 0`` whenever nothing is in flight.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import logging
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
@@ -53,6 +54,8 @@ from omni_async.states import (
     request_machine,
 )
 from omni_async.trace import FieldValue, Tracer
+
+log = logging.getLogger(__name__)
 
 ReleaseHook = Callable[[DiffusionOutput], None]
 
@@ -98,6 +101,9 @@ class OutputRecord:
     deadline: float | None = None
     # Futures of acknowledged drops: resolved when the record is removed.
     gone: list[Future[None]] = attrs.field(factory=list)
+    # Which of the id's two messages the registry has seen (see ``_finished``).
+    cd_seen: bool = False
+    out_seen: bool = False
 
     @property
     def state(self) -> RequestState:
@@ -114,6 +120,8 @@ class RegistryStats:
     released: int = 0
     protocol_errors: int = 0
     timeouts: int = 0
+    # Release-hook calls that raised (the payload counts as released; see _release_payload).
+    release_errors: int = 0
     terminal: Counter[RequestState] = attrs.field(factory=Counter)
 
 
@@ -125,6 +133,7 @@ class OutputRegistry:
         release_hook: ReleaseHook = _no_release,
         tracer: Tracer | None = None,
         max_error_log: int = 64,
+        max_finished: int = 4096,
     ) -> None:
         self._records: dict[str, OutputRecord] = {}
         self._output_timeout = output_timeout
@@ -134,6 +143,15 @@ class OutputRegistry:
         self._closed: Callable[[str | None], OutputError] | None = None
         self.stats = RegistryStats()
         self.errors: deque[ProtocolError] = deque(maxlen=max_error_log)
+        # FIX (tests/test_registry.py::test_duplicate_after_finish_*): a record is removed
+        # when it ends, so a message for an id that already finished (a repeated
+        # COMPUTE_DONE/OUTPUT_READY, or the late one of a force-released id) used to
+        # create a fresh record -- an OUTPUT_READY's payload was then held forever (F9).
+        # A bounded memory of recently finished ids, each with the messages it still
+        # expects, tells them apart: an expected late message is released quietly, any
+        # other is a counted protocol error, and neither creates a record.
+        self._finished: OrderedDict[str, set[str]] = OrderedDict()
+        self._max_finished = max_finished
 
     # ------------------------------------------------------------------ queries
 
@@ -184,6 +202,8 @@ class OutputRegistry:
         rids: list[str | None] = list(request_ids) if request_ids is not None else []
         accepted: list[str] = []
         for i, oid in enumerate(output_ids):
+            if self._late_message(oid, "cd"):
+                continue
             rec = self._get_or_create(oid, rank)
             if rec is None:
                 continue
@@ -191,6 +211,7 @@ class OutputRegistry:
                 self._protocol_error(oid, f"duplicate COMPUTE_DONE in state {rec.state}")
                 continue
             accepted.append(oid)
+            rec.cd_seen = True
             if i < len(rids):
                 rec.request_id = rids[i]
             rec.consumer = consumer
@@ -215,6 +236,10 @@ class OutputRegistry:
             self.stats.received_outputs += 1
         else:
             self.stats.received_failures += 1
+        if self._late_message(output_id, "out"):
+            if output is not None:
+                self._release_payload(output_id, output)
+            return
         rec = self._get_or_create(output_id, rank)
         if rec is None:
             # Closed registry: nobody will ever claim it.
@@ -227,6 +252,7 @@ class OutputRegistry:
             if output is not None:
                 self._release_payload(output_id, output)
             return
+        rec.out_seen = True
         self._fire(rec, event)
         if rec.state in HOLDING:
             rec.payload, rec.failure = output, failure
@@ -275,18 +301,24 @@ class OutputRegistry:
         """Drop/abort ``output_id`` in any state (F10).
 
         Returns a future resolved when nothing of the id remains (the acknowledged
-        abort); already resolved if the id is unknown or gone at once.
+        abort); already resolved if the id is unknown or gone at once, otherwise
+        resolved through the outbox like every other future.
         """
         done: Future[None] = Future()
         rec = self._records.get(output_id)
         if rec is None:
             done.set_result(None)
             return done
-        rec.gone.append(done)
         self._fail_waiter(rec, OutputDropped(f"output {output_id!r} was dropped", output_id=output_id), "dropped")
         self._fire(rec, E.DROP)
         self._discard_payload(rec)
         self._after_change(rec)
+        if rec.machine.terminal:
+            # Gone at once: nobody can have added a callback to ``done`` yet, so setting
+            # it here (under the caller's lock) runs no user code.
+            done.set_result(None)
+        else:
+            rec.gone.append(done)
         return done
 
     def release_consumer(self, consumer: str) -> int:
@@ -398,8 +430,15 @@ class OutputRegistry:
             del self._records[rec.output_id]
             self.stats.terminal[rec.state] += 1
             self._tr("Remove", output_id=rec.output_id, state=rec.state.name)
+            self._remember_finished(rec)
+            # FIX (tests/test_registry.py::test_drop_future_callbacks_run_outside_the_registry):
+            # these futures used to be set right here, so a done-callback ran under the
+            # caller's lock -- the pump's -- and one that called back into the executor
+            # (drop_output(...).add_done_callback(lambda f: ex.metrics())) deadlocked the
+            # pump.  Like waiters, they are claimed now and set after the lock is released.
             for g in rec.gone:
-                g.set_result(None)
+                if g.set_running_or_notify_cancel():
+                    self._outbox.append(Resolution(g, output=None))
             rec.gone.clear()
 
     def _fail_waiter(self, rec: OutputRecord, error: BaseException, outcome: str) -> None:
@@ -420,7 +459,40 @@ class OutputRegistry:
     def _release_payload(self, output_id: str, payload: DiffusionOutput) -> None:
         self.stats.released += 1
         self._tr("PayloadRelease", output_id=output_id)
-        self._release_hook(payload)
+        # FIX (tests/test_registry.py::test_release_hook_that_raises_*): the hook used to
+        # raise through the registry in the middle of a state change, so the record of a
+        # terminal id was never removed (its acknowledged drop never resolved), a
+        # shutdown stopped failing waiters at the first bad payload, and a claimed waiter
+        # could be left RUNNING forever.  A hook error is counted and logged instead.
+        try:
+            self._release_hook(payload)
+        except Exception:
+            self.stats.release_errors += 1
+            log.exception("registry: releasing the payload of %r failed", output_id)
+
+    def _late_message(self, output_id: str, kind: str) -> bool:
+        """True if ``output_id`` already finished: the message is late or repeated (see ``_finished``)."""
+        if output_id in self._records:
+            return False
+        expected = self._finished.get(output_id)
+        if expected is None:
+            return False
+        if kind in expected:
+            expected.discard(kind)
+        else:
+            name = "COMPUTE_DONE" if kind == "cd" else "OUTPUT_READY"
+            self._protocol_error(output_id, f"{name} for an output that already finished")
+        return True
+
+    def _remember_finished(self, rec: OutputRecord) -> None:
+        expected = set()
+        if not rec.cd_seen:
+            expected.add("cd")
+        if not rec.out_seen:
+            expected.add("out")
+        self._finished[rec.output_id] = expected
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
 
     def _protocol_error(self, output_id: str, reason: str) -> None:
         self.stats.protocol_errors += 1

@@ -227,7 +227,15 @@ class WorkerLoop:
             return
         # Recorded on the forward's stream without blocking the host (F14); the packer's
         # side stream waits on it before reading the output (F1).
-        event = self._record_event()
+        try:
+            event = self._record_event()
+        except Exception as exc:
+            # FIX (tests/test_failure_modes.py::test_f2_event_recording_error_fails_the_call_at_once):
+            # this used to escape handle_rpc unanswered, so the call waited out its whole
+            # compute deadline and reported a timeout instead of the error (F2).
+            self._abort(machines)
+            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            return
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
             self._packer.submit(m.key, out, m, event=event, nbytes=output_nbytes(out))

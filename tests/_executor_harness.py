@@ -1,0 +1,205 @@
+"""Workers and executors for the in-process tests (test_inprocess_executor, test_failure_modes).
+
+* ``ToyWorker``: a worker model whose requests say what to do (fail on a rank, block on a
+  named gate until the test opens it), returning small tensors.
+* ``PickleGate``: a value whose pickling blocks until its gate opens.  The in-process
+  channel pickles every message in the sender's thread, so an output holding one makes
+  the packer thread "pack slowly" -- for as long as the test wants, with no sleep.
+* ``HarnessExecutor``: ``InProcessExecutor``'s wiring with the packers and worker loops
+  built by the test (a pack function that raises or blocks, a record_event that fails).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from omni_async.channel import InProcessChannel
+from omni_async.config import Deadlines
+from omni_async.errors import ExecutorShutdown, OmniAsyncError
+from omni_async.executor import DiffusionExecutor
+from omni_async.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.packer import Packer
+from omni_async.registry import ReleaseHook
+from omni_async.trace import Tracer
+from omni_async.worker import WorkerLoop
+
+TIMEOUT = 10.0
+# Long enough never to fire in a test unless the test means it to.
+RELAXED = Deadlines(compute_timeout=60.0, output_timeout=60.0, rpc_timeout=60.0)
+
+
+class Gates:
+    """Named events a test opens; ``entered`` tells the test a thread reached the gate."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[str, threading.Event] = {}
+        self._entered: dict[str, threading.Event] = {}
+
+    def _get(self, table: dict[str, threading.Event], name: str) -> threading.Event:
+        with self._lock:
+            return table.setdefault(name, threading.Event())
+
+    def pass_(self, name: str) -> None:
+        self._get(self._entered, name).set()
+        if not self._get(self._open, name).wait(TIMEOUT):
+            raise TimeoutError(f"gate {name!r} never opened")
+
+    def open(self, name: str) -> None:
+        self._get(self._open, name).set()
+
+    def open_all(self) -> None:
+        with self._lock:
+            names = list(self._open) + list(self._entered)
+        for n in names:
+            self.open(n)
+
+    def wait_entered(self, name: str, timeout: float = TIMEOUT) -> bool:
+        return self._get(self._entered, name).wait(timeout)
+
+
+GATES = Gates()  # module level: PickleGate must find its gate from a bare name
+
+
+class PickleGate:
+    """Pickling waits until ``GATES.open(name)``: a slow pack in the packer thread."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Callable[[str], PickleGate], tuple[str]]:
+        GATES.pass_(self.name)
+        return (PickleGate, (self.name,))
+
+
+class ToyWorker:
+    """Request params: ``fail_on`` (ranks that raise), ``gate`` (block the forward of the ranks in
+    ``gate_ranks``, default all), ``pickle_gate`` (block the packing), ``value`` (the image)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.forwards = 0
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        return self._forward(request)
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self._forward(r) for r in requests))
+
+    def ping(self) -> tuple[str, int]:
+        return ("pong", self.rank)
+
+    def fail_on(self, ranks: Sequence[int], message: str = "requested failure") -> int:
+        if self.rank in ranks:
+            raise RuntimeError(f"{message} on rank {self.rank}")
+        return self.rank
+
+    def wait_gate(self, name: str) -> int:
+        GATES.pass_(name)
+        return self.rank
+
+    def _secret(self) -> None:  # pragma: no cover - must never be reachable
+        raise AssertionError("private methods are not RPCs")
+
+    def _forward(self, request: DiffusionRequest) -> DiffusionOutput:
+        p = request.params
+        self.forwards += 1
+        if "gate" in p and self.rank in p.get("gate_ranks", (self.rank,)):
+            GATES.pass_(str(p["gate"]))
+        if self.rank in p.get("fail_on", ()):
+            raise ValueError(f"forward of {request.request_id} failed on rank {self.rank}")
+        value = float(p.get("value", 1.0))
+        out: dict[str, Any] = {"image": torch.full((8,), value), "rank": self.rank, "request": request.request_id}
+        if "pickle_gate" in p:
+            out["slow"] = PickleGate(str(p["pickle_gate"]))
+        return DiffusionOutput(request.request_id, out)
+
+
+def expected_image(value: float = 1.0) -> torch.Tensor:
+    return torch.full((8,), value)
+
+
+def make_toy(rank: int) -> ToyWorker:
+    return ToyWorker(rank)
+
+
+class HarnessExecutor(DiffusionExecutor):
+    """``InProcessExecutor`` with test-built packers and worker loops."""
+
+    def __init__(
+        self,
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        deadlines: Deadlines = RELAXED,
+        make_packer: Callable[[int, InProcessChannel], Packer] | None = None,
+        loop_options: dict[str, Any] | None = None,
+        release_hook: ReleaseHook | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.channel = InProcessChannel()
+        kw: dict[str, Any] = {} if release_hook is None else {"release_hook": release_hook}
+        super().__init__(
+            self.channel, world_size=world_size, reply_rank=reply_rank, deadlines=deadlines, tracer=tracer, **kw
+        )
+        self.packers: list[Packer] = []
+        self.loops: list[WorkerLoop] = []
+        self._inboxes: list[queue.Queue[RpcRequest | None]] = []
+        self._threads: list[threading.Thread] = []
+        for rank in range(world_size):
+            packer = make_packer(rank, self.channel) if make_packer else Packer(rank, self.channel)
+            loop = WorkerLoop(
+                rank, ToyWorker(rank), self.channel, reply_rank=reply_rank, packer=packer, **(loop_options or {})
+            )
+            inbox: queue.Queue[RpcRequest | None] = queue.Queue()
+            self.packers.append(packer)
+            self.loops.append(loop)
+            self._inboxes.append(inbox)
+            self._threads.append(
+                threading.Thread(target=self._serve, args=(loop, inbox), name=f"harness-worker-{rank}", daemon=True)
+            )
+        self.pump.start()
+        for p, t in zip(self.packers, self._threads, strict=True):
+            p.start()
+            t.start()
+
+    @staticmethod
+    def _serve(loop: WorkerLoop, inbox: queue.Queue[RpcRequest | None]) -> None:
+        while (req := inbox.get()) is not None:
+            loop.handle_rpc(req)
+
+    def _broadcast(self, req: RpcRequest) -> None:
+        if self._closed:
+            raise ExecutorShutdown("the executor is shut down")
+        for inbox in self._inboxes:
+            inbox.put(req)
+
+    def _worker_failure(self) -> OmniAsyncError | None:
+        for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):
+            if not t.is_alive() or not p.alive():
+                return ExecutorShutdown(f"worker thread of rank {rank} is not running")
+        return None
+
+    def _stop_workers(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads:
+            t.join(TIMEOUT)
+        self.channel.close()
+        for p in self.packers:
+            p.stop(TIMEOUT)
+
+
+@contextmanager
+def opened_gates_on_exit() -> Iterator[Gates]:
+    """Open every gate at the end, so no worker or packer thread stays blocked after a test."""
+    try:
+        yield GATES
+    finally:
+        GATES.open_all()
