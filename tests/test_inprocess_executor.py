@@ -266,10 +266,10 @@ class SignallingPacker(Packer):
         self.max_outputs = int(kwargs.get("max_outputs", 4))
         self.waiting = threading.Event()
 
-    def wait_for_room(self, nbytes: int = 0, timeout: float | None = None) -> bool:
-        if self.metrics.in_flight_outputs >= self.max_outputs:
+    def wait_for_room(self, count: int = 1, nbytes: int = 0, timeout: float | None = None) -> bool:
+        if self.metrics.in_flight_outputs + count > self.max_outputs:
             self.waiting.set()
-        return super().wait_for_room(nbytes, timeout)
+        return super().wait_for_room(count, nbytes, timeout)
 
 
 def test_backpressure_waits_for_the_packer(make_executor: Callable[..., InProcessExecutor]) -> None:
@@ -568,3 +568,18 @@ def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None
         assert [r.method for r in ex.sent] == ["execute_model", "drop_outputs"], "the workers are told (F15)"
     finally:
         ex.shutdown()
+
+
+def test_backpressure_counts_every_output_of_a_batch() -> None:
+    """A batch of N needs room for N outputs; an empty packer always has room (no deadlock)."""
+    from omni_async.channel import InProcessChannel as _Ch
+    from omni_async.states import RequestEvent, request_machine
+
+    p = Packer(0, _Ch(), max_outputs=2)  # never started: a submitted output stays in flight
+    assert p.wait_for_room(5, timeout=0)  # empty: a batch larger than the budget still runs
+    m = request_machine("o1")
+    for e in (RequestEvent.FORWARD, RequestEvent.COMPUTE_DONE):
+        m.fire(e)
+    p.submit("o1", DiffusionOutput("q1"), m)
+    assert not p.wait_for_room(2, timeout=0.01)
+    assert p.wait_for_room(1, timeout=0)

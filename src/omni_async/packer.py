@@ -126,12 +126,15 @@ class Packer:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def wait_for_room(self, nbytes: int = 0, timeout: float | None = None) -> bool:
-        """Block until one more output of ``nbytes`` fits in the budget (back-pressure)."""
+    def wait_for_room(self, count: int = 1, nbytes: int = 0, timeout: float | None = None) -> bool:
+        """Block until ``count`` more outputs (``nbytes`` in all) fit in the budget (back-pressure).
+
+        An empty packer always has room, so a batch larger than the budget still runs.
+        """
         t0 = time.monotonic()
         waited = False
         with self._cond:
-            while not self._has_room(nbytes):
+            while not self._has_room(count, nbytes):
                 if self._machine.terminal:
                     return False
                 waited = True
@@ -201,13 +204,13 @@ class Packer:
 
     # ---------------------------------------------------------------- thread
 
-    def _has_room(self, nbytes: int) -> bool:
+    def _has_room(self, count: int, nbytes: int) -> bool:
         m = self.metrics
-        if m.in_flight_outputs >= self._max_outputs:
+        if m.in_flight_outputs == 0:
+            return True
+        if m.in_flight_outputs + count > self._max_outputs:
             return False
-        if self._max_bytes is not None and m.in_flight_outputs > 0 and m.in_flight_bytes + nbytes > self._max_bytes:
-            return False
-        return True
+        return self._max_bytes is None or m.in_flight_bytes + nbytes <= self._max_bytes
 
     def _run(self) -> None:
         # The side stream is created on this thread: a CUDA stream belongs to the

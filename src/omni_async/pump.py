@@ -93,13 +93,16 @@ class ResultPump:
 
     def call(self, fn: Callable[[Dispatcher], T]) -> T:
         """Run ``fn`` on the dispatcher under the pump's lock; resolve futures after."""
-        with self._lock:
-            try:
-                result = fn(self._dispatcher)
-            finally:
-                resolutions = self._dispatcher.take_resolutions()
-        self._apply(resolutions)
-        return result
+        resolutions: list[Resolution] = []
+        try:
+            with self._lock:
+                try:
+                    return fn(self._dispatcher)
+                finally:
+                    resolutions = self._dispatcher.take_resolutions()
+        finally:
+            # Even when fn raised: a future it claimed must still be resolved.
+            self._apply(resolutions)
 
     def now(self) -> float:
         return self._clock()

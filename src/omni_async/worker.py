@@ -206,7 +206,7 @@ class WorkerLoop:
             return
         machines = [request_machine(self.new_output_id()) for _ in requests]
         # Back-pressure: wait for the packer *before* the forward, never drop.
-        if not self._packer.wait_for_room(timeout=self._backpressure_timeout):
+        if not self._packer.wait_for_room(len(requests), timeout=self._backpressure_timeout):
             err = RuntimeError(f"packer on rank {self.rank} has no room (stopped or back-pressure timeout)")
             self._abort(machines)
             self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(err), rank=self.rank), req.rpc_id)
