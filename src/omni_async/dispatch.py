@@ -25,7 +25,7 @@ from concurrent.futures import Future
 
 import attrs
 
-from omni_async.errors import ComputeTimeout, ExecutorShutdown, OutputError, ProtocolError, RpcFailed
+from omni_async.errors import ComputeTimeout, ExecutorShutdown, OutputDropped, OutputError, ProtocolError, RpcFailed
 from omni_async.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
 from omni_async.registry import OutputRegistry, Resolution
 from omni_async.trace import FieldValue, Tracer
@@ -197,6 +197,23 @@ class Dispatcher:
         if error is not None and rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
         self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
+
+    def release_consumer(self, consumer: str) -> int:
+        """The consumer went away (F11): fail its pending calls, abandon its outputs.
+
+        A pending call is failed rather than left to resolve: the ids it would
+        announce would belong to nobody.  Its late COMPUTE_DONE is then an orphan
+        and its ids are dropped on arrival.
+        """
+        gone = [r for r in self._pending.values() if r.consumer == consumer]
+        for rpc in gone:
+            del self._pending[rpc.rpc_id]
+            if rpc.future.set_running_or_notify_cancel():
+                self._outbox.append(
+                    Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away"))
+                )
+            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
+        return len(gone) + self.registry.release_consumer(consumer)
 
     # --------------------------------------------------------------- deadlines
 

@@ -268,7 +268,7 @@ class DiffusionExecutor(abc.ABC):
 
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away without aborting (F11): release everything it owned."""
-        return self.pump.call(lambda d: d.registry.release_consumer(consumer))
+        return self.pump.call(lambda d: d.release_consumer(consumer))
 
     def _notify_drop(self, output_ids: list[str]) -> None:
         try:

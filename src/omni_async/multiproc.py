@@ -301,7 +301,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self.pool.reclaim_owner(pid)
             except Exception:
                 log.exception("reclaiming the segments of dead worker %d failed", rank)
-        self.pump.fail_all(lambda oid: WorkerDied(rank, exitcode, output_id=oid), outcome="worker_died")
+        # Close the registry too (TLC's DeathKeepsOpen): a message the dead worker sent
+        # before dying can still be in the pipe; without the close it would create a
+        # record (EARLY_READY, no deadline) that nobody ever claims.
+        self.pump.fail_all(lambda oid: WorkerDied(rank, exitcode, output_id=oid), outcome="worker_died", close=True)
 
     # ------------------------------------------------------------------ shutdown
 

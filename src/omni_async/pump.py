@@ -85,9 +85,13 @@ class ResultPump:
             # Never started, or already gone: make sure nothing is left pending.
             self._finish(LifecycleEvent.STOPPED)
 
-    def fail_all(self, make_error: Callable[[str | None], OutputError], outcome: str) -> None:
-        """Fail everything pending now (a worker died) without stopping the pump."""
-        self.call(lambda d: d.fail_all(make_error, outcome=outcome))
+    def fail_all(self, make_error: Callable[[str | None], OutputError], outcome: str, *, close: bool = False) -> None:
+        """Fail everything pending now (a worker died) without stopping the pump.
+
+        With ``close`` the registry also refuses new records: what still arrives is
+        released at once (see ``OutputRegistry.fail_all``).
+        """
+        self.call(lambda d: d.fail_all(make_error, outcome=outcome, close=close))
 
     # ---------------------------------------------------------------- callers
 

@@ -20,7 +20,7 @@ Actions recorded by the executor side (the fields each carries):
 * ``ProtocolError``: output_id, reason
 * ``RpcSubmit``: rpc_id, method, ranks (comma-separated)
 * ``RpcAnswer``: rpc_id, rank, ok
-* ``RpcResolve``: rpc_id, outcome (ok | failed | timeout | shutdown | worker_died)
+* ``RpcResolve``: rpc_id, outcome (ok | failed | cancelled | timeout | consumer_gone | shutdown | worker_died)
 * ``Shutdown``
 """
 
