@@ -87,9 +87,8 @@ class Dispatcher:
         limit = self._compute_timeout if timeout is None else timeout
         fut: Future[tuple[RunnerOutput, ...]] = Future()
         if self.registry.closed:
-            # FIX (tests/test_dispatch.py::test_submit_after_close_fails_at_once): after
-            # fail_all(close=True) nothing will ever resolve a new entry, so a submit that
-            # raced a pump stop (check_health passed just before) used to wait forever.
+            # After fail_all(close=True) nothing would ever resolve a new entry: a submit
+            # that raced a pump stop (check_health passed just before) fails at once.
             fut.set_exception(ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down"))
             return fut
         self._pending[rpc_id] = PendingRpc(
@@ -144,11 +143,9 @@ class Dispatcher:
             if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
                 # Only the reply rank announces outputs, once: count it, drop what it
                 # announced, and let the offending rank's answer fail the call.
-                # FIX (tests/test_dispatch.py::test_compute_done_naming_another_calls_id_*):
-                # an id the registry refused (already announced, or finished) belongs to
-                # another call; the call used to hand it out as its own and, on failure,
-                # drop it (reply.async_output_ids) -- the other call's output.  Such a
-                # COMPUTE_DONE now fails the call like any other bad answer.
+                # An id the registry refused (already announced, or finished) belongs to
+                # another call: never hand it out as this call's, never drop it on this
+                # call's failure.  Such a COMPUTE_DONE fails the call like any bad answer.
                 self._drop_all(announced)
                 if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
                     reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"

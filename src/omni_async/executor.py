@@ -147,11 +147,9 @@ class DiffusionExecutor(abc.ABC):
             self.pump.call(lambda d: d.forget(rpc_id))
             inner.cancel()
             raise ExecutorShutdown(f"cannot send {method} to the workers: {exc}") from exc
-        # FIX (tests/test_inprocess_executor.py::test_call_cancelled_after_its_answer_was_claimed_*):
-        # a caller that cancels after the pump claimed the call's future (inner RUNNING,
-        # outer still cancellable) never sees its RunnerOutputs, so nobody would claim or
-        # drop their outputs; they stayed in the registry until the output deadline (or
-        # forever without one).  Drop them instead (F9/F10).
+        # A caller that cancels after the pump claimed the call's future (inner RUNNING,
+        # outer still cancellable) never sees its RunnerOutputs: nobody else can claim
+        # or drop their outputs, so drop them here (F9/F10).
         return _map_future(inner, list, discard=self._drop_runner_outputs)
 
     def _drop_runner_outputs(self, outputs: list[RunnerOutput]) -> None:
@@ -190,9 +188,8 @@ class DiffusionExecutor(abc.ABC):
             fut = self._submit(method, args, None)
             return list(fut.result())
         if method == DROP_OUTPUTS:
-            # FIX (tests/test_inprocess_executor.py::test_collective_rpc_errors_name_the_failed_ranks):
-            # the workers never answer this control message, so the call used to wait for
-            # the whole rpc_timeout and then report a ComputeTimeout.
+            # The workers never answer this control message: waiting for an answer
+            # would only end in a ComputeTimeout after the whole rpc_timeout.
             raise UsageError(f"{method!r} has no answer; use drop_output/abort_outputs")
         self.check_health()
         limit = self.deadlines.rpc_timeout if timeout is None else timeout

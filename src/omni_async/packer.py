@@ -291,14 +291,21 @@ class Packer:
             self._fire(job, RequestEvent.OUTPUT_FAILED)
 
     def _fire(self, job: PackJob, event: RequestEvent) -> None:
-        src = job.machine.state
-        dst = job.machine.fire(event)
-        if self._trace is not None:
-            fields: dict[str, FieldValue] = {
-                "output_id": job.output_id,
-                "event": event.name,
-                "src": src.name,
-                "dst": dst.name,
-                "rank": self.rank,
-            }
-            self._trace("WorkerFire", fields)
+        fire_traced(job.machine, event, self._trace, self.rank)
+
+
+def fire_traced(
+    machine: Machine[RequestState, RequestEvent], event: RequestEvent, tracer: Tracer | None, rank: int
+) -> None:
+    """Fire a worker-side request machine, recording ``WorkerFire`` when tracing."""
+    src = machine.state
+    dst = machine.fire(event)
+    if tracer is not None:
+        fields: dict[str, FieldValue] = {
+            "output_id": machine.key,
+            "event": event.name,
+            "src": src.name,
+            "dst": dst.name,
+            "rank": rank,
+        }
+        tracer("WorkerFire", fields)

@@ -143,13 +143,12 @@ class OutputRegistry:
         self._closed: Callable[[str | None], OutputError] | None = None
         self.stats = RegistryStats()
         self.errors: deque[ProtocolError] = deque(maxlen=max_error_log)
-        # FIX (tests/test_registry.py::test_duplicate_after_finish_*): a record is removed
-        # when it ends, so a message for an id that already finished (a repeated
-        # COMPUTE_DONE/OUTPUT_READY, or the late one of a force-released id) used to
-        # create a fresh record -- an OUTPUT_READY's payload was then held forever (F9).
-        # A bounded memory of recently finished ids, each with the messages it still
-        # expects, tells them apart: an expected late message is released quietly, any
-        # other is a counted protocol error, and neither creates a record.
+        # A record is removed when it ends, so a message for an id that already
+        # finished (a repeated COMPUTE_DONE/OUTPUT_READY, or the late one of a
+        # force-released id) would otherwise create a fresh record holding a payload
+        # for nobody (F9).  A bounded memory of recently finished ids, each with the
+        # messages it still expects, tells them apart: an expected late message is
+        # released quietly, any other is a counted protocol error; neither creates a record.
         self._finished: OrderedDict[str, set[str]] = OrderedDict()
         self._max_finished = max_finished
 
@@ -431,11 +430,10 @@ class OutputRegistry:
             self.stats.terminal[rec.state] += 1
             self._tr("Remove", output_id=rec.output_id, state=rec.state.name)
             self._remember_finished(rec)
-            # FIX (tests/test_registry.py::test_drop_future_callbacks_run_outside_the_registry):
-            # these futures used to be set right here, so a done-callback ran under the
-            # caller's lock -- the pump's -- and one that called back into the executor
-            # (drop_output(...).add_done_callback(lambda f: ex.metrics())) deadlocked the
-            # pump.  Like waiters, they are claimed now and set after the lock is released.
+            # Like waiters, acknowledged-drop futures are claimed here and set after the
+            # caller's lock is released: a done-callback that calls back into the
+            # executor (drop_output(...).add_done_callback(lambda f: ex.metrics()))
+            # would otherwise deadlock the pump.
             for g in rec.gone:
                 if g.set_running_or_notify_cancel():
                     self._outbox.append(Resolution(g, output=None))
@@ -459,11 +457,10 @@ class OutputRegistry:
     def _release_payload(self, output_id: str, payload: DiffusionOutput) -> None:
         self.stats.released += 1
         self._tr("PayloadRelease", output_id=output_id)
-        # FIX (tests/test_registry.py::test_release_hook_that_raises_*): the hook used to
-        # raise through the registry in the middle of a state change, so the record of a
-        # terminal id was never removed (its acknowledged drop never resolved), a
-        # shutdown stopped failing waiters at the first bad payload, and a claimed waiter
-        # could be left RUNNING forever.  A hook error is counted and logged instead.
+        # A hook error must not escape in the middle of a state change: the record of a
+        # terminal id would never be removed, a shutdown would stop failing waiters at
+        # the first bad payload, a claimed waiter could stay RUNNING forever.  Count
+        # and log it instead.
         try:
             self._release_hook(payload)
         except Exception:

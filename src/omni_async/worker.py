@@ -39,9 +39,9 @@ from omni_async.messages import (
     Failure,
     RpcRequest,
 )
-from omni_async.packer import Packer, PackFn
+from omni_async.packer import Packer, PackFn, fire_traced
 from omni_async.states import Machine, RequestEvent, RequestState, request_machine
-from omni_async.trace import FieldValue, Tracer
+from omni_async.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -230,9 +230,8 @@ class WorkerLoop:
         try:
             event = self._record_event()
         except Exception as exc:
-            # FIX (tests/test_failure_modes.py::test_f2_event_recording_error_fails_the_call_at_once):
-            # this used to escape handle_rpc unanswered, so the call waited out its whole
-            # compute deadline and reported a timeout instead of the error (F2).
+            # Answer with the error at once: escaping handle_rpc unanswered would make the
+            # call wait out its compute deadline and report a timeout instead (F2).
             self._abort(machines)
             self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
             return
@@ -272,14 +271,4 @@ class WorkerLoop:
             self._sender.put(AsyncDiffusionOutput.rpc_failed(rpc_id, Failure.from_exception(exc), rank=self.rank))
 
     def _fire(self, m: Machine[RequestState, RequestEvent], event: RequestEvent) -> None:
-        src = m.state
-        dst = m.fire(event)
-        if self._trace is not None:
-            fields: dict[str, FieldValue] = {
-                "output_id": m.key,
-                "event": event.name,
-                "src": src.name,
-                "dst": dst.name,
-                "rank": self.rank,
-            }
-            self._trace("WorkerFire", fields)
+        fire_traced(m, event, self._trace, self.rank)
