@@ -444,3 +444,33 @@ def test_trace_names_the_rpc_actions() -> None:
     assert resolve.fields == {"rpc_id": "rpc-1", "outcome": "ok"}
     submit = h.tracer.snapshot()[0]
     assert submit.fields["ranks"] == "0,1" and submit.fields["method"] == "execute_model_batch"
+
+
+def test_output_deadline_is_measured_from_the_calls_resolution() -> None:
+    """F4 with several ranks: the reply rank's COMPUTE_DONE can precede the last answer."""
+    h = Harness(world_size=2, output_timeout=10.0)
+    fut = h.submit("r1", "execute_model")
+    h.handle(Msg.compute_done("r1", ("o1",), ("q1",), rank=0))
+    h.now = 8.0  # the other rank answers late
+    h.handle(Msg.rpc_result("r1", None, rank=1))
+    assert fut.result(timeout=0)[0].async_output_id == "o1"
+    h.d.expire(12.0)  # 12 s after COMPUTE_DONE, 4 s after the engine learned the id
+    h.settle()
+    assert h.registry.state_of("o1") is S.COMPUTE_DONE
+    h.d.expire(18.5)
+    h.settle()
+    assert h.registry.state_of("o1") is S.RELEASING
+
+
+def test_dropped_outputs_still_being_packed_are_reported_for_the_workers() -> None:
+    """A failed call drops what its reply rank announced; the workers hear of it (F15)."""
+    h = Harness(world_size=2)
+    fut = h.submit("r1", "execute_model_batch")
+    h.handle(Msg.output_ready("o1", DiffusionOutput("q1", output="x"), rank=0))  # o1 arrived early
+    h.handle(Msg.compute_done("r1", ("o1", "o2"), ("q1", "q2"), rank=0))
+    h.handle(Msg.rpc_failed("r1", BOOM, rank=1))
+    with pytest.raises(RpcFailed):
+        fut.result(timeout=0)
+    # o1 is gone already (its output was here); only o2 may still be in a packer.
+    assert h.d.take_worker_drops() == ["o2"]
+    assert h.d.take_worker_drops() == []

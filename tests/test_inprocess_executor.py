@@ -583,3 +583,22 @@ def test_backpressure_counts_every_output_of_a_batch() -> None:
     p.submit("o1", DiffusionOutput("q1"), m)
     assert not p.wait_for_room(2, timeout=0.01)
     assert p.wait_for_room(1, timeout=0)
+
+
+def test_outputs_of_a_failed_call_are_not_packed_f15(make_executor: Callable[..., InProcessExecutor]) -> None:
+    """Rank 1 fails the call: the reply rank's queued output is cancelled in its packer."""
+    ex = make_executor(world_size=2)
+    gate = gate_name()
+    busy = ex.execute_request(req("busy", pickle_gate=gate))  # rank 0's packer is stuck on this one
+    assert GATES.wait_entered(gate)
+    with pytest.raises(RpcFailed):
+        ex.execute_request(req("doomed", fail_on=[1]))
+    assert ex.collective_rpc("ping") == [("pong", 0), ("pong", 1)]  # carries the drop ahead of it
+    GATES.open(gate)
+    assert ex.wait_output_ready(busy.async_output_id or "").result(timeout=TIMEOUT)
+    ex.drain(timeout=TIMEOUT)
+    assert ex.packers[0].metrics.cancelled == 1 and ex.packers[0].metrics.packed == 1
+    deadline = time.monotonic() + TIMEOUT
+    while ex.metrics()["pending_outputs"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ex.metrics()["pending_outputs"] == 0

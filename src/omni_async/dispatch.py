@@ -66,6 +66,7 @@ class Dispatcher:
         self._trace = tracer
         self._pending: dict[str, PendingRpc] = {}
         self._outbox: list[Resolution] = []
+        self._worker_drops: list[str] = []
         self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -159,19 +160,19 @@ class Dispatcher:
                 )
         elif rpc is None:
             return msg
-        self._answer(rpc, msg)
+        self._answer(rpc, msg, now)
         return None
 
-    def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput) -> None:
+    def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
         if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
             self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
             return
         rpc.answers[msg.rank] = msg
         self._tr("RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
         if len(rpc.answers) == len(rpc.ranks):
-            self._complete(rpc)
+            self._complete(rpc, now)
 
-    def _complete(self, rpc: PendingRpc) -> None:
+    def _complete(self, rpc: PendingRpc, now: float) -> None:
         del self._pending[rpc.rpc_id]
         reply = rpc.answers[rpc.reply_rank]
         announced = reply.async_output_ids
@@ -187,6 +188,10 @@ class Dispatcher:
                 for rid, oid in zip(reply.request_ids, announced, strict=True)
             )
             self._outbox.append(Resolution(rpc.future, output=result))
+            # The engine learns the ids only now: with several ranks the reply rank's
+            # COMPUTE_DONE can precede the last answer, so the delivery deadline is
+            # measured from here (F4).
+            self.registry.rearm_deadlines(announced, now)
             self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
@@ -261,6 +266,14 @@ class Dispatcher:
     def _drop_all(self, output_ids: Iterable[str]) -> None:
         for oid in output_ids:
             self.registry.drop(oid)
+            if oid in self.registry:
+                # Still expected from the worker: tell its packer, which can skip it (F15).
+                self._worker_drops.append(oid)
+
+    def take_worker_drops(self) -> list[str]:
+        """Ids this dispatcher dropped whose output a worker may still be packing."""
+        out, self._worker_drops = self._worker_drops, []
+        return out
 
     def _protocol_error(self, reason: str) -> None:
         self.counters["protocol_errors"] += 1

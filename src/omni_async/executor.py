@@ -101,6 +101,18 @@ class DiffusionExecutor(abc.ABC):
         """An error naming a dead worker, or None while all are alive."""
         return None
 
+    def _send_rpc(self, req: RpcRequest) -> None:
+        """Broadcast ``req``, preceded by the drops the workers have not heard of yet.
+
+        Drops the dispatcher makes itself (a failed or timed-out call, an orphan
+        COMPUTE_DONE) happen on the pump thread, which must never block on a worker's
+        pipe; they travel with the next RPC instead, still ahead of its forward.
+        """
+        drops = self.pump.call(lambda d: d.take_worker_drops())
+        if drops:
+            self._notify_drop(drops)
+        self._broadcast(req)
+
     def _stop_workers(self) -> None:
         """Stop the workers (after the pump stopped). Must be idempotent."""
 
@@ -142,7 +154,7 @@ class DiffusionExecutor(abc.ABC):
         now = self.pump.now()
         inner = self.pump.call(lambda d: d.submit(rpc_id, method, now=now, consumer=consumer))
         try:
-            self._broadcast(RpcRequest(rpc_id, method, args, async_output=True))
+            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True))
         except BaseException as exc:
             self.pump.call(lambda d: d.forget(rpc_id))
             inner.cancel()
@@ -195,7 +207,7 @@ class DiffusionExecutor(abc.ABC):
         limit = self.deadlines.rpc_timeout if timeout is None else timeout
         with self._sync_lock:
             rpc_id = self.next_rpc_id()
-            self._broadcast(RpcRequest(rpc_id, method, args, dict(kwargs or {}), async_output=False))
+            self._send_rpc(RpcRequest(rpc_id, method, args, dict(kwargs or {}), async_output=False))
             answers = self._collect(rpc_id, method, None if limit is None else time.monotonic() + limit)
         failures: dict[int, Failure] = {r: a.failure for r, a in answers.items() if a.failure is not None}
         if failures:

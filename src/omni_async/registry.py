@@ -345,6 +345,15 @@ class OutputRegistry:
             self._abandon(rec)
         return len(due)
 
+    def rearm_deadlines(self, output_ids: Iterable[str], now: float) -> None:
+        """Measure the output deadline of these ids from ``now`` (their call resolved)."""
+        if self._output_timeout is None:
+            return
+        for oid in output_ids:
+            rec = self._records.get(oid)
+            if rec is not None and rec.deadline is not None:
+                rec.deadline = now + self._output_timeout
+
     def next_deadline(self) -> float | None:
         deadlines = [r.deadline for r in self._records.values() if r.deadline is not None]
         return min(deadlines) if deadlines else None
