@@ -132,7 +132,7 @@ class DiffusionExecutor(abc.ABC):
 
     def submit_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> Future[RunnerOutput]:
         inner = self._submit("execute_model", (request,), consumer)
-        return _map_future(inner, lambda outs: outs[0])
+        return _map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
 
     def execute_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> RunnerOutput:
         if self.step_mode:
@@ -315,6 +315,11 @@ class DiffusionExecutor(abc.ABC):
             }
 
         return self.pump.call(read)
+
+    def worker_metrics(self) -> list[dict[str, Any]]:
+        """Per rank: pid and packer counters (outputs and bytes in flight, pack time,
+        back-pressure waits and the time spent in them)."""
+        return self.collective_rpc("loop_info")
 
     # --------------------------------------------------------------- shutdown
 

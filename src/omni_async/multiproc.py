@@ -175,6 +175,15 @@ def _worker_main(
 
 
 class MultiprocDiffusionExecutor(DiffusionExecutor):
+    """``world_size`` worker processes built from ``spec``; ``reply_rank`` ships the outputs.
+
+    ``options`` are the worker-side settings (device, packer budget); ``pool`` the
+    shared-memory pool (one is made when None; either way the executor closes it at
+    shutdown); ``copy_outputs`` makes ``wait_output_ready`` return owned copies and
+    give the segment back at once instead of zero-copy views.  The constructor
+    returns once every rank has built its model and answered.
+    """
+
     def __init__(
         self,
         spec: WorkerSpec,
@@ -332,5 +341,11 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+        if hasattr(self, "_monitor"):
+            self._monitor.join(5.0)
+        self._monitor_stop_r.close()
+        self._monitor_stop_w.close()
+        # The executor owns its pool, also one passed in: closing it unlinks every
+        # segment; the prefix sweep catches any a dying worker created meanwhile.
         self.pool.close()
         unlink_all_with_prefix(self.pool.prefix)
