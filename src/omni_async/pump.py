@@ -81,9 +81,9 @@ class ResultPump:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-        if not self._thread.is_alive():
-            # Never started, or already gone: make sure nothing is left pending.
-            self._finish(LifecycleEvent.STOPPED)
+        # Whether the thread is gone, never started, or still stuck in a user callback
+        # (outside the lock): fail what is pending now.  Idempotent with the thread's own.
+        self._finish(LifecycleEvent.STOPPED)
 
     def fail_all(self, make_error: Callable[[str | None], OutputError], outcome: str, *, close: bool = False) -> None:
         """Fail everything pending now (a worker died) without stopping the pump.

@@ -13,6 +13,9 @@
 * Everything else (and execute in step mode): the ordinary synchronous answer,
   an RPC_RESULT, packed on the main thread when it carries an output.
 * ``drop_outputs``: cancel packing of outputs that have not started (F15); no answer.
+* ``loop_info`` (pid, packer metrics) and ``drain_outputs`` (wait for in-flight
+  packs, F8) are answered by the loop itself; model methods that release device
+  memory (``DRAIN_BEFORE``) drain the packer first.
 
 Failures travel as a typed ``Failure`` in the answer (F2), never as a string.
 """
@@ -20,8 +23,8 @@ Failures travel as a typed ``Failure`` in the answer (F2), never as a string.
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
