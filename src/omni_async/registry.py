@@ -289,6 +289,7 @@ class OutputRegistry:
 
     def cancel(self, output_id: str, future: Future[DiffusionOutput] | None = None) -> None:
         """The waiter of ``output_id`` was cancelled: the output is no longer wanted (F9)."""
+        self._tr("Cancel", output_id=output_id)
         rec = self._records.get(output_id)
         if rec is None or rec.waiter is None or (future is not None and rec.waiter is not future):
             return
@@ -303,6 +304,7 @@ class OutputRegistry:
         abort); already resolved if the id is unknown or gone at once, otherwise
         resolved through the outbox like every other future.
         """
+        self._tr("Drop", output_id=output_id)
         done: Future[None] = Future()
         rec = self._records.get(output_id)
         if rec is None:
@@ -322,6 +324,7 @@ class OutputRegistry:
 
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away without aborting (F11): abandon every record it owns."""
+        self._tr("ReleaseConsumer", consumer=consumer)
         mine = [r for r in self._records.values() if r.consumer == consumer]
         for rec in mine:
             self._fail_waiter(rec, OutputDropped(f"consumer {consumer!r} went away", output_id=rec.output_id), "dropped")
@@ -331,6 +334,8 @@ class OutputRegistry:
     def expire(self, now: float) -> int:
         """Fail or release every record whose output deadline has passed (F4, F11)."""
         due = [r for r in self._records.values() if r.deadline is not None and r.deadline <= now]
+        if due:
+            self._tr("Expire", count=len(due))
         for rec in due:
             rec.deadline = None
             self.stats.timeouts += 1
@@ -366,6 +371,7 @@ class OutputRegistry:
         With ``close=True`` the registry also refuses new work (F16): later waits fail
         with ``make_error(None)`` and later payloads are released on arrival.
         """
+        self._tr("FailAll", outcome=outcome, close=close)
         if close:
             self._closed = make_error
             self._tr("Shutdown")
@@ -483,6 +489,7 @@ class OutputRegistry:
         expected = self._finished.get(output_id)
         if expected is None:
             return False
+        self._tr("Late", output_id=output_id, kind=kind, expected=kind in expected)
         if kind in expected:
             expected.discard(kind)
         else:

@@ -18,10 +18,28 @@ Actions recorded by the executor side (the fields each carries):
 * ``WaiterResolve``: output_id, outcome (output | failure | dropped | timeout | shutdown | worker_died | cancelled)
 * ``PayloadDeliver`` / ``PayloadRelease``: output_id
 * ``ProtocolError``: output_id, reason
-* ``RpcSubmit``: rpc_id, method, ranks (comma-separated)
+* ``Late``: output_id, kind (cd | out), expected (a message of an id that already
+  finished, swallowed by the registry's memory of finished ids: expected, or a
+  protocol error, which a ``ProtocolError`` event follows)
+* ``RpcSubmit``: rpc_id, method, ranks (comma-separated), reply_rank, consumer (or None)
 * ``RpcAnswer``: rpc_id, rank, ok
 * ``RpcResolve``: rpc_id, outcome (ok | failed | cancelled | timeout | consumer_gone | shutdown | worker_died)
-* ``Shutdown``
+* ``DispatchDrop``: output_id, rpc_id, reason (orphan | rejected | failed | cancelled | timeout):
+  the dispatcher is about to drop an id its call announced (a ``Drop`` follows)
+* ``Shutdown``: the registry closed (inside a ``FailAll`` with close)
+
+Call boundaries: the first event of a registry call, so that the checker knows
+which call every later state change belongs to (a DROP only inside a drop, an
+ABANDON only inside a cancel, an expiry, a consumer's release or a claim race, a
+FORCE_RELEASE only inside a fail_all):
+
+* ``Drop``: output_id (``OutputRegistry.drop``, also for an unknown id)
+* ``Cancel``: output_id (``OutputRegistry.cancel``, also when it finds nothing to do)
+* ``ReleaseConsumer``: consumer (``OutputRegistry.release_consumer``)
+* ``Expire``: count (``OutputRegistry.expire``, only when at least one deadline passed)
+* ``FailAll``: outcome, close (``OutputRegistry.fail_all``: worker death, shutdown)
+
+A ``PumpRecv`` opens the handling of a message, a ``WaiterAdd`` a ``wait``.
 """
 
 from __future__ import annotations

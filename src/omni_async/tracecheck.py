@@ -54,10 +54,17 @@ ACTIONS: Mapping[str, frozenset[str]] = {
     "PayloadDeliver": frozenset({"output_id"}),
     "PayloadRelease": frozenset({"output_id"}),
     "ProtocolError": frozenset({"output_id"}),
-    "RpcSubmit": frozenset({"rpc_id", "ranks"}),
+    "RpcSubmit": frozenset({"rpc_id", "ranks", "reply_rank"}),
     "RpcAnswer": frozenset({"rpc_id", "rank", "ok"}),
     "RpcResolve": frozenset({"rpc_id", "outcome"}),
     "Shutdown": frozenset(),
+    "Late": frozenset({"output_id", "kind", "expected"}),
+    "FailAll": frozenset({"outcome", "close"}),
+    "Drop": frozenset({"output_id"}),
+    "Cancel": frozenset({"output_id"}),
+    "ReleaseConsumer": frozenset({"consumer"}),
+    "Expire": frozenset({"count"}),
+    "DispatchDrop": frozenset({"output_id", "rpc_id", "reason"}),
     "WorkerFire": frozenset({"output_id", "event", "src", "dst"}),
 }
 
@@ -148,6 +155,18 @@ def _int(ev: TraceEvent, name: str, default: int) -> int:
     return value
 
 
+def _bool(ev: TraceEvent, name: str) -> bool:
+    value = ev.fields.get(name)
+    if not isinstance(value, bool):
+        raise TraceFormatError(f"{ev.action}: field {name!r} must be a bool, got {value!r}")
+    return value
+
+
+def _consumer(value: FieldValue) -> str:
+    # None (no consumer) and every named consumer stay distinct, "" included.
+    return "" if value is None else "=" + str(value)
+
+
 def _csv(value: FieldValue) -> list[str]:
     if value is None or value == "":
         return []
@@ -165,7 +184,7 @@ def _encode_event(ev: TraceEvent, num: _Numbering) -> tuple[str, int]:
     f = ev.fields
     o = num.oid(f.get("output_id"))
     e = s = d = x = ""
-    k = 0
+    k = n = 0
     r = _int(ev, "rank", -1)
     ok = bool(f.get("ok", False))
     ids: list[int] = []
@@ -183,6 +202,8 @@ def _encode_event(ev: TraceEvent, num: _Numbering) -> tuple[str, int]:
             x = _str(ev, "outcome")
         case "RpcSubmit":
             k = num.rpc(f.get("rpc_id"))
+            r = _int(ev, "reply_rank", -1)
+            x = _consumer(f.get("consumer"))
             try:
                 ranks = [int(v) for v in _csv(f.get("ranks"))]
             except ValueError:
@@ -192,19 +213,34 @@ def _encode_event(ev: TraceEvent, num: _Numbering) -> tuple[str, int]:
         case "RpcResolve":
             k = num.rpc(f.get("rpc_id"))
             x = _str(ev, "outcome")
+        case "Late":
+            x = _str(ev, "kind")
+            if x not in ("cd", "out"):
+                raise TraceFormatError(f"Late: kind must be 'cd' or 'out', got {x!r}")
+            ok = _bool(ev, "expected")
+        case "FailAll":
+            x = _str(ev, "outcome")
+            ok = _bool(ev, "close")
+        case "ReleaseConsumer":
+            x = _consumer(f.get("consumer"))
+        case "Expire":
+            n = _int(ev, "count", 0)
+        case "DispatchDrop":
+            k = num.rpc(f.get("rpc_id"))
+            x = _str(ev, "reason")
         case _:
             pass
     top = max([r, *ranks, 0])
     rec = (
         f"[a |-> {_s(ev.action)}, o |-> {o}, e |-> {_s(e)}, s |-> {_s(s)}, d |-> {_s(d)}, x |-> {_s(x)}, "
-        f"k |-> {k}, r |-> {r}, ok |-> {'TRUE' if ok else 'FALSE'}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}]"
+        f"k |-> {k}, n |-> {n}, r |-> {r}, ok |-> {'TRUE' if ok else 'FALSE'}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}]"
     )
     return rec, top
 
 
 _END_RECORD = (
     f'[a |-> "{END}", o |-> 0, e |-> "", s |-> "", d |-> "", x |-> "", '
-    "k |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}]"
+    "k |-> 0, n |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}]"
 )
 
 
