@@ -5,29 +5,31 @@
 * ``PickleGate``: a value whose pickling blocks until its gate opens.  The in-process
   channel pickles every message in the sender's thread, so an output holding one makes
   the packer thread "pack slowly" -- for as long as the test wants, with no sleep.
-* ``HarnessExecutor``: ``InProcessExecutor``'s wiring with the packers and worker loops
-  built by the test (a pack function that raises or blocks, a record_event that fails).
+* ``HarnessExecutor``: ``InProcessExecutor`` over ``ToyWorker`` with the packers and
+  worker-loop options given by the test (a pack function that raises or blocks, a
+  record_event that fails).
+* ``req``, ``gate_name``, ``exc_of``, ``wait_until``: small helpers both test modules use.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from omni_async.channel import InProcessChannel
+from omni_async.channel import ResultSender
 from omni_async.config import Deadlines
-from omni_async.errors import ExecutorShutdown, OmniAsyncError
-from omni_async.executor import DiffusionExecutor
-from omni_async.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.executor import InProcessExecutor
+from omni_async.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.packer import Packer
 from omni_async.registry import ReleaseHook
 from omni_async.trace import Tracer
-from omni_async.worker import WorkerLoop
 
 TIMEOUT = 10.0
 # Long enough never to fire in a test unless the test means it to.
@@ -129,8 +131,9 @@ def make_toy(rank: int) -> ToyWorker:
     return ToyWorker(rank)
 
 
-class HarnessExecutor(DiffusionExecutor):
-    """``InProcessExecutor`` with test-built packers and worker loops."""
+class HarnessExecutor(InProcessExecutor):
+    """``InProcessExecutor`` over ``ToyWorker`` with relaxed deadlines, for building the
+    worker side in a test (packers with their own pack function, loop options)."""
 
     def __init__(
         self,
@@ -138,62 +141,44 @@ class HarnessExecutor(DiffusionExecutor):
         world_size: int = 1,
         reply_rank: int = 0,
         deadlines: Deadlines = RELAXED,
-        make_packer: Callable[[int, InProcessChannel], Packer] | None = None,
+        make_packer: Callable[[int, ResultSender], Packer] | None = None,
         loop_options: dict[str, Any] | None = None,
         release_hook: ReleaseHook | None = None,
         tracer: Tracer | None = None,
     ) -> None:
-        self.channel = InProcessChannel()
         kw: dict[str, Any] = {} if release_hook is None else {"release_hook": release_hook}
         super().__init__(
-            self.channel, world_size=world_size, reply_rank=reply_rank, deadlines=deadlines, tracer=tracer, **kw
+            make_toy,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            deadlines=deadlines,
+            tracer=tracer,
+            make_packer=make_packer or (lambda rank, ch: Packer(rank, ch)),
+            loop_options=loop_options,
+            **kw,
         )
-        self.packers: list[Packer] = []
-        self.loops: list[WorkerLoop] = []
-        self._inboxes: list[queue.Queue[RpcRequest | None]] = []
-        self._threads: list[threading.Thread] = []
-        for rank in range(world_size):
-            packer = make_packer(rank, self.channel) if make_packer else Packer(rank, self.channel)
-            loop = WorkerLoop(
-                rank, ToyWorker(rank), self.channel, reply_rank=reply_rank, packer=packer, **(loop_options or {})
-            )
-            inbox: queue.Queue[RpcRequest | None] = queue.Queue()
-            self.packers.append(packer)
-            self.loops.append(loop)
-            self._inboxes.append(inbox)
-            self._threads.append(
-                threading.Thread(target=self._serve, args=(loop, inbox), name=f"harness-worker-{rank}", daemon=True)
-            )
-        self.pump.start()
-        for p, t in zip(self.packers, self._threads, strict=True):
-            p.start()
-            t.start()
 
-    @staticmethod
-    def _serve(loop: WorkerLoop, inbox: queue.Queue[RpcRequest | None]) -> None:
-        while (req := inbox.get()) is not None:
-            loop.handle_rpc(req)
 
-    def _broadcast(self, req: RpcRequest) -> None:
-        if self._closed:
-            raise ExecutorShutdown("the executor is shut down")
-        for inbox in self._inboxes:
-            inbox.put(req)
+def req(rid: str, **params: Any) -> DiffusionRequest:
+    return DiffusionRequest(rid, params)
 
-    def _worker_failure(self) -> OmniAsyncError | None:
-        for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):
-            if not t.is_alive() or not p.alive():
-                return ExecutorShutdown(f"worker thread of rank {rank} is not running")
-        return None
 
-    def _stop_workers(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for t in self._threads:
-            t.join(TIMEOUT)
-        self.channel.close()
-        for p in self.packers:
-            p.stop(TIMEOUT)
+def gate_name() -> str:
+    return f"gate-{uuid.uuid4().hex[:8]}"
+
+
+def exc_of(fut: Future[Any]) -> BaseException:
+    e = fut.exception(timeout=TIMEOUT)
+    assert e is not None
+    return e
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    """For counters that no event reports (an output released on the pump thread): poll, bounded."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
 
 
 @contextmanager

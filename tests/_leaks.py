@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
+from omni_async.shm import SHM_DIR
+from omni_async.shm import SHM_PREFIX_ROOT as SHM_PREFIX
+
 LONG_LIVED: set[str] = set()
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "omni-"
 
 
 def _pid_alive(pid: int) -> bool:

@@ -24,7 +24,8 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-from _leaks import SHM_DIR, ours
+from _leaks import ours
+from omni_async.shm import SHM_DIR
 
 
 @pytest.fixture(autouse=True)

@@ -9,45 +9,18 @@ outstanding (a leaked lease fails the test), closed afterwards.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 
 import pytest
 
-from omni_async.shm import SHM_DIR, SHM_PREFIX_ROOT, SegmentPool
-
-
-_PID = re.compile(rf"^{re.escape(SHM_PREFIX_ROOT)}(\d+)-")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from _leaks import ours
+from omni_async.shm import SHM_DIR, SegmentPool
 
 
 def _ours() -> set[str]:
-    """Entries of pools this test process created, or that a dead process left behind.
-
-    Segment names carry the creating executor's pid.  A live *other* process's segments
-    are not ours: another test session running at the same time on this machine must
-    not fail our tests, nor have its live segments unlinked by our cleanup.
-    """
-    me = os.getpid()
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX_ROOT)]
-    except FileNotFoundError:
-        return set()
-    out = set()
-    for n in names:
-        m = _PID.match(n)
-        if m is None or int(m.group(1)) == me or not _alive(int(m.group(1))):
-            out.add(n)
-    return out
+    # Same rule as conftest's autouse check (this fixture also serves runs with
+    # --noconftest): segments of this process or of dead ones, not of live others.
+    return ours(exclude_long_lived=False)
 
 
 @pytest.fixture

@@ -24,7 +24,11 @@ from _executor_harness import (
     HarnessExecutor,
     expected_image,
     make_toy,
+    exc_of,
+    gate_name,
     opened_gates_on_exit,
+    req,
+    wait_until,
 )
 from omni_async.channel import InProcessChannel
 from omni_async.config import ENV_OUTPUT_TIMEOUT, Deadlines
@@ -48,28 +52,6 @@ from omni_async.transport_errors import ChannelClosed
 
 Msg = AsyncDiffusionOutput
 S = RequestState
-
-
-def req(rid: str, **params: Any) -> DiffusionRequest:
-    return DiffusionRequest(rid, params)
-
-
-def gate_name() -> str:
-    return f"gate-{uuid.uuid4().hex[:8]}"
-
-
-def exc_of(fut: Future[Any]) -> BaseException:
-    e = fut.exception(timeout=TIMEOUT)
-    assert e is not None
-    return e
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """For counters that no event reports: poll with a generous bound."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 class Releases:

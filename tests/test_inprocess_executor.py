@@ -25,9 +25,13 @@ from _executor_harness import (
     ToyWorker,
     expected_image,
     make_toy,
+    exc_of,
+    gate_name,
     opened_gates_on_exit,
+    req,
+    wait_until,
 )
-from omni_async.channel import InProcessChannel
+from omni_async.channel import InProcessChannel, ResultSender
 from omni_async.config import Deadlines
 from omni_async.dispatch import Dispatcher
 from omni_async.errors import (
@@ -45,28 +49,6 @@ from omni_async.messages import AsyncDiffusionOutput, DiffusionOutput, Diffusion
 from omni_async.packer import Packer
 from omni_async.states import RequestState
 from omni_async.trace import ListTracer
-
-
-def req(rid: str, **params: Any) -> DiffusionRequest:
-    return DiffusionRequest(rid, params)
-
-
-def gate_name() -> str:
-    return f"gate-{uuid.uuid4().hex[:8]}"
-
-
-def exc_of(fut: Future[Any]) -> BaseException:
-    e = fut.exception(timeout=TIMEOUT)
-    assert e is not None
-    return e
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    """For counters no event reports (an output released in the pump thread): poll, bounded."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def quiet(ex: DiffusionExecutor) -> bool:
@@ -276,7 +258,7 @@ def test_backpressure_waits_for_the_packer(make_executor: Callable[..., InProces
     """max_outputs_in_flight=1 with a slow pack: the next forward waits, and the metrics show it."""
     made: list[SignallingPacker] = []
 
-    def make_packer(rank: int, ch: InProcessChannel) -> Packer:
+    def make_packer(rank: int, ch: ResultSender) -> Packer:
         p = SignallingPacker(rank, ch, max_outputs=1)
         made.append(p)
         return p

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
 
@@ -395,14 +395,20 @@ class InProcessExecutor(DiffusionExecutor):
         max_outputs_in_flight: int = 4,
         tracer: Tracer | None = None,
         channel: InProcessChannel | None = None,
+        make_packer: Callable[[int, ResultSender], Packer] | None = None,
+        loop_options: Mapping[str, Any] | None = None,
+        release_hook: ReleaseHook = _no_release,
     ) -> None:
-        self._channel = channel if channel is not None else InProcessChannel()
+        """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
+        caller build the worker side itself, e.g. a packer with its own pack function."""
+        self.channel = channel if channel is not None else InProcessChannel()
         super().__init__(
-            self._channel,
+            self.channel,
             world_size=world_size,
             reply_rank=reply_rank,
             step_mode=step_mode,
             deadlines=deadlines,
+            release_hook=release_hook,
             tracer=tracer,
         )
         self._inboxes: list[queue.Queue[RpcRequest | None]] = []
@@ -410,9 +416,21 @@ class InProcessExecutor(DiffusionExecutor):
         self.packers: list[Packer] = []
         self.loops: list[WorkerLoop] = []
         for rank in range(world_size):
-            sender: ResultSender = self._channel
-            packer = Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer)
-            loop = WorkerLoop(rank, make_worker(rank), sender, reply_rank=reply_rank, packer=packer, tracer=tracer)
+            sender: ResultSender = self.channel
+            packer = (
+                make_packer(rank, sender)
+                if make_packer is not None
+                else Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer)
+            )
+            loop = WorkerLoop(
+                rank,
+                make_worker(rank),
+                sender,
+                reply_rank=reply_rank,
+                packer=packer,
+                tracer=tracer,
+                **dict(loop_options or {}),
+            )
             inbox: queue.Queue[RpcRequest | None] = queue.Queue()
             t = threading.Thread(target=self._serve, args=(loop, inbox), name=f"omni-worker-{rank}", daemon=True)
             self.packers.append(packer)
@@ -451,7 +469,7 @@ class InProcessExecutor(DiffusionExecutor):
             t.join(5.0)
         # Close before stopping the packers: nobody reads any more, so a packer's put
         # must fail at once rather than wait for room (F16: joins never hang).
-        self._channel.close()
+        self.channel.close()
         for p in self.packers:
             p.stop(5.0)
 
