@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import os
 
-from omni_async.shm import SHM_DIR
+from omni_async.shm import SHM_DIR, pid_alive
 from omni_async.shm import SHM_PREFIX_ROOT as SHM_PREFIX
 
 LONG_LIVED: set[str] = set()
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _mine(name: str) -> bool:
@@ -34,7 +25,7 @@ def _mine(name: str) -> bool:
     if not pid_text.isdigit():
         return True
     pid = int(pid_text)
-    return pid == os.getpid() or not _pid_alive(pid)
+    return pid == os.getpid() or not pid_alive(pid)
 
 
 def ours(exclude_long_lived: bool = True) -> set[str]:

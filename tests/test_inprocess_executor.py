@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -56,13 +56,15 @@ def quiet(ex: DiffusionExecutor) -> bool:
     return m["pending_outputs"] == 0 and m["pending_rpcs"] == 0
 
 
-@pytest.fixture
-def make_executor() -> Iterator[Callable[..., InProcessExecutor]]:
+E = TypeVar("E", bound=DiffusionExecutor)
+
+
+def _making(build: Callable[..., E]) -> Iterator[Callable[..., E]]:
+    """A factory fixture's body: executors built in the test are shut down after it."""
     made: list[DiffusionExecutor] = []
 
-    def make(**kw: Any) -> InProcessExecutor:
-        kw.setdefault("deadlines", RELAXED)
-        ex = InProcessExecutor(make_toy, **kw)
+    def make(**kw: Any) -> E:
+        ex = build(**kw)
         made.append(ex)
         return ex
 
@@ -70,21 +72,16 @@ def make_executor() -> Iterator[Callable[..., InProcessExecutor]]:
         yield make
     for ex in made:
         ex.shutdown()
+
+
+@pytest.fixture
+def make_executor() -> Iterator[Callable[..., InProcessExecutor]]:
+    yield from _making(lambda **kw: InProcessExecutor(make_toy, **{"deadlines": RELAXED, **kw}))
 
 
 @pytest.fixture
 def make_harness() -> Iterator[Callable[..., HarnessExecutor]]:
-    made: list[DiffusionExecutor] = []
-
-    def make(**kw: Any) -> HarnessExecutor:
-        ex = HarnessExecutor(**kw)
-        made.append(ex)
-        return ex
-
-    with opened_gates_on_exit():
-        yield make
-    for ex in made:
-        ex.shutdown()
+    yield from _making(HarnessExecutor)
 
 
 # --------------------------------------------------------------------------- request mode

@@ -42,15 +42,12 @@ from omni_async.messages import (
 )
 from omni_async.packer import Packer
 from omni_async.pump import ResultPump
-from omni_async.registry import OutputRegistry, ReleaseHook
+from omni_async.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.trace import Tracer
 from omni_async.worker import DROP_OUTPUTS, WorkerLoop
 
 log = logging.getLogger(__name__)
 
-
-def _no_release(_: DiffusionOutput) -> None:
-    return None
 
 
 class DiffusionExecutor(abc.ABC):
@@ -62,7 +59,7 @@ class DiffusionExecutor(abc.ABC):
         reply_rank: int = 0,
         step_mode: bool = False,
         deadlines: Deadlines | None = None,
-        release_hook: ReleaseHook = _no_release,
+        release_hook: ReleaseHook = no_release,
         tracer: Tracer | None = None,
     ) -> None:
         if world_size < 1:
@@ -397,7 +394,7 @@ class InProcessExecutor(DiffusionExecutor):
         channel: InProcessChannel | None = None,
         make_packer: Callable[[int, ResultSender], Packer] | None = None,
         loop_options: Mapping[str, Any] | None = None,
-        release_hook: ReleaseHook = _no_release,
+        release_hook: ReleaseHook = no_release,
     ) -> None:
         """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
         caller build the worker side itself, e.g. a packer with its own pack function."""

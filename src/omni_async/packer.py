@@ -32,6 +32,7 @@ import attrs
 
 from omni_async.channel import ResultSender
 from omni_async.messages import AsyncDiffusionOutput, DiffusionOutput, Failure
+from omni_async.registry import no_release
 from omni_async.states import (
     LifecycleEvent,
     LifecycleState,
@@ -54,9 +55,6 @@ ReleaseFn = Callable[[DiffusionOutput], None]
 def _identity_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
     return output
 
-
-def _no_release(output: DiffusionOutput) -> None:
-    return None
 
 
 @attrs.define(eq=False)
@@ -89,7 +87,7 @@ class Packer:
         sender: ResultSender,
         *,
         pack: PackFn = _identity_pack,
-        release: ReleaseFn = _no_release,
+        release: ReleaseFn = no_release,
         make_stream: Callable[[], Any] = lambda: None,
         max_outputs: int = 4,
         max_bytes: int | None = None,

@@ -63,7 +63,8 @@ S = RequestState
 E = RequestEvent
 
 
-def _no_release(_: DiffusionOutput) -> None:
+def no_release(_: DiffusionOutput) -> None:
+    """The default release hook: nothing to give back (no shared memory behind outputs)."""
     return None
 
 
@@ -130,7 +131,7 @@ class OutputRegistry:
         self,
         *,
         output_timeout: float | None = None,
-        release_hook: ReleaseHook = _no_release,
+        release_hook: ReleaseHook = no_release,
         tracer: Tracer | None = None,
         max_error_log: int = 64,
         max_finished: int = 4096,

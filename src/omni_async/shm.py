@@ -92,6 +92,7 @@ __all__ = [
     "SegmentPool",
     "attach_view",
     "list_segments",
+    "pid_alive",
     "size_class",
     "sweep_dead_executors",
     "unlink_all_with_prefix",
@@ -300,7 +301,8 @@ def unlink_all_with_prefix(prefix: str) -> int:
     return sum(_unlink(n) for n in list_segments(prefix))
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (segment names carry their creator's pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -315,7 +317,7 @@ def sweep_dead_executors() -> int:
     n = 0
     for name in list_segments(SHM_PREFIX_ROOT):
         m = re.match(r"^omni-(\d+)-", name)
-        if m is not None and not _pid_alive(int(m.group(1))):
+        if m is not None and not pid_alive(int(m.group(1))):
             n += _unlink(name)
     return n
 
