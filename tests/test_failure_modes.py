@@ -582,7 +582,7 @@ def test_f16_shutdown_is_idempotent_fails_every_waiter_and_never_hangs(executors
     t.join(TIMEOUT)
     t0 = time.monotonic()
     ex.shutdown()
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 2.0  # nothing left to join: no join timeout is waited out
     assert len(ex.registry) == 0 and ex.registry.closed
     assert isinstance(exc_of(ex.wait_output_ready(held.async_output_id or "")), ExecutorShutdown)
 

@@ -371,7 +371,7 @@ def test_collective_rpc_errors_name_the_failed_ranks(make_executor: Callable[...
     t0 = time.monotonic()
     with pytest.raises(UsageError):
         ex.collective_rpc("drop_outputs", (["x"],))  # a control message: no answer would ever come
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # refused at once, not after an RPC timeout
     assert ex.collective_rpc("ping")[0] == ("pong", 0), "still serving"
 
 

@@ -211,11 +211,11 @@ def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any
     return elapsed
 
 
-def test_worker_killed_mid_forward_fails_waiters_within_a_second(tracer: ListTracer) -> None:
+def test_worker_killed_mid_forward_fails_waiters_promptly(tracer: ListTracer) -> None:
     with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
         fut = ex.submit_request(_req("slow", sleep=30))
         time.sleep(0.3)  # the forward is running
-        assert _kill_and_expect_worker_died(ex, fut, rank=1) < 1.5
+        assert _kill_and_expect_worker_died(ex, fut, rank=1) < 3.0
         # The executor refuses new work with the same error.
         with pytest.raises(WorkerDied):
             ex.submit_request(_req("after"))
@@ -237,7 +237,7 @@ def test_worker_killed_mid_pack_fails_the_output_waiter(tracer: ListTracer) -> N
         time.sleep(0.3)
         info_ok = not fut.done()
         assert info_ok, "the second output should still be packing"
-        assert _kill_and_expect_worker_died(ex, fut) < 1.5
+        assert _kill_and_expect_worker_died(ex, fut) < 3.0
         ex.release_output(held)
 
 

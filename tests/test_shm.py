@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 import signal
 import threading
 import time
@@ -175,14 +176,70 @@ def test_unlink_all_with_prefix_refuses_broad_prefixes() -> None:
         SegmentPool(prefix="not-ours-")
 
 
-def test_lock_held_by_a_dead_process_times_out_instead_of_hanging(no_shm_leak: None) -> None:
-    with SegmentPool(max_bytes=1 << 20, lock_timeout=0.1) as pool:
-        pool._lock.acquire()  # stands in for a process killed inside the critical section
-        try:
-            with pytest.raises(TransportError, match="lock not acquired"):
-                pool.lease(100)
-        finally:
-            pool._lock.release()
+def _assert_table_true(pool: SegmentPool) -> None:
+    """Nothing leased, and the files under /dev/shm are exactly the segments the table names."""
+    assert pool.outstanding() == []
+    assert set(list_segments(pool.prefix)) == set(pool.segment_names())
+    st = pool.stats()
+    assert st.bytes_leased == 0 and st.segments == len(pool.segment_names())
+
+
+@pytest.mark.parametrize("cut", ["granting", "evicting"])
+def test_a_process_killed_inside_the_lock_is_repaired_after(cut: str, no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, lock_timeout=5) as pool:
+        p = SPAWN.Process(target=children.die_inside_the_lock, args=(pool, None, cut))
+        p.start()
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+        t0 = time.monotonic()
+        st = pool.stats()  # the kernel dropped the dead holder's flock: no wait
+        assert time.monotonic() - t0 < 2.5  # not the 5 s lock timeout
+        assert st.repairs == 1
+        _assert_table_true(pool)
+        assert pool.reclaim_owner(p.pid or 0) == 0  # the repair already did it
+        # The pool still serves its whole budget.
+        lease = pool.lease(pool.max_bytes, timeout=0)
+        pool.release(lease)
+        _assert_table_true(pool)
+
+
+def test_a_live_holder_times_out_the_others_and_its_death_frees_the_lock(no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, lock_timeout=0.2) as pool:
+        recv, send = SPAWN.Pipe(duplex=False)
+        p = SPAWN.Process(target=children.die_inside_the_lock, args=(pool, send, "holding"))
+        p.start()
+        send.close()
+        assert recv.poll(60)
+        pid = recv.recv()
+        with pytest.raises(TransportError, match=f"held by live process {pid}"):
+            pool.lease(100)
+        os.kill(pid, signal.SIGKILL)
+        p.join(10)
+        pool.release(pool.lease(100))
+        assert pool.stats().repairs == 1
+        _assert_table_true(pool)
+
+
+def test_workers_killed_at_random_points_leave_a_true_table(no_shm_leak: None) -> None:
+    # Children that lease, write and release as fast as they can (creating and evicting
+    # segments in a tight budget) are SIGKILLed wherever they happen to be.
+    rng = random.Random(5)
+    with SegmentPool(max_bytes=2 << 20, max_segments=6) as pool:
+        for seed in range(4):
+            p = SPAWN.Process(target=children.lease_and_release_forever, args=(pool, seed))
+            busy = pool.stats().leased + 200
+            p.start()
+            deadline = time.monotonic() + 60
+            while pool.stats().leased < busy and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.05))
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            pool.reclaim_owner(p.pid)
+            _assert_table_true(pool)
+            pool.release(pool.lease(pool.max_bytes, timeout=0))  # the whole budget still serves
+        assert pool.stats().leased >= 4 * 200
 
 
 def test_a_child_process_leases_writes_and_hands_off(segment_pool: SegmentPool) -> None:

@@ -20,7 +20,8 @@ Ownership -- who creates, maps, frees and unlinks what:
   the segments of executors that no longer run.
 * **The bookkeeping is shared, not owned by a process**: one small table in shared
   memory (``multiprocessing.RawArray``; per slot: state, size, incarnation, lease
-  generation, leasing pid) guarded by one ``multiprocessing.Lock``.  The pool object
+  generation, leasing pid) guarded by one lock that no dead process can wedge (see
+  *Locking* below).  The pool object
   is handed to workers as a ``Process`` argument (spawn); each process that unpickles
   it can lease, map and release.  Every operation holds the lock for a few
   microseconds and makes no blocking call inside it.
@@ -36,9 +37,21 @@ Ownership -- who creates, maps, frees and unlinks what:
   generation tells a stale lease from the current one, across processes.
 * **A SIGKILLed worker** may hold leases it never handed off; ``reclaim_owner(pid)``
   unlinks them and frees their slots (leases already handed off are not touched: their
-  outputs may still be read).  A worker killed *inside* the lock's few-microsecond
-  critical section would leave it held: every acquire has a timeout and raises
-  ``TransportError`` instead of hanging, and ``unlink_all_with_prefix`` needs no lock.
+  outputs may still be read).
+
+Locking: a process can be killed anywhere, also inside the lock.  So the lock is a
+``threading.Lock`` (the threads of one process) in front of ``flock(2)`` on the pool's
+lock file ``<prefix>lock`` (the processes): the kernel drops a flock when its holder
+dies, however it dies.  Inside, the holder's pid is written into the table and cleared
+on the way out; whoever next finds it still set knows the previous holder died
+mid-update and repairs the table first (``_repair``).  Every write sequence is ordered
+so that a cut anywhere leaves something the repair recognises: a slot turns LEASED only
+after its owner, size and generation are written, and an evicted slot turns EMPTY
+before its file is unlinked.  Byte totals are computed from the slots, never kept as
+counters that a cut could leave wrong; the remaining counters are statistics, which
+such a cut may leave off by one.  A holder that is alive but stuck makes an acquire
+time out with ``TransportError`` instead of hanging, and ``unlink_all_with_prefix``
+needs no lock.
 
 Size classes are powers of two (at least ``min_segment_bytes``), so outputs of
 similar size share segments; a lease may take a free segment one class larger rather
@@ -58,6 +71,8 @@ Linux only (``/dev/shm``).
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import mmap
 import multiprocessing
 import os
@@ -98,9 +113,12 @@ __all__ = [
     "unlink_all_with_prefix",
 ]
 
+log = logging.getLogger(__name__)
+
 SHM_DIR: Final = "/dev/shm"
 SHM_PREFIX_ROOT: Final = "omni-"
 _NAME_OK = re.compile(r"^[A-Za-z0-9_.-]+$")
+_LOCK_NAME: Final = "lock"  # <prefix>lock; segment names end in <slot>.<incarnation>
 
 # Slot table layout (int64): one row of _NF fields per slot, then the counters.
 _STATE, _SIZE, _INC, _GEN, _OWNER = range(5)
@@ -113,9 +131,9 @@ _EMPTY, _FREE, _LEASED = 0, 1, 2
     _C_RELEASED,
     _C_EVICTED,
     _C_RECLAIMED,
-    _C_BYTES_LIVE,
-    _C_BYTES_LEASED,
+    _C_REPAIRS,
     _C_CLOSED,
+    _C_HOLDER,  # pid inside the lock, 0 when free
 ) = range(9)
 _NC: Final = 9
 
@@ -159,6 +177,7 @@ class PoolStats:
     released: int
     evicted: int
     reclaimed: int
+    repairs: int  # times a process died inside the lock and the table was repaired
     segments: int
     bytes: int
     bytes_leased: int
@@ -283,22 +302,32 @@ def _unlink(name: str) -> bool:
         return False
 
 
-def list_segments(prefix: str = SHM_PREFIX_ROOT) -> list[str]:
+def _entries(prefix: str) -> list[str]:
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except FileNotFoundError:
         return []
 
 
-def unlink_all_with_prefix(prefix: str) -> int:
-    """Unlink every ``/dev/shm`` entry whose name starts with ``prefix``; returns how many.
+def list_segments(prefix: str = SHM_PREFIX_ROOT) -> list[str]:
+    """The segments under ``/dev/shm`` whose names start with ``prefix`` (not lock files)."""
+    return [n for n in _entries(prefix) if not n.endswith(_LOCK_NAME)]
 
-    Needs no pool and no lock: the executor's crash cleanup.  Mappings that processes
-    still hold stay valid until unmapped; the memory is freed when the last one goes.
+
+def unlink_all_with_prefix(prefix: str) -> int:
+    """Unlink every ``/dev/shm`` segment whose name starts with ``prefix``; returns how many.
+
+    Needs no pool and no lock: the executor's crash cleanup.  Lock files go too (not
+    counted).  Mappings that processes still hold stay valid until unmapped; the memory
+    is freed when the last one goes.
     """
     if len(prefix) < len(SHM_PREFIX_ROOT) or not _NAME_OK.match(prefix):
         raise UsageError(f"refusing to unlink by the prefix {prefix!r} (too short or not a plain name)")
-    return sum(_unlink(n) for n in list_segments(prefix))
+    n = 0
+    for name in _entries(prefix):
+        gone = _unlink(name)
+        n += gone and not name.endswith(_LOCK_NAME)
+    return n
 
 
 def pid_alive(pid: int) -> bool:
@@ -315,10 +344,10 @@ def pid_alive(pid: int) -> bool:
 def sweep_dead_executors() -> int:
     """Unlink segments left by executors that are no longer running (their pid is in the name)."""
     n = 0
-    for name in list_segments(SHM_PREFIX_ROOT):
+    for name in _entries(SHM_PREFIX_ROOT):
         m = re.match(r"^omni-(\d+)-", name)
         if m is not None and not pid_alive(int(m.group(1))):
-            n += _unlink(name)
+            n += _unlink(name) and not name.endswith(_LOCK_NAME)
     return n
 
 
@@ -378,8 +407,8 @@ class SegmentPool:
         self._pin_cuda = pin_cuda
         self._owner_pid = os.getpid()
         self._raw: Any = ctx.RawArray("q", max_segments * _NF + _NC)
-        self._lock: Any = ctx.Lock()
         self._attach_shared()
+        self._open_lock_file(create=True)
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(self, _close_owner, self._prefix)
         self._register()
 
@@ -391,12 +420,26 @@ class SegmentPool:
         self._ctr = flat[self._max_segments * _NF :]
         self._local_closed = False
 
+    def _open_lock_file(self, *, create: bool) -> None:
+        # One descriptor per pool object: flock excludes across descriptors, also
+        # within one process; the threading.Lock orders the threads sharing this one.
+        path = os.path.join(SHM_DIR, self._prefix + _LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        except FileNotFoundError:
+            fd = -1  # the owner already closed the pool
+            self._local_closed = True
+        else:
+            weakref.finalize(self, os.close, fd)
+        self._lock_fd = fd
+        self._thread_lock = threading.Lock()
+
     def _register(self) -> None:
         with SegmentPool._registry_lock:
             SegmentPool._registry[self._prefix] = self
 
     def __getstate__(self) -> dict[str, Any]:
-        # RawArray and Lock pickle only while a Process is being spawned: that is the
+        # RawArray pickles only while a Process is being spawned: that is the
         # supported way to share a pool.  The copy is a non-owner: it never unlinks all.
         return {
             k: getattr(self, k)
@@ -410,7 +453,6 @@ class SegmentPool:
                 "_pin_cuda",
                 "_owner_pid",
                 "_raw",
-                "_lock",
             )
         }
 
@@ -419,6 +461,7 @@ class SegmentPool:
             setattr(self, k, v)
         self._finalizer = None
         self._attach_shared()
+        self._open_lock_file(create=False)
         self._register()
 
     @classmethod
@@ -463,7 +506,36 @@ class SegmentPool:
     # -- locking -------------------------------------------------------------------------
 
     def _locked(self) -> _Held:
-        return _Held(self._lock, self._lock_timeout, self._prefix)
+        if self._lock_fd < 0:
+            raise PoolClosed(f"segment pool {self._prefix} is closed")
+        return _Held(self)
+
+    def _bytes(self, state: int | None = None) -> int:
+        """Bytes in segments that exist (or, given ``state``, in that state); from the slots."""
+        st = self._slots[:, _STATE]
+        mask = st != _EMPTY if state is None else st == state
+        return int(self._slots[mask, _SIZE].sum())
+
+    def _repair(self, dead_pid: int) -> None:
+        """Under the lock: its previous holder (``dead_pid``) died inside it.
+
+        The write orders (see the module docstring) leave at most: a slot LEASED by the
+        dead process (reclaimed like any of its leases) and a file whose slot is EMPTY
+        or moved to a new incarnation (unlinked).
+        """
+        self._ctr[_C_REPAIRS] += 1
+        reclaimed = self._reclaim(dead_pid)
+        live = set(self.segment_names())
+        orphans = [n for n in list_segments(self._prefix) if n not in live]
+        for name in orphans:
+            _unlink(name)
+        log.warning(
+            "segment pool %s: process %d died holding the lock; reclaimed %d lease(s), unlinked %d orphan(s)",
+            self._prefix,
+            dead_pid,
+            reclaimed,
+            len(orphans),
+        )
 
     def _check_open(self) -> None:
         if self.closed:
@@ -523,12 +595,13 @@ class SegmentPool:
                 hits = np.flatnonzero((state == _FREE) & (sizes == want))
                 if hits.size:
                     i = int(hits[0])
-                    return self._grant(i, pid, nbytes, reused=True), False
+                    return self._grant(i, pid, nbytes), False
             empties = np.flatnonzero(state == _EMPTY)
-            if empties.size == 0 or c[_C_BYTES_LIVE] + size > self._max_bytes:
+            live = self._bytes()
+            if empties.size == 0 or live + size > self._max_bytes:
                 # Evict free segments of other classes, largest first, until it fits.
                 free = np.flatnonzero(state == _FREE)
-                need_bytes = int(c[_C_BYTES_LIVE]) + size - self._max_bytes
+                need_bytes = live + size - self._max_bytes
                 need_slot = empties.size == 0
                 if int(sizes[free].sum()) < need_bytes or (need_slot and free.size == 0):
                     return None
@@ -539,41 +612,37 @@ class SegmentPool:
                     need_slot = False
                     self._evict(int(i))
                 empties = np.flatnonzero(state == _EMPTY)
-            i = int(empties[0])
-            s[i, _STATE] = _LEASED
-            s[i, _SIZE] = size
-            s[i, _INC] += 1
-            c[_C_CREATED] += 1
-            c[_C_BYTES_LIVE] += size
-            return self._grant(i, pid, nbytes, reused=False), True
+            return self._grant(int(empties[0]), pid, nbytes, new_size=size), True
 
-    def _grant(self, i: int, pid: int, nbytes: int, *, reused: bool) -> Lease:
-        s, c = self._slots, self._ctr
-        s[i, _STATE] = _LEASED
-        s[i, _GEN] += 1
-        s[i, _OWNER] = pid
+    def _grant(self, i: int, pid: int, nbytes: int, *, new_size: int = 0) -> Lease:
+        # Under the lock.  The state is written last: a slot is LEASED only once its
+        # owner is known, so a cut anywhere before leaves nothing to reclaim.
+        row, c = self._slots[i], self._ctr
+        row[_OWNER] = pid
+        if new_size:  # a new incarnation: a new name, created by the caller
+            row[_SIZE] = new_size
+            row[_INC] += 1
+        row[_GEN] += 1
+        row[_STATE] = _LEASED
         c[_C_LEASED] += 1
-        c[_C_BYTES_LEASED] += s[i, _SIZE]
-        if reused:
-            c[_C_REUSED] += 1
-        return Lease(self._prefix, i, int(s[i, _INC]), int(s[i, _GEN]), int(s[i, _SIZE]), nbytes)
+        c[_C_CREATED if new_size else _C_REUSED] += 1
+        return Lease(self._prefix, i, int(row[_INC]), int(row[_GEN]), int(row[_SIZE]), nbytes)
 
     def _evict(self, i: int) -> None:
-        # Under the lock.  The name dies with the incarnation: a process that still maps
-        # it keeps valid memory until it prunes its cache; a new incarnation gets a new name.
-        s, c = self._slots, self._ctr
-        _unlink(f"{self._prefix}{i}.{int(s[i, _INC])}")
-        c[_C_BYTES_LIVE] -= s[i, _SIZE]
-        c[_C_EVICTED] += 1
-        s[i, _STATE] = _EMPTY
-        s[i, _SIZE] = 0
-        s[i, _OWNER] = 0
+        # Under the lock.  EMPTY before the unlink: a cut in between leaves an orphan
+        # file that ``_repair`` finds, never a slot naming a file that is gone.  The name
+        # dies with the incarnation: a process that still maps it keeps valid memory until
+        # it prunes its cache; a new incarnation gets a new name.
+        row = self._slots[i]
+        row[_STATE] = _EMPTY
+        row[_OWNER] = 0
+        self._ctr[_C_EVICTED] += 1
+        _unlink(f"{self._prefix}{i}.{int(row[_INC])}")
 
     def _abandon_slot(self, lease: Lease) -> None:
         s, c = self._slots, self._ctr
         with self._locked():
             if s[lease.slot, _GEN] == lease.generation and s[lease.slot, _STATE] == _LEASED:
-                c[_C_BYTES_LEASED] -= s[lease.slot, _SIZE]
                 c[_C_LEASED] -= 1
                 c[_C_CREATED] -= 1
                 self._evict(lease.slot)
@@ -599,7 +668,6 @@ class SegmentPool:
             row[_STATE] = _FREE
             row[_OWNER] = 0
             self._ctr[_C_RELEASED] += 1
-            self._ctr[_C_BYTES_LEASED] -= row[_SIZE]
 
     def hand_off(self, lease: Lease) -> None:
         """The lease now belongs to the consumer: ``reclaim_owner`` of the leasing pid spares it."""
@@ -620,17 +688,18 @@ class SegmentPool:
         """Free the leases a (dead) process took and never handed off; returns how many."""
         if pid <= 0:
             raise UsageError(f"bad pid {pid}")
-        s, c = self._slots, self._ctr
-        n = 0
         with self._locked():
-            for i in np.flatnonzero((s[:, _STATE] == _LEASED) & (s[:, _OWNER] == pid)).tolist():
-                # Its bytes may be half written and its file half created: start over.
-                c[_C_BYTES_LEASED] -= s[i, _SIZE]
-                c[_C_RECLAIMED] += 1
-                self._evict(int(i))
-                c[_C_EVICTED] -= 1
-                n += 1
-        return n
+            return self._reclaim(pid)
+
+    def _reclaim(self, pid: int) -> int:
+        # Under the lock.  Its bytes may be half written and its file half created: start over.
+        s, c = self._slots, self._ctr
+        victims = np.flatnonzero((s[:, _STATE] == _LEASED) & (s[:, _OWNER] == pid)).tolist()
+        for i in victims:
+            c[_C_RECLAIMED] += 1
+            self._evict(int(i))
+            c[_C_EVICTED] -= 1
+        return len(victims)
 
     def prewarm(self, nbytes: int, count: int = 1) -> None:
         """Create ``count`` segments for ``nbytes`` now (at startup), so requests never create one."""
@@ -678,9 +747,10 @@ class SegmentPool:
                 released=int(c[_C_RELEASED]),
                 evicted=int(c[_C_EVICTED]),
                 reclaimed=int(c[_C_RECLAIMED]),
+                repairs=int(c[_C_REPAIRS]),
                 segments=int((s[:, _STATE] != _EMPTY).sum()),
-                bytes=int(c[_C_BYTES_LIVE]),
-                bytes_leased=int(c[_C_BYTES_LEASED]),
+                bytes=self._bytes(),
+                bytes_leased=self._bytes(_LEASED),
                 outstanding=int((s[:, _STATE] == _LEASED).sum()),
             )
 
@@ -717,10 +787,8 @@ class SegmentPool:
                     self._ctr[_C_CLOSED] = 1
                     s = self._slots
                     for i in np.flatnonzero(s[:, _STATE] != _EMPTY).tolist():
-                        n += _unlink(f"{self._prefix}{i}.{int(s[i, _INC])}")
                         s[i, _STATE] = _EMPTY
-                    self._ctr[_C_BYTES_LIVE] = 0
-                    self._ctr[_C_BYTES_LEASED] = 0
+                        n += _unlink(f"{self._prefix}{i}.{int(s[i, _INC])}")
         finally:
             # Even if the lock is wedged: the names carry the prefix, no table needed.
             n += unlink_all_with_prefix(self._prefix)
@@ -747,22 +815,57 @@ class SegmentPool:
 
 
 class _Held:
-    """Context manager: the pool's lock with a timeout, so a dead holder cannot hang us."""
+    """Context manager: the pool's lock (see *Locking* in the module docstring).
 
-    __slots__ = ("_lock", "_prefix", "_timeout")
+    A dead holder's flock is gone with it and its pid, left in the table, triggers the
+    repair; a live holder that keeps the lock past ``lock_timeout`` raises
+    ``TransportError`` instead of hanging the caller.
+    """
 
-    def __init__(self, lock: Any, timeout: float, prefix: str) -> None:
-        self._lock = lock
-        self._timeout = timeout
-        self._prefix = prefix
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: SegmentPool) -> None:
+        self._pool = pool
 
     def __enter__(self) -> None:
-        if not self._lock.acquire(True, self._timeout):
-            raise TransportError(
-                f"segment pool {self._prefix}: lock not acquired within {self._timeout} s "
-                "(a process died while holding it?)"
-            )
+        pool = self._pool
+        timeout = pool._lock_timeout
+        deadline = time.monotonic() + timeout
+        if not pool._thread_lock.acquire(True, timeout):
+            raise self._stuck()
+        try:
+            delay = 1e-5
+            while True:
+                try:
+                    fcntl.flock(pool._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._stuck() from None
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, 1e-3)
+            holder = int(pool._ctr[_C_HOLDER])
+            if holder:  # should the repair fail, the mark stays and the next holder retries
+                pool._repair(holder)
+            pool._ctr[_C_HOLDER] = os.getpid()
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        self._lock.release()
+        pool = self._pool
+        if pool._ctr[_C_HOLDER] == os.getpid():
+            pool._ctr[_C_HOLDER] = 0
+        try:
+            fcntl.flock(pool._lock_fd, fcntl.LOCK_UN)
+        finally:
+            pool._thread_lock.release()
+
+    def _stuck(self) -> TransportError:
+        pool = self._pool
+        return TransportError(
+            f"segment pool {pool.prefix}: lock not acquired within {pool._lock_timeout} s "
+            f"(held by live process {int(pool._ctr[_C_HOLDER])})"
+        )
 
