@@ -425,7 +425,7 @@ class SegmentPool:
         # within one process; the threading.Lock orders the threads sharing this one.
         path = os.path.join(SHM_DIR, self._prefix + _LOCK_NAME)
         try:
-            fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         except FileNotFoundError:
             fd = -1  # the owner already closed the pool
             self._local_closed = True
