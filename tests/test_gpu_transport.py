@@ -183,3 +183,31 @@ def test_pooled_pinned_copy_of_a_large_output(pool: SegmentPool, side: torch.cud
     med = statistics.median(times[1:])
     nbytes = x.numel() * x.element_size()
     report("pooled_copy", {"bytes": nbytes, "median_ms": med * 1e3, "GBps": nbytes / med / 1e9, "first_ms": times[0] * 1e3})
+
+
+def test_a_segment_cuda_will_not_register_is_still_copied_exactly(pool: SegmentPool, side: torch.cuda.Stream) -> None:
+    """The unpinned fallback, provoked for real: registering memory that is already
+    registered fails (cudaErrorHostMemoryAlreadyRegistered), so the pool's own
+    ``cudaHostRegister`` of that segment fails; the pack must still be bit-exact and
+    report ``pack_pinned == 0``, and the failed call's pending error must not surface in
+    the thread's next kernel launch (it did, before ``shm._clear_cuda_error``)."""
+    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # unannotated in torch
+    x = torch.randint(-(1 << 15), 1 << 15, (3 << 20,), device="cuda", dtype=torch.int16).view(torch.bfloat16)
+    nbytes = x.numel() * x.element_size()
+    lease = pool.lease(nbytes)
+    base = pool.view(lease)  # mapped, not registered by the pool
+    assert int(cudart.cudaHostRegister(base.data_ptr(), lease.size, 0)) == 0  # we register it first
+    pool.release(lease)
+    try:
+        ev = record_device_event(x.device)
+        packed = pack_diffusion_output_shm(DiffusionOutput("r", {"video": x}), side, pool=pool, ready_event=ev)
+        assert pool.stats().reused == 1, "the pack took the segment we registered"
+        assert packed.metrics["pack_pinned"] == 0.0
+        assert float((torch.ones(1000, device="cuda") * 2).sum()) == 2000.0  # a kernel launch in this thread
+        got = unpack_diffusion_output_shm(packed).output["video"]
+        assert raw(got) == raw(x)
+        del got
+        release_packed_output(packed)
+    finally:
+        assert int(cudart.cudaHostUnregister(base.data_ptr())) == 0
+        del base

@@ -70,8 +70,10 @@ Linux only (``/dev/shm``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import multiprocessing
@@ -194,6 +196,41 @@ def _cudart() -> Any:
     return fn()
 
 
+@functools.cache
+def _cudart_lib() -> Any:
+    """The libcudart torch loaded, through ctypes; None if torch linked it statically."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+        return ctypes.CDLL(paths[0]) if paths else None
+    except OSError:
+        return None
+
+
+def _clear_cuda_error() -> None:
+    """Clear the error a failed CUDA runtime call left pending in this thread.
+
+    A failed ``cudaHostRegister`` is not only a return code: the runtime keeps the error
+    as this thread's "last error", and torch's check after its next kernel launch
+    reports it as that kernel's failure.  Measured on the H200 (``bench/probes/
+    probe_register.py``): a second register of the same range returned 712, and the
+    next ``torch.ones(...) * 2`` raised "part or all of the requested memory range is
+    already mapped".  ``torch.cuda.cudart()`` has no ``cudaGetLastError``, so it is
+    called through ctypes on the libcudart that torch loaded (found in
+    ``/proc/self/maps``: the same library instance, so the same per-thread state).
+    """
+    lib = _cudart_lib()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
+    # torch linked cudart statically: let a zero-length kernel's launch check consume it.
+    sleep: Any = torch.cuda._sleep  # unannotated in torch
+    try:
+        sleep(0)
+    except RuntimeError:
+        pass
+
+
 class _Mapping:
     """One process's mapping of one segment, kept for reuse.
 
@@ -201,7 +238,7 @@ class _Mapping:
     of it, so views keep the mapping alive (see ``__init__``).
     """
 
-    __slots__ = ("base", "mm", "name", "pinned", "size")
+    __slots__ = ("base", "mm", "name", "pin_failed", "pinned", "size")
 
     def __init__(self, name: str, size: int, *, create: bool) -> None:
         path = os.path.join(SHM_DIR, name)
@@ -235,17 +272,21 @@ class _Mapping:
         # mmap.close() then refuses (BufferError) until the last view is gone.
         self.base = torch.frombuffer(memoryview(self.mm), dtype=torch.uint8)
         self.pinned = False
+        self.pin_failed = False
 
     def pin(self) -> bool:
         """Register the mapping with CUDA once, so device->host copies DMA straight into it."""
         if self.pinned:
             return True
-        if not torch.cuda.is_available():
+        if self.pin_failed or not torch.cuda.is_available():
             return False
         rc = _cudart().cudaHostRegister(self.base.data_ptr(), self.size, 0)
         if int(rc) != 0:
             # Still correct without it (the driver stages the copy), only slower; the
             # packer reports pinned=False in its metrics so the slowdown is visible.
+            _clear_cuda_error()
+            self.pin_failed = True  # once per mapping, not once per pack
+            log.warning("cudaHostRegister of segment %s failed (error %d): copying unpinned", self.name, int(rc))
             return False
         self.pinned = True
         return True
@@ -253,9 +294,10 @@ class _Mapping:
     def close(self) -> None:
         if self.pinned:
             try:
-                _cudart().cudaHostUnregister(self.base.data_ptr())
+                if int(_cudart().cudaHostUnregister(self.base.data_ptr())) != 0:
+                    _clear_cuda_error()
             except RuntimeError:
-                pass
+                pass  # CUDA already torn down (interpreter exit)
             self.pinned = False
         del self.base
         try:
