@@ -295,6 +295,23 @@ def test_drain_waits_for_in_flight_packs(make_executor: Callable[..., InProcessE
     assert ex.wait_output_ready(ro.async_output_id or "").result(timeout=TIMEOUT).request_id == "r1"
 
 
+def test_metrics_record_how_long_engines_waited_for_outputs(make_executor: Callable[..., InProcessExecutor]) -> None:
+    ex = make_executor()
+    gate = gate_name()
+    ro = ex.execute_request(req("r1", pickle_gate=gate))
+    fut = ex.wait_output_ready(ro.async_output_id or "")
+    assert GATES.wait_entered(gate)
+    time.sleep(0.2)  # the engine waits on a pack held by the gate
+    GATES.open(gate)
+    fut.result(timeout=TIMEOUT)
+    failed = ex.wait_output_ready("never-announced")  # fails at once: not a delivered output
+    assert failed.exception(timeout=TIMEOUT) is not None
+    wait_until(lambda: ex.metrics()["output_waits"] == 1)  # counted by a done-callback, just after
+    m = ex.metrics()
+    assert m["output_waits"] == 1
+    assert 0.2 <= m["output_wait_s_max"] == m["output_wait_s_total"] < TIMEOUT
+
+
 # --------------------------------------------------------------------------- waiters, drops, consumers
 
 

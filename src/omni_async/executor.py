@@ -87,6 +87,12 @@ class DiffusionExecutor(abc.ABC):
         self._shutdown_lock = threading.Lock()
         self._closed = False
         self.stale_sync_answers = 0
+        # How long engines waited on wait_output_ready futures that delivered an output
+        # (from the call to the result): the part of packing the engine did not hide.
+        self._wait_lock = threading.Lock()
+        self._waits = 0
+        self._wait_s_total = 0.0
+        self._wait_s_max = 0.0
 
     # --------------------------------------------------------------- transport
 
@@ -238,11 +244,18 @@ class DiffusionExecutor(abc.ABC):
         Cancelling the future abandons the output: it is released the moment it
         arrives (F9).
         """
+        t0 = time.monotonic()
         fut = self.pump.call(lambda d: d.registry.wait(async_output_id))
 
         def on_done(f: Future[DiffusionOutput]) -> None:
             if f.cancelled():
                 self.pump.call(lambda d: d.registry.cancel(async_output_id, f))
+            elif f.exception() is None:
+                waited = time.monotonic() - t0
+                with self._wait_lock:
+                    self._waits += 1
+                    self._wait_s_total += waited
+                    self._wait_s_max = max(self._wait_s_max, waited)
 
         fut.add_done_callback(on_done)
         return fut
@@ -295,6 +308,16 @@ class DiffusionExecutor(abc.ABC):
             raise ExecutorShutdown(f"the result pump is not running ({self.pump.state})")
 
     def metrics(self) -> dict[str, float]:
+        """Counters of the executor side; ``output_waits``/``output_wait_s_total``/
+        ``output_wait_s_max``: the ``wait_output_ready`` futures that delivered an output,
+        and how long they took from the call (a repeated call for one id counts again)."""
+        with self._wait_lock:
+            waits = {
+                "output_waits": float(self._waits),
+                "output_wait_s_total": self._wait_s_total,
+                "output_wait_s_max": self._wait_s_max,
+            }
+
         def read(d: Dispatcher) -> dict[str, float]:
             s = d.registry.stats
             return {
@@ -309,6 +332,7 @@ class DiffusionExecutor(abc.ABC):
                 "compute_timeouts": d.counters["compute_timeouts"],
                 "dispatch_errors": self.pump.dispatch_errors,
                 "messages": self.pump.messages,
+                **waits,
             }
 
         return self.pump.call(read)
