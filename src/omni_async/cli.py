@@ -19,6 +19,7 @@ from omni_async.config import Deadlines
 from omni_async.executor import DiffusionExecutor, InProcessExecutor
 from omni_async.messages import DiffusionOutput, DiffusionRequest
 from omni_async.model import TinyDiffusionWorker
+from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 
 
 def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:
@@ -33,8 +34,6 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
             world_size=args.world_size,
             deadlines=deadlines,
         )
-    from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
-
     return MultiprocDiffusionExecutor(
         WorkerSpec(
             "omni_async.model:TinyDiffusionWorker",
@@ -81,10 +80,17 @@ def demo(args: argparse.Namespace) -> int:
         m = ex.metrics()
         print(f"{len(requests)} requests: all COMPUTE_DONE after {computed - started:.3f}s, "
               f"all outputs after {done - started:.3f}s; {bad} mismatched")
-        print("metrics: " + ", ".join(f"{k}={v}" for k, v in sorted(m.items())))
+        print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.items())))
         if m["pending_outputs"] or m["held_payloads"]:
             print("registry not empty at the end", file=sys.stderr)
             bad += 1
+        if isinstance(ex, MultiprocDiffusionExecutor):
+            st = ex.pool.stats()
+            print(f"segment pool: {st.segments} segments, {st.created} created, {st.reused} reused, "
+                  f"{st.outstanding} still leased")
+            if st.outstanding:
+                print("segments still leased at the end", file=sys.stderr)
+                bad += 1
     return 1 if bad else 0
 
 
