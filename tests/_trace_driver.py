@@ -7,7 +7,7 @@ one FIFO per (rank, thread), the reply rank's packer may answer before its main
 thread (early arrival); the harness adds what a real run rarely shows: duplicate
 messages, a COMPUTE_DONE naming another call's id, a cancelled waiter whose done-callback runs late (the F3 race), timeouts,
 a call the engine cancels before it resolves, a consumer that goes away (through the dispatcher, which also
-fails its pending calls, or the registry alone), a worker death, messages that reach a closed registry.
+fails its pending calls, or the registry alone), a broadcast that fails part-way, a worker death, messages that reach a closed registry.
 
 Used by tests/test_trace_validation.py; every trace ends with a shutdown.
 """
@@ -49,6 +49,7 @@ class _Run:
         self.rpcs = 0
         self.ids = 0
         self.dead = False
+        self.unsent: list[str] = []  # broadcasts that failed part-way, not yet forgotten
 
     def settle(self) -> None:
         apply_resolutions(self.disp.take_resolutions())
@@ -67,6 +68,14 @@ class _Run:
             self.ids += 1
             oids.append(f"out{self.ids}")
         self.rpc_futs[rid] = self.disp.submit(rid, "execute_model_batch", now=self.now, consumer=rng.choice([None, "c"]))
+        reached = self.world
+        if rng.random() < 0.06:
+            # The broadcast fails at rank ``reached``: the ranks before it got the call
+            # and answer; the executor forgets the call soon (while the pump runs on).
+            reached = rng.randrange(self.world)
+            self.unsent.append(rid)
+            if reached == 0:
+                return
         if rng.random() < 0.1:
             self.chans[(0, "main")].append(M.rpc_failed(rid, Failure("RuntimeError", "forward failed"), rank=0))
         else:
@@ -79,7 +88,7 @@ class _Run:
             if self.ids > len(oids) and rng.random() < 0.05:
                 named.append(f"out{rng.randint(1, self.ids - len(oids))}")  # another call's id: refused
             self.chans[(0, "main")].append(M.compute_done(rid, tuple(named), tuple(f"req-{o}" for o in named)))
-        for r in range(1, self.world):
+        for r in range(1, reached):
             if rng.random() < 0.1:
                 self.chans[(r, "main")].append(M.rpc_failed(rid, Failure("RuntimeError", "rank failed"), rank=r))
             else:
@@ -89,8 +98,16 @@ class _Run:
         self.disp.handle(msg, now=self.now)
         self.disp.expire(self.now)
 
+    def forget(self, rid: str) -> None:
+        self.unsent.remove(rid)
+        self.disp.forget(rid, ExecutorShutdown(f"cannot send {rid} to every worker"))
+
     def step(self) -> None:
         rng, reg = self.rng, self.reg
+        if self.unsent and rng.random() < 0.4:
+            self.forget(rng.choice(self.unsent))
+            self.settle()
+            return
         c = rng.random()
         live = [k for k, q in self.chans.items() if q]
         if c < 0.12:
@@ -143,6 +160,8 @@ class _Run:
         self.settle()
 
     def finish(self) -> list[TraceEvent]:
+        while self.unsent:
+            self.forget(self.unsent[0])
         for oid, fut in self.late_callbacks:
             self.reg.cancel(oid, fut)
         self.disp.fail_all(lambda oid: ExecutorShutdown("shut down", output_id=oid), outcome="shutdown", close=True)
@@ -186,6 +205,8 @@ def coverage(traces: Sequence[Sequence[TraceEvent]]) -> Counter[str]:
                 tags.add(f"waiter {f.get('outcome')}")
             if e.action == "RpcResolve" and f.get("outcome") == "timeout":
                 tags.add("rpc timeout")
+            if e.action == "RpcResolve" and f.get("outcome") == "unsent":
+                tags.add("rpc unsent")
             if e.action == "ProtocolError":
                 tags.add("duplicate")
             if e.action == "Fire" and f.get("event") == "FORCE_RELEASE":

@@ -371,13 +371,34 @@ def test_submit_validates_its_arguments() -> None:
         Dispatcher(OutputRegistry(), world_size=2, reply_rank=2)
 
 
-def test_forget_removes_a_call_that_was_never_sent() -> None:
+def test_forget_fails_a_call_that_was_never_sent() -> None:
     h = Harness()
     fut = h.submit("rpc-1")
-    h.d.forget("rpc-1")
-    h.d.forget("rpc-1")
-    assert len(h.d) == 0 and not fut.done()
+    err = ExecutorShutdown("cannot send execute_model_batch to the workers: broken pipe")
+    h.d.forget("rpc-1", err)
+    h.d.forget("rpc-1", err)  # idempotent
+    h.settle()
+    assert len(h.d) == 0 and exc_of(fut) is err
     assert h.handle(cd("rpc-1", ["o1"])) is None and h.d.counters["orphan_compute_done"] == 1
+    assert h.registry.state_of("o1") is RequestState.DROPPING  # the orphan's ids are dropped on arrival
+    assert [e.action for e in h.tracer.snapshot()].count("RpcResolve") == 1
+
+
+def test_forget_drops_what_the_ranks_that_got_it_announced() -> None:
+    """Rank 0 got the broadcast and answered before the send to rank 1 failed."""
+    h = Harness(world_size=2)
+    fut = h.submit("rpc-1")
+    h.handle(cd("rpc-1", ["o1", "o2"]))
+    h.output("o1")
+    assert h.registry.state_of("o1") is RequestState.READY
+    h.d.forget("rpc-1", ExecutorShutdown("cannot send to rank 1"))
+    h.settle()
+    assert isinstance(exc_of(fut), ExecutorShutdown)
+    assert len(h.registry) == 1 and h.registry.state_of("o2") is RequestState.DROPPING
+    assert h.released == ["payload-o1"]  # nobody owns the ids any more: dropped, released
+    h.output("o2")
+    assert len(h.registry) == 0 and h.released == ["payload-o1", "payload-o2"]
+    assert h.d.take_worker_drops() == ["o2"]  # its packer may skip it
 
 
 # --------------------------------------------------------------------------- shutdown

@@ -328,6 +328,8 @@ def test_registry_runs_are_behaviours() -> None:
         "dispatcher drop failed",
         "dispatcher drop cancelled",
         "dispatcher drop timeout",
+        "dispatcher drop unsent",
+        "rpc unsent",
     ):
         assert cov[tag] >= 1, f"no trace shows {tag!r}: {dict(cov)}"
     res = check_traces(traces, toolchain=tc)

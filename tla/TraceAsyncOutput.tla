@@ -519,7 +519,8 @@ DispatchDropAllowed(o, k, reason) ==
       [] reason \in {"failed", "cancelled"} ->
               /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
               /\ AnyFailed(k) = (reason = "failed")
-      [] reason = "timeout" ->
+      \* a compute timeout, or a broadcast that failed part-way (Dispatcher.forget)
+      [] reason \in {"timeout", "unsent"} ->
               /\ rpc[k] = "pending" /\ ~AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
       [] OTHER -> FALSE
 
@@ -547,7 +548,7 @@ ResolveAllowed(k, outcome) ==
               /\ AllAnswered(k)
               /\ outcome = "failed" => AnyFailed(k) \/ cdRank[k] = -1
               /\ \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
-      [] outcome = "timeout" ->
+      [] outcome \in {"timeout", "unsent"} ->
               \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
       \* release_consumer and fail_all: checked by the registry's part that follows
       [] OTHER -> TRUE
@@ -559,7 +560,7 @@ TraceRpcResolve ==
     /\ Is("RpcResolve") /\ rpc[Ev.k] = "pending"
     /\ Holds(ResolveAllowed(Ev.k, Ev.x))
     /\ rpc' = [rpc EXCEPT ![Ev.k] = "done"]
-    /\ IF Ev.x \in {"ok", "failed", "cancelled", "timeout"}
+    /\ IF Ev.x \in {"ok", "failed", "cancelled", "timeout", "unsent"}
        THEN UNCHANGED call
        ELSE LET c == IF Ev.x = "consumer_gone" THEN "rpcgone" ELSE "rpcfail"
                 x == IF Ev.x = "consumer_gone" THEN rcons[Ev.k] ELSE Ev.x

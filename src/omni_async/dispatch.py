@@ -111,9 +111,21 @@ class Dispatcher:
         )
         return fut
 
-    def forget(self, rpc_id: str) -> None:
-        """The broadcast of a submitted RPC failed: no answer will come."""
-        self._pending.pop(rpc_id, None)
+    def forget(self, rpc_id: str, error: BaseException) -> None:
+        """The broadcast of a submitted RPC failed: fail the call with ``error``.
+
+        The ranks before the failing one did get it, and the reply rank may already
+        have announced its ids (the pump runs meanwhile): those have no owner now, so
+        they are dropped, as on a timeout.  What such ranks send later is an orphan.
+        """
+        rpc = self._pending.pop(rpc_id, None)
+        if rpc is None:
+            return
+        for a in rpc.answers.values():
+            self._drop_all(a.async_output_ids, rpc_id, "unsent")
+        if rpc.future.set_running_or_notify_cancel():
+            self._outbox.append(Resolution(rpc.future, error=error))
+        self._tr("RpcResolve", rpc_id=rpc_id, outcome="unsent")
 
     # ---------------------------------------------------------------- messages
 

@@ -159,9 +159,9 @@ class DiffusionExecutor(abc.ABC):
         try:
             self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True))
         except BaseException as exc:
-            self.pump.call(lambda d: d.forget(rpc_id))
-            inner.cancel()
-            raise ExecutorShutdown(f"cannot send {method} to the workers: {exc}") from exc
+            err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
+            self.pump.call(lambda d: d.forget(rpc_id, err))
+            raise err from exc
         # A caller that cancels after the pump claimed the call's future (inner RUNNING,
         # outer still cancellable) never sees its RunnerOutputs: nobody else can claim
         # or drop their outputs, so drop them here (F9/F10).
