@@ -18,7 +18,7 @@ import torch
 from omni_async.config import Deadlines
 from omni_async.executor import DiffusionExecutor, InProcessExecutor
 from omni_async.messages import DiffusionOutput, DiffusionRequest
-from omni_async.model import TinyDiffusionWorker
+from omni_async.model import TinyDiffusionWorker, image_digest
 from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 
 
@@ -54,6 +54,7 @@ def demo(args: argparse.Namespace) -> int:
         DiffusionRequest(f"req-{i}", {"seed": i, "height": args.height, "keep_trajectory": i % 2 == 0})
         for i in range(args.requests)
     ]
+    expected = {r.request_id: reference.execute_model(r).output["image"] for r in requests}
     t0 = time.perf_counter()
     with _build_executor(args) as ex:
         started = time.perf_counter()
@@ -69,12 +70,18 @@ def demo(args: argparse.Namespace) -> int:
         for ro in announced:
             assert ro.async_output_id is not None
             out: DiffusionOutput = ex.wait_output_ready(ro.async_output_id).result(timeout=args.output_timeout)
-            req = next(r for r in requests if r.request_id == ro.request_id)
-            expected = reference.execute_model(req).output["image"]
             got = out.output["image"].to("cpu")
-            # Bit-exact on the CPU; on a GPU the kernels differ from the CPU reference.
-            same = torch.equal(got, expected) if args.device == "cpu" else torch.allclose(got, expected, atol=0.05)
-            bad += 0 if same else 1
+            # The bytes: exactly what the worker computed (its digest, taken before
+            # packing).  The values: this request's image, against a CPU forward; a
+            # tolerance, since GPU kernels and even CPU BLAS differ in the last bits
+            # (see model.py).
+            intact = int(image_digest(got)) == int(out.output["digest"])
+            diff = (got.double() - expected[ro.request_id].double()).abs()
+            if not intact or float(diff.max()) > 0.05:
+                bad += 1
+                print(f"mismatch: {ro.request_id} (output {ro.async_output_id}): bytes "
+                      f"{'intact' if intact else 'CHANGED in transit'}, max |diff| from the reference "
+                      f"{float(diff.max()):g}", file=sys.stderr)
             ex.release_output(out)
         done = time.perf_counter()
         m = ex.metrics()
