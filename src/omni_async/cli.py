@@ -3,7 +3,9 @@
 ``omni-async demo`` runs the reference stack end to end: an executor, its
 workers (processes by default, threads with ``--executor inproc``) running
 ``TinyDiffusionWorker``, and an engine-side loop that submits requests, awaits
-every output with a deadline, and checks each one against a fresh local forward.
+every output with a deadline, and checks each one: its bytes against the digest the
+worker took before packing (the transport is bit-exact), its values against a fresh
+local forward (it is that request's image).
 """
 
 from __future__ import annotations
