@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from omni_async.messages import DiffusionOutput
-from omni_async.packing import pack_diffusion_output_shm, release_packed_output
-from omni_async.platform import record_device_event
-from omni_async.shm import SHM_DIR, SegmentPool
+from omni_async.core.messages import DiffusionOutput
+from omni_async.transport.packing import pack_diffusion_output_shm, release_packed_output
+from omni_async.transport.platform import record_device_event
+from omni_async.transport.shm import SHM_DIR, SegmentPool
 
 
 def timed(fn: Callable[[], None], runs: int, warmup: int = 1) -> list[float]:

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from omni_async.config import Deadlines
-from omni_async.messages import DiffusionRequest
-from omni_async.model import SyntheticVideoWorker
-from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
-from omni_async.packing import pack_diffusion_output_shm, release_packed_output
-from omni_async.shm import SegmentPool
+from omni_async.core.config import Deadlines
+from omni_async.core.messages import DiffusionRequest
+from omni_async.models.tiny import SyntheticVideoWorker
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.transport.packing import pack_diffusion_output_shm, release_packed_output
+from omni_async.transport.shm import SegmentPool
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +74,7 @@ def measure_alone(args: argparse.Namespace) -> dict[str, float]:
 
 def run_mode(args: argparse.Namespace, step_mode: bool) -> dict[str, float]:
     spec = WorkerSpec(
-        "omni_async.model:SyntheticVideoWorker",
+        "omni_async.models.tiny:SyntheticVideoWorker",
         {"device": args.device, "output_mb": args.output_mb, "matmuls": args.matmuls, "dim": args.dim},
     )
     opts = WorkerOptions(device=args.device, max_outputs_in_flight=args.max_in_flight, lease_timeout=120)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import _shm_children as children  # noqa: E402  (the same child the tests kill)
 
-from omni_async.shm import SegmentPool, list_segments  # noqa: E402
+from omni_async.transport.shm import SegmentPool, list_segments  # noqa: E402
 
 
 def pair_cost_us(pairs: int, repeat: int = 5) -> float:

@@ -34,7 +34,7 @@ from typing import Any
 
 import transitions
 
-from omni_async.states import (
+from omni_async.core.states import (
     REGISTRY_INITIAL,
     REQUEST_TABLE,
     RequestEvent,

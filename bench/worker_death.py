@@ -28,11 +28,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from omni_async.config import Deadlines  # noqa: E402
-from omni_async.errors import WorkerDied  # noqa: E402
-from omni_async.messages import DiffusionRequest  # noqa: E402
-from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec  # noqa: E402
-from omni_async.shm import SegmentPool  # noqa: E402
+from omni_async.core.config import Deadlines  # noqa: E402
+from omni_async.core.errors import WorkerDied  # noqa: E402
+from omni_async.core.messages import DiffusionRequest  # noqa: E402
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec  # noqa: E402
+from omni_async.transport.shm import SegmentPool  # noqa: E402
 
 SPEC = WorkerSpec("_mp_workers:ScriptedWorker", pass_rank=True)
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)

@@ -24,8 +24,8 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-from _leaks import ours
-from omni_async.shm import SHM_DIR
+from helpers.leaks import ours
+from omni_async.transport.shm import SHM_DIR
 
 
 @pytest.fixture(autouse=True)

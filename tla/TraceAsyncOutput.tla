@@ -1,10 +1,10 @@
 -------------------------- MODULE TraceAsyncOutput --------------------------
 (***************************************************************************)
 (* Trace validation: TLC replays traces recorded by the implementation     *)
-(* (omni_async.trace, through ListTracer) against the executor half of     *)
+(* (omni_async.core.trace, through ListTracer) against the executor half of     *)
 (* AsyncOutput, one recorded event per step.                               *)
 (*                                                                         *)
-(* omni_async.tracecheck writes the module TraceData next to this one:     *)
+(* omni_async.verify.tracecheck writes the module TraceData next to this one:     *)
 (*   TraceLog  the events of every trace, one after the other, each trace  *)
 (*             closed by an "End" event (many traces, one TLC run);        *)
 (*   NumIds, NumRpcs, MaxRank  the sizes of the id, RPC and rank domains   *)

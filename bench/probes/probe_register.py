@@ -1,5 +1,5 @@
 """Does a failed cudaHostRegister poison the thread's next kernel launch?  And does
-``omni_async.shm._clear_cuda_error`` stop that?  Run on a CUDA machine:
+``omni_async.transport.shm.cuda_host.clear_cuda_error`` stop that?  Run on a CUDA machine:
 
     PYTHONPATH=src python3 bench/probes/probe_register.py
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from omni_async.shm import _clear_cuda_error
+from omni_async.transport.shm.cuda_host import clear_cuda_error
 
 
 def kernel_after_failed_register(clear: bool) -> str:
@@ -25,7 +25,7 @@ def kernel_after_failed_register(clear: bool) -> str:
     assert int(cr.cudaHostRegister(t.data_ptr(), 1 << 20, 0)) == 0
     rc = int(cr.cudaHostRegister(t.data_ptr(), 1 << 20, 0))
     if clear:
-        _clear_cuda_error()
+        clear_cuda_error()
     try:
         y = torch.ones(1000, device="cuda") * 2
         outcome = f"ok (sum {float(y.sum())})"

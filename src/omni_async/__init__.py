@@ -3,7 +3,7 @@
 See README.md for the overview and spec/PROTOCOL.md for the protocol.
 """
 
-from omni_async.errors import (
+from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     IllegalTransition,
@@ -18,7 +18,7 @@ from omni_async.errors import (
     UsageError,
     WorkerDied,
 )
-from omni_async.messages import (
+from omni_async.core.messages import (
     AsyncDiffusionOutput,
     AsyncOutputKind,
     BatchDiffusionOutput,
@@ -26,7 +26,7 @@ from omni_async.messages import (
     Failure,
     RunnerOutput,
 )
-from omni_async.states import (
+from omni_async.core.states import (
     LIFECYCLE_TABLE,
     REQUEST_TABLE,
     LifecycleEvent,

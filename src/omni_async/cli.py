@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from omni_async.config import Deadlines
-from omni_async.executor import DiffusionExecutor, InProcessExecutor
-from omni_async.messages import DiffusionOutput, DiffusionRequest
-from omni_async.model import TinyDiffusionWorker, image_digest
-from omni_async.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.core.config import Deadlines
+from omni_async.executor.api import DiffusionExecutor, InProcessExecutor
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.models.tiny import TinyDiffusionWorker, image_digest
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 
 
 def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:
@@ -38,7 +38,7 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
         )
     return MultiprocDiffusionExecutor(
         WorkerSpec(
-            "omni_async.model:TinyDiffusionWorker",
+            "omni_async.models.tiny:TinyDiffusionWorker",
             kwargs={"device": args.device, "width": args.width, "steps": args.steps},
         ),
         world_size=args.world_size,

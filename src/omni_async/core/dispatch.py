@@ -1,0 +1,306 @@
+"""RPC dispatch on the executor side (sans-IO, like the registry).
+
+Two paths, as in the RFC:
+
+* Path 1 -- ``execute_model`` / ``execute_model_batch`` in request mode: the
+  caller gets a future from ``submit``; it resolves when *every* rank has
+  answered (F12): the reply rank with COMPUTE_DONE, the others with an empty
+  RPC_RESULT.  Any rank's failure fails the call, and the output ids that the
+  reply rank announced are dropped so nothing leaks.
+* Path 2 -- every other RPC and step mode: ``handle`` returns the RPC_RESULT
+  message to the caller (the pump), which puts it in the synchronous buffer
+  that ``collective_rpc`` reads.
+
+The dispatcher registers COMPUTE_DONE's ids in the registry *before* it resolves
+the RPC future: the engine learns an id only from that future, so every
+``wait_output_ready`` finds its record.  Swapping the two would let a waiter
+arrive for an id the registry has not seen.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+
+import attrs
+
+from omni_async.core.errors import ComputeTimeout, ExecutorShutdown, OutputDropped, OutputError, ProtocolError, RpcFailed
+from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
+from omni_async.core.registry import OutputRegistry, Resolution
+from omni_async.core.trace import FieldValue, Tracer
+
+ASYNC_METHODS = frozenset({"execute_model", "execute_model_batch"})
+
+K = AsyncOutputKind
+
+
+@attrs.define(eq=False)
+class PendingRpc:
+    rpc_id: str
+    method: str
+    ranks: frozenset[int]
+    reply_rank: int
+    future: Future[tuple[RunnerOutput, ...]]
+    deadline: float | None
+    consumer: str | None
+    answers: dict[int, AsyncDiffusionOutput] = attrs.field(factory=dict)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: OutputRegistry,
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        compute_timeout: float | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if not 0 <= reply_rank < world_size:
+            raise ValueError(f"reply_rank {reply_rank} outside world of {world_size}")
+        self.registry = registry
+        self.world_size = world_size
+        self.reply_rank = reply_rank
+        self._compute_timeout = compute_timeout
+        self._trace = tracer
+        self._pending: dict[str, PendingRpc] = {}
+        self._outbox: list[Resolution] = []
+        self._worker_drops: list[str] = []
+        self.counters: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def pending_rpcs(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ path 1
+
+    def submit(
+        self, rpc_id: str, method: str, *, now: float, consumer: str | None = None, timeout: float | None = None
+    ) -> Future[tuple[RunnerOutput, ...]]:
+        """Register an execute RPC before it is broadcast; its future resolves on COMPUTE_DONE."""
+        if method not in ASYNC_METHODS:
+            raise ValueError(f"{method!r} does not take the async path")
+        if rpc_id in self._pending:
+            raise ValueError(f"rpc id {rpc_id!r} is already pending")
+        limit = self._compute_timeout if timeout is None else timeout
+        fut: Future[tuple[RunnerOutput, ...]] = Future()
+        if self.registry.closed:
+            # After fail_all(close=True) nothing would ever resolve a new entry: a submit
+            # that raced a pump stop (check_health passed just before) fails at once.
+            fut.set_exception(ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down"))
+            return fut
+        self._pending[rpc_id] = PendingRpc(
+            rpc_id,
+            method,
+            frozenset(range(self.world_size)),
+            self.reply_rank,
+            fut,
+            None if limit is None else now + limit,
+            consumer,
+        )
+        self._tr(
+            "RpcSubmit",
+            rpc_id=rpc_id,
+            method=method,
+            ranks=",".join(map(str, range(self.world_size))),
+            reply_rank=self.reply_rank,
+            consumer=consumer,
+        )
+        return fut
+
+    def forget(self, rpc_id: str, error: BaseException) -> None:
+        """The broadcast of a submitted RPC failed: fail the call with ``error``.
+
+        The ranks before the failing one did get it, and the reply rank may already
+        have announced its ids (the pump runs meanwhile): those have no owner now, so
+        they are dropped, as on a timeout.  What such ranks send later is an orphan.
+        """
+        rpc = self._pending.pop(rpc_id, None)
+        if rpc is None:
+            return
+        for a in rpc.answers.values():
+            self._drop_all(a.async_output_ids, rpc_id, "unsent")
+        if rpc.future.set_running_or_notify_cancel():
+            self._outbox.append(Resolution(rpc.future, error=error))
+        self._tr("RpcResolve", rpc_id=rpc_id, outcome="unsent")
+
+    # ---------------------------------------------------------------- messages
+
+    def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> AsyncDiffusionOutput | None:
+        """Route one message; returns it when it belongs in the synchronous buffer (path 2)."""
+        self._tr(
+            "PumpRecv",
+            kind=msg.kind.name,
+            rank=msg.rank,
+            rpc_id=msg.rpc_id,
+            ids=",".join(msg.async_output_ids),
+            output_id=msg.async_output_id,
+            ok=msg.failure is None,
+        )
+        if msg.kind is K.OUTPUT_READY:
+            assert msg.async_output_id is not None
+            self.registry.on_output(msg.async_output_id, output=msg.output, failure=msg.failure, rank=msg.rank)
+            return None
+        assert msg.rpc_id is not None
+        rpc = self._pending.get(msg.rpc_id)
+        if msg.kind is K.COMPUTE_DONE:
+            announced = self.registry.on_compute_done(
+                msg.async_output_ids,
+                now=now,
+                rank=msg.rank,
+                request_ids=msg.request_ids,
+                consumer=None if rpc is None else rpc.consumer,
+            )
+            if rpc is None:
+                # Late (the call timed out or was cancelled): nobody will claim these ids.
+                self.counters["orphan_compute_done"] += 1
+                self._drop_all(announced, msg.rpc_id, "orphan")
+                return None
+            rejected = len(announced) != len(msg.async_output_ids)
+            if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
+                # Only the reply rank announces outputs, once: count it, drop what it
+                # announced, and let the offending rank's answer fail the call.
+                # An id the registry refused (already announced, or finished) belongs to
+                # another call: never hand it out as this call's, never drop it on this
+                # call's failure.  Such a COMPUTE_DONE fails the call like any bad answer.
+                self._drop_all(announced, rpc.rpc_id, "rejected")
+                if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
+                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"
+                else:
+                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE from rank {msg.rank} (reply rank {rpc.reply_rank})"
+                self._protocol_error(reason)
+                if msg.rank in rpc.answers:
+                    return None
+                msg = AsyncDiffusionOutput.rpc_failed(
+                    rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank
+                )
+        elif rpc is None:
+            return msg
+        self._answer(rpc, msg, now)
+        return None
+
+    def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
+        if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
+            self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
+            return
+        rpc.answers[msg.rank] = msg
+        self._tr("RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
+        if len(rpc.answers) == len(rpc.ranks):
+            self._complete(rpc, now)
+
+    def _complete(self, rpc: PendingRpc, now: float) -> None:
+        del self._pending[rpc.rpc_id]
+        reply = rpc.answers[rpc.reply_rank]
+        announced = reply.async_output_ids
+        failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
+        error: BaseException | None = None
+        if failures:
+            error = RpcFailed(rpc.rpc_id, rpc.method, failures)
+        elif reply.kind is not K.COMPUTE_DONE:
+            error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
+        if error is None and rpc.future.set_running_or_notify_cancel():
+            result = tuple(
+                RunnerOutput(request_id=rid, finished=True, result=None, async_output_id=oid)
+                for rid, oid in zip(reply.request_ids, announced, strict=True)
+            )
+            self._outbox.append(Resolution(rpc.future, output=result))
+            # The engine learns the ids only now: with several ranks the reply rank's
+            # COMPUTE_DONE can precede the last answer, so the delivery deadline is
+            # measured from here (F4).
+            self.registry.rearm_deadlines(announced, now)
+            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
+            return
+        # Failed, or the caller cancelled: the announced outputs have no owner (F12).
+        self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
+        if error is not None and rpc.future.set_running_or_notify_cancel():
+            self._outbox.append(Resolution(rpc.future, error=error))
+        self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
+
+    def release_consumer(self, consumer: str) -> int:
+        """The consumer went away (F11): fail its pending calls, abandon its outputs.
+
+        A pending call is failed rather than left to resolve: the ids it would
+        announce would belong to nobody.  Its late COMPUTE_DONE is then an orphan
+        and its ids are dropped on arrival.
+        """
+        gone = [r for r in self._pending.values() if r.consumer == consumer]
+        for rpc in gone:
+            del self._pending[rpc.rpc_id]
+            if rpc.future.set_running_or_notify_cancel():
+                self._outbox.append(
+                    Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away"))
+                )
+            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
+        return len(gone) + self.registry.release_consumer(consumer)
+
+    # --------------------------------------------------------------- deadlines
+
+    def expire(self, now: float) -> None:
+        for rpc in [r for r in self._pending.values() if r.deadline is not None and r.deadline <= now]:
+            del self._pending[rpc.rpc_id]
+            self.counters["compute_timeouts"] += 1
+            missing = sorted(rpc.ranks - rpc.answers.keys())
+            for a in rpc.answers.values():
+                self._drop_all(a.async_output_ids, rpc.rpc_id, "timeout")
+            if rpc.future.set_running_or_notify_cancel():
+                self._outbox.append(
+                    Resolution(
+                        rpc.future,
+                        error=ComputeTimeout(f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} in time"),
+                    )
+                )
+            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
+        self.registry.expire(now)
+
+    def next_deadline(self) -> float | None:
+        ds = [r.deadline for r in self._pending.values() if r.deadline is not None]
+        reg = self.registry.next_deadline()
+        if reg is not None:
+            ds.append(reg)
+        return min(ds) if ds else None
+
+    # ---------------------------------------------------------------- shutdown
+
+    def fail_all(
+        self, make_error: Callable[[str | None], OutputError], *, outcome: str = "shutdown", close: bool = False
+    ) -> None:
+        """Fail every pending RPC and every output (shutdown, pump stop, worker death)."""
+        for rpc in list(self._pending.values()):
+            del self._pending[rpc.rpc_id]
+            if rpc.future.set_running_or_notify_cancel():
+                self._outbox.append(Resolution(rpc.future, error=make_error(None)))
+            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
+        self.registry.fail_all(make_error, outcome=outcome, close=close)
+
+    def take_resolutions(self) -> list[Resolution]:
+        out, self._outbox = self._outbox, []
+        out.extend(self.registry.take_resolutions())
+        return out
+
+    # ---------------------------------------------------------------- internals
+
+    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> None:
+        # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
+        for oid in output_ids:
+            self._tr("DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
+            self.registry.drop(oid)
+            if oid in self.registry:
+                # Still expected from the worker: tell its packer, which can skip it (F15).
+                self._worker_drops.append(oid)
+
+    def take_worker_drops(self) -> list[str]:
+        """Ids this dispatcher dropped whose output a worker may still be packing."""
+        out, self._worker_drops = self._worker_drops, []
+        return out
+
+    def _protocol_error(self, reason: str) -> None:
+        self.counters["protocol_errors"] += 1
+        self.registry.errors.append(ProtocolError(reason))
+        self._tr("ProtocolError", output_id=None, reason=reason)
+
+    def _tr(self, action: str, **fields: FieldValue) -> None:
+        if self._trace is not None:
+            self._trace(action, fields)

@@ -1,0 +1,231 @@
+"""Protocol messages: everything that travels on the result channel.
+
+Every message is a frozen, slotted ``attrs`` class that validates itself on
+construction, so a malformed message fails at the sender with
+``MessageValidationError`` instead of confusing the pump later.
+
+One request's completion travels as two messages on one channel:
+
+* ``COMPUTE_DONE`` (sent by the worker's main thread right after the forward): the
+  device is free; it names one output id per request (a batch names all of its
+  ids), so the executor never needs a map from batch to requests (F6).
+* ``OUTPUT_READY`` (sent by the packer thread): the output for one id is in shared
+  memory, or packing failed and the message carries a typed ``Failure`` (F2).
+
+Every other RPC answer is an ``RPC_RESULT``.
+"""
+
+from __future__ import annotations
+
+import enum
+import traceback as _tb
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import attrs
+
+from omni_async.core.errors import MessageValidationError
+
+
+class AsyncOutputKind(enum.Enum):
+    RPC_RESULT = "rpc_result"
+    COMPUTE_DONE = "compute_done"
+    OUTPUT_READY = "output_ready"
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@attrs.frozen
+class Failure:
+    """A remote exception, reduced to plain strings so it always pickles."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> Failure:
+        return cls(
+            type_name=type(exc).__qualname__,
+            message=str(exc),
+            traceback="".join(_tb.format_exception(type(exc), exc, exc.__traceback__)),
+        )
+
+
+def _str_dict() -> dict[str, float]:
+    return {}
+
+
+@attrs.frozen
+class DiffusionOutput:
+    """The finished output of one request.
+
+    ``output`` is any nested structure of tensors, arrays and small plain values
+    (dicts, lists, tuples, attrs/dataclass instances).  Between the packer and the
+    consumer it holds the packed form (shared-memory handles); ``unpack`` restores it.
+    """
+
+    request_id: str
+    output: Any = None
+    async_output_id: str | None = None
+    metrics: Mapping[str, float] = attrs.field(factory=_str_dict)
+
+
+@attrs.frozen
+class BatchDiffusionOutput:
+    """The output of a batched forward: one ``DiffusionOutput`` per request, in request order."""
+
+    outputs: tuple[DiffusionOutput, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.outputs:
+            raise MessageValidationError("a batch output needs at least one request output")
+        ids = [o.request_id for o in self.outputs]
+        if len(set(ids)) != len(ids):
+            raise MessageValidationError(f"duplicate request ids in batch output: {ids}")
+
+    def per_request(self) -> Iterator[DiffusionOutput]:
+        yield from self.outputs
+
+
+@attrs.frozen
+class RunnerOutput:
+    """What an execute RPC returns to the engine.
+
+    In request mode ``result`` is None and ``async_output_id`` is the claim token for
+    ``wait_output_ready``; in step mode ``result`` carries the output directly.
+    """
+
+    request_id: str
+    finished: bool = True
+    result: DiffusionOutput | None = None
+    async_output_id: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.result is not None and self.async_output_id is not None:
+            raise MessageValidationError("a RunnerOutput carries either a result or an async_output_id, not both")
+
+
+def _check_id(name: str, value: str | None) -> None:
+    if value is None or not isinstance(value, str) or not value:
+        raise MessageValidationError(f"{name} must be a non-empty string, got {value!r}")
+
+
+@attrs.frozen
+class AsyncDiffusionOutput:
+    """The envelope of every message on the result channel.
+
+    Use the named constructors (``compute_done``, ``output_ready``, ``output_failed``,
+    ``rpc_result``, ``rpc_failed``); the raw constructor validates the same rules.
+    """
+
+    kind: AsyncOutputKind
+    rank: int = 0
+    rpc_id: str | None = None
+    # COMPUTE_DONE: one id per request, aligned with request_ids.
+    async_output_ids: tuple[str, ...] = ()
+    request_ids: tuple[str, ...] = ()
+    # OUTPUT_READY: the one id this message completes.
+    async_output_id: str | None = None
+    output: DiffusionOutput | None = None
+    # RPC_RESULT: the ordinary return value.
+    result: Any = None
+    failure: Failure | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.kind, AsyncOutputKind):
+            raise MessageValidationError(f"kind must be an AsyncOutputKind, got {self.kind!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise MessageValidationError(f"rank must be a non-negative int, got {self.rank!r}")
+        if self.kind is AsyncOutputKind.COMPUTE_DONE:
+            _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
+            if not self.async_output_ids:
+                raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
+            for oid in self.async_output_ids:
+                _check_id("COMPUTE_DONE async_output_id", oid)
+            if len(set(self.async_output_ids)) != len(self.async_output_ids):
+                raise MessageValidationError(f"COMPUTE_DONE names an id twice: {self.async_output_ids}")
+            if len(self.request_ids) != len(self.async_output_ids):
+                raise MessageValidationError(
+                    f"COMPUTE_DONE needs one request id per output id "
+                    f"({len(self.request_ids)} request ids, {len(self.async_output_ids)} output ids)"
+                )
+            self._forbid("COMPUTE_DONE", async_output_id=None, output=None, result=None, failure=None)
+        elif self.kind is AsyncOutputKind.OUTPUT_READY:
+            _check_id("OUTPUT_READY async_output_id", self.async_output_id)
+            if (self.output is None) == (self.failure is None):
+                raise MessageValidationError("OUTPUT_READY carries exactly one of output or failure")
+            if self.output is not None and self.output.async_output_id not in (None, self.async_output_id):
+                raise MessageValidationError(
+                    f"OUTPUT_READY for {self.async_output_id!r} carries the output of {self.output.async_output_id!r}"
+                )
+            self._forbid("OUTPUT_READY", rpc_id=None, async_output_ids=(), request_ids=(), result=None)
+        else:
+            _check_id("RPC_RESULT rpc_id", self.rpc_id)
+            if self.failure is not None and self.result is not None:
+                raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
+            self._forbid("RPC_RESULT", async_output_ids=(), request_ids=(), async_output_id=None, output=None)
+
+    def _forbid(self, kind: str, **expected: object) -> None:
+        for name, empty in expected.items():
+            if getattr(self, name) != empty:
+                raise MessageValidationError(f"{kind} must not set {name}")
+
+    # Named constructors -------------------------------------------------------------
+
+    @classmethod
+    def compute_done(
+        cls, rpc_id: str, async_output_ids: tuple[str, ...], request_ids: tuple[str, ...], *, rank: int = 0
+    ) -> AsyncDiffusionOutput:
+        return cls(
+            AsyncOutputKind.COMPUTE_DONE,
+            rank=rank,
+            rpc_id=rpc_id,
+            async_output_ids=tuple(async_output_ids),
+            request_ids=tuple(request_ids),
+        )
+
+    @classmethod
+    def output_ready(cls, async_output_id: str, output: DiffusionOutput, *, rank: int = 0) -> AsyncDiffusionOutput:
+        return cls(AsyncOutputKind.OUTPUT_READY, rank=rank, async_output_id=async_output_id, output=output)
+
+    @classmethod
+    def output_failed(cls, async_output_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
+        return cls(AsyncOutputKind.OUTPUT_READY, rank=rank, async_output_id=async_output_id, failure=failure)
+
+    @classmethod
+    def rpc_result(cls, rpc_id: str, result: Any, *, rank: int = 0) -> AsyncDiffusionOutput:
+        return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, result=result)
+
+    @classmethod
+    def rpc_failed(cls, rpc_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
+        return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, failure=failure)
+
+
+@attrs.frozen
+class DiffusionRequest:
+    """One generation request as the worker sees it: an id and the model's parameters."""
+
+    request_id: str
+    params: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        _check_id("request_id", self.request_id)
+
+
+@attrs.frozen
+class RpcRequest:
+    """An RPC broadcast from the executor to every worker rank."""
+
+    rpc_id: str
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    # True: execute_model/execute_model_batch answer with COMPUTE_DONE and pack in the
+    # background (request mode).  False: the ordinary synchronous answer (step mode).
+    async_output: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _check_id("rpc_id", self.rpc_id)
+        _check_id("method", self.method)

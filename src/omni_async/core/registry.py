@@ -1,0 +1,519 @@
+"""The output registry: one record per output id on the executor side.
+
+Sans-IO: no threads, no queues, no clocks, no torch.  Callers pass ``now`` (a
+monotonic time in seconds) and hold one lock around every call; the pump
+(``omni_async.executor.pump``) is that caller.
+
+The registry owns everything about an id -- its request-machine state, its
+waiter, its payload or failure, its output deadline -- in one ``OutputRecord``,
+where the reference implementation spread it over four dictionaries.
+
+Waiter resolution is split in two so that it is atomic against cancellation
+(F3) and never runs user callbacks under the caller's lock:
+
+1. Under the lock the registry *claims* the waiter with
+   ``Future.set_running_or_notify_cancel()``.  If the waiter was cancelled
+   first, the claim fails and the output is released instead (F9).  A claimed
+   future can no longer be cancelled.
+2. The claimed future and its result go to the outbox; the caller sets them
+   with ``apply_resolutions`` after releasing its lock, so a done-callback that
+   calls back into the executor cannot deadlock.
+
+Every id ends in exactly one terminal state, after which its record is removed;
+a payload that arrives for nobody is released through ``release_hook`` the
+moment it arrives.  ``len(registry) == 0`` whenever nothing is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+
+from omni_async.core.errors import (
+    ExecutorShutdown,
+    IllegalTransition,
+    OutputDropped,
+    OutputError,
+    OutputTimeout,
+    ProtocolError,
+    RemoteError,
+)
+from omni_async.core.messages import DiffusionOutput, Failure
+from omni_async.core.states import (
+    AWAITING_COMPUTE_DONE,
+    HOLDING,
+    REGISTRY_INITIAL,
+    Machine,
+    RequestEvent,
+    RequestState,
+    request_machine,
+)
+from omni_async.core.trace import FieldValue, Tracer
+
+log = logging.getLogger(__name__)
+
+ReleaseHook = Callable[[DiffusionOutput], None]
+
+S = RequestState
+E = RequestEvent
+
+
+def no_release(_: DiffusionOutput) -> None:
+    """The default release hook: nothing to give back (no shared memory behind outputs)."""
+    return None
+
+
+@attrs.define(eq=False)
+class Resolution:
+    """A claimed (RUNNING) future and what to set on it (see the module docstring)."""
+
+    future: Future[Any]
+    output: object = None
+    error: BaseException | None = None
+
+    def apply(self) -> None:
+        if self.error is not None:
+            self.future.set_exception(self.error)
+        else:
+            self.future.set_result(self.output)
+
+
+def apply_resolutions(resolutions: Iterable[Resolution]) -> None:
+    for r in resolutions:
+        r.apply()
+
+
+@attrs.define(eq=False)
+class OutputRecord:
+    output_id: str
+    machine: Machine[RequestState, RequestEvent]
+    rank: int | None = None
+    request_id: str | None = None
+    consumer: str | None = None
+    waiter: Future[DiffusionOutput] | None = None
+    payload: DiffusionOutput | None = None
+    failure: Failure | None = None
+    # Output-delivery deadline, measured from COMPUTE_DONE (F4); None = no deadline.
+    deadline: float | None = None
+    # Futures of acknowledged drops: resolved when the record is removed.
+    gone: list[Future[None]] = attrs.field(factory=list)
+    # Which of the id's two messages the registry has seen (see ``_finished``).
+    cd_seen: bool = False
+    out_seen: bool = False
+
+    @property
+    def state(self) -> RequestState:
+        return self.machine.state
+
+
+@attrs.define
+class RegistryStats:
+    """Counters an engine can export as metrics."""
+
+    received_outputs: int = 0
+    received_failures: int = 0
+    delivered: int = 0
+    released: int = 0
+    protocol_errors: int = 0
+    timeouts: int = 0
+    # Release-hook calls that raised (the payload counts as released; see _release_payload).
+    release_errors: int = 0
+    terminal: Counter[RequestState] = attrs.field(factory=Counter)
+
+
+class OutputRegistry:
+    def __init__(
+        self,
+        *,
+        output_timeout: float | None = None,
+        release_hook: ReleaseHook = no_release,
+        tracer: Tracer | None = None,
+        max_error_log: int = 64,
+        max_finished: int = 4096,
+    ) -> None:
+        self._records: dict[str, OutputRecord] = {}
+        self._output_timeout = output_timeout
+        self._release_hook = release_hook
+        self._trace = tracer
+        self._outbox: list[Resolution] = []
+        self._closed: Callable[[str | None], OutputError] | None = None
+        self.stats = RegistryStats()
+        self.errors: deque[ProtocolError] = deque(maxlen=max_error_log)
+        # A record is removed when it ends, so a message for an id that already
+        # finished (a repeated COMPUTE_DONE/OUTPUT_READY, or the late one of a
+        # force-released id) would otherwise create a fresh record holding a payload
+        # for nobody (F9).  A bounded memory of recently finished ids, each with the
+        # messages it still expects, tells them apart: an expected late message is
+        # released quietly, any other is a counted protocol error; neither creates a record.
+        self._finished: OrderedDict[str, set[str]] = OrderedDict()
+        self._max_finished = max_finished
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, output_id: object) -> bool:
+        return output_id in self._records
+
+    def __iter__(self) -> Iterator[OutputRecord]:
+        return iter(list(self._records.values()))
+
+    def state_of(self, output_id: str) -> RequestState | None:
+        rec = self._records.get(output_id)
+        return None if rec is None else rec.state
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def pending_waiters(self) -> int:
+        return sum(1 for r in self._records.values() if r.waiter is not None)
+
+    def held_payloads(self) -> int:
+        return sum(1 for r in self._records.values() if r.state in HOLDING)
+
+    def take_resolutions(self) -> list[Resolution]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    # ------------------------------------------------------------ peer messages
+
+    def on_compute_done(
+        self,
+        output_ids: Iterable[str],
+        *,
+        now: float,
+        rank: int | None = None,
+        request_ids: Iterable[str] | None = None,
+        consumer: str | None = None,
+    ) -> list[str]:
+        """The reply rank's COMPUTE_DONE named these ids (one per request).
+
+        Returns the ids it announced for the first time; a duplicate is counted as a
+        protocol error and left out, so a caller that drops the returned ids never
+        drops an output that an earlier COMPUTE_DONE announced.
+        """
+        rids: list[str | None] = list(request_ids) if request_ids is not None else []
+        accepted: list[str] = []
+        for i, oid in enumerate(output_ids):
+            if self._late_message(oid, "cd"):
+                continue
+            rec = self._get_or_create(oid, rank)
+            if rec is None:
+                continue
+            if rec.state not in AWAITING_COMPUTE_DONE:
+                self._protocol_error(oid, f"duplicate COMPUTE_DONE in state {rec.state}")
+                continue
+            accepted.append(oid)
+            rec.cd_seen = True
+            if i < len(rids):
+                rec.request_id = rids[i]
+            rec.consumer = consumer
+            if self._output_timeout is not None:
+                rec.deadline = now + self._output_timeout
+            self._fire(rec, E.COMPUTE_DONE)
+            self._after_change(rec)
+        return accepted
+
+    def on_output(
+        self,
+        output_id: str,
+        *,
+        output: DiffusionOutput | None = None,
+        failure: Failure | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """An OUTPUT_READY arrived: an output, or a failure (exactly one of the two)."""
+        if (output is None) == (failure is None):
+            raise ValueError("on_output takes exactly one of output or failure")
+        if output is not None:
+            self.stats.received_outputs += 1
+        else:
+            self.stats.received_failures += 1
+        if self._late_message(output_id, "out"):
+            if output is not None:
+                self._release_payload(output_id, output)
+            return
+        rec = self._get_or_create(output_id, rank)
+        if rec is None:
+            # Closed registry: nobody will ever claim it.
+            if output is not None:
+                self._release_payload(output_id, output)
+            return
+        event = E.OUTPUT_READY if output is not None else E.OUTPUT_FAILED
+        if not rec.machine.can(event):
+            self._protocol_error(output_id, f"duplicate OUTPUT_READY in state {rec.state}")
+            if output is not None:
+                self._release_payload(output_id, output)
+            return
+        rec.out_seen = True
+        self._fire(rec, event)
+        if rec.state in HOLDING:
+            rec.payload, rec.failure = output, failure
+        elif output is not None:
+            # DROPPING/RELEASING -> terminal: nobody wants it, release at once (F9, F10).
+            self._release_payload(output_id, output)
+        self._after_change(rec)
+
+    # ------------------------------------------------------------ caller actions
+
+    def wait(self, output_id: str) -> Future[DiffusionOutput]:
+        """The future of ``output_id``'s output; the same future on repeated calls."""
+        fut: Future[DiffusionOutput] = Future()
+        rec = self._records.get(output_id)
+        if self._closed is not None:
+            fut.set_exception(self._closed(output_id))
+            return fut
+        if rec is None:
+            fut.set_exception(
+                OutputError(f"unknown output id {output_id!r} (never announced, or already finished)", output_id=output_id)
+            )
+            return fut
+        if rec.state in (S.DROPPING, S.DROPPING_EARLY):
+            fut.set_exception(OutputDropped(f"output {output_id!r} was dropped", output_id=output_id))
+            return fut
+        if rec.state in (S.RELEASING, S.RELEASING_EARLY):
+            fut.set_exception(OutputDropped(f"output {output_id!r} was abandoned by its waiter", output_id=output_id))
+            return fut
+        if rec.waiter is not None:
+            return rec.waiter
+        rec.waiter = fut
+        self._tr("WaiterAdd", output_id=output_id)
+        self._after_change(rec)
+        return fut
+
+    def cancel(self, output_id: str, future: Future[DiffusionOutput] | None = None) -> None:
+        """The waiter of ``output_id`` was cancelled: the output is no longer wanted (F9)."""
+        self._tr("Cancel", output_id=output_id)
+        rec = self._records.get(output_id)
+        if rec is None or rec.waiter is None or (future is not None and rec.waiter is not future):
+            return
+        rec.waiter = None
+        self._tr("WaiterResolve", output_id=output_id, outcome="cancelled")
+        self._abandon(rec)
+
+    def drop(self, output_id: str) -> Future[None]:
+        """Drop/abort ``output_id`` in any state (F10).
+
+        Returns a future resolved when nothing of the id remains (the acknowledged
+        abort); already resolved if the id is unknown or gone at once, otherwise
+        resolved through the outbox like every other future.
+        """
+        self._tr("Drop", output_id=output_id)
+        done: Future[None] = Future()
+        rec = self._records.get(output_id)
+        if rec is None:
+            done.set_result(None)
+            return done
+        self._fail_waiter(rec, OutputDropped(f"output {output_id!r} was dropped", output_id=output_id), "dropped")
+        self._fire(rec, E.DROP)
+        self._discard_payload(rec)
+        self._after_change(rec)
+        if rec.machine.terminal:
+            # Gone at once: nobody can have added a callback to ``done`` yet, so setting
+            # it here (under the caller's lock) runs no user code.
+            done.set_result(None)
+        else:
+            rec.gone.append(done)
+        return done
+
+    def release_consumer(self, consumer: str) -> int:
+        """The consumer went away without aborting (F11): abandon every record it owns."""
+        self._tr("ReleaseConsumer", consumer=consumer)
+        mine = [r for r in self._records.values() if r.consumer == consumer]
+        for rec in mine:
+            self._fail_waiter(rec, OutputDropped(f"consumer {consumer!r} went away", output_id=rec.output_id), "dropped")
+            self._abandon(rec)
+        return len(mine)
+
+    def expire(self, now: float) -> int:
+        """Fail or release every record whose output deadline has passed (F4, F11)."""
+        due = [r for r in self._records.values() if r.deadline is not None and r.deadline <= now]
+        if due:
+            self._tr("Expire", count=len(due))
+        for rec in due:
+            rec.deadline = None
+            self.stats.timeouts += 1
+            self._fail_waiter(
+                rec,
+                OutputTimeout(
+                    f"output {rec.output_id!r} not delivered within {self._output_timeout}s of COMPUTE_DONE",
+                    output_id=rec.output_id,
+                ),
+                "timeout",
+            )
+            self._abandon(rec)
+        return len(due)
+
+    def rearm_deadlines(self, output_ids: Iterable[str], now: float) -> None:
+        """Measure the output deadline of these ids from ``now`` (their call resolved)."""
+        if self._output_timeout is None:
+            return
+        for oid in output_ids:
+            rec = self._records.get(oid)
+            if rec is not None and rec.deadline is not None:
+                rec.deadline = now + self._output_timeout
+
+    def next_deadline(self) -> float | None:
+        deadlines = [r.deadline for r in self._records.values() if r.deadline is not None]
+        return min(deadlines) if deadlines else None
+
+    def fail_all(
+        self, make_error: Callable[[str | None], OutputError], *, outcome: str = "shutdown", close: bool = False
+    ) -> int:
+        """Nothing more will arrive (shutdown, worker death): fail every waiter, release everything.
+
+        With ``close=True`` the registry also refuses new work (F16): later waits fail
+        with ``make_error(None)`` and later payloads are released on arrival.
+        """
+        self._tr("FailAll", outcome=outcome, close=close)
+        if close:
+            self._closed = make_error
+            self._tr("Shutdown")
+        recs = list(self._records.values())
+        for rec in recs:
+            self._fail_waiter(rec, make_error(rec.output_id), outcome)
+            self._fire(rec, E.FORCE_RELEASE)
+            self._discard_payload(rec)
+            self._after_change(rec)
+        return len(recs)
+
+    def shutdown(self) -> int:
+        return self.fail_all(
+            lambda oid: ExecutorShutdown("the executor shut down", output_id=oid), outcome="shutdown", close=True
+        )
+
+    # ---------------------------------------------------------------- internals
+
+    def _get_or_create(self, output_id: str, rank: int | None) -> OutputRecord | None:
+        rec = self._records.get(output_id)
+        if rec is not None:
+            return rec
+        if self._closed is not None:
+            return None
+        rec = OutputRecord(output_id, request_machine(output_id, REGISTRY_INITIAL), rank=rank)
+        self._records[output_id] = rec
+        self._tr("Create", output_id=output_id)
+        return rec
+
+    def _fire(self, rec: OutputRecord, event: RequestEvent) -> None:
+        src = rec.state
+        try:
+            dst = rec.machine.fire(event)
+        except IllegalTransition as exc:
+            # Every caller checks legality first; reaching this is a bug in the registry.
+            raise AssertionError(str(exc)) from exc
+        self._tr("Fire", output_id=rec.output_id, event=event.name, src=src.name, dst=dst.name)
+
+    def _abandon(self, rec: OutputRecord) -> None:
+        self._fire(rec, E.ABANDON)
+        self._discard_payload(rec)
+        self._after_change(rec)
+
+    def _after_change(self, rec: OutputRecord) -> None:
+        """Deliver if a waiter and a result meet; remove the record once terminal."""
+        if rec.waiter is not None and rec.state in (S.READY, S.FAILED):
+            fut = rec.waiter
+            rec.waiter = None
+            if fut.set_running_or_notify_cancel():
+                payload, failure = rec.payload, rec.failure
+                rec.payload = rec.failure = None
+                self._fire(rec, E.DELIVER)
+                if payload is not None:
+                    self.stats.delivered += 1
+                    self._tr("PayloadDeliver", output_id=rec.output_id)
+                    self._tr("WaiterResolve", output_id=rec.output_id, outcome="output")
+                    self._outbox.append(Resolution(fut, output=attrs.evolve(payload, async_output_id=rec.output_id)))
+                else:
+                    assert failure is not None
+                    self._tr("WaiterResolve", output_id=rec.output_id, outcome="failure")
+                    self._outbox.append(
+                        Resolution(fut, error=RemoteError(failure, output_id=rec.output_id, rank=rec.rank))
+                    )
+            else:
+                # Cancelled between the caller's check and our claim (F3): treat as abandoned.
+                self._tr("WaiterResolve", output_id=rec.output_id, outcome="cancelled")
+                self._fire(rec, E.ABANDON)
+                self._discard_payload(rec)
+        if rec.machine.terminal:
+            del self._records[rec.output_id]
+            self.stats.terminal[rec.state] += 1
+            self._tr("Remove", output_id=rec.output_id, state=rec.state.name)
+            self._remember_finished(rec)
+            # Like waiters, acknowledged-drop futures are claimed here and set after the
+            # caller's lock is released: a done-callback that calls back into the
+            # executor (drop_output(...).add_done_callback(lambda f: ex.metrics()))
+            # would otherwise deadlock the pump.
+            for g in rec.gone:
+                if g.set_running_or_notify_cancel():
+                    self._outbox.append(Resolution(g, output=None))
+            rec.gone.clear()
+
+    def _fail_waiter(self, rec: OutputRecord, error: BaseException, outcome: str) -> None:
+        fut = rec.waiter
+        if fut is None:
+            return
+        rec.waiter = None
+        claimed = fut.set_running_or_notify_cancel()
+        self._tr("WaiterResolve", output_id=rec.output_id, outcome=outcome if claimed else "cancelled")
+        if claimed:
+            self._outbox.append(Resolution(fut, error=error))
+
+    def _discard_payload(self, rec: OutputRecord) -> None:
+        payload, rec.payload, rec.failure = rec.payload, None, None
+        if payload is not None:
+            self._release_payload(rec.output_id, payload)
+
+    def _release_payload(self, output_id: str, payload: DiffusionOutput) -> None:
+        self.stats.released += 1
+        self._tr("PayloadRelease", output_id=output_id)
+        # A hook error must not escape in the middle of a state change: the record of a
+        # terminal id would never be removed, a shutdown would stop failing waiters at
+        # the first bad payload, a claimed waiter could stay RUNNING forever.  Count
+        # and log it instead.
+        try:
+            self._release_hook(payload)
+        except Exception:
+            self.stats.release_errors += 1
+            log.exception("registry: releasing the payload of %r failed", output_id)
+
+    def _late_message(self, output_id: str, kind: str) -> bool:
+        """True if ``output_id`` already finished: the message is late or repeated (see ``_finished``)."""
+        if output_id in self._records:
+            return False
+        expected = self._finished.get(output_id)
+        if expected is None:
+            return False
+        self._tr("Late", output_id=output_id, kind=kind, expected=kind in expected)
+        if kind in expected:
+            expected.discard(kind)
+        else:
+            name = "COMPUTE_DONE" if kind == "cd" else "OUTPUT_READY"
+            self._protocol_error(output_id, f"{name} for an output that already finished")
+        return True
+
+    def _remember_finished(self, rec: OutputRecord) -> None:
+        expected = set()
+        if not rec.cd_seen:
+            expected.add("cd")
+        if not rec.out_seen:
+            expected.add("out")
+        self._finished[rec.output_id] = expected
+        while len(self._finished) > self._max_finished:
+            self._finished.popitem(last=False)
+
+    def _protocol_error(self, output_id: str, reason: str) -> None:
+        self.stats.protocol_errors += 1
+        self.errors.append(ProtocolError(f"output {output_id!r}: {reason}", output_id=output_id))
+        self._tr("ProtocolError", output_id=output_id, reason=reason)
+
+    def _tr(self, action: str, **fields: FieldValue) -> None:
+        if self._trace is not None:
+            self._trace(action, fields)
+

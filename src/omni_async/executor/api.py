@@ -1,0 +1,498 @@
+"""Executor side: the API an engine calls, over any transport.
+
+``DiffusionExecutor`` holds the pump, the dispatcher and the registry, and
+implements the whole executor protocol; a subclass only says how an RPC reaches
+every worker (``_broadcast``) and whether the workers are alive
+(``_worker_failure``).  ``InProcessExecutor`` runs each rank's ``WorkerLoop`` on
+a thread (tests, the demo without processes); ``MultiprocDiffusionExecutor`` in
+``omni_async.executor.multiproc`` runs them in worker processes.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, Self
+
+from omni_async.transport.channel import InProcessChannel, ResultReceiver, ResultSender
+from omni_async.core.config import Deadlines
+from omni_async.core.dispatch import ASYNC_METHODS, Dispatcher
+from omni_async.core.errors import (
+    ComputeTimeout,
+    ExecutorShutdown,
+    OmniAsyncError,
+    OutputError,
+    RpcFailed,
+    UsageError,
+)
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    RpcRequest,
+    RunnerOutput,
+)
+from omni_async.worker.packer import Packer
+from omni_async.executor.pump import ResultPump
+from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
+from omni_async.core.trace import Tracer
+from omni_async.worker.loop import DROP_OUTPUTS, WorkerLoop
+
+log = logging.getLogger(__name__)
+
+
+
+class DiffusionExecutor(abc.ABC):
+    def __init__(
+        self,
+        receiver: ResultReceiver,
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        step_mode: bool = False,
+        deadlines: Deadlines | None = None,
+        release_hook: ReleaseHook = no_release,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise UsageError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.reply_rank = reply_rank
+        self.step_mode = step_mode
+        self.deadlines = deadlines if deadlines is not None else Deadlines.from_env()
+        self.registry = OutputRegistry(
+            output_timeout=self.deadlines.output_timeout, release_hook=release_hook, tracer=tracer
+        )
+        self.dispatcher = Dispatcher(
+            self.registry,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            compute_timeout=self.deadlines.compute_timeout,
+            tracer=tracer,
+        )
+        self.pump = ResultPump(receiver, self.dispatcher)
+        self.token = uuid.uuid4().hex[:8]
+        self._rpc_seq = itertools.count()
+        # Path-2 answers come through one shared FIFO buffer, so at most one such RPC
+        # may be in flight: two would read each other's answers.
+        self._sync_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self._closed = False
+        self.stale_sync_answers = 0
+        # How long engines waited on wait_output_ready futures that delivered an output
+        # (from the call to the result): the part of packing the engine did not hide.
+        self._wait_lock = threading.Lock()
+        self._waits = 0
+        self._wait_s_total = 0.0
+        self._wait_s_max = 0.0
+
+    # --------------------------------------------------------------- transport
+
+    @abc.abstractmethod
+    def _broadcast(self, req: RpcRequest) -> None:
+        """Deliver ``req`` to every rank (raises if it cannot)."""
+
+    def _worker_failure(self) -> OmniAsyncError | None:
+        """An error naming a dead worker, or None while all are alive."""
+        return None
+
+    def _send_rpc(self, req: RpcRequest) -> None:
+        """Broadcast ``req``, preceded by the drops the workers have not heard of yet.
+
+        Drops the dispatcher makes itself (a failed or timed-out call, an orphan
+        COMPUTE_DONE) happen on the pump thread, which must never block on a worker's
+        pipe; they travel with the next RPC instead, still ahead of its forward.
+        """
+        drops = self.pump.call(lambda d: d.take_worker_drops())
+        if drops:
+            self._notify_drop(drops)
+        self._broadcast(req)
+
+    def _stop_workers(self) -> None:
+        """Stop the workers (after the pump stopped). Must be idempotent."""
+
+    # --------------------------------------------------------------- execute
+
+    def next_rpc_id(self) -> str:
+        return f"{self.token}-{next(self._rpc_seq)}"
+
+    def submit_batch(
+        self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
+    ) -> Future[list[RunnerOutput]]:
+        """Start a batched forward; the future resolves on COMPUTE_DONE (request mode)."""
+        reqs = list(requests)
+        if not reqs:
+            raise UsageError("execute_batch needs at least one request")
+        return self._submit("execute_model_batch", (reqs,), consumer)
+
+    def submit_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> Future[RunnerOutput]:
+        inner = self._submit("execute_model", (request,), consumer)
+        return _map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+
+    def execute_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> RunnerOutput:
+        if self.step_mode:
+            return self._execute_sync("execute_model", (request,))[0]
+        return self.submit_request(request, consumer=consumer).result()
+
+    def execute_batch(
+        self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
+    ) -> list[RunnerOutput]:
+        if self.step_mode:
+            return self._execute_sync("execute_model_batch", (list(requests),))
+        return self.submit_batch(requests, consumer=consumer).result()
+
+    def _submit(self, method: str, args: tuple[Any, ...], consumer: str | None) -> Future[list[RunnerOutput]]:
+        if self.step_mode:
+            raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
+        self.check_health()
+        rpc_id = self.next_rpc_id()
+        now = self.pump.now()
+        inner = self.pump.call(lambda d: d.submit(rpc_id, method, now=now, consumer=consumer))
+        try:
+            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True))
+        except BaseException as exc:
+            err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
+            self.pump.call(lambda d: d.forget(rpc_id, err))
+            raise err from exc
+        # A caller that cancels after the pump claimed the call's future (inner RUNNING,
+        # outer still cancellable) never sees its RunnerOutputs: nobody else can claim
+        # or drop their outputs, so drop them here (F9/F10).
+        return _map_future(inner, list, discard=self._drop_runner_outputs)
+
+    def _drop_runner_outputs(self, outputs: list[RunnerOutput]) -> None:
+        for ro in outputs:
+            if ro.async_output_id is not None:
+                self.drop_output(ro.async_output_id)
+
+    def _execute_sync(self, method: str, args: tuple[Any, ...]) -> list[RunnerOutput]:
+        results = self.collective_rpc(method, args)
+        reply = results[self.reply_rank]
+        outputs = list(reply.per_request()) if hasattr(reply, "per_request") else [reply]
+        return [RunnerOutput(request_id=o.request_id, finished=True, result=self._receive(o)) for o in outputs]
+
+    def _receive(self, output: DiffusionOutput) -> DiffusionOutput:
+        """Turn an output as it travelled into what the engine gets (identity in process)."""
+        return output
+
+    def drain(self, timeout: float = 60.0) -> None:
+        """Wait until every worker has sent every output it is packing (F8); raises on timeout."""
+        self.collective_rpc("drain_outputs", (timeout,), timeout=timeout + 5.0)
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every rank; returns the answers in rank order (path 2).
+
+        In request mode ``execute_model``/``execute_model_batch`` take path 1 and
+        return ``RunnerOutput``s (one per request) from the reply rank.
+        """
+        if method in ASYNC_METHODS and not self.step_mode:
+            fut = self._submit(method, args, None)
+            return list(fut.result())
+        if method == DROP_OUTPUTS:
+            # The workers never answer this control message: waiting for an answer
+            # would only end in a ComputeTimeout after the whole rpc_timeout.
+            raise UsageError(f"{method!r} has no answer; use drop_output/abort_outputs")
+        self.check_health()
+        limit = self.deadlines.rpc_timeout if timeout is None else timeout
+        with self._sync_lock:
+            rpc_id = self.next_rpc_id()
+            self._send_rpc(RpcRequest(rpc_id, method, args, dict(kwargs or {}), async_output=False))
+            answers = self._collect(rpc_id, method, None if limit is None else time.monotonic() + limit)
+        failures: dict[int, Failure] = {r: a.failure for r, a in answers.items() if a.failure is not None}
+        if failures:
+            raise RpcFailed(rpc_id, method, failures)
+        return [answers[r].result for r in range(self.world_size)]
+
+    def _collect(self, rpc_id: str, method: str, deadline: float | None) -> dict[int, AsyncDiffusionOutput]:
+        answers: dict[int, AsyncDiffusionOutput] = {}
+        while len(answers) < self.world_size:
+            wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if wait <= 0:
+                missing = sorted(set(range(self.world_size)) - answers.keys())
+                raise ComputeTimeout(f"rpc {method} ({rpc_id}): no answer from rank(s) {missing} in time")
+            try:
+                msg = self.pump.sync_buffer.get(timeout=wait)
+            except queue.Empty:
+                self.check_health()
+                continue
+            if msg.rpc_id != rpc_id or msg.rank in answers:
+                # The answer of an earlier call that timed out: discard it.
+                self.stale_sync_answers += 1
+                continue
+            answers[msg.rank] = msg
+        return answers
+
+    # ---------------------------------------------------------------- outputs
+
+    def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
+        """The future of an output announced by COMPUTE_DONE.
+
+        Cancelling the future abandons the output: it is released the moment it
+        arrives (F9).
+        """
+        t0 = time.monotonic()
+        fut = self.pump.call(lambda d: d.registry.wait(async_output_id))
+
+        def on_done(f: Future[DiffusionOutput]) -> None:
+            if f.cancelled():
+                self.pump.call(lambda d: d.registry.cancel(async_output_id, f))
+            elif f.exception() is None:
+                waited = time.monotonic() - t0
+                with self._wait_lock:
+                    self._waits += 1
+                    self._wait_s_total += waited
+                    self._wait_s_max = max(self._wait_s_max, waited)
+
+        fut.add_done_callback(on_done)
+        return fut
+
+    def drop_output(self, async_output_id: str) -> Future[None]:
+        """Drop/abort an output in any state (F10).
+
+        The returned future resolves once nothing of it remains in the executor
+        (an acknowledged abort); a packing that has not started is cancelled (F15).
+        """
+        done = self.pump.call(lambda d: d.registry.drop(async_output_id))
+        if not done.done():
+            self._notify_drop([async_output_id])
+        return done
+
+    def abort_outputs(self, async_output_ids: Iterable[str], timeout: float | None = None) -> None:
+        """Drop several outputs and return only when all of them are gone (before a weight update)."""
+        futs = [self.drop_output(oid) for oid in async_output_ids]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for f in futs:
+            f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def release_output(self, output: DiffusionOutput) -> int:
+        """The engine is done with a delivered output: give back what it holds (segments).
+
+        Returns how many segments went back; 0 for an executor without shared memory.
+        """
+        return 0
+
+    def release_consumer(self, consumer: str) -> int:
+        """The consumer went away without aborting (F11): release everything it owned."""
+        return self.pump.call(lambda d: d.release_consumer(consumer))
+
+    def _notify_drop(self, output_ids: list[str]) -> None:
+        try:
+            self._broadcast(RpcRequest(self.next_rpc_id(), DROP_OUTPUTS, (output_ids,)))
+        except Exception as exc:  # best effort: the registry already released everything
+            log.debug("cannot tell the workers about dropped outputs: %s", exc)
+
+    # ----------------------------------------------------------------- health
+
+    def check_health(self) -> None:
+        """Raise if the executor cannot make progress (shut down, pump dead, worker dead)."""
+        if self._closed:
+            raise ExecutorShutdown("the executor is shut down")
+        failure = self._worker_failure()
+        if failure is not None:
+            raise failure
+        if not self.pump.healthy():
+            raise ExecutorShutdown(f"the result pump is not running ({self.pump.state})")
+
+    def metrics(self) -> dict[str, float]:
+        """Counters of the executor side; ``output_waits``/``output_wait_s_total``/
+        ``output_wait_s_max``: the ``wait_output_ready`` futures that delivered an output,
+        and how long they took from the call (a repeated call for one id counts again)."""
+        with self._wait_lock:
+            waits = {
+                "output_waits": float(self._waits),
+                "output_wait_s_total": self._wait_s_total,
+                "output_wait_s_max": self._wait_s_max,
+            }
+
+        def read(d: Dispatcher) -> dict[str, float]:
+            s = d.registry.stats
+            return {
+                "pending_rpcs": d.pending_rpcs(),
+                "pending_outputs": len(d.registry),
+                "pending_waiters": d.registry.pending_waiters(),
+                "held_payloads": d.registry.held_payloads(),
+                "delivered": s.delivered,
+                "released": s.released,
+                "timeouts": s.timeouts,
+                "protocol_errors": s.protocol_errors + d.counters["protocol_errors"],
+                "compute_timeouts": d.counters["compute_timeouts"],
+                "dispatch_errors": self.pump.dispatch_errors,
+                "messages": self.pump.messages,
+                **waits,
+            }
+
+        return self.pump.call(read)
+
+    def worker_metrics(self) -> list[dict[str, Any]]:
+        """Per rank: pid and packer counters (outputs and bytes in flight, pack time,
+        back-pressure waits and the time spent in them)."""
+        return self.collective_rpc("loop_info")
+
+    # --------------------------------------------------------------- shutdown
+
+    def shutdown(self, reason: str = "the executor shut down") -> None:
+        """Idempotent: fail every pending waiter (F16), stop the pump, stop the workers."""
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.pump.stop(reason)
+        self._stop_workers()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _map_future(
+    inner: Future[Any], fn: Callable[[Any], Any], discard: Callable[[Any], object] | None = None
+) -> Future[Any]:
+    """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one.
+
+    ``discard`` receives a mapped value whose outer future was cancelled meanwhile
+    (so an output mapped for nobody still gives its segment back).
+    """
+    outer: Future[Any] = Future()
+
+    def on_inner(f: Future[Any]) -> None:
+        if f.cancelled():
+            outer.cancel()
+            return
+        exc = f.exception()
+        if exc is None:
+            try:
+                value = fn(f.result())
+            except BaseException as err:  # must reach the caller, not the callback logger
+                exc = err
+        if not outer.set_running_or_notify_cancel():
+            if exc is None and discard is not None:
+                discard(value)
+            return
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(value)
+
+    def on_outer(f: Future[Any]) -> None:
+        if f.cancelled():
+            inner.cancel()
+
+    outer.add_done_callback(on_outer)
+    inner.add_done_callback(on_inner)
+    return outer
+
+
+class InProcessExecutor(DiffusionExecutor):
+    """Every rank's ``WorkerLoop`` on a thread of this process, with a real pump and packer threads.
+
+    The protocol is the real one end to end (the channel even pickles every
+    message); only the process boundary is missing.
+    """
+
+    def __init__(
+        self,
+        make_worker: Callable[[int], object],
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        step_mode: bool = False,
+        deadlines: Deadlines | None = None,
+        max_outputs_in_flight: int = 4,
+        tracer: Tracer | None = None,
+        channel: InProcessChannel | None = None,
+        make_packer: Callable[[int, ResultSender], Packer] | None = None,
+        loop_options: Mapping[str, Any] | None = None,
+        release_hook: ReleaseHook = no_release,
+    ) -> None:
+        """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
+        caller build the worker side itself, e.g. a packer with its own pack function."""
+        self.channel = channel if channel is not None else InProcessChannel()
+        super().__init__(
+            self.channel,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            step_mode=step_mode,
+            deadlines=deadlines,
+            release_hook=release_hook,
+            tracer=tracer,
+        )
+        self._inboxes: list[queue.Queue[RpcRequest | None]] = []
+        self._threads: list[threading.Thread] = []
+        self.packers: list[Packer] = []
+        self.loops: list[WorkerLoop] = []
+        for rank in range(world_size):
+            sender: ResultSender = self.channel
+            packer = (
+                make_packer(rank, sender)
+                if make_packer is not None
+                else Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer)
+            )
+            loop = WorkerLoop(
+                rank,
+                make_worker(rank),
+                sender,
+                reply_rank=reply_rank,
+                packer=packer,
+                tracer=tracer,
+                **dict(loop_options or {}),
+            )
+            inbox: queue.Queue[RpcRequest | None] = queue.Queue()
+            t = threading.Thread(target=self._serve, args=(loop, inbox), name=f"omni-worker-{rank}", daemon=True)
+            self.packers.append(packer)
+            self.loops.append(loop)
+            self._inboxes.append(inbox)
+            self._threads.append(t)
+        self.pump.start()
+        for p, t in zip(self.packers, self._threads, strict=True):
+            p.start()
+            t.start()
+
+    @staticmethod
+    def _serve(loop: WorkerLoop, inbox: queue.Queue[RpcRequest | None]) -> None:
+        while (req := inbox.get()) is not None:
+            try:
+                loop.handle_rpc(req)
+            except Exception:
+                log.exception("worker %d: handling %s failed", loop.rank, req.method)
+
+    def _broadcast(self, req: RpcRequest) -> None:
+        if self._closed:
+            raise ExecutorShutdown("the executor is shut down")
+        for inbox in self._inboxes:
+            inbox.put(req)
+
+    def _worker_failure(self) -> OmniAsyncError | None:
+        for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):
+            if not t.is_alive() or not p.alive():
+                return ExecutorShutdown(f"worker thread of rank {rank} is not running")
+        return None
+
+    def _stop_workers(self) -> None:
+        for inbox in self._inboxes:
+            inbox.put(None)
+        for t in self._threads:
+            t.join(5.0)
+        # Close before stopping the packers: nobody reads any more, so a packer's put
+        # must fail at once rather than wait for room (F16: joins never hang).
+        self.channel.close()
+        for p in self.packers:
+            p.stop(5.0)
+
+
+__all__ = ["DiffusionExecutor", "InProcessExecutor", "OutputError"]

@@ -1,0 +1,351 @@
+"""``MultiprocDiffusionExecutor``: worker processes, a result pump and a monitor.
+
+Processes and threads, and who owns what:
+
+* The executor process owns the ``SegmentPool`` (it creates and finally unlinks
+  every segment), the result ``PipeChannel`` (one pipe per worker, read by the
+  pump), one RPC pipe per worker (written under ``_rpc_lock``), the pump thread
+  (``omni-pump``) and the monitor thread (``omni-monitor``).
+* Each worker process (spawn context, ``omni-worker-<rank>``) builds its model
+  from a ``WorkerSpec``, runs ``WorkerLoop.handle_rpc`` on its main thread and a
+  ``Packer`` (``omni-packer-<rank>``) on a side stream; both write to the
+  worker's result pipe through one sender (thread safe, F7).
+* The monitor waits on every worker's process sentinel.  A worker that dies
+  fails every pending waiter and RPC at once with ``WorkerDied`` naming the rank
+  and the exit code, reclaims the segments the dead process had leased, and
+  marks the executor failed: ``check_health`` raises from then on.
+
+Shutdown (idempotent, F16): stop the pump (every pending waiter fails with
+``ExecutorShutdown``), close the result pipes so a worker's write fails at once
+instead of waiting for room, ask each worker to exit, then join -> terminate ->
+kill, and finally close the pool, which unlinks every segment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import attrs
+
+from omni_async.transport.channel import PipeChannel, PipeSender
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError, WorkerDied
+from omni_async.executor.api import DiffusionExecutor, _map_future
+from omni_async.core.messages import DiffusionOutput, RpcRequest
+from omni_async.worker.packer import Packer
+from omni_async.transport.packing import (
+    pack_diffusion_output_shm,
+    release_packed_output,
+    release_unpacked_output,
+    unpack_diffusion_output_shm,
+)
+from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.core.trace import Tracer
+from omni_async.worker.loop import WorkerLoop
+
+log = logging.getLogger(__name__)
+
+
+@attrs.frozen
+class WorkerSpec:
+    """How a worker process builds its model: ``"package.module:factory"`` plus keyword arguments.
+
+    The factory is called as ``factory(**kwargs)``; with ``pass_rank`` it also gets
+    ``rank=``.  A string, not a callable, so that it pickles into a spawned process.
+    """
+
+    factory: str
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    pass_rank: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if ":" not in self.factory:
+            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}")
+
+    def build(self, rank: int) -> object:
+        module, _, name = self.factory.partition(":")
+        factory = getattr(importlib.import_module(module), name)
+        kwargs = dict(self.kwargs)
+        if self.pass_rank:
+            kwargs["rank"] = rank
+        return factory(**kwargs)
+
+
+@attrs.frozen
+class WorkerOptions:
+    """Worker-side settings, sent to every worker process."""
+
+    reply_rank: int = 0
+    device: str = "cpu"
+    max_outputs_in_flight: int = 4
+    max_bytes_in_flight: int | None = None
+    backpressure_timeout: float | None = None
+    inline_threshold: int = 64 << 10
+    lease_timeout: float | None = 30.0
+
+
+def _device_setup(device: str) -> Any:
+    """Select the worker's device on the calling thread; returns it (a torch.device)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if str(dev) == "cuda":  # no index given: the process's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    return dev
+
+
+def _worker_main(
+    rank: int,
+    spec: WorkerSpec,
+    opts: WorkerOptions,
+    pool: SegmentPool,
+    sender: PipeSender,
+    rpc_conn: multiprocessing.connection.Connection,
+) -> None:
+    """Entry point of a worker process (module level: spawn pickles it by name)."""
+    import torch
+
+    from omni_async.transport.platform import record_device_event
+
+    dev = _device_setup(opts.device)
+
+    def make_stream() -> Any:
+        # Runs on the packer thread: the current device is per thread, set it first.
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+        return None
+
+    def pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+        return pack_diffusion_output_shm(
+            output,
+            stream,
+            pool=pool,
+            inline_threshold=opts.inline_threshold,
+            ready_event=event,
+            lease_timeout=opts.lease_timeout,
+        )
+
+    def release(packed: DiffusionOutput) -> None:
+        release_packed_output(packed, pool=pool)
+
+    worker = spec.build(rank)
+    packer = Packer(
+        rank,
+        sender,
+        pack=pack,
+        release=release,
+        make_stream=make_stream,
+        max_outputs=opts.max_outputs_in_flight,
+        max_bytes=opts.max_bytes_in_flight,
+    )
+    loop = WorkerLoop(
+        rank,
+        worker,
+        sender,
+        reply_rank=opts.reply_rank,
+        packer=packer,
+        pack_sync=pack,
+        record_event=lambda: record_device_event(dev),
+        backpressure_timeout=opts.backpressure_timeout,
+    )
+    packer.start()
+    try:
+        while True:
+            try:
+                req = rpc_conn.recv()
+            except (EOFError, OSError):
+                break  # the executor is gone
+            if req is None:
+                break
+            loop.handle_rpc(req)
+    finally:
+        packer.stop(timeout=10.0)
+        sender.close()
+
+
+class MultiprocDiffusionExecutor(DiffusionExecutor):
+    """``world_size`` worker processes built from ``spec``; ``reply_rank`` ships the outputs.
+
+    ``options`` are the worker-side settings (device, packer budget); ``pool`` the
+    shared-memory pool (one is made when None; either way the executor closes it at
+    shutdown); ``copy_outputs`` makes ``wait_output_ready`` return owned copies and
+    give the segment back at once instead of zero-copy views.  The constructor
+    returns once every rank has built its model and answered.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        step_mode: bool = False,
+        deadlines: Deadlines | None = None,
+        options: WorkerOptions | None = None,
+        pool: SegmentPool | None = None,
+        pool_max_bytes: int | None = None,
+        copy_outputs: bool = False,
+        start_timeout: float = 120.0,
+        tracer: Tracer | None = None,
+    ) -> None:
+        opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
+        if opts.reply_rank != reply_rank:
+            opts = attrs.evolve(opts, reply_rank=reply_rank)
+        self._ctx = multiprocessing.get_context("spawn")
+        self.pool = pool if pool is not None else SegmentPool(max_bytes=pool_max_bytes, mp_context=self._ctx)
+        self._channel = PipeChannel(mp_context=self._ctx)
+        self._copy_outputs = copy_outputs
+        super().__init__(
+            self._channel,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            step_mode=step_mode,
+            deadlines=deadlines,
+            release_hook=self._release_packed,
+            tracer=tracer,
+        )
+        self._rpc_lock = threading.Lock()
+        self._rpc_conns: list[multiprocessing.connection.Connection] = []
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._failure: WorkerDied | None = None
+        self._monitor_stop_r, self._monitor_stop_w = self._ctx.Pipe(duplex=False)
+        try:
+            for rank in range(world_size):
+                sender = self._channel.new_sender(f"rank{rank}")
+                rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
+                proc = self._ctx.Process(
+                    target=_worker_main,
+                    args=(rank, spec, opts, self.pool, sender, rpc_r),
+                    name=f"omni-worker-{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                # The child holds its own copies; closing ours lets EOF mean "worker gone".
+                sender.close()
+                rpc_r.close()
+                self._rpc_conns.append(rpc_w)
+                self.procs.append(proc)
+            self.pump.start()
+            self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
+            self._monitor.start()
+            # Every rank has built its model and answers RPCs.
+            self.collective_rpc("loop_info", timeout=start_timeout)
+        except BaseException:
+            self.shutdown("the executor failed to start")
+            raise
+
+    # ----------------------------------------------------------------- transport
+
+    def _broadcast(self, req: RpcRequest) -> None:
+        with self._rpc_lock:
+            if self._closed:
+                raise ExecutorShutdown("the executor is shut down")
+            for rank, conn in enumerate(self._rpc_conns):
+                try:
+                    conn.send(req)
+                except (BrokenPipeError, OSError) as exc:
+                    raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
+
+    def _worker_failure(self) -> OmniAsyncError | None:
+        return self._failure
+
+    def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
+        """The unpacked output: tensors view shared memory until ``release_output`` (zero copy)."""
+        packed = super().wait_output_ready(async_output_id)
+        return _map_future(packed, self._receive, discard=self.release_output)
+
+    def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
+        try:
+            return unpack_diffusion_output_shm(packed, copy=self._copy_outputs)
+        except BaseException:
+            self._release_packed(packed)
+            raise
+
+    def release_output(self, output: DiffusionOutput) -> int:
+        """Give an unpacked output's segment back to the pool (exactly once)."""
+        return release_unpacked_output(output, pool=self.pool)
+
+    def _release_packed(self, packed: DiffusionOutput) -> None:
+        try:
+            release_packed_output(packed, pool=self.pool)
+        except Exception:
+            log.exception("releasing the segment of %s failed", packed.async_output_id)
+
+    # ------------------------------------------------------------------- monitor
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        while sentinels:
+            ready = multiprocessing.connection.wait([*sentinels, self._monitor_stop_r])
+            if self._monitor_stop_r in ready:
+                return
+            for s in ready:
+                if not isinstance(s, int):
+                    continue
+                rank = sentinels.pop(s)
+                proc = self.procs[rank]
+                proc.join(1.0)  # the sentinel fires just before the exit code is readable
+                if self._closed:
+                    continue
+                self._on_worker_death(rank, proc.exitcode, proc.pid)
+
+    def _on_worker_death(self, rank: int, exitcode: int | None, pid: int | None) -> None:
+        err = WorkerDied(rank, exitcode)
+        log.error("%s", err)
+        if self._failure is None:
+            self._failure = err
+        if pid is not None:
+            try:
+                self.pool.reclaim_owner(pid)
+            except Exception:
+                log.exception("reclaiming the segments of dead worker %d failed", rank)
+        # Close the registry too (TLC's DeathKeepsOpen): a message the dead worker sent
+        # before dying can still be in the pipe; without the close it would create a
+        # record (EARLY_READY, no deadline) that nobody ever claims.
+        self.pump.fail_all(lambda oid: WorkerDied(rank, exitcode, output_id=oid), outcome="worker_died", close=True)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _stop_workers(self) -> None:
+        try:
+            self._monitor_stop_w.send(None)
+        except OSError:
+            pass
+        # Nobody reads the result pipes any more: close them so a worker's put fails
+        # at once instead of waiting for room.
+        self._channel.close()
+        with self._rpc_lock:
+            for conn in self._rpc_conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+                conn.close()
+        for p in self.procs:
+            p.join(5.0)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        if hasattr(self, "_monitor"):
+            self._monitor.join(5.0)
+        self._monitor_stop_r.close()
+        self._monitor_stop_w.close()
+        # The executor owns its pool, also one passed in: closing it unlinks every
+        # segment; the prefix sweep catches any a dying worker created meanwhile.
+        self.pool.close()
+        unlink_all_with_prefix(self.pool.prefix)

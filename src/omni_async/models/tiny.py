@@ -1,0 +1,149 @@
+"""A small diffusion-like model, so the stack runs end to end on its own.
+
+``TinyDiffusionWorker`` implements the worker-side model interface
+(``DiffusionWorkerModel``): ``execute_model`` runs a few "denoising" steps --
+a seeded latent, repeated matmuls through a fixed random network -- and returns
+a ``DiffusionOutput`` whose tensors stay on the worker's device, exactly like a
+real pipeline whose post-processing moved to the engine.  The output is a
+nested structure (an image tensor in the model dtype, per-step latents and
+small plain values) so the packing path sees what real pipelines return.
+
+Deterministic up to the last bits: the same request parameters give the same
+outputs on the same device.  Bit-identical across processes only almost always: on
+a loaded 2-core CPU machine the first forward of a process sometimes differed from
+a later one in the last bits (CPU BLAS; about one demo run in ten, max difference
+0.009 on the 0..255 image).  So the image carries ``digest``, an exact checksum of
+its bytes taken in the worker (``image_digest``): the demo checks the bytes that
+arrive against it (the transport is bit-exact) and the values against a fresh
+forward with a tolerance (it is the right request's image).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+
+
+class TinyDiffusionWorker:
+    def __init__(
+        self,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        width: int = 64,
+        steps: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.width = width
+        self.steps = steps
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(width, width, generator=gen) / width**0.5
+        self.weight = w.to(self.device, dtype)
+        self.sleeping = False
+
+    # -- the model interface -----------------------------------------------------
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        return self._forward(request)
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self._forward(r) for r in requests))
+
+    # -- ordinary RPCs --------------------------------------------------------------
+
+    def ping(self) -> str:
+        return "pong"
+
+    def sleep(self) -> None:
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        self.sleeping = False
+
+    def fail(self, message: str = "requested failure") -> None:
+        raise RuntimeError(message)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _forward(self, request: DiffusionRequest) -> DiffusionOutput:
+        p = request.params
+        height = int(p.get("height", 32))
+        width = int(p.get("width", self.width))
+        steps = int(p.get("steps", self.steps))
+        if p.get("raise"):
+            raise RuntimeError(f"forward of {request.request_id} failed on purpose")
+        if width != self.width:
+            raise ValueError(f"this model has width {self.width}, request asks for {width}")
+        gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
+        latent = torch.randn(height, width, generator=gen).to(self.device, self.dtype)
+        trajectory: list[torch.Tensor] = []
+        for _ in range(steps):
+            latent = torch.tanh(latent @ self.weight)
+            if p.get("keep_trajectory"):
+                trajectory.append(latent.clone())
+        image = ((latent + 1) * 127.5).clamp(0, 255)
+        output: dict[str, Any] = {
+            "image": image,
+            "digest": image_digest(image),
+            "latents": trajectory,
+            "info": {"steps": steps, "shape": (height, width), "dtype": str(self.dtype)},
+        }
+        return DiffusionOutput(request_id=request.request_id, output=output)
+
+
+def image_digest(t: torch.Tensor) -> torch.Tensor:
+    """An exact, order-sensitive checksum of a tensor's bytes, as a 0-d int64 tensor on
+    the tensor's device (no host sync).  Integer sums are exact in any order (wrapping
+    mod 2**64 at worst), so the CPU and CUDA values agree."""
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64) % 251 + 1
+    return (data * weights).sum()
+
+
+class SyntheticVideoWorker:
+    """A stand-in for a video pipeline, for benchmarks: a device forward of a set length
+    (a chain of square matmuls) and one large output tensor (a "video") per request.
+
+    Each request gets a freshly allocated output, written last by the forward, as a
+    real pipeline's decoder would: the packer must copy it while the next forward runs.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: str = "cuda",
+        output_mb: float = 448.0,
+        matmuls: int = 32,
+        dim: int = 8192,
+        dtype: str = "bfloat16",
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype)
+        self.numel = int(output_mb * 1e6) // torch.empty((), dtype=self.dtype).element_size()
+        self.matmuls = matmuls
+        gen = torch.Generator().manual_seed(0)
+        self.a = (torch.randn(dim, dim, generator=gen) / dim**0.5).to(self.device, self.dtype)
+        self.b = (torch.randn(dim, dim, generator=gen) / dim**0.5).to(self.device, self.dtype)
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        x = self.a
+        for _ in range(int(request.params.get("matmuls", self.matmuls))):
+            x = x @ self.b
+        video = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        video.fill_(float(request.params.get("seed", 0)))
+        k = min(x.numel(), self.numel)
+        video[:k].copy_(x.reshape(-1)[:k])  # the forward's last kernel writes the output
+        return DiffusionOutput(request.request_id, {"video": video})
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self.execute_model(r) for r in requests))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,107 @@
+"""Typed errors of the data plane: the result channel, the shared-memory pool, packing.
+
+They live apart from ``errors.py`` so the transport can grow without touching the
+protocol's error module; every one of them still derives from ``OmniAsyncError``, so one
+``except OmniAsyncError`` catches them.  As in ``errors.py``, a ``UsageError`` subclass
+means the local caller can fix it (a message too large, an unsupported type, a second
+release); the others report a resource condition (full channel, exhausted pool, closed).
+"""
+
+from __future__ import annotations
+
+from omni_async.core.errors import OmniAsyncError, UsageError
+
+
+class TransportError(OmniAsyncError):
+    """Base class of the data plane's resource errors."""
+
+
+# -- result channel ---------------------------------------------------------------------
+
+
+class ChannelClosed(TransportError):
+    """The channel was closed: ``put`` after ``close``, or ``get`` on a closed, drained channel."""
+
+
+class ChannelFull(TransportError, TimeoutError):
+    """``put`` waited ``timeout`` seconds for room and got none; the message was NOT sent.
+
+    The channel never drops a message: the caller decides (retry, fail the request).
+    """
+
+    def __init__(self, message: str, *, nbytes: int, timeout: float | None) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+        self.timeout = timeout
+
+
+class MessageTooLarge(UsageError, ValueError):
+    """A message pickles to more bytes than the channel accepts (F5): an error, never a loss."""
+
+    def __init__(self, nbytes: int, limit: int) -> None:
+        super().__init__(
+            f"message pickles to {nbytes} bytes, over the channel's limit of {limit} bytes; "
+            "large tensors belong in shared memory (pack_diffusion_output_shm)"
+        )
+        self.nbytes = nbytes
+        self.limit = limit
+
+
+class UnpicklableMessage(UsageError, TypeError):
+    """A message could not be pickled; raised in the sender's thread, never hidden (F5)."""
+
+
+# -- shared-memory pool -----------------------------------------------------------------
+
+
+class PoolClosed(TransportError):
+    """The segment pool was closed (executor shutdown); no lease can be taken or resolved."""
+
+
+class PoolExhausted(TransportError, TimeoutError):
+    """No segment of the needed size class became free within the lease timeout."""
+
+    def __init__(self, message: str, *, nbytes: int, timeout: float) -> None:
+        super().__init__(message)
+        self.nbytes = nbytes
+        self.timeout = timeout
+
+
+class SegmentTooLarge(UsageError, ValueError):
+    """One tensor needs more bytes than the pool's largest size class (or its byte budget)."""
+
+    def __init__(self, nbytes: int, limit: int) -> None:
+        super().__init__(f"a {nbytes}-byte item exceeds the pool's largest segment ({limit} bytes)")
+        self.nbytes = nbytes
+        self.limit = limit
+
+
+class LeaseAlreadyReleased(UsageError):
+    """A lease (or a packed output) was released a second time."""
+
+    def __init__(self, segment: str) -> None:
+        super().__init__(f"segment {segment!r} was already released")
+        self.segment = segment
+
+
+class UnknownSegment(UsageError, KeyError):
+    """A handle names a segment this pool never created (wrong pool, or a forged handle)."""
+
+    def __str__(self) -> str:  # KeyError's str() adds quotes around the message
+        return str(self.args[0]) if self.args else ""
+
+
+# -- packing ----------------------------------------------------------------------------
+
+
+class UnsupportedOutputType(UsageError, TypeError):
+    """An output contains a value the packer cannot carry; names where it was found."""
+
+    def __init__(self, path: str, value_type: type) -> None:
+        super().__init__(f"cannot pack a {value_type.__module__}.{value_type.__qualname__} at {path}")
+        self.path = path
+        self.value_type = value_type
+
+
+class DeviceSyncUnavailable(TransportError):
+    """The producing device can neither record an event nor be synchronized."""

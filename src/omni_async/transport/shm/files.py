@@ -1,0 +1,97 @@
+"""Segment names under ``/dev/shm``, and the sweeps that need no pool and no lock.
+
+Every name of ours starts with ``omni-<pid of the creating executor>-``, so a crash
+cleanup finds a pool's files by prefix alone, and ``sweep_dead_executors`` finds the
+pools whose executor no longer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Final
+
+from omni_async.core.errors import UsageError
+
+__all__ = [
+    "LOCK_SUFFIX",
+    "SHM_DIR",
+    "SHM_PREFIX_ROOT",
+    "entries",
+    "is_plain_name",
+    "list_segments",
+    "pid_alive",
+    "sweep_dead_executors",
+    "unlink",
+    "unlink_all_with_prefix",
+]
+
+SHM_DIR: Final = "/dev/shm"
+SHM_PREFIX_ROOT: Final = "omni-"
+LOCK_SUFFIX: Final = "lock"  # <prefix>lock; segment names end in <slot>.<incarnation>
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_EXECUTOR_PID = re.compile(r"^omni-(\d+)-")
+
+
+def is_plain_name(name: str) -> bool:
+    """A name that cannot leave ``/dev/shm`` (no slash, no ``..`` tricks, no spaces)."""
+    return bool(_PLAIN_NAME.match(name))
+
+
+def unlink(name: str) -> bool:
+    """Unlink ``/dev/shm/<name>``; False when it was already gone."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def entries(prefix: str) -> list[str]:
+    """Every file under ``/dev/shm`` whose name starts with ``prefix`` (lock files too)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def list_segments(prefix: str = SHM_PREFIX_ROOT) -> list[str]:
+    """The segments under ``/dev/shm`` whose names start with ``prefix`` (not lock files)."""
+    return [n for n in entries(prefix) if not n.endswith(LOCK_SUFFIX)]
+
+
+def unlink_all_with_prefix(prefix: str) -> int:
+    """Unlink every ``/dev/shm`` segment whose name starts with ``prefix``; returns how many.
+
+    Needs no pool and no lock: the executor's crash cleanup.  Lock files go too (not
+    counted).  Mappings that processes still hold stay valid until unmapped; the memory
+    is freed when the last one goes.
+    """
+    if len(prefix) < len(SHM_PREFIX_ROOT) or not is_plain_name(prefix):
+        raise UsageError(f"refusing to unlink by the prefix {prefix!r} (too short or not a plain name)")
+    n = 0
+    for name in entries(prefix):
+        gone = unlink(name)
+        n += gone and not name.endswith(LOCK_SUFFIX)
+    return n
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (segment names carry their creator's pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead_executors() -> int:
+    """Unlink segments left by executors that are no longer running (their pid is in the name)."""
+    n = 0
+    for name in entries(SHM_PREFIX_ROOT):
+        m = _EXECUTOR_PID.match(name)
+        if m is not None and not pid_alive(int(m.group(1))):
+            n += unlink(name) and not name.endswith(LOCK_SUFFIX)
+    return n

@@ -1,0 +1,277 @@
+"""The worker side: one loop per rank that executes RPCs from the executor.
+
+``WorkerLoop.handle_rpc`` is the whole protocol of a worker:
+
+* ``execute_model`` / ``execute_model_batch`` with ``async_output`` (request
+  mode): the loop names one output id per request, waits for room in the
+  packer (back-pressure, before the forward), runs the forward, records a
+  device event, hands each request's output to the packer and sends
+  COMPUTE_DONE naming every id -- then returns to take the next request while
+  the packer copies in the background.  Only the reply rank announces outputs;
+  the other ranks answer with an empty RPC_RESULT, so the executor resolves the
+  call only once every rank has answered (F12).
+* Everything else (and execute in step mode): the ordinary synchronous answer,
+  an RPC_RESULT, packed on the main thread when it carries an output.
+* ``drop_outputs``: cancel packing of outputs that have not started (F15); no answer.
+* ``loop_info`` (pid, packer metrics) and ``drain_outputs`` (wait for in-flight
+  packs, F8) are answered by the loop itself; model methods that release device
+  memory (``DRAIN_BEFORE``) drain the packer first.
+
+Failures travel as a typed ``Failure`` in the answer (F2), never as a string.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from omni_async.transport.channel import ResultSender
+from omni_async.core.dispatch import ASYNC_METHODS
+from omni_async.core.errors import UsageError
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    BatchDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    RpcRequest,
+)
+from omni_async.worker.packer import Packer, PackFn, fire_traced
+from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
+from omni_async.core.trace import Tracer
+
+log = logging.getLogger(__name__)
+
+DROP_OUTPUTS = "drop_outputs"
+LOOP_INFO = "loop_info"
+DRAIN_OUTPUTS = "drain_outputs"
+# Methods the loop answers itself, never forwarded to the model worker.
+CONTROL_METHODS = frozenset({DROP_OUTPUTS, LOOP_INFO, DRAIN_OUTPUTS})
+# Model methods that release or replace device memory: the packer must have copied
+# every output out before they run (F8).
+DRAIN_BEFORE = frozenset({"sleep", "load_weights", "update_weights", "release_memory"})
+DEFAULT_DRAIN_TIMEOUT = 60.0
+
+
+class DiffusionWorkerModel(Protocol):
+    """What a real pipeline implements on the worker: forwards that return device tensors."""
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput: ...
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput: ...
+
+
+def _no_event() -> Any:
+    return None
+
+
+def output_nbytes(value: object) -> int:
+    """Bytes of tensor/array data in a nested output (what the packer will copy)."""
+    n = getattr(value, "nbytes", None)
+    if isinstance(n, int) and hasattr(value, "dtype"):
+        return n
+    numel = getattr(value, "numel", None)
+    if callable(numel) and hasattr(value, "element_size"):
+        return int(numel()) * int(value.element_size())
+    if isinstance(value, dict):
+        return sum(output_nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(output_nbytes(v) for v in value)
+    if isinstance(value, DiffusionOutput):
+        return output_nbytes(value.output)
+    fields = getattr(value, "__attrs_attrs__", None) or getattr(value, "__dataclass_fields__", None)
+    if fields is not None:
+        names = [f.name for f in fields] if not isinstance(fields, dict) else list(fields)
+        return sum(output_nbytes(getattr(value, name)) for name in names)
+    return 0
+
+
+class WorkerLoop:
+    def __init__(
+        self,
+        rank: int,
+        worker: object,
+        sender: ResultSender,
+        *,
+        reply_rank: int = 0,
+        packer: Packer | None = None,
+        pack_sync: PackFn | None = None,
+        record_event: Callable[[], Any] = _no_event,
+        backpressure_timeout: float | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.rank = rank
+        self.worker = worker
+        self._sender = sender
+        self._reply_rank = reply_rank
+        self._packer = packer
+        self._pack_sync = pack_sync
+        self._record_event = record_event
+        self._backpressure_timeout = backpressure_timeout
+        self._trace = tracer
+        self._prefix = f"r{rank}-{uuid.uuid4().hex[:12]}"
+        self._seq = itertools.count()
+
+    @property
+    def is_reply_rank(self) -> bool:
+        return self.rank == self._reply_rank
+
+    def new_output_id(self) -> str:
+        return f"{self._prefix}-{next(self._seq)}"
+
+    def handle_rpc(self, req: RpcRequest) -> None:
+        if req.method == DROP_OUTPUTS:
+            if self._packer is not None:
+                self._packer.drop(req.args[0] if req.args else ())
+            return
+        if req.method in (LOOP_INFO, DRAIN_OUTPUTS):
+            try:
+                result = self._control(req)
+                msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, result, rank=self.rank)
+            except Exception as exc:
+                msg = AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank)
+            self._send(msg, req.rpc_id)
+            return
+        if req.async_output and req.method in ASYNC_METHODS and self._packer is not None:
+            self._execute_async(req)
+            return
+        try:
+            result = self._call(req)
+            if req.method in ASYNC_METHODS:
+                result = self._step_result(result)
+            msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, result, rank=self.rank)
+        except Exception as exc:
+            msg = AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank)
+        self._send(msg, req.rpc_id)
+
+    # ------------------------------------------------------------- internals
+
+    def _control(self, req: RpcRequest) -> Any:
+        if req.method == LOOP_INFO:
+            info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
+            if self._packer is not None:
+                info["packer"] = attrs.asdict(self._packer.metrics)
+                info["packer_state"] = self._packer.state.name
+            return info
+        timeout = float(req.args[0]) if req.args else DEFAULT_DRAIN_TIMEOUT
+        return self._drain(timeout)
+
+    def _drain(self, timeout: float) -> bool:
+        """Wait for every in-flight pack (F8); raise when it does not finish in time."""
+        if self._packer is None:
+            return True
+        if not self._packer.drain(timeout):
+            raise TimeoutError(
+                f"rank {self.rank}: {self._packer.metrics.in_flight_outputs} output(s) still packing after {timeout}s"
+            )
+        return True
+
+    def _call(self, req: RpcRequest) -> Any:
+        if req.method in DRAIN_BEFORE:
+            self._drain(float(req.kwargs.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT)))
+            req = attrs.evolve(req, kwargs={k: v for k, v in req.kwargs.items() if k != "drain_timeout"})
+        if req.method.startswith("_") or req.method in CONTROL_METHODS:
+            raise UsageError(f"{req.method!r} is not an RPC method")
+        fn = getattr(self.worker, req.method, None)
+        if fn is None or not callable(fn):
+            raise UsageError(f"worker has no RPC method {req.method!r}")
+        return fn(*req.args, **req.kwargs)
+
+    def _step_result(self, result: Any) -> Any:
+        """Step mode: only the reply rank ships its output, packed here on the main thread."""
+        if not self.is_reply_rank:
+            return None
+        pack = self._pack_sync
+        if pack is None:
+            return result
+        event = self._record_event()
+        if isinstance(result, BatchDiffusionOutput):
+            return BatchDiffusionOutput(tuple(pack(o, None, event) for o in result.per_request()))
+        if isinstance(result, DiffusionOutput):
+            return pack(result, None, event)
+        return result
+
+    def _execute_async(self, req: RpcRequest) -> None:
+        assert self._packer is not None
+        batch = req.method == "execute_model_batch"
+        try:
+            requests: list[DiffusionRequest] = list(req.args[0]) if batch else [req.args[0]]
+            if not requests or not all(isinstance(r, DiffusionRequest) for r in requests):
+                raise UsageError(f"{req.method} takes DiffusionRequest(s), got {req.args!r}")
+        except Exception as exc:
+            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            return
+        machines = [request_machine(self.new_output_id()) for _ in requests]
+        # Back-pressure: wait for the packer *before* the forward, never drop.
+        if not self._packer.wait_for_room(len(requests), timeout=self._backpressure_timeout):
+            err = RuntimeError(f"packer on rank {self.rank} has no room (stopped or back-pressure timeout)")
+            self._abort(machines)
+            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(err), rank=self.rank), req.rpc_id)
+            return
+        for m in machines:
+            self._fire(m, RequestEvent.FORWARD)
+        try:
+            result = self._call(req)
+            outputs = self._split(result, requests)
+        except Exception as exc:
+            self._abort(machines)
+            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            return
+        if not self.is_reply_rank:
+            # Non-reply ranks computed the same forward (tensor parallel); their copy is not shipped.
+            self._abort(machines)
+            self._send(AsyncDiffusionOutput.rpc_result(req.rpc_id, None, rank=self.rank), req.rpc_id)
+            return
+        # Recorded on the forward's stream without blocking the host (F14); the packer's
+        # side stream waits on it before reading the output (F1).
+        try:
+            event = self._record_event()
+        except Exception as exc:
+            # Answer with the error at once: escaping handle_rpc unanswered would make the
+            # call wait out its compute deadline and report a timeout instead (F2).
+            self._abort(machines)
+            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            return
+        for m, out in zip(machines, outputs, strict=True):
+            self._fire(m, RequestEvent.COMPUTE_DONE)
+            self._packer.submit(m.key, out, m, event=event, nbytes=output_nbytes(out))
+        self._send(
+            AsyncDiffusionOutput.compute_done(
+                req.rpc_id, tuple(m.key for m in machines), tuple(r.request_id for r in requests), rank=self.rank
+            ),
+            req.rpc_id,
+        )
+
+    @staticmethod
+    def _split(result: Any, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
+        outs = list(result.per_request()) if isinstance(result, BatchDiffusionOutput) else [result]
+        if not all(isinstance(o, DiffusionOutput) for o in outs):
+            raise UsageError(f"the forward must return DiffusionOutput(s), got {type(result).__qualname__}")
+        if [o.request_id for o in outs] != [r.request_id for r in requests]:
+            raise UsageError(
+                f"the forward returned outputs for {[o.request_id for o in outs]}, "
+                f"expected {[r.request_id for r in requests]}"
+            )
+        return outs
+
+    def _abort(self, machines: list[Machine[RequestState, RequestEvent]]) -> None:
+        for m in machines:
+            self._fire(m, RequestEvent.FORCE_RELEASE)
+
+    def _send(self, msg: AsyncDiffusionOutput, rpc_id: str) -> None:
+        try:
+            self._sender.put(msg)
+        except Exception as exc:
+            # The answer itself could not travel (unpicklable result, oversize): send a
+            # small typed failure instead, so the caller is not left waiting (F5).
+            log.warning("rank %d: cannot send the answer to %s: %s", self.rank, rpc_id, exc)
+            self._sender.put(AsyncDiffusionOutput.rpc_failed(rpc_id, Failure.from_exception(exc), rank=self.rank))
+
+    def _fire(self, m: Machine[RequestState, RequestEvent], event: RequestEvent) -> None:
+        fire_traced(m, event, self._trace, self.rank)

@@ -1,0 +1,309 @@
+"""The packer: a worker-side daemon thread that ships finished outputs.
+
+The worker's main thread hands each finished output to the packer together
+with a device event recorded right after the forward, sends COMPUTE_DONE, and
+takes the next request.  The packer then, for each output in order:
+
+1. packs the output (device -> shared memory, on the side stream), the pack
+   function ordering its reads after the event (the copy must not read the
+   output before the forward's last kernel wrote it -- F1; a platform that
+   cannot record an event gives a marker that makes it synchronize instead),
+2. sends OUTPUT_READY, or OUTPUT_READY with a typed failure (F2).
+
+Back-pressure: at most ``max_outputs`` outputs and ``max_bytes`` bytes are in the
+packer at once.  The main thread calls ``wait_for_room`` *before* it starts the
+next forward, so a slow consumer slows the producer instead of growing an
+unbounded queue; the time spent waiting is reported in ``metrics``.
+
+A drop that arrives before an output's packing starts cancels it (F15): the
+packer sends a ``Cancelled`` failure instead, so the executor's record ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import attrs
+
+from omni_async.transport.channel import ResultSender
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure
+from omni_async.core.registry import no_release
+from omni_async.core.states import (
+    LifecycleEvent,
+    LifecycleState,
+    Machine,
+    RequestEvent,
+    RequestState,
+    lifecycle_machine,
+)
+from omni_async.core.trace import FieldValue, Tracer
+
+log = logging.getLogger(__name__)
+
+# pack(output, side_stream, ready_event) -> the packed output (what travels on the
+# channel).  It must order its reads after ready_event (see omni_async.transport.platform).
+PackFn = Callable[[DiffusionOutput, Any, Any], DiffusionOutput]
+# Called with a packed output that could not be sent, to give its segments back.
+ReleaseFn = Callable[[DiffusionOutput], None]
+
+
+def _identity_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+    return output
+
+
+
+@attrs.define(eq=False)
+class PackJob:
+    output_id: str
+    output: DiffusionOutput
+    event: Any
+    nbytes: int
+    machine: Machine[RequestState, RequestEvent]
+    submitted_at: float
+
+
+@attrs.define
+class PackerMetrics:
+    packed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    bytes_packed: int = 0
+    pack_seconds: float = 0.0
+    backpressure_waits: int = 0
+    backpressure_seconds: float = 0.0
+    in_flight_outputs: int = 0
+    in_flight_bytes: int = 0
+
+
+class Packer:
+    def __init__(
+        self,
+        rank: int,
+        sender: ResultSender,
+        *,
+        pack: PackFn = _identity_pack,
+        release: ReleaseFn = no_release,
+        make_stream: Callable[[], Any] = lambda: None,
+        max_outputs: int = 4,
+        max_bytes: int | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        if max_outputs < 1:
+            raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
+        self.rank = rank
+        self._sender = sender
+        self._pack = pack
+        self._release = release
+        self._make_stream = make_stream
+        self._max_outputs = max_outputs
+        self._max_bytes = max_bytes
+        self._trace = tracer
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[PackJob] = collections.deque()
+        self._cancelled: set[str] = set()
+        self._active: PackJob | None = None
+        self._machine = lifecycle_machine(f"omni-packer-{rank}")
+        self.metrics = PackerMetrics()
+        self._thread = threading.Thread(target=self._run, name=f"omni-packer-{rank}", daemon=True)
+
+    # ------------------------------------------------------------ main thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def state(self) -> LifecycleState:
+        with self._cond:
+            return self._machine.state
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_for_room(self, count: int = 1, nbytes: int = 0, timeout: float | None = None) -> bool:
+        """Block until ``count`` more outputs (``nbytes`` in all) fit in the budget (back-pressure).
+
+        An empty packer always has room, so a batch larger than the budget still runs.
+        """
+        t0 = time.monotonic()
+        waited = False
+        with self._cond:
+            while not self._has_room(count, nbytes):
+                if self._machine.terminal:
+                    return False
+                waited = True
+                remaining = None if timeout is None else timeout - (time.monotonic() - t0)
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            if waited:
+                self.metrics.backpressure_waits += 1
+                self.metrics.backpressure_seconds += time.monotonic() - t0
+            return True
+
+    def submit(
+        self,
+        output_id: str,
+        output: DiffusionOutput,
+        machine: Machine[RequestState, RequestEvent],
+        *,
+        event: Any = None,
+        nbytes: int = 0,
+    ) -> None:
+        """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``."""
+        with self._cond:
+            if self._machine.terminal:
+                raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
+            self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic()))
+            self.metrics.in_flight_outputs += 1
+            self.metrics.in_flight_bytes += nbytes
+            self._cond.notify_all()
+
+    def drop(self, output_ids: Iterable[str]) -> int:
+        """Cancel packing of outputs that have not started (F15); returns how many were cancelled."""
+        ids = set(output_ids)
+        with self._cond:
+            queued = {j.output_id for j in self._jobs}
+            hit = ids & queued
+            self._cancelled |= hit
+            return len(hit)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted output has been sent (F8). True if drained in time."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._active is not None:
+                if not self._thread.is_alive():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def stop(self, timeout: float | None = 5.0) -> bool:
+        """Finish what is queued, then stop. True if the thread ended in time."""
+        with self._cond:
+            if self._machine.can(LifecycleEvent.DRAIN):
+                self._machine.fire(LifecycleEvent.DRAIN)
+            elif self._machine.state is LifecycleState.STARTING:
+                self._machine.fire(LifecycleEvent.STOPPED)
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        with self._cond:
+            if not self._thread.is_alive() and self._machine.can(LifecycleEvent.STOPPED):
+                self._machine.fire(LifecycleEvent.STOPPED)
+        return not self._thread.is_alive()
+
+    # ---------------------------------------------------------------- thread
+
+    def _has_room(self, count: int, nbytes: int) -> bool:
+        m = self.metrics
+        if m.in_flight_outputs == 0:
+            return True
+        if m.in_flight_outputs + count > self._max_outputs:
+            return False
+        return self._max_bytes is None or m.in_flight_bytes + nbytes <= self._max_bytes
+
+    def _run(self) -> None:
+        # The side stream is created on this thread: a CUDA stream belongs to the
+        # device current when it is made, and make_stream sets that device first.
+        try:
+            stream = self._make_stream()
+        except BaseException:
+            log.exception("packer %d: cannot create its stream", self.rank)
+            with self._cond:
+                self._machine.fire(LifecycleEvent.CRASH)
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            if self._machine.can(LifecycleEvent.STARTED):
+                self._machine.fire(LifecycleEvent.STARTED)
+        while True:
+            with self._cond:
+                while not self._jobs and self._machine.state is LifecycleState.RUNNING:
+                    self._cond.wait()
+                if not self._jobs:
+                    break
+                job = self._jobs.popleft()
+                cancelled = job.output_id in self._cancelled
+                self._cancelled.discard(job.output_id)
+                self._active = job
+            try:
+                if cancelled:
+                    self._cancel(job)
+                else:
+                    self._pack_one(job, stream)
+            except BaseException:
+                log.exception("packer %d: unexpected error on %s", self.rank, job.output_id)
+            finally:
+                with self._cond:
+                    self._active = None
+                    self.metrics.in_flight_outputs -= 1
+                    self.metrics.in_flight_bytes -= job.nbytes
+                    self._cond.notify_all()
+        with self._cond:
+            if self._machine.can(LifecycleEvent.STOPPED):
+                self._machine.fire(LifecycleEvent.STOPPED)
+            self._cond.notify_all()
+
+    def _pack_one(self, job: PackJob, stream: Any) -> None:
+        self._fire(job, RequestEvent.PACK)
+        t0 = time.perf_counter()
+        try:
+            packed = self._pack(attrs.evolve(job.output, async_output_id=job.output_id), stream, job.event)
+        except Exception as exc:
+            self.metrics.failed += 1
+            self._send_failure(job, Failure.from_exception(exc))
+            return
+        self.metrics.pack_seconds += time.perf_counter() - t0
+        try:
+            self._sender.put(AsyncDiffusionOutput.output_ready(job.output_id, packed, rank=self.rank))
+        except Exception as exc:
+            # Unpicklable, oversize, or a full channel: the packed segments go back,
+            # and the executor gets a typed failure instead of waiting forever (F5).
+            self._release(packed)
+            self.metrics.failed += 1
+            self._send_failure(job, Failure.from_exception(exc))
+            return
+        self.metrics.packed += 1
+        self.metrics.bytes_packed += job.nbytes
+        self._fire(job, RequestEvent.OUTPUT_READY)
+
+    def _cancel(self, job: PackJob) -> None:
+        self.metrics.cancelled += 1
+        self._fire(job, RequestEvent.DROP)
+        self._send_failure(job, Failure("Cancelled", f"output {job.output_id} was dropped before packing"))
+
+    def _send_failure(self, job: PackJob, failure: Failure) -> None:
+        try:
+            self._sender.put(AsyncDiffusionOutput.output_failed(job.output_id, failure, rank=self.rank))
+        except Exception:
+            log.exception("packer %d: cannot report the failure of %s", self.rank, job.output_id)
+        if job.machine.can(RequestEvent.OUTPUT_FAILED):
+            self._fire(job, RequestEvent.OUTPUT_FAILED)
+
+    def _fire(self, job: PackJob, event: RequestEvent) -> None:
+        fire_traced(job.machine, event, self._trace, self.rank)
+
+
+def fire_traced(
+    machine: Machine[RequestState, RequestEvent], event: RequestEvent, tracer: Tracer | None, rank: int
+) -> None:
+    """Fire a worker-side request machine, recording ``WorkerFire`` when tracing."""
+    src = machine.state
+    dst = machine.fire(event)
+    if tracer is not None:
+        fields: dict[str, FieldValue] = {
+            "output_id": machine.key,
+            "event": event.name,
+            "src": src.name,
+            "dst": dst.name,
+            "rank": rank,
+        }
+        tracer("WorkerFire", fields)

@@ -1,0 +1,275 @@
+"""Protocol messages validate themselves on construction and survive pickling."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from omni_async.core.errors import MessageValidationError, RemoteError, RpcFailed
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    AsyncOutputKind,
+    BatchDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    RpcRequest,
+    RunnerOutput,
+)
+
+K = AsyncOutputKind
+
+
+def _out(rid: str = "req-0", oid: str | None = None) -> DiffusionOutput:
+    return DiffusionOutput(request_id=rid, output={"image": [1, 2, 3]}, async_output_id=oid, metrics={"t": 0.5})
+
+
+# --------------------------------------------------------------------------- invalid
+
+
+@pytest.mark.parametrize(
+    ("label", "build"),
+    [
+        ("compute_done without ids", lambda: AsyncDiffusionOutput.compute_done("rpc", (), ())),
+        ("compute_done without rpc_id", lambda: AsyncDiffusionOutput(K.COMPUTE_DONE, async_output_ids=("a",), request_ids=("r",))),
+        ("compute_done empty id", lambda: AsyncDiffusionOutput.compute_done("rpc", ("",), ("r",))),
+        ("compute_done duplicate ids", lambda: AsyncDiffusionOutput.compute_done("rpc", ("a", "a"), ("r1", "r2"))),
+        ("compute_done fewer request ids", lambda: AsyncDiffusionOutput.compute_done("rpc", ("a", "b"), ("r1",))),
+        ("compute_done more request ids", lambda: AsyncDiffusionOutput.compute_done("rpc", ("a",), ("r1", "r2"))),
+        (
+            "compute_done with an output",
+            lambda: AsyncDiffusionOutput(
+                K.COMPUTE_DONE, rpc_id="rpc", async_output_ids=("a",), request_ids=("r",), output=_out()
+            ),
+        ),
+        (
+            "compute_done with async_output_id",
+            lambda: AsyncDiffusionOutput(
+                K.COMPUTE_DONE, rpc_id="rpc", async_output_ids=("a",), request_ids=("r",), async_output_id="a"
+            ),
+        ),
+        (
+            "compute_done with a failure",
+            lambda: AsyncDiffusionOutput(
+                K.COMPUTE_DONE, rpc_id="rpc", async_output_ids=("a",), request_ids=("r",), failure=Failure("E", "m")
+            ),
+        ),
+        (
+            "compute_done with a result",
+            lambda: AsyncDiffusionOutput(K.COMPUTE_DONE, rpc_id="rpc", async_output_ids=("a",), request_ids=("r",), result=1),
+        ),
+        ("output_ready with neither", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a")),
+        (
+            "output_ready with both",
+            lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), failure=Failure("E", "m")),
+        ),
+        ("output_ready without id", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, output=_out())),
+        ("output_ready empty id", lambda: AsyncDiffusionOutput.output_ready("", _out())),
+        ("output_ready for another id", lambda: AsyncDiffusionOutput.output_ready("a", _out(oid="b"))),
+        (
+            "output_ready with async_output_ids",
+            lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), async_output_ids=("a",)),
+        ),
+        (
+            "output_ready with request_ids",
+            lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), request_ids=("r",)),
+        ),
+        ("output_ready with a result", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), result=3)),
+        ("rpc_result without rpc_id", lambda: AsyncDiffusionOutput(K.RPC_RESULT, result=1)),
+        ("rpc_result with result and failure", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", result=1, failure=Failure("E", "m"))),
+        ("rpc_result with ids", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_ids=("a",), request_ids=("q",))),
+        ("rpc_result with an output id", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_id="a")),
+        ("rpc_result with an output", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", output=_out())),
+        ("kind is a string", lambda: AsyncDiffusionOutput("compute_done", rpc_id="r")),  # type: ignore[arg-type]
+        ("negative rank", lambda: AsyncDiffusionOutput.rpc_result("r", None, rank=-1)),
+        ("rank not an int", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", rank="0")),  # type: ignore[arg-type]
+        ("empty batch", lambda: BatchDiffusionOutput(())),
+        ("batch with a request twice", lambda: BatchDiffusionOutput((_out("x"), _out("x")))),
+        ("runner output with result and id", lambda: RunnerOutput("r", result=_out(), async_output_id="a")),
+        ("request without id", lambda: DiffusionRequest("")),
+        ("rpc request without id", lambda: RpcRequest("", "execute_model")),
+        ("rpc request without method", lambda: RpcRequest("rpc", "")),
+    ],
+)
+def test_invalid_message_raises(label: str, build: Any) -> None:
+    with pytest.raises(MessageValidationError):
+        build()
+
+
+def test_validation_error_is_a_usage_error_and_value_error() -> None:
+    from omni_async.core.errors import UsageError
+
+    with pytest.raises(UsageError):
+        AsyncDiffusionOutput.compute_done("rpc", (), ())
+    with pytest.raises(ValueError):
+        AsyncDiffusionOutput.compute_done("rpc", (), ())
+
+
+def test_evolve_revalidates() -> None:
+    msg = AsyncDiffusionOutput.compute_done("rpc", ("a",), ("r",))
+    with pytest.raises(MessageValidationError):
+        attrs.evolve(msg, async_output_ids=())
+
+
+# --------------------------------------------------------------------------- valid
+
+_ids = st.text(alphabet="abcdefgh0123456789-", min_size=1, max_size=12)
+
+
+@st.composite
+def valid_messages(draw: st.DrawFn) -> AsyncDiffusionOutput:
+    kind = draw(st.sampled_from(list(K)))
+    rank = draw(st.integers(0, 7))
+    if kind is K.COMPUTE_DONE:
+        oids = draw(st.lists(_ids, min_size=1, max_size=5, unique=True))
+        rids = draw(st.lists(_ids, min_size=len(oids), max_size=len(oids)))
+        return AsyncDiffusionOutput.compute_done(draw(_ids), tuple(oids), tuple(rids), rank=rank)
+    if kind is K.OUTPUT_READY:
+        oid = draw(_ids)
+        if draw(st.booleans()):
+            out = DiffusionOutput(
+                request_id=draw(_ids),
+                output=draw(st.recursive(st.integers() | st.text(max_size=5), lambda c: st.lists(c, max_size=3))),
+                async_output_id=draw(st.sampled_from([None, oid])),
+                metrics=draw(st.dictionaries(_ids, st.floats(allow_nan=False), max_size=3)),
+            )
+            return AsyncDiffusionOutput.output_ready(oid, out, rank=rank)
+        return AsyncDiffusionOutput.output_failed(oid, Failure(draw(_ids), draw(st.text(max_size=20)), "tb"), rank=rank)
+    if draw(st.booleans()):
+        return AsyncDiffusionOutput.rpc_result(draw(_ids), draw(st.none() | st.integers() | st.text(max_size=8)), rank=rank)
+    return AsyncDiffusionOutput.rpc_failed(draw(_ids), Failure("ValueError", "boom"), rank=rank)
+
+
+@given(valid_messages())
+def test_valid_messages_pickle_round_trip(msg: AsyncDiffusionOutput) -> None:
+    back = pickle.loads(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == msg
+    assert type(back) is AsyncDiffusionOutput
+    assert back.kind is msg.kind
+
+
+def test_named_constructors_set_the_fields() -> None:
+    cd = AsyncDiffusionOutput.compute_done("rpc-1", ("o1", "o2"), ("r1", "r2"), rank=2)
+    assert (cd.kind, cd.rank, cd.rpc_id, cd.async_output_ids, cd.request_ids) == (
+        K.COMPUTE_DONE,
+        2,
+        "rpc-1",
+        ("o1", "o2"),
+        ("r1", "r2"),
+    )
+    ready = AsyncDiffusionOutput.output_ready("o1", _out(oid="o1"))
+    assert ready.output is not None and ready.failure is None and ready.async_output_id == "o1"
+    failed = AsyncDiffusionOutput.output_failed("o1", Failure("E", "m"))
+    assert failed.kind is K.OUTPUT_READY and failed.output is None and failed.failure == Failure("E", "m")
+    res = AsyncDiffusionOutput.rpc_result("rpc-2", {"x": 1}, rank=1)
+    assert res.result == {"x": 1} and res.failure is None
+    # An output that names no id yet is accepted (the packer fills it in).
+    assert AsyncDiffusionOutput.output_ready("o9", _out(oid=None)).output is not None
+
+
+def test_messages_are_frozen() -> None:
+    msg = AsyncDiffusionOutput.rpc_result("rpc", 1)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        msg.rank = 3  # type: ignore[misc]
+
+
+def test_kinds_repr_as_names() -> None:
+    assert repr(K.COMPUTE_DONE) == "COMPUTE_DONE"
+
+
+# --------------------------------------------------------------------------- failures
+
+
+class _NestedBoom(RuntimeError):
+    pass
+
+
+def _raise_deep() -> None:
+    def inner() -> None:
+        raise _NestedBoom("the pack went wrong: 42")
+
+    inner()
+
+
+def test_failure_from_exception_keeps_type_message_and_traceback() -> None:
+    try:
+        _raise_deep()
+    except _NestedBoom as exc:
+        f = Failure.from_exception(exc)
+    assert f.type_name == "_NestedBoom"
+    assert f.message == "the pack went wrong: 42"
+    assert "_raise_deep" in f.traceback and "inner" in f.traceback
+    assert "_NestedBoom: the pack went wrong: 42" in f.traceback
+    # It pickles as plain strings (the exception class is not needed on the other side).
+    assert pickle.loads(pickle.dumps(f)) == f
+
+
+def test_failure_from_unraised_exception() -> None:
+    f = Failure.from_exception(KeyError("k"))
+    assert f.type_name == "KeyError"
+    assert f.message == "'k'"
+    assert "KeyError" in f.traceback
+
+
+def test_failure_with_chained_cause_keeps_both() -> None:
+    try:
+        try:
+            raise OSError("disk")
+        except OSError as inner:
+            raise ValueError("outer") from inner
+    except ValueError as exc:
+        f = Failure.from_exception(exc)
+    assert "OSError: disk" in f.traceback and "ValueError: outer" in f.traceback
+
+
+def test_remote_error_carries_the_typed_failure() -> None:
+    f = Failure("CudaError", "illegal address", "Traceback ...\n  frame\n")
+    err = RemoteError(f, output_id="o1", rank=3)
+    assert err.failure is f and err.output_id == "o1" and err.rank == 3
+    text = str(err)
+    assert "CudaError: illegal address" in text and "o1" in text and "rank 3" in text and "frame" in text
+
+
+def test_rpc_failed_names_every_rank() -> None:
+    err = RpcFailed("rpc-7", "execute_model", {2: Failure("A", "a"), 0: Failure("B", "b")})
+    text = str(err)
+    assert "[0, 2]" in text and "rank 0: B: b" in text and "rank 2: A: a" in text
+    assert err.failures.keys() == {0, 2}
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def test_batch_per_request_yields_each_output_in_order() -> None:
+    outs = tuple(_out(f"r{i}") for i in range(4))
+    batch = BatchDiffusionOutput(outs)
+    got = list(batch.per_request())
+    assert got == list(outs)
+    assert [o.request_id for o in got] == ["r0", "r1", "r2", "r3"]
+    assert pickle.loads(pickle.dumps(batch)) == batch
+
+
+def test_requests_and_runner_outputs() -> None:
+    req = DiffusionRequest("r1", {"steps": 4})
+    assert pickle.loads(pickle.dumps(req)) == req
+    ro = RunnerOutput("r1", async_output_id="o1")
+    assert ro.finished and ro.result is None
+    rpc = RpcRequest("rpc", "execute_model", (req,), {"k": 1}, async_output=True)
+    assert pickle.loads(pickle.dumps(rpc)) == rpc
+
+
+def test_output_ready_must_not_name_an_rpc() -> None:
+    with pytest.raises(MessageValidationError, match="rpc_id"):
+        AsyncDiffusionOutput(
+            AsyncOutputKind.OUTPUT_READY, rpc_id="r1", async_output_id="o1", output=DiffusionOutput("q")
+        )
+
+
+def test_rank_must_be_an_int_not_a_bool() -> None:
+    with pytest.raises(MessageValidationError, match="rank"):
+        AsyncDiffusionOutput.rpc_result("r1", None, rank=True)

@@ -1,0 +1,302 @@
+"""The multiprocess executor with real worker processes, shared memory, pipes and threads.
+
+Every test ends with no segment of ours left in /dev/shm (conftest's autouse fixture).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+import torch
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.transport.shm import SegmentPool
+
+from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.traces import keep
+from omni_async.core.trace import ListTracer
+from helpers.mp_workers import expected_image
+
+SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
+DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
+
+
+def _req(rid: str, **params: object) -> DiffusionRequest:
+    return DiffusionRequest(rid, params)
+
+
+def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: Mapping[str, object]) -> None:
+    assert ro.async_output_id is not None
+    out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+    assert out.request_id == ro.request_id
+    assert out.async_output_id == ro.async_output_id
+    exp = expected_image(params)
+    got = out.output["image"]
+    assert got.dtype == exp.dtype
+    assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+    assert ex.release_output(out) == (1 if exp.numel() * exp.element_size() > (64 << 10) else 0)
+
+
+def _assert_quiet(ex: MultiprocDiffusionExecutor) -> None:
+    m = ex.metrics()
+    assert m["pending_outputs"] == 0 and m["pending_rpcs"] == 0 and m["held_payloads"] == 0, m
+    assert ex.pool.stats().outstanding == 0, ex.pool.outstanding()
+
+
+@pytest.fixture(scope="module")
+def ex2() -> Iterator[MultiprocDiffusionExecutor]:
+    tracer = ListTracer()
+    """Two ranks, reply rank 0: shared by the tests that leave it healthy.
+
+    Its pool lives for the whole module, so the per-test /dev/shm check skips its
+    prefix; this fixture checks after shutdown that none of its segments remain.
+    """
+    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer)
+    prefix = ex.pool.prefix
+    LONG_LIVED.add(prefix)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+        LONG_LIVED.discard(prefix)
+        keep("multiproc", tracer)
+    assert not with_prefix(prefix), with_prefix(prefix)
+
+
+@pytest.fixture
+def tracer() -> Iterator[ListTracer]:
+    """Records the executor's protocol trace; kept for the TLC trace validation."""
+    t = ListTracer()
+    yield t
+    keep("multiproc", t)
+
+
+def test_request_mode_single_and_batch_bit_exact(ex2: MultiprocDiffusionExecutor) -> None:
+    cases = [
+        {"seed": 1, "dtype": "bfloat16", "numel": 1 << 18},
+        {"seed": 2, "dtype": "float16", "numel": 1 << 18},
+        {"seed": 3, "dtype": "float32", "numel": 1 << 17},
+        {"seed": 4, "dtype": "int8", "numel": 1 << 20},
+        {"seed": 5, "dtype": "int64", "numel": 100},  # inline
+    ]
+    ro = ex2.execute_request(_req("single", **cases[0]))
+    assert ro.result is None and ro.async_output_id
+    _wait_ok(ex2, ro, cases[0])
+    ros = ex2.execute_batch([_req(f"b{i}", **c) for i, c in enumerate(cases)])
+    assert [r.request_id for r in ros] == [f"b{i}" for i in range(len(cases))]
+    assert len({r.async_output_id for r in ros}) == len(cases)
+    for r, c in zip(ros, cases, strict=True):
+        _wait_ok(ex2, r, c)
+    _assert_quiet(ex2)
+
+
+def test_steady_state_creates_no_segment(ex2: MultiprocDiffusionExecutor) -> None:
+    params = {"seed": 7, "numel": 1 << 18}
+    for i in range(3):  # warm-up
+        _wait_ok(ex2, ex2.execute_request(_req(f"w{i}", **params)), params)
+    created = ex2.pool.stats().created
+    for i in range(20):
+        _wait_ok(ex2, ex2.execute_request(_req(f"s{i}", **params)), params)
+    stats = ex2.pool.stats()
+    assert stats.created == created, stats
+    assert stats.reused >= 20
+
+
+def test_concurrent_submissions_and_waiters(ex2: MultiprocDiffusionExecutor) -> None:
+    params = {"seed": 11, "numel": 1 << 17}
+    futs = [ex2.submit_request(_req(f"c{i}", **params)) for i in range(24)]
+    for f in futs:
+        _wait_ok(ex2, f.result(timeout=30), params)
+    _assert_quiet(ex2)
+
+
+def test_collective_rpc_and_rank_failure(ex2: MultiprocDiffusionExecutor) -> None:
+    pids = ex2.collective_rpc("pid")
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    with pytest.raises(RpcFailed) as err:
+        ex2.collective_rpc("fail")
+    assert sorted(err.value.failures) == [0, 1]
+    assert err.value.failures[1].type_name == "ValueError"
+
+
+def test_exception_in_forward_fails_the_call(ex2: MultiprocDiffusionExecutor) -> None:
+    with pytest.raises(RpcFailed) as err:
+        ex2.execute_request(_req("boom", **{"raise": True}))
+    assert err.value.failures[0].type_name == "RuntimeError"
+    assert "forward of boom failed" in err.value.failures[0].traceback
+    _assert_quiet(ex2)
+
+
+def test_exception_in_packing_fails_the_waiter_with_typed_failure(ex2: MultiprocDiffusionExecutor) -> None:
+    ro = ex2.execute_request(_req("bad", unpackable=True, numel=1 << 18))
+    assert ro.async_output_id is not None
+    with pytest.raises(RemoteError) as err:
+        ex2.wait_output_ready(ro.async_output_id).result(timeout=30)
+    assert err.value.failure.type_name == "UnsupportedOutputType"
+    _assert_quiet(ex2)
+
+
+def test_drop_before_and_after_output(ex2: MultiprocDiffusionExecutor) -> None:
+    params = {"seed": 12, "numel": 1 << 18}
+    ro = ex2.execute_request(_req("d1", **params))
+    assert ro.async_output_id is not None
+    ex2.drop_output(ro.async_output_id).result(timeout=30)  # acknowledged: gone
+    fut = ex2.wait_output_ready(ro.async_output_id)
+    with pytest.raises(Exception):
+        fut.result(timeout=5)
+    ros = ex2.execute_batch([_req(f"d{i}", **params) for i in range(2, 6)])
+    ex2.abort_outputs([r.async_output_id for r in ros if r.async_output_id], timeout=30)
+    _assert_quiet(ex2)
+
+
+def test_drain_and_sleep_wait_for_packing(ex2: MultiprocDiffusionExecutor) -> None:
+    params = {"seed": 13, "numel": 1 << 20}
+    ros = ex2.execute_batch([_req(f"dr{i}", **params) for i in range(3)])
+    ex2.drain(timeout=30)  # F8: every output has left the packer
+    info = ex2.collective_rpc("loop_info")
+    assert info[0]["packer"]["in_flight_outputs"] == 0
+    assert ex2.collective_rpc("sleep") == ["asleep", "asleep"]
+    for r in ros:
+        _wait_ok(ex2, r, params)
+
+
+def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> None:
+    spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", {"fail_rank": 1}, pass_rank=True)
+    with MultiprocDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
+        with pytest.raises(RpcFailed) as err:
+            ex.execute_request(_req("x", numel=1 << 18))
+        assert list(err.value.failures) == [1]
+        # Rank 0 announced an output; the failed call dropped it: nothing is left.
+        deadline = time.monotonic() + 10
+        while ex.metrics()["pending_outputs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _assert_quiet(ex)
+
+
+def test_step_mode_returns_the_output_synchronously(tracer: ListTracer) -> None:
+    with MultiprocDiffusionExecutor(SPEC, step_mode=True, deadlines=DEADLINES, tracer=tracer) as ex:
+        params = {"seed": 21, "dtype": "bfloat16", "numel": 1 << 18}
+        ro = ex.execute_request(_req("st", **params))
+        assert ro.async_output_id is None and ro.result is not None
+        assert torch.equal(ro.result.output["image"].view(torch.uint8), expected_image(params).view(torch.uint8))
+        assert ex.release_output(ro.result) == 1
+        ros = ex.execute_batch([_req("st1", seed=1), _req("st2", seed=2)])
+        assert [r.request_id for r in ros] == ["st1", "st2"]
+        for r in ros:
+            assert r.result is not None
+            ex.release_output(r.result)
+        _assert_quiet(ex)
+
+
+def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any], rank: int = 0) -> float:
+    pid = ex.procs[rank].pid
+    assert pid is not None
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerDied) as err:
+        fut.result(timeout=5)
+    elapsed = time.monotonic() - t0
+    assert err.value.rank == rank and err.value.exitcode == -signal.SIGKILL
+    with pytest.raises(WorkerDied):
+        ex.check_health()
+    return elapsed
+
+
+def test_worker_killed_mid_forward_fails_waiters_promptly(tracer: ListTracer) -> None:
+    with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
+        fut = ex.submit_request(_req("slow", sleep=30))
+        time.sleep(0.3)  # the forward is running
+        assert _kill_and_expect_worker_died(ex, fut, rank=1) < 3.0
+        # The executor refuses new work with the same error.
+        with pytest.raises(WorkerDied):
+            ex.submit_request(_req("after"))
+
+
+def test_worker_killed_mid_pack_fails_the_output_waiter(tracer: ListTracer) -> None:
+    # A pool with room for one 1 MiB segment: the second output's packing waits for a
+    # segment the consumer still holds, so the kill lands inside the pack.
+    pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
+    opts = WorkerOptions(lease_timeout=60)
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool, tracer=tracer) as ex:
+        params = {"seed": 31, "numel": (1 << 18) - 1024}
+        first = ex.execute_request(_req("p1", **params))
+        assert first.async_output_id is not None
+        held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # holds the one segment
+        second = ex.execute_request(_req("p2", **params))
+        assert second.async_output_id is not None
+        fut = ex.wait_output_ready(second.async_output_id)
+        time.sleep(0.3)
+        info_ok = not fut.done()
+        assert info_ok, "the second output should still be packing"
+        assert _kill_and_expect_worker_died(ex, fut) < 3.0
+        ex.release_output(held)
+
+
+def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer: ListTracer) -> None:
+    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, tracer=tracer)
+    params = {"seed": 41, "numel": 1 << 18}
+    done = ex.execute_request(_req("ok", **params))
+    assert done.async_output_id is not None
+    ready = ex.wait_output_ready(done.async_output_id).result(timeout=30)
+    pending = ex.submit_request(_req("slow", sleep=30))
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    ex.shutdown()
+    ex.shutdown()
+    assert time.monotonic() - t0 < 15
+    with pytest.raises(ExecutorShutdown):
+        pending.result(timeout=1)
+    with pytest.raises(ExecutorShutdown):
+        ex.execute_request(_req("late"))
+    assert all(not p.is_alive() for p in ex.procs)
+    del ready  # its view outlives the pool's files harmlessly; the segment is unlinked
+
+
+def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> None:
+    """F9/F11 through real processes: cancelled waiter and consumer gone."""
+    params = {"seed": 51, "numel": 1 << 18}
+    ro = ex2.execute_request(_req("cx", **params))
+    assert ro.async_output_id is not None
+    fut = ex2.wait_output_ready(ro.async_output_id)
+    if not fut.cancel():
+        # On a loaded machine the output can be READY before the wait: the future is
+        # delivered at once, the cancel comes too late and the engine owns the output.
+        ex2.release_output(fut.result(timeout=30))
+    ros = [ex2.submit_request(_req(f"g{i}", **params), consumer="stream-1").result(timeout=30) for i in range(2)]
+    assert ex2.release_consumer("stream-1") == 2
+    deadline = time.monotonic() + 10
+    while (ex2.metrics()["pending_outputs"] or ex2.pool.stats().outstanding) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _assert_quiet(ex2)
+    assert all(r.async_output_id for r in ros)
+
+
+def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: ListTracer) -> None:
+    """A full packer makes the worker wait before its next forward; never a drop."""
+    pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
+    opts = WorkerOptions(max_outputs_in_flight=1, lease_timeout=60)
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool, tracer=tracer) as ex:
+        params = {"seed": 61, "numel": (1 << 18) - 1024}
+        first = ex.execute_request(_req("q1", **params))
+        assert first.async_output_id is not None
+        held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # pins the one segment
+        second = ex.execute_request(_req("q2", **params))  # forward runs; its pack waits for a segment
+        third = ex.submit_request(_req("q3", **params))  # must wait for packer room before its forward
+        time.sleep(0.5)
+        assert not third.done(), "the third forward started although the packer was full"
+        ex.release_output(held)
+        assert second.async_output_id is not None
+        _wait_ok(ex, second, params)
+        _wait_ok(ex, third.result(timeout=30), params)
+        packer = ex.collective_rpc("loop_info")[0]["packer"]
+        assert packer["backpressure_waits"] >= 1 and packer["backpressure_seconds"] > 0.3, packer
+        _assert_quiet(ex)

@@ -1,0 +1,67 @@
+"""Worker models for the multiprocess tests (imported by name in spawned workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+
+
+class Unpackable:
+    """A leaf the packer cannot ship (no attrs/dataclass, not plain)."""
+
+
+class ScriptedWorker:
+    """Does what each request's params say: sleep, raise, exit, or return an output of a given size."""
+
+    def __init__(self, rank: int = 0, fail_rank: int | None = None) -> None:
+        self.rank = rank
+        self.fail_rank = fail_rank
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        return self._forward(request)
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self._forward(r) for r in requests))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fail(self) -> None:
+        raise ValueError(f"rank {self.rank} fails on purpose")
+
+    def sleep(self) -> str:
+        return "asleep"
+
+    def _forward(self, request: DiffusionRequest) -> DiffusionOutput:
+        p = request.params
+        if p.get("sleep"):
+            time.sleep(float(p["sleep"]))
+        if p.get("raise") or (self.fail_rank is not None and self.rank == self.fail_rank):
+            raise RuntimeError(f"forward of {request.request_id} failed on rank {self.rank}")
+        if p.get("exit"):
+            os._exit(int(p["exit"]))
+        n = int(p.get("numel", 1 << 16))
+        dtype = getattr(torch, str(p.get("dtype", "float32")))
+        gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
+        if dtype.is_floating_point:
+            image = torch.randn(n, generator=gen).to(dtype)
+        else:
+            image = torch.randint(-100, 100, (n,), generator=gen).to(dtype)
+        out: dict[str, object] = {"image": image, "note": request.request_id}
+        if p.get("unpackable"):
+            out["bad"] = Unpackable()
+        return DiffusionOutput(request.request_id, out)
+
+
+def expected_image(params: Mapping[str, object]) -> torch.Tensor:
+    n = int(params.get("numel", 1 << 16))  # type: ignore[call-overload]
+    dtype = getattr(torch, str(params.get("dtype", "float32")))
+    gen = torch.Generator().manual_seed(int(params.get("seed", 0)))  # type: ignore[call-overload]
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=gen).to(dtype)
+    return torch.randint(-100, 100, (n,), generator=gen).to(dtype)

@@ -1,0 +1,248 @@
+"""The result channel: never drops, never hides a sender's error, safe from many threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+import helpers.channel_children as children
+from omni_async.transport.channel import (
+    CREDIT_BYTES,
+    InProcessChannel,
+    PipeChannel,
+    ResultChannel,
+    dumps_message,
+    loads_message,
+)
+from omni_async.core.errors import ProtocolError, UsageError
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def msg(i: int, payload: object = None) -> AsyncDiffusionOutput:
+    return AsyncDiffusionOutput.rpc_result(f"rpc-{i}", payload if payload is not None else i)
+
+
+def both() -> list[ResultChannel]:
+    return [InProcessChannel(maxsize=8), PipeChannel(capacity_bytes=8 * CREDIT_BYTES)]
+
+
+@pytest.fixture(params=["inproc", "pipe"])
+def channel(request: pytest.FixtureRequest) -> ResultChannel:
+    ch: ResultChannel = InProcessChannel(maxsize=4) if request.param == "inproc" else PipeChannel(capacity_bytes=4 * CREDIT_BYTES)
+    request.addfinalizer(ch.close)
+    return ch
+
+
+def test_round_trip_and_timeout(channel: ResultChannel) -> None:
+    out = DiffusionOutput("req", {"x": [1, 2.5, "s"]}, async_output_id="o1")
+    channel.put(AsyncDiffusionOutput.output_ready("o1", out, rank=3))
+    got = channel.get(1.0)
+    assert got is not None and got.output == out and got.rank == 3
+    t0 = time.monotonic()
+    assert channel.get(0.05) is None
+    assert time.monotonic() - t0 >= 0.04
+
+
+def test_unpicklable_raises_at_the_sender_and_sends_nothing(channel: ResultChannel) -> None:
+    with pytest.raises(UnpicklableMessage):
+        channel.put(msg(1, payload=lambda: 0))
+    with pytest.raises(UnpicklableMessage):
+        channel.put(msg(2, payload=threading.Lock()))
+    channel.put(msg(3))
+    got = channel.get(1.0)
+    assert got is not None and got.rpc_id == "rpc-3"
+    assert channel.get(0.01) is None
+
+
+def test_oversize_raises_at_the_sender(channel: ResultChannel) -> None:
+    small = InProcessChannel(max_message_bytes=10_000, max_bytes=20_000)
+    with pytest.raises(MessageTooLarge) as info:
+        small.put(msg(1, payload=b"x" * 20_000))
+    assert info.value.nbytes > 20_000 and info.value.limit == 10_000
+    with pytest.raises(MessageTooLarge):
+        channel.put(msg(1, payload=b"x" * (8 << 20)))
+
+
+def test_wrong_type_is_a_usage_error(channel: ResultChannel) -> None:
+    with pytest.raises(UsageError):
+        channel.put("not a message")  # type: ignore[arg-type]
+
+
+def test_full_channel_blocks_then_raises_and_never_drops(channel: ResultChannel) -> None:
+    sent = 0
+    with pytest.raises(ChannelFull):
+        for i in range(100):
+            channel.put(msg(i), timeout=0.05)
+            sent += 1
+    assert 1 <= sent < 100
+    # Nothing was lost or reordered, and the failed put sent nothing.
+    got = [channel.get(1.0) for _ in range(sent)]
+    assert [g.rpc_id for g in got if g is not None] == [f"rpc-{i}" for i in range(sent)]
+    assert channel.get(0.01) is None
+
+
+def test_blocked_writer_resumes_when_the_reader_drains(channel: ResultChannel) -> None:
+    n = 50
+    done = threading.Event()
+
+    def writer() -> None:
+        for i in range(n):
+            channel.put(msg(i), timeout=10.0)
+        done.set()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    got: list[object] = []
+    while len(got) < n:
+        m = channel.get(5.0)
+        assert m is not None
+        got.append(m.result)
+    t.join(5.0)
+    assert done.is_set() and got == list(range(n))
+
+
+def test_close(channel: ResultChannel) -> None:
+    channel.put(msg(1))
+    channel.close()
+    channel.close()  # idempotent
+    with pytest.raises(ChannelClosed):
+        channel.put(msg(2))
+    with pytest.raises(ChannelClosed):
+        channel.get(0.01)
+
+
+def test_close_wakes_a_blocked_writer() -> None:
+    ch = InProcessChannel(maxsize=1)
+    ch.put(msg(0))
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            ch.put(msg(1), timeout=30.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    time.sleep(0.05)
+    ch.close()
+    t.join(5.0)
+    assert not t.is_alive() and len(errors) == 1 and isinstance(errors[0], ChannelClosed)
+
+
+def test_undecodable_payload_is_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError):
+        loads_message(b"not a pickle")
+    import pickle
+
+    with pytest.raises(ProtocolError):
+        loads_message(pickle.dumps({"kind": "rpc_result"}))
+    assert loads_message(dumps_message(msg(7), None)).result == 7
+
+
+def test_many_threads_one_process_inproc() -> None:
+    ch = InProcessChannel(maxsize=16)
+    threads, per = 8, 200
+
+    def run(tid: int) -> None:
+        for i in range(per):
+            ch.put(msg(i, payload=(tid, i)), timeout=10.0)
+
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    seen: dict[int, list[int]] = defaultdict(list)
+    for _ in range(threads * per):
+        m = ch.get(10.0)
+        assert m is not None
+        tid, i = m.result
+        seen[tid].append(i)
+    for t in ts:
+        t.join()
+    assert {t: v for t, v in seen.items()} == {t: list(range(per)) for t in range(threads)}
+
+
+def test_four_threads_of_a_child_process_lose_nothing() -> None:
+    """F7 across a real process boundary: 4 threads x 300 messages, a small byte budget."""
+    ch = PipeChannel(capacity_bytes=4 * CREDIT_BYTES, mp_context=SPAWN)
+    sender = ch.new_sender("worker-0")
+    threads, per = 4, 300
+    p = SPAWN.Process(target=children.write_from_threads, args=(sender, threads, per), name="omni-test-writer")
+    p.start()
+    sender.close()  # the child holds its own copy; EOF then means the child is done
+    seen: dict[str, list[int]] = defaultdict(list)
+    deadline = time.monotonic() + 60
+    while sum(map(len, seen.values())) < threads * per and time.monotonic() < deadline:
+        m = ch.get(1.0)
+        if m is not None:
+            seen[m.rpc_id or ""].append(m.result[1])
+    p.join(30)
+    assert p.exitcode == 0
+    assert sorted(seen) == [f"t{t}" for t in range(threads)]
+    for ids in seen.values():
+        assert ids == list(range(per))  # per-thread order kept, nothing lost or duplicated
+    assert ch.get(0.2) is None and ch.senders == []  # EOF noticed, sender dropped
+    ch.close()
+
+
+def test_a_killed_writer_is_dropped_not_fatal() -> None:
+    gone: list[str] = []
+    ch = PipeChannel(mp_context=SPAWN, on_sender_gone=gone.append)
+    sender = ch.new_sender("doomed")
+    p = SPAWN.Process(target=children.write_then_hang, args=(sender, 5))
+    p.start()
+    sender.close()
+    got: list[object] = []
+    while len(got) < 5:
+        m = ch.get(20.0)
+        assert m is not None
+        got.append(m.result)
+    assert got == list(range(5))
+    assert p.pid is not None
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert ch.get(2.0) is None
+    assert gone == ["doomed"]
+    ch.put(msg(9))  # the channel still works for everyone else
+    m = ch.get(1.0)
+    assert m is not None and m.result == 9
+    ch.close()
+
+
+def test_sender_of_a_closed_channel_raises() -> None:
+    ch = PipeChannel()
+    sender = ch.new_sender()
+    ch.close()
+    with pytest.raises(ChannelClosed):
+        sender.put(msg(1), timeout=1.0)
+    sender.close()
+    with pytest.raises(ChannelClosed):
+        ch.new_sender()
+
+
+def test_construction_checks() -> None:
+    with pytest.raises(UsageError):
+        InProcessChannel(maxsize=0)
+    with pytest.raises(UsageError):
+        InProcessChannel(max_bytes=10, max_message_bytes=20)
+    with pytest.raises(UsageError):
+        PipeChannel(capacity_bytes=CREDIT_BYTES, max_message_bytes=2 * CREDIT_BYTES)
+    with pytest.raises(UsageError):
+        InProcessChannel().put(msg(1), timeout=-1)
+
+
+def test_unserialized_inproc_passes_objects() -> None:
+    ch = InProcessChannel(serialize=False)
+    m = msg(1, payload=lambda: 0)  # not picklable, fine without serialization
+    ch.put(m)
+    assert ch.get(1.0) is m
+    assert isinstance(both()[0], ResultChannel)

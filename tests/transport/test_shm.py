@@ -1,0 +1,285 @@
+"""The segment pool: reuse, bounds, exactly-once release, cross-process leases, crash cleanup."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import helpers.shm_children as children
+from omni_async.core.errors import UsageError
+from omni_async.transport.shm import (
+    Lease,
+    SegmentPool,
+    attach_view,
+    list_segments,
+    size_class,
+    sweep_dead_executors,
+    unlink_all_with_prefix,
+)
+from omni_async.transport.errors import (
+    LeaseAlreadyReleased,
+    PoolClosed,
+    PoolExhausted,
+    SegmentTooLarge,
+    TransportError,
+    UnknownSegment,
+)
+from helpers.shm_fixtures import no_shm_leak, segment_pool
+
+SPAWN = multiprocessing.get_context("spawn")
+pytestmark = pytest.mark.usefixtures("no_shm_leak")
+__all__ = ["no_shm_leak", "segment_pool"]  # fixtures, used by name
+
+
+def test_size_classes() -> None:
+    assert size_class(1, 1 << 16) == 1 << 16
+    assert size_class((1 << 16) + 1, 1 << 16) == 1 << 17
+    assert size_class(1 << 20, 1 << 16) == 1 << 20
+    assert size_class((1 << 20) + 1, 1 << 16) == 1 << 21
+
+
+def test_zero_creations_per_request_in_steady_state(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    for _ in range(3):  # warm-up: the first request creates
+        pool.release(pool.lease(300_000))
+    warm = pool.stats()
+    for i in range(200):
+        lease = pool.lease(300_000 - i * 7)  # varying sizes, one class
+        pool.view(lease)[:16].fill_(i % 256)
+        pool.release(lease)
+    st = pool.stats()
+    assert warm.created == 1 and st.created == 1, st
+    assert st.reused == warm.reused + 200
+    assert st.leased == st.released and st.outstanding == 0
+    assert st.bytes == 1 << 19 and st.bytes_leased == 0
+    assert len(list_segments(pool.prefix)) == 1
+
+
+def test_a_free_segment_one_class_up_is_reused(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    pool.release(pool.lease(1 << 20))
+    lease = pool.lease(600_000)  # class 1 MiB -> 1 MiB exists: reused
+    small = pool.lease(400_000)  # class 512 KiB -> none; 1 MiB is leased: created
+    st = pool.stats()
+    assert (st.created, st.reused) == (2, 1) and lease.size == 1 << 20 and small.size == 1 << 19
+    pool.release(lease)
+    pool.release(small)
+
+
+def test_release_exactly_once(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    lease = pool.lease(1000)
+    assert pool.is_leased(lease)
+    pool.release(lease)
+    assert not pool.is_leased(lease)
+    with pytest.raises(LeaseAlreadyReleased):
+        pool.release(lease)
+    again = pool.lease(1000)  # same slot, new generation: the stale lease stays stale
+    assert again.slot == lease.slot and again.generation == lease.generation + 1
+    with pytest.raises(LeaseAlreadyReleased):
+        pool.release(lease)
+    with pytest.raises(LeaseAlreadyReleased):
+        pool.hand_off(lease)
+    pool.release(again)
+
+
+def test_leaks_are_detectable(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    lease = pool.lease(5000)
+    (info,) = pool.outstanding()
+    assert info.name == lease.name and info.owner_pid == os.getpid()
+    pool.hand_off(lease)
+    assert pool.outstanding()[0].owner_pid == 0
+    pool.release(lease)
+    assert pool.outstanding() == []
+
+
+def test_foreign_and_forged_leases_are_rejected(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    with pytest.raises(UnknownSegment):
+        pool.release(Lease("omni-0-nope-", 0, 1, 1, 1 << 16, 10))
+    with pytest.raises(UnknownSegment):
+        pool.release(Lease(pool.prefix, 999, 1, 1, 1 << 16, 10))
+    with pytest.raises(UnknownSegment):
+        SegmentPool.for_prefix("omni-0-nope-")
+
+
+def test_bounds_wait_then_raise(no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, max_segments=2, lease_timeout=0.1) as pool:
+        with pytest.raises(SegmentTooLarge):
+            pool.lease((1 << 20) + 1)
+        a, b = pool.lease(1000), pool.lease(1000)  # max_segments reached
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhausted) as info:
+            pool.lease(1000)
+        assert time.monotonic() - t0 >= 0.09 and info.value.timeout == 0.1
+        # A release from another thread ends the wait.
+        threading.Timer(0.05, pool.release, args=(a,)).start()
+        c = pool.lease(1000, timeout=5.0)
+        pool.release(b)
+        pool.release(c)
+        with pytest.raises(UsageError):
+            pool.lease(0)
+
+
+def test_free_segments_of_other_classes_are_evicted_for_room(no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, max_segments=8) as pool:
+        smalls = [pool.lease(100_000) for _ in range(4)]  # 4 x 128 KiB
+        old_names = [s.name for s in smalls]
+        for s in smalls:
+            pool.release(s)
+        big = pool.lease(900_000)  # 1 MiB: only fits after evicting all four
+        st = pool.stats()
+        assert st.evicted == 4 and st.bytes == 1 << 20
+        assert not set(old_names) & set(list_segments(pool.prefix))
+        pool.view(big).fill_(3)
+        pool.release(big)
+
+
+def test_closed_pool(no_shm_leak: None) -> None:
+    pool = SegmentPool(max_bytes=4 << 20)
+    lease = pool.lease(10_000)
+    keep = pool.view(lease)[:4]
+    keep.fill_(9)
+    assert len(list_segments(pool.prefix)) == 1
+    assert pool.close() >= 1
+    assert list_segments(pool.prefix) == []
+    assert keep.tolist() == [9, 9, 9, 9]  # a view held across close stays readable
+    assert pool.close() == 0  # idempotent
+    with pytest.raises(PoolClosed):
+        pool.lease(10)
+    with pytest.raises(PoolClosed):
+        pool.release(lease)
+
+
+def test_unlink_all_with_prefix_needs_no_pool(no_shm_leak: None) -> None:
+    pool = SegmentPool(max_bytes=4 << 20)
+    leases = [pool.lease(70_000), pool.lease(300_000)]
+    assert unlink_all_with_prefix(pool.prefix) == 2
+    assert list_segments(pool.prefix) == []
+    assert pool.view(leases[0]).numel() == 1 << 17  # mapped views outlive the names
+    pool.close()
+
+
+def test_unlink_all_with_prefix_refuses_broad_prefixes() -> None:
+    for bad in ("", "omni", "/dev/shm/x", "a*b", "../x"):
+        with pytest.raises(UsageError):
+            unlink_all_with_prefix(bad)
+    with pytest.raises(UsageError):
+        SegmentPool(prefix="not-ours-")
+
+
+def _assert_table_true(pool: SegmentPool) -> None:
+    """Nothing leased, and the files under /dev/shm are exactly the segments the table names."""
+    assert pool.outstanding() == []
+    assert set(list_segments(pool.prefix)) == set(pool.segment_names())
+    st = pool.stats()
+    assert st.bytes_leased == 0 and st.segments == len(pool.segment_names())
+
+
+@pytest.mark.parametrize("cut", ["granting", "evicting"])
+def test_a_process_killed_inside_the_lock_is_repaired_after(cut: str, no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, lock_timeout=5) as pool:
+        p = SPAWN.Process(target=children.die_inside_the_lock, args=(pool, None, cut))
+        p.start()
+        p.join(60)
+        assert p.exitcode == -signal.SIGKILL
+        t0 = time.monotonic()
+        st = pool.stats()  # the kernel dropped the dead holder's flock: no wait
+        assert time.monotonic() - t0 < 2.5  # not the 5 s lock timeout
+        assert st.repairs == 1
+        _assert_table_true(pool)
+        assert pool.reclaim_owner(p.pid or 0) == 0  # the repair already did it
+        # The pool still serves its whole budget.
+        lease = pool.lease(pool.max_bytes, timeout=0)
+        pool.release(lease)
+        _assert_table_true(pool)
+
+
+def test_a_live_holder_times_out_the_others_and_its_death_frees_the_lock(no_shm_leak: None) -> None:
+    with SegmentPool(max_bytes=1 << 20, lock_timeout=0.2) as pool:
+        recv, send = SPAWN.Pipe(duplex=False)
+        p = SPAWN.Process(target=children.die_inside_the_lock, args=(pool, send, "holding"))
+        p.start()
+        send.close()
+        assert recv.poll(60)
+        pid = recv.recv()
+        with pytest.raises(TransportError, match=f"held by live process {pid}"):
+            pool.lease(100)
+        os.kill(pid, signal.SIGKILL)
+        p.join(10)
+        pool.release(pool.lease(100))
+        assert pool.stats().repairs == 1
+        _assert_table_true(pool)
+
+
+def test_workers_killed_at_random_points_leave_a_true_table(no_shm_leak: None) -> None:
+    # Children that lease, write and release as fast as they can (creating and evicting
+    # segments in a tight budget) are SIGKILLed wherever they happen to be.
+    rng = random.Random(5)
+    with SegmentPool(max_bytes=2 << 20, max_segments=6) as pool:
+        for seed in range(4):
+            p = SPAWN.Process(target=children.lease_and_release_forever, args=(pool, seed))
+            busy = pool.stats().leased + 200
+            p.start()
+            deadline = time.monotonic() + 60
+            while pool.stats().leased < busy and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(rng.uniform(0, 0.05))
+            assert p.pid is not None
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            pool.reclaim_owner(p.pid)
+            _assert_table_true(pool)
+            pool.release(pool.lease(pool.max_bytes, timeout=0))  # the whole budget still serves
+        assert pool.stats().leased >= 4 * 200
+
+
+def test_a_child_process_leases_writes_and_hands_off(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    recv, send = SPAWN.Pipe(duplex=False)
+    p = SPAWN.Process(target=children.lease_and_fill, args=(pool, send, 123_456, 0xA5))
+    p.start()
+    send.close()
+    assert recv.poll(60)
+    lease: Lease = recv.recv()
+    p.join(30)
+    assert p.exitcode == 0
+    view = pool.view(lease)  # this process attaches by name
+    assert int(view[:123_456].to(torch.int64).sum()) == 0xA5 * 123_456
+    assert pool.outstanding()[0].owner_pid == 0  # handed off in the child
+    assert pool.stats().created == 1  # the child created it, in our table
+    pool.release(lease)
+    assert attach_view(lease.name, lease.size).data_ptr() == view.data_ptr()  # mapping cached
+
+
+def test_sigkilled_child_cleanup(segment_pool: SegmentPool) -> None:
+    pool = segment_pool
+    recv, send = SPAWN.Pipe(duplex=False)
+    p = SPAWN.Process(target=children.hold_segments_then_hang, args=(pool, send))
+    p.start()
+    send.close()
+    assert recv.poll(60)
+    handed, kept_names, child_prefix, child_names = recv.recv()
+    assert len(list_segments(child_prefix)) == 2 == len(child_names)
+    assert p.pid is not None
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert p.exitcode == -signal.SIGKILL
+    # The executor reclaims the dead worker's leases it never handed off...
+    assert pool.stats().outstanding == 3
+    assert pool.reclaim_owner(p.pid) == 2
+    assert not set(kept_names) & set(list_segments(pool.prefix))
+    assert pool.is_leased(handed)  # ...but not the one already handed to a consumer
+    pool.release(handed)
+    # The child's own pool (the child was an executor) dies with it: sweep by prefix.
+    assert sweep_dead_executors() >= 2
+    assert list_segments(child_prefix) == []
+    assert pool.stats().reclaimed == 2
