@@ -4,7 +4,10 @@ Thread B launches a long matmul chain then waits on it in several ways; thread A
 Python loop iterations meanwhile.  If A's count barely moves during B's wait, the wait
 held the GIL.
 """
-import threading, time, torch
+import threading
+import time
+
+import torch
 
 dev = torch.device("cuda", 0)
 a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)

@@ -31,8 +31,8 @@ import torch
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
-from omni_async.models.tiny import SyntheticVideoWorker
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import SyntheticVideoWorker
 from omni_async.transport.packing import pack_diffusion_output_shm, release_packed_output
 from omni_async.transport.shm import SegmentPool
 

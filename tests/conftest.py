@@ -25,6 +25,7 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 from helpers.leaks import ours
+
 from omni_async.transport.shm import SHM_DIR
 
 

@@ -1,8 +1,21 @@
 """omni_async: move finished diffusion outputs off the GPU path.
 
-See README.md for the overview and spec/PROTOCOL.md for the protocol.
+Everything an engine author uses is importable from here; ``docs/guide.md`` describes
+each name, ``spec/PROTOCOL.md`` the protocol.  The layers, from the top:
+
+* ``omni_async.executor``: the executor API (``DiffusionExecutor``), the result pump,
+  ``InProcessExecutor`` and ``MultiprocDiffusionExecutor``;
+* ``omni_async.worker``: the worker loop and the background packer;
+* ``omni_async.transport``: the result channel, pooled shared memory, pack/unpack,
+  device events;
+* ``omni_async.core``: sans-IO protocol: messages, state tables, registry, dispatch,
+  errors, deadlines;
+
+and beside them ``omni_async.models`` (reference models) and ``omni_async.verify``
+(TLA+ generation, TLC, trace checking; not imported here).
 """
 
+from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
@@ -23,7 +36,9 @@ from omni_async.core.messages import (
     AsyncOutputKind,
     BatchDiffusionOutput,
     DiffusionOutput,
+    DiffusionRequest,
     Failure,
+    RpcRequest,
     RunnerOutput,
 )
 from omni_async.core.states import (
@@ -34,6 +49,33 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
+from omni_async.transport.errors import (
+    ChannelClosed,
+    ChannelFull,
+    DeviceSyncUnavailable,
+    LeaseAlreadyReleased,
+    MessageTooLarge,
+    PoolClosed,
+    PoolExhausted,
+    SegmentTooLarge,
+    TransportError,
+    UnknownSegment,
+    UnpicklableMessage,
+    UnsupportedOutputType,
+)
+from omni_async.transport.packing import (
+    pack_diffusion_output_shm,
+    release_packed_output,
+    unpack_diffusion_output_shm,
+)
+from omni_async.transport.platform import DeviceEvent, record_device_event, wait_device_event
+from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
+from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
+from omni_async.worker.packer import Packer
 
 __all__ = [
     "LIFECYCLE_TABLE",
@@ -41,24 +83,60 @@ __all__ = [
     "AsyncDiffusionOutput",
     "AsyncOutputKind",
     "BatchDiffusionOutput",
+    "ChannelClosed",
+    "ChannelFull",
     "ComputeTimeout",
+    "Deadlines",
+    "DeviceEvent",
+    "DeviceSyncUnavailable",
+    "DiffusionExecutor",
     "DiffusionOutput",
+    "DiffusionRequest",
+    "DiffusionWorkerModel",
     "ExecutorShutdown",
     "Failure",
     "IllegalTransition",
+    "InProcessExecutor",
+    "Lease",
+    "LeaseAlreadyReleased",
     "LifecycleEvent",
     "LifecycleState",
+    "MessageTooLarge",
     "MessageValidationError",
+    "MultiprocDiffusionExecutor",
     "OmniAsyncError",
     "OutputDropped",
     "OutputError",
     "OutputTimeout",
+    "Packer",
+    "PoolClosed",
+    "PoolExhausted",
+    "PoolStats",
     "ProtocolError",
     "RemoteError",
     "RequestEvent",
     "RequestState",
     "RpcFailed",
+    "RpcRequest",
     "RunnerOutput",
+    "SegmentPool",
+    "SegmentTooLarge",
+    "SyntheticVideoWorker",
+    "TinyDiffusionWorker",
+    "TransportError",
+    "UnknownSegment",
+    "UnpicklableMessage",
+    "UnsupportedOutputType",
     "UsageError",
     "WorkerDied",
+    "WorkerLoop",
+    "WorkerOptions",
+    "WorkerSpec",
+    "list_segments",
+    "pack_diffusion_output_shm",
+    "record_device_event",
+    "release_packed_output",
+    "sweep_dead_executors",
+    "unpack_diffusion_output_shm",
+    "wait_device_event",
 ]

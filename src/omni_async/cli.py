@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from omni_async.core.config import Deadlines
-from omni_async.executor.api import DiffusionExecutor, InProcessExecutor
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
-from omni_async.models.tiny import TinyDiffusionWorker, image_digest
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import TinyDiffusionWorker, image_digest
 
 
 def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:

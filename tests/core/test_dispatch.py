@@ -19,7 +19,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestState
-from omni_async.core.trace import ListTracer
+from omni_async.verify.recorder import ListTracer
 
 Msg = AsyncDiffusionOutput
 S = RequestState

@@ -24,7 +24,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import DiffusionOutput, Failure
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import HOLDING, REQUEST_TERMINAL, RequestState
-from omni_async.core.trace import ListTracer
+from omni_async.verify.recorder import ListTracer
 
 S = RequestState
 

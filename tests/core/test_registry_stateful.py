@@ -55,7 +55,8 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestState
-from omni_async.core.trace import ListTracer, TraceEvent
+from omni_async.core.trace import TraceEvent
+from omni_async.verify.recorder import ListTracer
 
 # Finished traces, for tests/test_trace_validation.py (bounded).
 COLLECTED_TRACES: list[list[TraceEvent]] = []

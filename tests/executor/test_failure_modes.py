@@ -16,21 +16,20 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
-
 from helpers.executor_harness import (
     GATES,
     RELAXED,
     TIMEOUT,
     HarnessExecutor,
-    expected_image,
-    make_toy,
     exc_of,
+    expected_image,
     gate_name,
+    make_toy,
     opened_gates_on_exit,
     req,
     wait_until,
 )
-from omni_async.transport.channel import InProcessChannel
+
 from omni_async.core.config import ENV_OUTPUT_TIMEOUT, Deadlines
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
@@ -42,13 +41,15 @@ from omni_async.core.errors import (
     RemoteError,
     RpcFailed,
 )
-from omni_async.executor.api import DiffusionExecutor, InProcessExecutor
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, Failure, RunnerOutput
-from omni_async.worker.packer import Packer
-from omni_async.executor.pump import ResultPump
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestEvent, RequestState, request_machine
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.pump import ResultPump
+from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.errors import ChannelClosed
+from omni_async.worker.packer import Packer
 
 Msg = AsyncDiffusionOutput
 S = RequestState

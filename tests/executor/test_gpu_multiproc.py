@@ -12,8 +12,8 @@ import torch
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
-from omni_async.models.tiny import TinyDiffusionWorker
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import TinyDiffusionWorker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -9,29 +9,26 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import pytest
 import torch
-
 from helpers.executor_harness import (
     GATES,
     RELAXED,
     TIMEOUT,
     HarnessExecutor,
     ToyWorker,
-    expected_image,
-    make_toy,
     exc_of,
+    expected_image,
     gate_name,
+    make_toy,
     opened_gates_on_exit,
     req,
     wait_until,
 )
-from omni_async.transport.channel import InProcessChannel, ResultSender
+
 from omni_async.core.config import Deadlines
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
@@ -44,11 +41,13 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
 )
-from omni_async.executor.api import DiffusionExecutor, InProcessExecutor
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RpcRequest
-from omni_async.worker.packer import Packer
 from omni_async.core.states import RequestState
-from omni_async.core.trace import ListTracer
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.transport.channel import InProcessChannel, ResultSender
+from omni_async.verify.recorder import ListTracer
+from omni_async.worker.packer import Packer
 
 
 def quiet(ex: DiffusionExecutor) -> bool:
@@ -568,8 +567,8 @@ def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None
 
 def test_backpressure_counts_every_output_of_a_batch() -> None:
     """A batch of N needs room for N outputs; an empty packer always has room (no deadlock)."""
-    from omni_async.transport.channel import InProcessChannel as _Ch
     from omni_async.core.states import RequestEvent, request_machine
+    from omni_async.transport.channel import InProcessChannel as _Ch
 
     p = Packer(0, _Ch(), max_outputs=2)  # never started: a submitted output stays in flight
     assert p.wait_for_room(5, timeout=0)  # empty: a batch larger than the budget still runs

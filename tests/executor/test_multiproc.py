@@ -14,17 +14,16 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.mp_workers import expected_image
+from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
-from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
+from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.shm import SegmentPool
-
-from helpers.leaks import LONG_LIVED, with_prefix
-from helpers.traces import keep
-from omni_async.core.trace import ListTracer
-from helpers.mp_workers import expected_image
+from omni_async.verify.recorder import ListTracer
 
 SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from omni_async.transport.channel import InProcessChannel
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
     ExecutorShutdown,
@@ -25,9 +24,10 @@ from omni_async.core.errors import (
     WorkerDied,
 )
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
-from omni_async.executor.pump import ResultPump
 from omni_async.core.registry import OutputRegistry
 from omni_async.core.states import LifecycleState
+from omni_async.executor.pump import ResultPump
+from omni_async.transport.channel import InProcessChannel
 
 Msg = AsyncDiffusionOutput
 TIMEOUT = 10.0

@@ -10,8 +10,8 @@ import signal
 import threading
 import time
 
-from omni_async.transport.channel import PipeSender
 from omni_async.core.messages import AsyncDiffusionOutput
+from omni_async.transport.channel import PipeSender
 
 
 def write_from_threads(sender: PipeSender, threads: int, per_thread: int) -> None:

@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from omni_async.transport.channel import ResultSender
 from omni_async.core.config import Deadlines
-from omni_async.executor.api import InProcessExecutor
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
-from omni_async.worker.packer import Packer
 from omni_async.core.registry import ReleaseHook
 from omni_async.core.trace import Tracer
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.transport.channel import ResultSender
+from omni_async.worker.packer import Packer
 
 TIMEOUT = 10.0
 # Long enough never to fire in a test unless the test means it to.

@@ -11,12 +11,11 @@ from typing import NoReturn
 
 import torch
 
-from omni_async.transport.shm import files
-from omni_async.transport.shm import pool as shm
 from omni_async.core.messages import DiffusionOutput
-from omni_async.transport.packing import release_packed_output, unpack_diffusion_output_shm
-from omni_async.transport.shm import Lease, SegmentPool
 from omni_async.transport.errors import PoolExhausted
+from omni_async.transport.packing import release_packed_output, unpack_diffusion_output_shm
+from omni_async.transport.shm import Lease, SegmentPool, files
+from omni_async.transport.shm import pool as shm
 
 
 def lease_and_fill(pool: SegmentPool, conn: Connection, nbytes: int, value: int) -> None:

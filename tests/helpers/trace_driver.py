@@ -23,7 +23,8 @@ from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, WorkerDied
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
-from omni_async.core.trace import ListTracer, TraceEvent
+from omni_async.core.trace import TraceEvent
+from omni_async.verify.recorder import ListTracer
 
 M = AsyncDiffusionOutput
 

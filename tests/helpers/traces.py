@@ -6,7 +6,8 @@ them (file order), which checks every collected trace with TLC.
 
 from __future__ import annotations
 
-from omni_async.core.trace import ListTracer, TraceEvent
+from omni_async.core.trace import TraceEvent
+from omni_async.verify.recorder import ListTracer
 
 COLLECTED: dict[str, list[list[TraceEvent]]] = {}
 MAX_PER_SOURCE = 500

@@ -9,9 +9,11 @@ import threading
 import time
 from collections import defaultdict
 
+import helpers.channel_children as children
 import pytest
 
-import helpers.channel_children as children
+from omni_async.core.errors import ProtocolError, UsageError
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
 from omni_async.transport.channel import (
     CREDIT_BYTES,
     InProcessChannel,
@@ -20,8 +22,6 @@ from omni_async.transport.channel import (
     dumps_message,
     loads_message,
 )
-from omni_async.core.errors import ProtocolError, UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
 from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
 
 SPAWN = multiprocessing.get_context("spawn")

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.shm_fixtures import no_shm_leak
 
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.packing import (
@@ -26,7 +27,6 @@ from omni_async.transport.packing import (
 )
 from omni_async.transport.platform import DeviceSync, record_device_event
 from omni_async.transport.shm import SHM_DIR, SegmentPool
-from helpers.shm_fixtures import no_shm_leak
 
 __all__ = ["no_shm_leak"]
 pytestmark = [

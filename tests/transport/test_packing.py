@@ -10,15 +10,23 @@ import pickle
 from typing import Any, NamedTuple
 
 import attrs
+import helpers.shm_children as children
 import numpy as np
 import pytest
 import torch
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import helpers.shm_children as children
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.transport.errors import (
+    DeviceSyncUnavailable,
+    LeaseAlreadyReleased,
+    PoolClosed,
+    PoolExhausted,
+    UnsupportedOutputType,
+)
 from omni_async.transport.packing import (
     PackedPayload,
     is_packed,
@@ -30,14 +38,6 @@ from omni_async.transport.packing import (
 )
 from omni_async.transport.platform import DeviceSync
 from omni_async.transport.shm import SegmentPool, attach_view
-from omni_async.transport.errors import (
-    DeviceSyncUnavailable,
-    LeaseAlreadyReleased,
-    PoolClosed,
-    PoolExhausted,
-    UnsupportedOutputType,
-)
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 
 __all__ = ["no_shm_leak", "segment_pool"]
 SPAWN = multiprocessing.get_context("spawn")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_async.transport.platform import DeviceSync, default_device, record_device_event, wait_device_event
 from omni_async.transport.errors import DeviceSyncUnavailable
+from omni_async.transport.platform import DeviceSync, default_device, record_device_event, wait_device_event
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta", torch.device("cpu")])

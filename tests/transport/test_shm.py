@@ -9,11 +9,20 @@ import signal
 import threading
 import time
 
+import helpers.shm_children as children
 import pytest
 import torch
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 
-import helpers.shm_children as children
 from omni_async.core.errors import UsageError
+from omni_async.transport.errors import (
+    LeaseAlreadyReleased,
+    PoolClosed,
+    PoolExhausted,
+    SegmentTooLarge,
+    TransportError,
+    UnknownSegment,
+)
 from omni_async.transport.shm import (
     Lease,
     SegmentPool,
@@ -23,15 +32,6 @@ from omni_async.transport.shm import (
     sweep_dead_executors,
     unlink_all_with_prefix,
 )
-from omni_async.transport.errors import (
-    LeaseAlreadyReleased,
-    PoolClosed,
-    PoolExhausted,
-    SegmentTooLarge,
-    TransportError,
-    UnknownSegment,
-)
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 
 SPAWN = multiprocessing.get_context("spawn")
 pytestmark = pytest.mark.usefixtures("no_shm_leak")

@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from omni_async.verify import tla_gen
-from omni_async.verify.locate import source_root
 from omni_async.core.states import (
     LIFECYCLE_TABLE,
     REQUEST_TABLE,
@@ -17,6 +15,8 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
+from omni_async.verify import tla_gen
+from omni_async.verify.locate import source_root
 
 
 def test_checked_in_files_match_the_tables() -> None:

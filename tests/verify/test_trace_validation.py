@@ -29,9 +29,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from omni_async.core.config import Deadlines
-from omni_async.executor.api import InProcessExecutor
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
-from omni_async.core.trace import FieldValue, ListTracer, TraceEvent
+from omni_async.core.trace import FieldValue, TraceEvent
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.verify.recorder import ListTracer
 from omni_async.verify.tracecheck import TraceFormatError, check_traces, encode_traces
 
 HYPOTHESIS_TRACES = 300

@@ -25,12 +25,18 @@ from concurrent.futures import Future
 
 import attrs
 
-from omni_async.core.errors import ComputeTimeout, ExecutorShutdown, OutputDropped, OutputError, ProtocolError, RpcFailed
+from omni_async.core.errors import (
+    ComputeTimeout,
+    ExecutorShutdown,
+    OutputDropped,
+    OutputError,
+    ProtocolError,
+    RpcFailed,
+)
 from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
+from omni_async.core.methods import ASYNC_METHODS
 from omni_async.core.registry import OutputRegistry, Resolution
 from omni_async.core.trace import FieldValue, Tracer
-
-ASYNC_METHODS = frozenset({"execute_model", "execute_model_batch"})
 
 K = AsyncOutputKind
 

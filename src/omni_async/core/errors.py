@@ -9,10 +9,7 @@ never crash the pump: the pump counts it and carries on).  Both derive from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from omni_async.core.messages import Failure
+from omni_async.core.failure import Failure
 
 
 class OmniAsyncError(Exception):

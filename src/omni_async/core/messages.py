@@ -18,13 +18,24 @@ Every other RPC answer is an ``RPC_RESULT``.
 from __future__ import annotations
 
 import enum
-import traceback as _tb
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
 
 from omni_async.core.errors import MessageValidationError
+from omni_async.core.failure import Failure
+
+__all__ = [
+    "AsyncDiffusionOutput",
+    "AsyncOutputKind",
+    "BatchDiffusionOutput",
+    "DiffusionOutput",
+    "DiffusionRequest",
+    "Failure",
+    "RpcRequest",
+    "RunnerOutput",
+]
 
 
 class AsyncOutputKind(enum.Enum):
@@ -34,23 +45,6 @@ class AsyncOutputKind(enum.Enum):
 
     def __repr__(self) -> str:
         return self.name
-
-
-@attrs.frozen
-class Failure:
-    """A remote exception, reduced to plain strings so it always pickles."""
-
-    type_name: str
-    message: str
-    traceback: str = ""
-
-    @classmethod
-    def from_exception(cls, exc: BaseException) -> Failure:
-        return cls(
-            type_name=type(exc).__qualname__,
-            message=str(exc),
-            traceback="".join(_tb.format_exception(type(exc), exc, exc.__traceback__)),
-        )
 
 
 def _str_dict() -> dict[str, float]:

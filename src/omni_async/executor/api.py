@@ -17,18 +17,16 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
 
-from omni_async.transport.channel import InProcessChannel, ResultReceiver, ResultSender
 from omni_async.core.config import Deadlines
-from omni_async.core.dispatch import ASYNC_METHODS, Dispatcher
+from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
-    OutputError,
     RpcFailed,
     UsageError,
 )
@@ -40,11 +38,12 @@ from omni_async.core.messages import (
     RpcRequest,
     RunnerOutput,
 )
-from omni_async.worker.packer import Packer
-from omni_async.executor.pump import ResultPump
+from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
 from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.trace import Tracer
-from omni_async.worker.loop import DROP_OUTPUTS, WorkerLoop
+from omni_async.executor.futures import map_future
+from omni_async.executor.pump import ResultPump
+from omni_async.transport.channel import ResultReceiver
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class DiffusionExecutor(abc.ABC):
 
     def submit_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> Future[RunnerOutput]:
         inner = self._submit("execute_model", (request,), consumer)
-        return _map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+        return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
 
     def execute_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> RunnerOutput:
         if self.step_mode:
@@ -165,7 +164,7 @@ class DiffusionExecutor(abc.ABC):
         # A caller that cancels after the pump claimed the call's future (inner RUNNING,
         # outer still cancellable) never sees its RunnerOutputs: nobody else can claim
         # or drop their outputs, so drop them here (F9/F10).
-        return _map_future(inner, list, discard=self._drop_runner_outputs)
+        return map_future(inner, list, discard=self._drop_runner_outputs)
 
     def _drop_runner_outputs(self, outputs: list[RunnerOutput]) -> None:
         for ro in outputs:
@@ -360,139 +359,4 @@ class DiffusionExecutor(abc.ABC):
         self.shutdown()
 
 
-def _map_future(
-    inner: Future[Any], fn: Callable[[Any], Any], discard: Callable[[Any], object] | None = None
-) -> Future[Any]:
-    """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one.
-
-    ``discard`` receives a mapped value whose outer future was cancelled meanwhile
-    (so an output mapped for nobody still gives its segment back).
-    """
-    outer: Future[Any] = Future()
-
-    def on_inner(f: Future[Any]) -> None:
-        if f.cancelled():
-            outer.cancel()
-            return
-        exc = f.exception()
-        if exc is None:
-            try:
-                value = fn(f.result())
-            except BaseException as err:  # must reach the caller, not the callback logger
-                exc = err
-        if not outer.set_running_or_notify_cancel():
-            if exc is None and discard is not None:
-                discard(value)
-            return
-        if exc is not None:
-            outer.set_exception(exc)
-        else:
-            outer.set_result(value)
-
-    def on_outer(f: Future[Any]) -> None:
-        if f.cancelled():
-            inner.cancel()
-
-    outer.add_done_callback(on_outer)
-    inner.add_done_callback(on_inner)
-    return outer
-
-
-class InProcessExecutor(DiffusionExecutor):
-    """Every rank's ``WorkerLoop`` on a thread of this process, with a real pump and packer threads.
-
-    The protocol is the real one end to end (the channel even pickles every
-    message); only the process boundary is missing.
-    """
-
-    def __init__(
-        self,
-        make_worker: Callable[[int], object],
-        *,
-        world_size: int = 1,
-        reply_rank: int = 0,
-        step_mode: bool = False,
-        deadlines: Deadlines | None = None,
-        max_outputs_in_flight: int = 4,
-        tracer: Tracer | None = None,
-        channel: InProcessChannel | None = None,
-        make_packer: Callable[[int, ResultSender], Packer] | None = None,
-        loop_options: Mapping[str, Any] | None = None,
-        release_hook: ReleaseHook = no_release,
-    ) -> None:
-        """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
-        caller build the worker side itself, e.g. a packer with its own pack function."""
-        self.channel = channel if channel is not None else InProcessChannel()
-        super().__init__(
-            self.channel,
-            world_size=world_size,
-            reply_rank=reply_rank,
-            step_mode=step_mode,
-            deadlines=deadlines,
-            release_hook=release_hook,
-            tracer=tracer,
-        )
-        self._inboxes: list[queue.Queue[RpcRequest | None]] = []
-        self._threads: list[threading.Thread] = []
-        self.packers: list[Packer] = []
-        self.loops: list[WorkerLoop] = []
-        for rank in range(world_size):
-            sender: ResultSender = self.channel
-            packer = (
-                make_packer(rank, sender)
-                if make_packer is not None
-                else Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer)
-            )
-            loop = WorkerLoop(
-                rank,
-                make_worker(rank),
-                sender,
-                reply_rank=reply_rank,
-                packer=packer,
-                tracer=tracer,
-                **dict(loop_options or {}),
-            )
-            inbox: queue.Queue[RpcRequest | None] = queue.Queue()
-            t = threading.Thread(target=self._serve, args=(loop, inbox), name=f"omni-worker-{rank}", daemon=True)
-            self.packers.append(packer)
-            self.loops.append(loop)
-            self._inboxes.append(inbox)
-            self._threads.append(t)
-        self.pump.start()
-        for p, t in zip(self.packers, self._threads, strict=True):
-            p.start()
-            t.start()
-
-    @staticmethod
-    def _serve(loop: WorkerLoop, inbox: queue.Queue[RpcRequest | None]) -> None:
-        while (req := inbox.get()) is not None:
-            try:
-                loop.handle_rpc(req)
-            except Exception:
-                log.exception("worker %d: handling %s failed", loop.rank, req.method)
-
-    def _broadcast(self, req: RpcRequest) -> None:
-        if self._closed:
-            raise ExecutorShutdown("the executor is shut down")
-        for inbox in self._inboxes:
-            inbox.put(req)
-
-    def _worker_failure(self) -> OmniAsyncError | None:
-        for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):
-            if not t.is_alive() or not p.alive():
-                return ExecutorShutdown(f"worker thread of rank {rank} is not running")
-        return None
-
-    def _stop_workers(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
-        for t in self._threads:
-            t.join(5.0)
-        # Close before stopping the packers: nobody reads any more, so a packer's put
-        # must fail at once rather than wait for room (F16: joins never hang).
-        self.channel.close()
-        for p in self.packers:
-            p.stop(5.0)
-
-
-__all__ = ["DiffusionExecutor", "InProcessExecutor", "OutputError"]
+__all__ = ["DiffusionExecutor"]

@@ -27,7 +27,6 @@ import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -35,12 +34,13 @@ from typing import Any
 
 import attrs
 
-from omni_async.transport.channel import PipeChannel, PipeSender
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError, WorkerDied
-from omni_async.executor.api import DiffusionExecutor, _map_future
 from omni_async.core.messages import DiffusionOutput, RpcRequest
-from omni_async.worker.packer import Packer
+from omni_async.core.trace import Tracer
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.futures import map_future
+from omni_async.transport.channel import PipeChannel, PipeSender
 from omni_async.transport.packing import (
     pack_diffusion_output_shm,
     release_packed_output,
@@ -48,8 +48,8 @@ from omni_async.transport.packing import (
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
-from omni_async.core.trace import Tracer
 from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.packer import Packer
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
         """The unpacked output: tensors view shared memory until ``release_output`` (zero copy)."""
         packed = super().wait_output_ready(async_output_id)
-        return _map_future(packed, self._receive, discard=self.release_output)
+        return map_future(packed, self._receive, discard=self.release_output)
 
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
         try:

@@ -22,12 +22,12 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from omni_async.transport.channel import ResultReceiver
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, OutputError
 from omni_async.core.messages import AsyncDiffusionOutput
 from omni_async.core.registry import Resolution
 from omni_async.core.states import LifecycleEvent, LifecycleState, lifecycle_machine
+from omni_async.transport.channel import ResultReceiver
 from omni_async.transport.errors import ChannelClosed
 
 log = logging.getLogger(__name__)

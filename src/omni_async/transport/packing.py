@@ -53,9 +53,9 @@ import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
+from omni_async.transport.errors import UnsupportedOutputType
 from omni_async.transport.platform import DeviceEvent, wait_device_event
 from omni_async.transport.shm import Lease, SegmentPool, attach_view
-from omni_async.transport.errors import UnsupportedOutputType
 
 __all__ = [
     "DEFAULT_INLINE_THRESHOLD",

@@ -25,7 +25,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from omni_async.verify.locate import source_root
 from omni_async.core.states import (
     AWAITING_COMPUTE_DONE,
     HOLDING,
@@ -41,6 +40,7 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
+from omni_async.verify.locate import source_root
 
 StateT = TypeVar("StateT", bound=enum.Enum)
 EventT = TypeVar("EventT", bound=enum.Enum)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import attrs
 
+from omni_async.core.trace import FieldValue, TraceEvent
 from omni_async.verify.locate import tla_dir
 from omni_async.verify.tlc import TlcResult, Toolchain, run_tlc
-from omni_async.core.trace import FieldValue, TraceEvent
 
 __all__ = [
     "ACTIONS",

@@ -31,8 +31,6 @@ from typing import Any, Protocol
 
 import attrs
 
-from omni_async.transport.channel import ResultSender
-from omni_async.core.dispatch import ASYNC_METHODS
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
@@ -42,20 +40,21 @@ from omni_async.core.messages import (
     Failure,
     RpcRequest,
 )
-from omni_async.worker.packer import Packer, PackFn, fire_traced
+from omni_async.core.methods import (
+    ASYNC_METHODS,
+    CONTROL_METHODS,
+    DRAIN_BEFORE,
+    DRAIN_OUTPUTS,
+    DROP_OUTPUTS,
+    LOOP_INFO,
+)
 from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
 from omni_async.core.trace import Tracer
+from omni_async.transport.channel import ResultSender
+from omni_async.worker.packer import Packer, PackFn, fire_traced
 
 log = logging.getLogger(__name__)
 
-DROP_OUTPUTS = "drop_outputs"
-LOOP_INFO = "loop_info"
-DRAIN_OUTPUTS = "drain_outputs"
-# Methods the loop answers itself, never forwarded to the model worker.
-CONTROL_METHODS = frozenset({DROP_OUTPUTS, LOOP_INFO, DRAIN_OUTPUTS})
-# Model methods that release or replace device memory: the packer must have copied
-# every output out before they run (F8).
-DRAIN_BEFORE = frozenset({"sleep", "load_weights", "update_weights", "release_memory"})
 DEFAULT_DRAIN_TIMEOUT = 60.0
 
 

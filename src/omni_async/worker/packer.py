@@ -30,7 +30,6 @@ from typing import Any
 
 import attrs
 
-from omni_async.transport.channel import ResultSender
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure
 from omni_async.core.registry import no_release
 from omni_async.core.states import (
@@ -42,6 +41,7 @@ from omni_async.core.states import (
     lifecycle_machine,
 )
 from omni_async.core.trace import FieldValue, Tracer
+from omni_async.transport.channel import ResultSender
 
 log = logging.getLogger(__name__)
 

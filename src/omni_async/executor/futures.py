@@ -1,0 +1,49 @@
+"""Future plumbing shared by the executors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+__all__ = ["map_future"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+def map_future(inner: Future[T], fn: Callable[[T], U], discard: Callable[[U], object] | None = None) -> Future[U]:
+    """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one.
+
+    ``discard`` receives a mapped value whose outer future was cancelled meanwhile
+    (so an output mapped for nobody still gives its segment back).
+    """
+    outer: Future[U] = Future()
+
+    def on_inner(f: Future[T]) -> None:
+        if f.cancelled():
+            outer.cancel()
+            return
+        exc = f.exception()
+        value: U | None = None
+        if exc is None:
+            try:
+                value = fn(f.result())
+            except BaseException as err:  # must reach the caller, not the callback logger
+                exc = err
+        if not outer.set_running_or_notify_cancel():
+            if exc is None and discard is not None:
+                discard(value)  # type: ignore[arg-type]  # set above whenever exc is None
+            return
+        if exc is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(value)  # type: ignore[arg-type]  # set above whenever exc is None
+
+    def on_outer(f: Future[U]) -> None:
+        if f.cancelled():
+            inner.cancel()
+
+    outer.add_done_callback(on_outer)
+    inner.add_done_callback(on_inner)
+    return outer
