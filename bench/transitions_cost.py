@@ -2,7 +2,7 @@
 
 DESIGN.md section 3 asks to choose between building the runtime machines with
 ``transitions`` and using ``transitions`` only as a test oracle "by a measured number".
-This script measures, on the same table (``omni_async.states.REQUEST_TABLE``):
+This script measures, on the same table (``omni_async.core.states.REQUEST_TABLE``):
 
 * per-trigger cost: ``Machine.fire`` vs ``transitions`` (``model.trigger(name)`` and the
   generated ``model.NAME()`` method) on a self-loop, so no construction is included;

@@ -24,9 +24,10 @@
 (*   - the monitor: notices a dead worker.                                 *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
-(* omni_async.registry.OutputRegistry (see spec/PROTOCOL.md).  The BUG     *)
-(* constant switches on one failure mode of the reference implementation   *)
-(* (DESIGN.md, F1-F16) so that TLC can show what each one breaks.          *)
+(* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  The    *)
+(* BUG constant switches on one failure mode of the reference              *)
+(* implementation (DESIGN.md, F1-F16) so that TLC can show what each one   *)
+(* breaks.                                                                 *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, RequestTable
 
@@ -261,8 +262,8 @@ Recv(r) ==
 MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 
 -----------------------------------------------------------------------------
-(* Worker actions: omni_async.worker.WorkerLoop.handle_rpc and            *)
-(* omni_async.packer.Packer._pack_one.                                     *)
+(* Worker actions: omni_async.worker.loop.WorkerLoop.handle_rpc and       *)
+(* omni_async.worker.packer.Packer._pack_one.                             *)
 
 \* Take the next execute RPC and run the forward.  The reply rank's machines
 \* go QUEUED -> COMPUTING -> COMPUTE_DONE and its outputs go to the packer
@@ -358,7 +359,8 @@ WorkerCrash(r) ==
     /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, packQ, packing, channel, executor>>
 
 -----------------------------------------------------------------------------
-(* Pump actions: omni_async.pump.ResultPump._step -> Dispatcher.handle.   *)
+(* Pump actions: omni_async.executor.pump.ResultPump._step ->             *)
+(* omni_async.core.dispatch.Dispatcher.handle.                            *)
 
 \* The ids the reply rank announced for RPC k (its COMPUTE_DONE was received).
 Announced(k) == IF answers[k][ReplyRank] = "ok" THEN Range(Batch[k]) ELSE {}
@@ -446,7 +448,7 @@ PumpExpireOutput(i) ==
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
-(* Engine actions: omni_async.executor.DiffusionExecutor.                 *)
+(* Engine actions: omni_async.executor.api.DiffusionExecutor.             *)
 
 \* (the model's one consumer submits nothing once it went away)
 EngineSubmitRpc ==

@@ -69,10 +69,11 @@ from omni_async.transport.errors import (
 )
 from omni_async.transport.packing import (
     pack_diffusion_output_shm,
+    packed_nbytes,
     release_packed_output,
     unpack_diffusion_output_shm,
 )
-from omni_async.transport.platform import DeviceEvent, record_device_event, wait_device_event
+from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
 from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
 from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
 from omni_async.worker.packer import Packer
@@ -86,6 +87,7 @@ __all__ = [
     "ChannelClosed",
     "ChannelFull",
     "ComputeTimeout",
+    "CopyStream",
     "Deadlines",
     "DeviceEvent",
     "DeviceSyncUnavailable",
@@ -134,6 +136,7 @@ __all__ = [
     "WorkerSpec",
     "list_segments",
     "pack_diffusion_output_shm",
+    "packed_nbytes",
     "record_device_event",
     "release_packed_output",
     "sweep_dead_executors",

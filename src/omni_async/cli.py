@@ -11,6 +11,7 @@ local forward (it is that request's image).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from omni_async.core.config import Deadlines
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
@@ -29,8 +31,13 @@ def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:
     return TinyDiffusionWorker(device=device, width=width, steps=steps)
 
 
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    """The options' deadlines over the environment's (``OMNI_ASYNC_*_TIMEOUT``)."""
+    return Deadlines.from_env(compute_timeout=args.compute_timeout, output_timeout=args.output_timeout)
+
+
 def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
-    deadlines = Deadlines.from_env(compute_timeout=args.compute_timeout, output_timeout=args.output_timeout)
+    deadlines = _deadlines(args)
     if args.executor == "inproc":
         return InProcessExecutor(
             lambda rank: _make_worker(args.device, args.width, args.steps),
@@ -77,7 +84,7 @@ def demo(args: argparse.Namespace) -> int:
             # The bytes: exactly what the worker computed (its digest, taken before
             # packing).  The values: this request's image, against a CPU forward; a
             # tolerance, since GPU kernels and even CPU BLAS differ in the last bits
-            # (see model.py).
+            # (see omni_async/models/tiny.py).
             intact = int(image_digest(got)) == int(out.output["digest"])
             diff = (got.double() - expected[ro.request_id].double()).abs()
             if not intact or float(diff.max()) > 0.05:
@@ -104,24 +111,123 @@ def demo(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="omni-async")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="run the reference stack end to end and check every output")
-    d.add_argument("--executor", choices=("multiproc", "inproc"), default="multiproc")
-    d.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    d.add_argument("--world-size", type=int, default=1)
-    d.add_argument("--requests", type=int, default=16)
-    d.add_argument("--batch", type=int, default=2)
+# Option types: each raises ArgumentTypeError, which argparse turns into a one-line
+# "omni-async demo: error: argument --NAME: ..." and exit status 2, before anything starts.
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _image_side(text: str) -> int:
+    """An image side: latent-diffusion pipelines work on a grid 8 times smaller, so a multiple of 8."""
+    value = _positive_int(text)
+    if value % 8:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 8, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float | None:
+    """A deadline in seconds; 0 or ``none`` disables it (as in the ``OMNI_ASYNC_*_TIMEOUT`` variables)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds or 'none', got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return None if value == 0 else value
+
+
+def _device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:<index>``, and CUDA only where a device is there."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}") from None
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}")
+        return "cpu"
+    if dev.type != "cuda":
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:<index>, got {text!r}")
+    if not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("CUDA requested but not available on this machine")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``omni-async`` parser; every option says what it does and its default."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="omni-async",
+        description="Command line of omni_async (asynchronous output path for diffusion serving).",
+        formatter_class=fmt,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    d = sub.add_parser(
+        "demo",
+        help="run the reference stack end to end and check every output",
+        description=(
+            "Start an executor with TinyDiffusionWorker, submit requests, wait for every output "
+            "and check its bytes (against the digest the worker took) and its values (against "
+            "a local CPU forward).  Exit status 0: every output arrived intact and nothing was "
+            "left behind; 1: a mismatch or a leak; 2: bad arguments."
+        ),
+        formatter_class=fmt,
+    )
+    d.add_argument(
+        "--executor",
+        choices=("multiproc", "inproc"),
+        default="multiproc",
+        help="multiproc: worker processes and shared memory; inproc: worker threads in this process",
+    )
+    d.add_argument(
+        "--device", type=_device, default="cpu", help="where the workers compute: cpu, cuda or cuda:<index>"
+    )
+    d.add_argument("--world-size", type=_positive_int, default=1, help="number of worker ranks (rank 0 ships outputs)")
+    d.add_argument("--requests", type=_positive_int, default=16, help="number of requests to submit")
+    d.add_argument("--batch", type=_positive_int, default=2, help="requests per execute call (the last may be smaller)")
     # 256 x 256 fp32 = 256 KiB per image: above the inline threshold, so the
     # images travel through the shared-memory pool.
-    d.add_argument("--height", type=int, default=256)
-    d.add_argument("--width", type=int, default=256)
-    d.add_argument("--steps", type=int, default=4)
-    d.add_argument("--compute-timeout", type=float, default=60.0)
-    d.add_argument("--output-timeout", type=float, default=60.0)
+    d.add_argument("--height", type=_image_side, default=256, help="image height in pixels, a multiple of 8")
+    d.add_argument("--width", type=_image_side, default=256, help="image width in pixels, a multiple of 8")
+    d.add_argument("--steps", type=_positive_int, default=4, help="denoising steps per request")
+    d.add_argument(
+        "--compute-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds from submitting an execute call until every rank has answered; 0 or 'none': no limit",
+    )
+    d.add_argument(
+        "--output-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds from COMPUTE_DONE until the output is delivered; 0 or 'none': no limit",
+    )
+    d.set_defaults(subparser=d)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     assert args.command == "demo"
+    try:
+        # The OMNI_ASYNC_*_TIMEOUT variables are read now as well: a bad one is reported
+        # like a bad option, before anything starts.
+        _deadlines(args)
+    except UsageError as exc:
+        args.subparser.error(str(exc))
     return demo(args)
 
 

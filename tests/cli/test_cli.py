@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from omni_async import cli
 from omni_async.models.tiny import image_digest
 
 
@@ -41,3 +43,144 @@ def test_the_demo_digest_sees_one_flipped_bit_and_one_swap() -> None:
     swapped = img.clone()
     swapped[0, 0], swapped[0, 1] = img[0, 1], img[0, 0]
     assert int(image_digest(swapped)) != d
+
+
+# -- options: help texts with defaults, bad values refused before anything starts ---------
+
+BAD_VALUES = [
+    (["--batch", "0"], "--batch"),
+    (["--batch", "two"], "--batch"),
+    (["--requests", "-1"], "--requests"),
+    (["--requests", "0"], "--requests"),
+    (["--world-size", "0"], "--world-size"),
+    (["--steps", "0"], "--steps"),
+    (["--height", "7"], "--height"),
+    (["--height", "-8"], "--height"),
+    (["--width", "100"], "--width"),
+    (["--compute-timeout", "-1"], "--compute-timeout"),
+    (["--output-timeout", "-0.5"], "--output-timeout"),
+    (["--output-timeout", "nan"], "--output-timeout"),
+    (["--output-timeout", "soon"], "--output-timeout"),
+    (["--device", "tpu"], "--device"),
+    (["--device", "cpu:3"], "--device"),
+    (["--executor", "threads"], "--executor"),
+]
+
+
+def _demo_options() -> list[argparse.Action]:
+    demo: argparse.ArgumentParser = cli.build_parser().parse_args(["demo"]).subparser
+    return [a for a in demo._actions if a.option_strings and a.dest != "help"]
+
+
+def _assert_one_error_line(stderr: str, option: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("usage: omni-async demo"), stderr
+    errors = [line for line in lines if "error" in line]
+    assert errors == [lines[-1]], stderr
+    assert lines[-1].startswith(f"omni-async demo: error: argument {option}: "), stderr
+    # Everything before the error line is the usage (continuation lines are indented).
+    assert all(line.startswith(" ") for line in lines[1:-1]), stderr
+
+
+@pytest.mark.parametrize(("argv", "option"), BAD_VALUES, ids=[" ".join(a) for a, _ in BAD_VALUES])
+def test_a_bad_value_is_one_error_line_before_anything_starts(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_run(args: argparse.Namespace) -> int:
+        raise AssertionError(f"the demo started with {args}")
+
+    monkeypatch.setattr(cli, "demo", must_not_run)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", *argv])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    _assert_one_error_line(captured.err, option)
+
+
+def test_a_bad_value_from_the_real_command_line_is_no_traceback() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "omni_async.cli", "demo", "--batch", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == ""
+    _assert_one_error_line(done.stderr, "--batch")
+    assert done.stderr.strip().splitlines()[-1] == "omni-async demo: error: argument --batch: must be >= 1, got 0"
+
+
+def test_a_bad_timeout_in_the_environment_is_one_error_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli, "demo", lambda args: pytest.fail("the demo started"))
+    monkeypatch.setenv("OMNI_ASYNC_RPC_TIMEOUT", "-3")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("omni-async demo: error: OMNI_ASYNC_RPC_TIMEOUT='-3'")
+
+
+@pytest.mark.parametrize(
+    ("argv", "dest", "value"),
+    [
+        (["--batch", "3"], "batch", 3),
+        (["--height", "64"], "height", 64),
+        (["--world-size", "2"], "world_size", 2),
+        (["--output-timeout", "2.5"], "output_timeout", 2.5),
+        (["--output-timeout", "0"], "output_timeout", None),
+        (["--compute-timeout", "none"], "compute_timeout", None),
+        (["--device", "cpu"], "device", "cpu"),
+        (["--executor", "inproc"], "executor", "inproc"),
+    ],
+)
+def test_good_values_reach_the_demo(
+    argv: list[str], dest: str, value: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[argparse.Namespace] = []
+
+    def record(args: argparse.Namespace) -> int:
+        seen.append(args)
+        return 0
+
+    monkeypatch.setattr(cli, "demo", record)
+    assert cli.main(["demo", *argv]) == 0
+    assert getattr(seen[0], dest) == value
+
+
+def test_demo_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["demo", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    options = _demo_options()
+    assert {a.dest for a in options} >= {
+        "executor", "device", "world_size", "requests", "batch", "height", "width", "steps",
+        "compute_timeout", "output_timeout",
+    }
+    for action in options:
+        assert action.help, f"{action.option_strings[0]} has no help text"
+        option = action.option_strings[0]
+        assert option in text
+        # The help of each option, then its default, as ArgumentDefaultsHelpFormatter writes it.
+        help_text = " ".join(action.help.split())
+        assert f"{help_text} (default: {action.default})" in text, option
+
+
+def test_top_level_help_names_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "usage: omni-async" in text
+    assert "-h, --help show this help message and exit" in text
+    assert "demo run the reference stack end to end and check every output" in text
+
+
+def test_no_command_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("omni-async: error:")

@@ -209,6 +209,17 @@ def test_failure_from_exception_keeps_type_message_and_traceback() -> None:
     assert pickle.loads(pickle.dumps(f)) == f
 
 
+def test_rpc_error_answers_with_the_exception_as_a_typed_failure() -> None:
+    try:
+        _raise_deep()
+    except _NestedBoom as exc:
+        msg = AsyncDiffusionOutput.rpc_error("rpc-3", exc, rank=2)
+        assert msg == AsyncDiffusionOutput.rpc_failed("rpc-3", Failure.from_exception(exc), rank=2)
+    assert (msg.kind, msg.rank, msg.rpc_id, msg.result) == (K.RPC_RESULT, 2, "rpc-3", None)
+    assert msg.failure is not None and msg.failure.type_name == "_NestedBoom" and "inner" in msg.failure.traceback
+    assert AsyncDiffusionOutput.rpc_error("rpc-4", KeyError("k")).failure == Failure.from_exception(KeyError("k"))
+
+
 def test_failure_from_unraised_exception() -> None:
     f = Failure.from_exception(KeyError("k"))
     assert f.type_name == "KeyError"

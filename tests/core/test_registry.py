@@ -727,6 +727,30 @@ def test_trace_records_the_protocol_in_order() -> None:
     ]
 
 
+def test_late_messages_are_traced_as_the_trace_spec_spells_them() -> None:
+    """``Late``'s kind is "cd" or "out" on the wire (TraceAsyncOutput.tla), whatever the registry calls them."""
+    tracer = ListTracer()
+    reg = OutputRegistry(tracer=tracer)
+    reg.on_compute_done(["a"], now=0.0)
+    reg.on_output("b", output=payload("b"))
+    reg.fail_all(lambda oid: WorkerDied(1, -9, output_id=oid), outcome="worker_died")
+    reg.on_output("a", output=payload("a"))  # owed
+    reg.on_compute_done(["b"], now=1.0)  # owed
+    reg.on_output("b", failure=FAIL)  # already arrived: a protocol error
+    reg.on_compute_done(["a"], now=2.0)  # likewise
+    late = [(e.action, dict(e.fields)) for e in tracer.snapshot() if e.action in ("Late", "ProtocolError")]
+    assert late == [
+        ("Late", {"output_id": "a", "kind": "out", "expected": True}),
+        ("Late", {"output_id": "b", "kind": "cd", "expected": True}),
+        ("Late", {"output_id": "b", "kind": "out", "expected": False}),
+        ("ProtocolError", {"output_id": "b", "reason": "OUTPUT_READY for an output that already finished"}),
+        ("Late", {"output_id": "a", "kind": "cd", "expected": False}),
+        ("ProtocolError", {"output_id": "a", "reason": "COMPUTE_DONE for an output that already finished"}),
+    ]
+    assert all(type(e.fields["kind"]) is str for e in tracer.snapshot() if e.action == "Late")
+    check_empty(reg)
+
+
 def test_records_expose_their_state_and_never_a_terminal_one() -> None:
     reg, _ = make()
     reg.on_compute_done(["a"], now=0.0, rank=1, request_ids=["ra"], consumer="c")

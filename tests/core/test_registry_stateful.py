@@ -58,7 +58,7 @@ from omni_async.core.states import RequestState
 from omni_async.core.trace import TraceEvent
 from omni_async.verify.recorder import ListTracer
 
-# Finished traces, for tests/test_trace_validation.py (bounded).
+# Finished traces, for tests/verify/test_trace_validation.py (bounded).
 COLLECTED_TRACES: list[list[TraceEvent]] = []
 MAX_COLLECTED_TRACES = 500
 

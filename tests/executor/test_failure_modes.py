@@ -49,6 +49,7 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.pump import ResultPump
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.errors import ChannelClosed
+from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.worker.packer import Packer
 
 Msg = AsyncDiffusionOutput
@@ -131,7 +132,7 @@ def payload(oid: str) -> DiffusionOutput:
 # --------------------------------------------------------------------------- F2
 
 
-def _failing_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+def _failing_pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
     raise RuntimeError(f"segment pool exhausted while packing {output.request_id}")
 
 
@@ -154,7 +155,7 @@ def test_f2_packing_error_fails_the_waiter_at_once_with_a_typed_failure(executor
     assert quiet(ex)
 
 
-def _broken_event() -> Any:
+def _broken_event() -> DeviceEvent | None:
     raise RuntimeError("cudaEventRecord failed: device lost")
 
 

@@ -46,6 +46,7 @@ from omni_async.core.states import RequestState
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.transport.channel import InProcessChannel, ResultSender
+from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.verify.recorder import ListTracer
 from omni_async.worker.packer import Packer
 
@@ -197,7 +198,7 @@ def test_exception_in_forward_reaches_the_caller_typed(make_executor: Callable[.
     assert ex.wait_output_ready(ro.async_output_id or "").result(timeout=TIMEOUT).request_id == "r2"
 
 
-def _raising_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+def _raising_pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
     raise MemoryError(f"no segment for {output.request_id}")
 
 

@@ -9,7 +9,7 @@ messages, a COMPUTE_DONE naming another call's id, a cancelled waiter whose done
 a call the engine cancels before it resolves, a consumer that goes away (through the dispatcher, which also
 fails its pending calls, or the registry alone), a broadcast that fails part-way, a worker death, messages that reach a closed registry.
 
-Used by tests/test_trace_validation.py; every trace ends with a shutdown.
+Used by tests/verify/test_trace_validation.py; every trace ends with a shutdown.
 """
 
 from __future__ import annotations

@@ -28,10 +28,12 @@ from omni_async.transport.errors import (
     UnsupportedOutputType,
 )
 from omni_async.transport.packing import (
+    DEFAULT_INLINE_THRESHOLD,
     PackedPayload,
     is_packed,
     pack_diffusion_output_shm,
     packed_lease,
+    packed_nbytes,
     release_packed_output,
     release_unpacked_output,
     unpack_diffusion_output_shm,
@@ -286,6 +288,91 @@ def test_unsupported_values_are_typed_errors_and_lease_nothing(segment_pool: Seg
             pack_diffusion_output_shm(out(value), pool=segment_pool)
         assert where in str(info.value)
     assert segment_pool.stats().leased == 0
+
+
+# -- sizing: packed_nbytes, the worker's back-pressure number ----------------------------
+
+
+def _copied(packed: DiffusionOutput) -> int:
+    assert isinstance(packed.output, PackedPayload)
+    return packed.output.shm_bytes + packed.output.inline_bytes
+
+
+def _mixed_value() -> dict[str, Any]:
+    huge = torch.zeros(1_000_000)
+    return {
+        "video": Video(
+            frames=[Frame(torch.randn(64, 64), "a"), Frame(torch.arange(4), "b", extra=Pair(1, torch.ones(2)))],
+            fps=24.0,
+            audio=np.linspace(0, 1, 5_000, dtype=np.float32),
+            meta={"seed": 7, "dtype": torch.bfloat16, "color": Color.RED},
+        ),
+        "view": huge[10:12],
+        "strided": torch.ones(8, 8)[:, ::2],
+        "array_view": np.zeros(1000, dtype=np.int16)[::10],
+        "od": collections.OrderedDict([("z", 1), ("a", np.arange(3))]),
+        "tuple": (None, 3, "s", b"small", bytearray(b"mutable"), memoryview(b"view")),
+        "blob": b"\x01" * 100_000,
+        "np_scalar": np.float32(1.25),
+    }
+
+
+@pytest.mark.parametrize("inline_threshold", [0, 1 << 10, DEFAULT_INLINE_THRESHOLD])
+def test_packed_nbytes_is_what_packing_copies(segment_pool: SegmentPool, inline_threshold: int) -> None:
+    """F5: the size the worker budgets is the bytes the packer copies, inline or in shared memory."""
+    output = out(_mixed_value())
+    packed = pack_diffusion_output_shm(output, pool=segment_pool, inline_threshold=inline_threshold)
+    assert packed_nbytes(output) == _copied(packed)
+    release_packed_output(packed)
+
+
+def test_packed_nbytes_pins_the_packers_sizing() -> None:
+    """Where the worker's former estimate disagreed with the packer, the packer's bytes win.
+
+    Bytes-like leaves are copied (the estimate counted 0); a numpy scalar is a plain value
+    in the skeleton (the estimate counted its itemsize); views cost their own bytes.
+    """
+    assert packed_nbytes(out({"b": b"abc", "ba": bytearray(5), "mv": memoryview(b"xy")})) == 3 + 5 + 2
+    assert packed_nbytes(out({"s": np.float64(1.0), "i": 7, "t": "text", "none": None})) == 0
+    huge = torch.zeros(1_000_000)
+    views = {"v": huge[10:12], "strided": torch.ones(4, 4)[:, ::2], "a": np.zeros(100, np.float32)[::10]}
+    assert packed_nbytes(out(views)) == 8 + 32 + 40
+    nested = [Frame(torch.ones(3, dtype=torch.float64)), (torch.ones(2, dtype=torch.int8),), {"k": torch.ones(1)}]
+    assert packed_nbytes(out(nested)) == 24 + 2 + 4
+    assert packed_nbytes(out(None)) == 0
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(
+    tree=st.recursive(
+        st.one_of(
+            st.tuples(st.sampled_from(DTYPES), st.integers(0, 3000)).map(lambda p: torch.zeros(p[1], dtype=p[0])),
+            st.integers(0, 3000).map(lambda n: np.zeros(n, dtype=np.int32)),
+            st.binary(max_size=3000),
+            st.integers(),
+        ),
+        lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=3), kids, max_size=4)),
+        max_leaves=12,
+    ),
+    inline_threshold=st.sampled_from([0, 2048, DEFAULT_INLINE_THRESHOLD]),
+)
+def test_packed_nbytes_agrees_with_packing(segment_pool: SegmentPool, tree: Any, inline_threshold: int) -> None:
+    output = out(tree)
+    packed = pack_diffusion_output_shm(output, pool=segment_pool, inline_threshold=inline_threshold)
+    assert packed_nbytes(output) == _copied(packed)
+    release_packed_output(packed)
+
+
+def test_packed_nbytes_refuses_what_the_packer_refuses() -> None:
+    for value in ({"x": object()}, {"s": torch.eye(3).to_sparse()}, {torch.ones(1): 1}, [torch.empty(2, device="meta")]):
+        with pytest.raises(UnsupportedOutputType):
+            packed_nbytes(out(value))
+    cyclic: list[Any] = []
+    cyclic.append(cyclic)
+    with pytest.raises(UsageError):
+        packed_nbytes(out(cyclic))
+    with pytest.raises(UsageError):
+        packed_nbytes(DiffusionOutput("r", PackedPayload((), None, 0, 0)))
 
 
 def test_usage_errors(segment_pool: SegmentPool) -> None:

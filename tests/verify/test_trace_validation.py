@@ -11,7 +11,7 @@ Sources, each checked in one TLC run:
 * runs of the in-process executor (real worker loops, packers and pump threads;
   their traces also hold the worker-side machines);
 * whatever the other test modules collected in this session: the Hypothesis
-  stateful runs (tests/test_registry_stateful.py) and the multiprocess integration
+  stateful runs (tests/core/test_registry_stateful.py) and the multiprocess integration
   tests (tests/_traces.py).  pytest runs this module after them (file order).
 """
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from typing import assert_never
 
 import attrs
 
@@ -36,7 +37,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
 from omni_async.core.methods import ASYNC_METHODS
 from omni_async.core.registry import OutputRegistry, Resolution
-from omni_async.core.trace import FieldValue, Tracer
+from omni_async.core.trace import Tracer, emit
 
 K = AsyncOutputKind
 
@@ -107,7 +108,8 @@ class Dispatcher:
             None if limit is None else now + limit,
             consumer,
         )
-        self._tr(
+        emit(
+            self._trace,
             "RpcSubmit",
             rpc_id=rpc_id,
             method=method,
@@ -131,13 +133,14 @@ class Dispatcher:
             self._drop_all(a.async_output_ids, rpc_id, "unsent")
         if rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
-        self._tr("RpcResolve", rpc_id=rpc_id, outcome="unsent")
+        emit(self._trace, "RpcResolve", rpc_id=rpc_id, outcome="unsent")
 
     # ---------------------------------------------------------------- messages
 
     def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> AsyncDiffusionOutput | None:
         """Route one message; returns it when it belongs in the synchronous buffer (path 2)."""
-        self._tr(
+        emit(
+            self._trace,
             "PumpRecv",
             kind=msg.kind.name,
             rank=msg.rank,
@@ -146,54 +149,63 @@ class Dispatcher:
             output_id=msg.async_output_id,
             ok=msg.failure is None,
         )
-        if msg.kind is K.OUTPUT_READY:
-            assert msg.async_output_id is not None
-            self.registry.on_output(msg.async_output_id, output=msg.output, failure=msg.failure, rank=msg.rank)
-            return None
+        match msg.kind:
+            case K.OUTPUT_READY:
+                assert msg.async_output_id is not None
+                self.registry.on_output(msg.async_output_id, output=msg.output, failure=msg.failure, rank=msg.rank)
+                return None
+            case K.COMPUTE_DONE:
+                self._on_compute_done(msg, now)
+                return None
+            case K.RPC_RESULT:
+                assert msg.rpc_id is not None
+                rpc = self._pending.get(msg.rpc_id)
+                if rpc is None:
+                    return msg
+                self._answer(rpc, msg, now)
+                return None
+            case _:
+                assert_never(msg.kind)
+
+    def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float) -> None:
         assert msg.rpc_id is not None
         rpc = self._pending.get(msg.rpc_id)
-        if msg.kind is K.COMPUTE_DONE:
-            announced = self.registry.on_compute_done(
-                msg.async_output_ids,
-                now=now,
-                rank=msg.rank,
-                request_ids=msg.request_ids,
-                consumer=None if rpc is None else rpc.consumer,
-            )
-            if rpc is None:
-                # Late (the call timed out or was cancelled): nobody will claim these ids.
-                self.counters["orphan_compute_done"] += 1
-                self._drop_all(announced, msg.rpc_id, "orphan")
-                return None
-            rejected = len(announced) != len(msg.async_output_ids)
-            if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
-                # Only the reply rank announces outputs, once: count it, drop what it
-                # announced, and let the offending rank's answer fail the call.
-                # An id the registry refused (already announced, or finished) belongs to
-                # another call: never hand it out as this call's, never drop it on this
-                # call's failure.  Such a COMPUTE_DONE fails the call like any bad answer.
-                self._drop_all(announced, rpc.rpc_id, "rejected")
-                if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
-                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"
-                else:
-                    reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE from rank {msg.rank} (reply rank {rpc.reply_rank})"
-                self._protocol_error(reason)
-                if msg.rank in rpc.answers:
-                    return None
-                msg = AsyncDiffusionOutput.rpc_failed(
-                    rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank
-                )
-        elif rpc is None:
-            return msg
+        announced = self.registry.on_compute_done(
+            msg.async_output_ids,
+            now=now,
+            rank=msg.rank,
+            request_ids=msg.request_ids,
+            consumer=None if rpc is None else rpc.consumer,
+        )
+        if rpc is None:
+            # Late (the call timed out or was cancelled): nobody will claim these ids.
+            self.counters["orphan_compute_done"] += 1
+            self._drop_all(announced, msg.rpc_id, "orphan")
+            return
+        rejected = len(announced) != len(msg.async_output_ids)
+        if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
+            # Only the reply rank announces outputs, once: count it, drop what it
+            # announced, and let the offending rank's answer fail the call.
+            # An id the registry refused (already announced, or finished) belongs to
+            # another call: never hand it out as this call's, never drop it on this
+            # call's failure.  Such a COMPUTE_DONE fails the call like any bad answer.
+            self._drop_all(announced, rpc.rpc_id, "rejected")
+            if rejected and msg.rank == rpc.reply_rank and msg.rank not in rpc.answers:
+                reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE names output ids already announced or finished"
+            else:
+                reason = f"rpc {rpc.rpc_id}: COMPUTE_DONE from rank {msg.rank} (reply rank {rpc.reply_rank})"
+            self._protocol_error(reason)
+            if msg.rank in rpc.answers:
+                return
+            msg = AsyncDiffusionOutput.rpc_failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
         self._answer(rpc, msg, now)
-        return None
 
     def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
         if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
             self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
             return
         rpc.answers[msg.rank] = msg
-        self._tr("RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
+        emit(self._trace, "RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
         if len(rpc.answers) == len(rpc.ranks):
             self._complete(rpc, now)
 
@@ -217,13 +229,13 @@ class Dispatcher:
             # COMPUTE_DONE can precede the last answer, so the delivery deadline is
             # measured from here (F4).
             self.registry.rearm_deadlines(announced, now)
-            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
+            emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
         self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
         if error is not None and rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
-        self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
+        emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
 
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away (F11): fail its pending calls, abandon its outputs.
@@ -239,7 +251,7 @@ class Dispatcher:
                 self._outbox.append(
                     Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away"))
                 )
-            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
+            emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
         return len(gone) + self.registry.release_consumer(consumer)
 
     # --------------------------------------------------------------- deadlines
@@ -258,7 +270,7 @@ class Dispatcher:
                         error=ComputeTimeout(f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} in time"),
                     )
                 )
-            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
+            emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
         self.registry.expire(now)
 
     def next_deadline(self) -> float | None:
@@ -278,7 +290,7 @@ class Dispatcher:
             del self._pending[rpc.rpc_id]
             if rpc.future.set_running_or_notify_cancel():
                 self._outbox.append(Resolution(rpc.future, error=make_error(None)))
-            self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
+            emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
         self.registry.fail_all(make_error, outcome=outcome, close=close)
 
     def take_resolutions(self) -> list[Resolution]:
@@ -291,7 +303,7 @@ class Dispatcher:
     def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> None:
         # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
         for oid in output_ids:
-            self._tr("DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
+            emit(self._trace, "DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
             self.registry.drop(oid)
             if oid in self.registry:
                 # Still expected from the worker: tell its packer, which can skip it (F15).
@@ -305,8 +317,4 @@ class Dispatcher:
     def _protocol_error(self, reason: str) -> None:
         self.counters["protocol_errors"] += 1
         self.registry.errors.append(ProtocolError(reason))
-        self._tr("ProtocolError", output_id=None, reason=reason)
-
-    def _tr(self, action: str, **fields: FieldValue) -> None:
-        if self._trace is not None:
-            self._trace(action, fields)
+        emit(self._trace, "ProtocolError", output_id=None, reason=reason)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
@@ -111,7 +111,7 @@ class AsyncDiffusionOutput:
     """The envelope of every message on the result channel.
 
     Use the named constructors (``compute_done``, ``output_ready``, ``output_failed``,
-    ``rpc_result``, ``rpc_failed``); the raw constructor validates the same rules.
+    ``rpc_result``, ``rpc_failed``, ``rpc_error``); the raw constructor validates the same rules.
     """
 
     kind: AsyncOutputKind
@@ -132,34 +132,38 @@ class AsyncDiffusionOutput:
             raise MessageValidationError(f"kind must be an AsyncOutputKind, got {self.kind!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise MessageValidationError(f"rank must be a non-negative int, got {self.rank!r}")
-        if self.kind is AsyncOutputKind.COMPUTE_DONE:
-            _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
-            if not self.async_output_ids:
-                raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
-            for oid in self.async_output_ids:
-                _check_id("COMPUTE_DONE async_output_id", oid)
-            if len(set(self.async_output_ids)) != len(self.async_output_ids):
-                raise MessageValidationError(f"COMPUTE_DONE names an id twice: {self.async_output_ids}")
-            if len(self.request_ids) != len(self.async_output_ids):
-                raise MessageValidationError(
-                    f"COMPUTE_DONE needs one request id per output id "
-                    f"({len(self.request_ids)} request ids, {len(self.async_output_ids)} output ids)"
-                )
-            self._forbid("COMPUTE_DONE", async_output_id=None, output=None, result=None, failure=None)
-        elif self.kind is AsyncOutputKind.OUTPUT_READY:
-            _check_id("OUTPUT_READY async_output_id", self.async_output_id)
-            if (self.output is None) == (self.failure is None):
-                raise MessageValidationError("OUTPUT_READY carries exactly one of output or failure")
-            if self.output is not None and self.output.async_output_id not in (None, self.async_output_id):
-                raise MessageValidationError(
-                    f"OUTPUT_READY for {self.async_output_id!r} carries the output of {self.output.async_output_id!r}"
-                )
-            self._forbid("OUTPUT_READY", rpc_id=None, async_output_ids=(), request_ids=(), result=None)
-        else:
-            _check_id("RPC_RESULT rpc_id", self.rpc_id)
-            if self.failure is not None and self.result is not None:
-                raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
-            self._forbid("RPC_RESULT", async_output_ids=(), request_ids=(), async_output_id=None, output=None)
+        match self.kind:
+            case AsyncOutputKind.COMPUTE_DONE:
+                _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
+                if not self.async_output_ids:
+                    raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
+                for oid in self.async_output_ids:
+                    _check_id("COMPUTE_DONE async_output_id", oid)
+                if len(set(self.async_output_ids)) != len(self.async_output_ids):
+                    raise MessageValidationError(f"COMPUTE_DONE names an id twice: {self.async_output_ids}")
+                if len(self.request_ids) != len(self.async_output_ids):
+                    raise MessageValidationError(
+                        f"COMPUTE_DONE needs one request id per output id "
+                        f"({len(self.request_ids)} request ids, {len(self.async_output_ids)} output ids)"
+                    )
+                self._forbid("COMPUTE_DONE", async_output_id=None, output=None, result=None, failure=None)
+            case AsyncOutputKind.OUTPUT_READY:
+                _check_id("OUTPUT_READY async_output_id", self.async_output_id)
+                if (self.output is None) == (self.failure is None):
+                    raise MessageValidationError("OUTPUT_READY carries exactly one of output or failure")
+                if self.output is not None and self.output.async_output_id not in (None, self.async_output_id):
+                    raise MessageValidationError(
+                        f"OUTPUT_READY for {self.async_output_id!r} "
+                        f"carries the output of {self.output.async_output_id!r}"
+                    )
+                self._forbid("OUTPUT_READY", rpc_id=None, async_output_ids=(), request_ids=(), result=None)
+            case AsyncOutputKind.RPC_RESULT:
+                _check_id("RPC_RESULT rpc_id", self.rpc_id)
+                if self.failure is not None and self.result is not None:
+                    raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
+                self._forbid("RPC_RESULT", async_output_ids=(), request_ids=(), async_output_id=None, output=None)
+            case _:
+                assert_never(self.kind)
 
     def _forbid(self, kind: str, **expected: object) -> None:
         for name, empty in expected.items():
@@ -195,6 +199,11 @@ class AsyncDiffusionOutput:
     @classmethod
     def rpc_failed(cls, rpc_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
         return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, failure=failure)
+
+    @classmethod
+    def rpc_error(cls, rpc_id: str, exc: BaseException, *, rank: int = 0) -> AsyncDiffusionOutput:
+        """The answer of a call that raised ``exc``: ``rpc_failed`` with its typed ``Failure`` (F2)."""
+        return cls.rpc_failed(rpc_id, Failure.from_exception(exc), rank=rank)
 
 
 @attrs.frozen

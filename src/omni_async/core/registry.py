@@ -26,6 +26,7 @@ moment it arrives.  ``len(registry) == 0`` whenever nothing is in flight.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
@@ -53,7 +54,7 @@ from omni_async.core.states import (
     RequestState,
     request_machine,
 )
-from omni_async.core.trace import FieldValue, Tracer
+from omni_async.core.trace import Tracer, emit
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,16 @@ ReleaseHook = Callable[[DiffusionOutput], None]
 
 S = RequestState
 E = RequestEvent
+
+
+class IdMessage(enum.Enum):
+    """One of the two messages a worker sends about an output id.
+
+    The values are the ``kind`` of a ``Late`` trace event, as the trace spec spells them.
+    """
+
+    COMPUTE_DONE = "cd"
+    OUTPUT_READY = "out"
 
 
 def no_release(_: DiffusionOutput) -> None:
@@ -103,8 +114,7 @@ class OutputRecord:
     # Futures of acknowledged drops: resolved when the record is removed.
     gone: list[Future[None]] = attrs.field(factory=list)
     # Which of the id's two messages the registry has seen (see ``_finished``).
-    cd_seen: bool = False
-    out_seen: bool = False
+    seen: set[IdMessage] = attrs.field(factory=set)
 
     @property
     def state(self) -> RequestState:
@@ -150,7 +160,7 @@ class OutputRegistry:
         # for nobody (F9).  A bounded memory of recently finished ids, each with the
         # messages it still expects, tells them apart: an expected late message is
         # released quietly, any other is a counted protocol error; neither creates a record.
-        self._finished: OrderedDict[str, set[str]] = OrderedDict()
+        self._finished: OrderedDict[str, set[IdMessage]] = OrderedDict()
         self._max_finished = max_finished
 
     # ------------------------------------------------------------------ queries
@@ -202,7 +212,7 @@ class OutputRegistry:
         rids: list[str | None] = list(request_ids) if request_ids is not None else []
         accepted: list[str] = []
         for i, oid in enumerate(output_ids):
-            if self._late_message(oid, "cd"):
+            if self._late_message(oid, IdMessage.COMPUTE_DONE):
                 continue
             rec = self._get_or_create(oid, rank)
             if rec is None:
@@ -211,7 +221,7 @@ class OutputRegistry:
                 self._protocol_error(oid, f"duplicate COMPUTE_DONE in state {rec.state}")
                 continue
             accepted.append(oid)
-            rec.cd_seen = True
+            rec.seen.add(IdMessage.COMPUTE_DONE)
             if i < len(rids):
                 rec.request_id = rids[i]
             rec.consumer = consumer
@@ -236,7 +246,7 @@ class OutputRegistry:
             self.stats.received_outputs += 1
         else:
             self.stats.received_failures += 1
-        if self._late_message(output_id, "out"):
+        if self._late_message(output_id, IdMessage.OUTPUT_READY):
             if output is not None:
                 self._release_payload(output_id, output)
             return
@@ -252,7 +262,7 @@ class OutputRegistry:
             if output is not None:
                 self._release_payload(output_id, output)
             return
-        rec.out_seen = True
+        rec.seen.add(IdMessage.OUTPUT_READY)
         self._fire(rec, event)
         if rec.state in HOLDING:
             rec.payload, rec.failure = output, failure
@@ -284,18 +294,18 @@ class OutputRegistry:
         if rec.waiter is not None:
             return rec.waiter
         rec.waiter = fut
-        self._tr("WaiterAdd", output_id=output_id)
+        emit(self._trace, "WaiterAdd", output_id=output_id)
         self._after_change(rec)
         return fut
 
     def cancel(self, output_id: str, future: Future[DiffusionOutput] | None = None) -> None:
         """The waiter of ``output_id`` was cancelled: the output is no longer wanted (F9)."""
-        self._tr("Cancel", output_id=output_id)
+        emit(self._trace, "Cancel", output_id=output_id)
         rec = self._records.get(output_id)
         if rec is None or rec.waiter is None or (future is not None and rec.waiter is not future):
             return
         rec.waiter = None
-        self._tr("WaiterResolve", output_id=output_id, outcome="cancelled")
+        emit(self._trace, "WaiterResolve", output_id=output_id, outcome="cancelled")
         self._abandon(rec)
 
     def drop(self, output_id: str) -> Future[None]:
@@ -305,7 +315,7 @@ class OutputRegistry:
         abort); already resolved if the id is unknown or gone at once, otherwise
         resolved through the outbox like every other future.
         """
-        self._tr("Drop", output_id=output_id)
+        emit(self._trace, "Drop", output_id=output_id)
         done: Future[None] = Future()
         rec = self._records.get(output_id)
         if rec is None:
@@ -325,7 +335,7 @@ class OutputRegistry:
 
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away without aborting (F11): abandon every record it owns."""
-        self._tr("ReleaseConsumer", consumer=consumer)
+        emit(self._trace, "ReleaseConsumer", consumer=consumer)
         mine = [r for r in self._records.values() if r.consumer == consumer]
         for rec in mine:
             self._fail_waiter(rec, OutputDropped(f"consumer {consumer!r} went away", output_id=rec.output_id), "dropped")
@@ -336,7 +346,7 @@ class OutputRegistry:
         """Fail or release every record whose output deadline has passed (F4, F11)."""
         due = [r for r in self._records.values() if r.deadline is not None and r.deadline <= now]
         if due:
-            self._tr("Expire", count=len(due))
+            emit(self._trace, "Expire", count=len(due))
         for rec in due:
             rec.deadline = None
             self.stats.timeouts += 1
@@ -372,10 +382,10 @@ class OutputRegistry:
         With ``close=True`` the registry also refuses new work (F16): later waits fail
         with ``make_error(None)`` and later payloads are released on arrival.
         """
-        self._tr("FailAll", outcome=outcome, close=close)
+        emit(self._trace, "FailAll", outcome=outcome, close=close)
         if close:
             self._closed = make_error
-            self._tr("Shutdown")
+            emit(self._trace, "Shutdown")
         recs = list(self._records.values())
         for rec in recs:
             self._fail_waiter(rec, make_error(rec.output_id), outcome)
@@ -399,7 +409,7 @@ class OutputRegistry:
             return None
         rec = OutputRecord(output_id, request_machine(output_id, REGISTRY_INITIAL), rank=rank)
         self._records[output_id] = rec
-        self._tr("Create", output_id=output_id)
+        emit(self._trace, "Create", output_id=output_id)
         return rec
 
     def _fire(self, rec: OutputRecord, event: RequestEvent) -> None:
@@ -409,7 +419,7 @@ class OutputRegistry:
         except IllegalTransition as exc:
             # Every caller checks legality first; reaching this is a bug in the registry.
             raise AssertionError(str(exc)) from exc
-        self._tr("Fire", output_id=rec.output_id, event=event.name, src=src.name, dst=dst.name)
+        emit(self._trace, "Fire", output_id=rec.output_id, event=event.name, src=src.name, dst=dst.name)
 
     def _abandon(self, rec: OutputRecord) -> None:
         self._fire(rec, E.ABANDON)
@@ -427,24 +437,24 @@ class OutputRegistry:
                 self._fire(rec, E.DELIVER)
                 if payload is not None:
                     self.stats.delivered += 1
-                    self._tr("PayloadDeliver", output_id=rec.output_id)
-                    self._tr("WaiterResolve", output_id=rec.output_id, outcome="output")
+                    emit(self._trace, "PayloadDeliver", output_id=rec.output_id)
+                    emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome="output")
                     self._outbox.append(Resolution(fut, output=attrs.evolve(payload, async_output_id=rec.output_id)))
                 else:
                     assert failure is not None
-                    self._tr("WaiterResolve", output_id=rec.output_id, outcome="failure")
+                    emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome="failure")
                     self._outbox.append(
                         Resolution(fut, error=RemoteError(failure, output_id=rec.output_id, rank=rec.rank))
                     )
             else:
                 # Cancelled between the caller's check and our claim (F3): treat as abandoned.
-                self._tr("WaiterResolve", output_id=rec.output_id, outcome="cancelled")
+                emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome="cancelled")
                 self._fire(rec, E.ABANDON)
                 self._discard_payload(rec)
         if rec.machine.terminal:
             del self._records[rec.output_id]
             self.stats.terminal[rec.state] += 1
-            self._tr("Remove", output_id=rec.output_id, state=rec.state.name)
+            emit(self._trace, "Remove", output_id=rec.output_id, state=rec.state.name)
             self._remember_finished(rec)
             # Like waiters, acknowledged-drop futures are claimed here and set after the
             # caller's lock is released: a done-callback that calls back into the
@@ -461,7 +471,7 @@ class OutputRegistry:
             return
         rec.waiter = None
         claimed = fut.set_running_or_notify_cancel()
-        self._tr("WaiterResolve", output_id=rec.output_id, outcome=outcome if claimed else "cancelled")
+        emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome=outcome if claimed else "cancelled")
         if claimed:
             self._outbox.append(Resolution(fut, error=error))
 
@@ -472,7 +482,7 @@ class OutputRegistry:
 
     def _release_payload(self, output_id: str, payload: DiffusionOutput) -> None:
         self.stats.released += 1
-        self._tr("PayloadRelease", output_id=output_id)
+        emit(self._trace, "PayloadRelease", output_id=output_id)
         # A hook error must not escape in the middle of a state change: the record of a
         # terminal id would never be removed, a shutdown would stop failing waiters at
         # the first bad payload, a claimed waiter could stay RUNNING forever.  Count
@@ -483,37 +493,27 @@ class OutputRegistry:
             self.stats.release_errors += 1
             log.exception("registry: releasing the payload of %r failed", output_id)
 
-    def _late_message(self, output_id: str, kind: str) -> bool:
+    def _late_message(self, output_id: str, kind: IdMessage) -> bool:
         """True if ``output_id`` already finished: the message is late or repeated (see ``_finished``)."""
         if output_id in self._records:
             return False
         expected = self._finished.get(output_id)
         if expected is None:
             return False
-        self._tr("Late", output_id=output_id, kind=kind, expected=kind in expected)
+        emit(self._trace, "Late", output_id=output_id, kind=kind.value, expected=kind in expected)
         if kind in expected:
             expected.discard(kind)
         else:
-            name = "COMPUTE_DONE" if kind == "cd" else "OUTPUT_READY"
-            self._protocol_error(output_id, f"{name} for an output that already finished")
+            self._protocol_error(output_id, f"{kind.name} for an output that already finished")
         return True
 
     def _remember_finished(self, rec: OutputRecord) -> None:
-        expected = set()
-        if not rec.cd_seen:
-            expected.add("cd")
-        if not rec.out_seen:
-            expected.add("out")
-        self._finished[rec.output_id] = expected
+        self._finished[rec.output_id] = set(IdMessage) - rec.seen
         while len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
 
     def _protocol_error(self, output_id: str, reason: str) -> None:
         self.stats.protocol_errors += 1
         self.errors.append(ProtocolError(f"output {output_id!r}: {reason}", output_id=output_id))
-        self._tr("ProtocolError", output_id=output_id, reason=reason)
-
-    def _tr(self, action: str, **fields: FieldValue) -> None:
-        if self._trace is not None:
-            self._trace(action, fields)
+        emit(self._trace, "ProtocolError", output_id=output_id, reason=reason)
 

@@ -1,7 +1,8 @@
 """Protocol traces: what the implementation did, in the spec's vocabulary.
 
 Tracing is off by default: every traced component takes ``tracer: Tracer | None``
-and skips the call when it is None, so the cost when off is one attribute test.
+and records through ``emit``, which skips the call when it is None, so the cost when
+off is one function call.
 
 A trace is a sequence of ``TraceEvent``: an action name plus flat fields
 (strings, ints, bools, None).  Components record at the points where the system
@@ -60,3 +61,9 @@ class TraceEvent:
 
 class Tracer(Protocol):
     def __call__(self, action: str, fields: Mapping[str, FieldValue]) -> None: ...
+
+
+def emit(tracer: Tracer | None, action: str, /, **fields: FieldValue) -> None:
+    """Record ``action`` with ``fields`` on ``tracer``; nothing when tracing is off (None)."""
+    if tracer is not None:
+        tracer(action, fields)

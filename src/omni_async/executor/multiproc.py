@@ -30,7 +30,7 @@ import multiprocessing.connection
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -47,9 +47,13 @@ from omni_async.transport.packing import (
     release_unpacked_output,
     unpack_diffusion_output_shm,
 )
+from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +96,8 @@ class WorkerOptions:
     lease_timeout: float | None = 30.0
 
 
-def _device_setup(device: str) -> Any:
-    """Select the worker's device on the calling thread; returns it (a torch.device)."""
+def _device_setup(device: str) -> torch.device:
+    """Select the worker's device on the calling thread; returns it."""
     import torch
 
     dev = torch.device(device)
@@ -119,14 +123,14 @@ def _worker_main(
 
     dev = _device_setup(opts.device)
 
-    def make_stream() -> Any:
+    def make_stream() -> CopyStream:
         # Runs on the packer thread: the current device is per thread, set it first.
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
             return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
         return None
 
-    def pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+    def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
         return pack_diffusion_output_shm(
             output,
             stream,

@@ -11,7 +11,8 @@ skeleton of the same shape.  Each tensor, array or bytes leaf goes one of two wa
   the whole output, at aligned offsets.
 
 Sizing is by the bytes actually sent, ``numel * element_size`` of the leaf itself, never
-its storage: a 2-element view of a 100 MB tensor costs 8 bytes, not 100 MB (F5).  Bytes
+its storage: a 2-element view of a 100 MB tensor costs 8 bytes, not 100 MB (F5);
+``packed_nbytes`` gives that size without packing (the worker's back-pressure).  Bytes
 are copied raw (a contiguous tensor through its ``uint8`` view; a strided one with a
 same-dtype ``copy_``), so every dtype -- bf16 and fp8 included -- round-trips
 bit-exactly with no upcast.
@@ -45,7 +46,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import attrs
 import numpy as np
@@ -54,7 +55,7 @@ import torch
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.errors import UnsupportedOutputType
-from omni_async.transport.platform import DeviceEvent, wait_device_event
+from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 from omni_async.transport.shm import Lease, SegmentPool, attach_view
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "is_packed",
     "pack_diffusion_output_shm",
     "packed_lease",
+    "packed_nbytes",
     "release_packed_output",
     "release_unpacked_output",
     "unpack_diffusion_output_shm",
@@ -187,6 +189,12 @@ def _align(n: int) -> int:
 
 # -- pack --------------------------------------------------------------------------------
 
+# A tensor, array or bytes-like value: where a walk stops, and what the packer copies.
+_Leaf: TypeAlias = "torch.Tensor | np.ndarray[Any, Any] | bytes | bytearray | memoryview"
+# What a walk does at each leaf, given the bytes the packer copies for it; returns the
+# leaf's place in the skeleton.
+_OnLeaf: TypeAlias = Callable[[_Leaf, int], object]
+
 
 @attrs.define
 class _Plan:
@@ -196,7 +204,7 @@ class _Plan:
     shm_bytes: int = 0
     size: int = 0  # segment bytes used: the end of the last item
     # (source, offset, nbytes) for shared-memory leaves
-    shm: list[tuple[object, int, int]] = attrs.field(factory=list)
+    shm: list[tuple[_Leaf, int, int]] = attrs.field(factory=list)
     # (device tensor, bytearray it fills) for small device tensors
     staged: list[tuple[torch.Tensor, bytearray]] = attrs.field(factory=list)
 
@@ -206,19 +214,26 @@ class _Plan:
             return True
         return False
 
-    def place(self, src: object, n: int) -> int:
+    def place(self, src: _Leaf, n: int) -> int:
         off = _align(self.size)
         self.size = off + n
         self.shm_bytes += n
         self.shm.append((src, off, n))
         return off
 
+    def pack_leaf(self, x: _Leaf, n: int) -> object:
+        """A leaf's place in the skeleton: inline, or an offset in the segment."""
+        if isinstance(x, torch.Tensor):
+            return _pack_tensor(x.detach(), n, self)
+        if isinstance(x, np.ndarray):
+            return _pack_array(x, n, self)
+        if self.inline_ok(n):
+            data = x.cast("B") if isinstance(x, memoryview) else x
+            return bytearray(data) if isinstance(x, bytearray) else bytes(data)
+        return ShmBytes(self.place(x, n), n, isinstance(x, bytearray))
 
-def _pack_tensor(t: torch.Tensor, plan: _Plan, path: str) -> object:
-    if t.layout is not torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
-        raise UnsupportedOutputType(path, type(t))
-    t = t.detach()
-    n = _nbytes(t)
+
+def _pack_tensor(t: torch.Tensor, n: int, plan: _Plan) -> object:
     shape = tuple(t.shape)
     if plan.inline_ok(n):
         if n == 0:
@@ -232,29 +247,31 @@ def _pack_tensor(t: torch.Tensor, plan: _Plan, path: str) -> object:
     return ShmTensor(plan.place(t, n), n, t.dtype, shape)
 
 
-def _pack_array(a: np.ndarray[Any, Any], plan: _Plan, path: str) -> object:
-    if a.dtype.hasobject:
-        raise UnsupportedOutputType(path, type(a))
-    n = int(a.nbytes)  # the view's own bytes (size * itemsize), never its base's
+def _pack_array(a: np.ndarray[Any, Any], n: int, plan: _Plan) -> object:
     if plan.inline_ok(n):
         return a.copy()
     return ShmArray(plan.place(a, n), n, a.dtype, tuple(a.shape))
 
 
-def _walk(x: Any, plan: _Plan, path: str, depth: int) -> Any:
+def _walk(x: Any, on_leaf: _OnLeaf, path: str, depth: int) -> Any:
+    """Walk ``x`` as the packer does: ``on_leaf`` at every leaf, the skeleton around it.
+
+    The one definition of what an output may hold and of the bytes each leaf costs:
+    packing and sizing (``packed_nbytes``) both walk with it.
+    """
     if depth > _MAX_DEPTH:
         raise UsageError(f"output nested deeper than {_MAX_DEPTH} levels at {path} (a cycle?)")
     d = depth + 1
     if isinstance(x, torch.Tensor):
-        return _pack_tensor(x, plan, path)
+        if x.layout is not torch.strided or x.is_quantized or x.is_nested or x.device.type == "meta":
+            raise UnsupportedOutputType(path, type(x))
+        return on_leaf(x, _nbytes(x))
     if isinstance(x, np.ndarray):
-        return _pack_array(x, plan, path)
+        if x.dtype.hasobject:
+            raise UnsupportedOutputType(path, type(x))
+        return on_leaf(x, int(x.nbytes))  # the view's own bytes (size * itemsize), never its base's
     if isinstance(x, (bytes, bytearray, memoryview)):
-        data = x.cast("B") if isinstance(x, memoryview) else x
-        n = len(data)
-        if plan.inline_ok(n):
-            return bytearray(data) if isinstance(x, bytearray) else bytes(data)
-        return ShmBytes(plan.place(x, n), n, isinstance(x, bytearray))
+        return on_leaf(x, len(x.cast("B") if isinstance(x, memoryview) else x))
     if _is_plain(x):
         return x
     cls = type(x)
@@ -263,25 +280,25 @@ def _walk(x: Any, plan: _Plan, path: str, depth: int) -> Any:
         for k, v in x.items():
             if not _is_plain(k):
                 raise UnsupportedOutputType(f"{path} key {k!r}", type(k))
-            items.append((k, _walk(v, plan, f"{path}[{k!r}]", d)))
+            items.append((k, _walk(v, on_leaf, f"{path}[{k!r}]", d)))
         factory = x.default_factory if isinstance(x, collections.defaultdict) else None
         return PackedMap(cls, tuple(items), factory)
     if cls is list or cls is tuple or (isinstance(x, tuple) and hasattr(cls, "_fields")):
-        return PackedSeq(cls, tuple(_walk(v, plan, f"{path}[{i}]", d) for i, v in enumerate(x)))
+        return PackedSeq(cls, tuple(_walk(v, on_leaf, f"{path}[{i}]", d) for i, v in enumerate(x)))
     if attrs.has(cls):
-        return PackedObject(
-            cls, tuple((f.name, _walk(getattr(x, f.name), plan, f"{path}.{f.name}", d)) for f in attrs.fields(cls))
-        )
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return PackedObject(
-            cls, tuple((f.name, _walk(getattr(x, f.name), plan, f"{path}.{f.name}", d)) for f in dataclasses.fields(x))
-        )
-    raise UnsupportedOutputType(path, cls)
+        names = [f.name for f in attrs.fields(cls)]
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = [f.name for f in dataclasses.fields(x)]
+    else:
+        raise UnsupportedOutputType(path, cls)
+    return PackedObject(cls, tuple((name, _walk(getattr(x, name), on_leaf, f"{path}.{name}", d)) for name in names))
 
 
-def _copy_in(seg: torch.Tensor, plan: _Plan, stream_for: Callable[[torch.device], Any]) -> list[Any]:
+def _copy_in(
+    seg: torch.Tensor, plan: _Plan, stream_for: Callable[[torch.device], torch.cuda.Stream]
+) -> list[torch.cuda.Stream]:
     """Copy every shared-memory leaf into the segment; returns the streams to synchronize."""
-    streams: list[Any] = []
+    streams: list[torch.cuda.Stream] = []
     for src, off, n in plan.shm:
         dst = seg[off : off + n]
         if isinstance(src, torch.Tensor):
@@ -298,7 +315,6 @@ def _copy_in(seg: torch.Tensor, plan: _Plan, stream_for: Callable[[torch.device]
             np.copyto(dst.numpy().view(src.dtype).reshape(src.shape), src, casting="no")
         else:
             data = src.cast("B") if isinstance(src, memoryview) else src
-            assert isinstance(data, (bytes, bytearray, memoryview))
             dst.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
     return streams
 
@@ -313,9 +329,32 @@ def _copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, non_blocking: bool) -> N
         dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=non_blocking)
 
 
+def _check_unpacked(output: DiffusionOutput, fn: str) -> None:
+    if not isinstance(output, DiffusionOutput):
+        raise UsageError(f"{fn} takes a DiffusionOutput, got {type(output).__qualname__}")
+    if isinstance(output.output, PackedPayload):
+        raise UsageError(f"output of {output.request_id!r} is already packed")
+
+
+def packed_nbytes(output: DiffusionOutput) -> int:
+    """The bytes ``pack_diffusion_output_shm`` copies for ``output``; copies nothing.
+
+    The sum, over the output's tensor, array and bytes leaves, of their own bytes
+    (``numel * element_size``, never their storage's: F5), whether they travel inline or
+    in shared memory: the packed output's ``shm_bytes + inline_bytes``.  Plain values
+    (numpy scalars too) travel in the skeleton and count nothing.  It walks the output
+    as the packer does, so it raises what the packer's walk raises
+    (``UnsupportedOutputType``, ``UsageError``) for an output the packer would refuse.
+    """
+    _check_unpacked(output, "packed_nbytes")
+    sizes: list[int] = []
+    _walk(output.output, lambda _, n: sizes.append(n), "output", 0)
+    return sum(sizes)
+
+
 def pack_diffusion_output_shm(
     output: DiffusionOutput,
-    d2h_stream: Any = None,
+    d2h_stream: CopyStream = None,
     *,
     pool: SegmentPool | None = None,
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
@@ -331,24 +370,21 @@ def pack_diffusion_output_shm(
     ``pool``: where shared-memory leaves go; None takes the process's one pool.
     Raises ``UnsupportedOutputType``, ``SegmentTooLarge``, ``PoolExhausted``.
     """
-    if not isinstance(output, DiffusionOutput):
-        raise UsageError(f"pack_diffusion_output_shm takes a DiffusionOutput, got {type(output).__qualname__}")
-    if isinstance(output.output, PackedPayload):
-        raise UsageError(f"output of {output.request_id!r} is already packed")
+    _check_unpacked(output, "pack_diffusion_output_shm")
     t0 = time.perf_counter()
     plan = _Plan(inline_threshold, max_inline_bytes)
-    tree = _walk(output.output, plan, "output", 0)
+    tree = _walk(output.output, plan.pack_leaf, "output", 0)
 
     # Order every read of the output after the forward: a device-side wait on the
     # stream that will copy, or a host synchronize where no event exists (F1).
-    def stream_for(dev: torch.device) -> Any:
+    def stream_for(dev: torch.device) -> torch.cuda.Stream:
         if d2h_stream is not None and d2h_stream.device == dev:
             return d2h_stream
         return torch.cuda.current_stream(dev)
 
-    waited: list[Any] = []
+    waited: list[torch.cuda.Stream] = []
 
-    def ordered_stream(dev: torch.device) -> Any:
+    def ordered_stream(dev: torch.device) -> torch.cuda.Stream:
         s = stream_for(dev)
         if s not in waited:
             if isinstance(ready_event, torch.cuda.Event):
@@ -361,7 +397,7 @@ def pack_diffusion_output_shm(
 
     lease: Lease | None = None
     pinned = True
-    streams: list[Any] = []
+    streams: list[torch.cuda.Stream] = []
     if plan.shm:
         if pool is None:
             pool = SegmentPool.current()

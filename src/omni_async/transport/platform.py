@@ -25,7 +25,15 @@ import torch
 
 from omni_async.transport.errors import DeviceSyncUnavailable
 
-__all__ = ["DeviceEvent", "DeviceSync", "default_device", "record_device_event", "wait_device_event"]
+__all__ = [
+    "CopyStream",
+    "DeviceEvent",
+    "DeviceSync",
+    "StreamLike",
+    "default_device",
+    "record_device_event",
+    "wait_device_event",
+]
 
 # Device types whose kernels complete synchronously on the host thread.
 _HOST_SYNCHRONOUS = frozenset({"cpu", "meta"})
@@ -40,6 +48,8 @@ class DeviceSync:
     """
 
     device: torch.device
+    # Whatever the backend's ``current_stream`` returned at record time: the backend is
+    # looked up by name at run time, so its stream type is only known then.
     stream: Any = None
 
 
@@ -48,10 +58,20 @@ class GenericEvent:
     """An event of a non-CUDA accelerator (``torch.Event`` or ``torch.<backend>.Event``)."""
 
     device: torch.device
-    event: Any
+    event: Any  # torch.<backend>.Event, found by name at run time: no static type
 
 
 DeviceEvent: TypeAlias = "torch.cuda.Event | GenericEvent | DeviceSync"
+
+# A stream a device event can be waited on from: any torch stream (``torch.cuda.Stream``
+# and the other backends' streams derive from ``torch.Stream``), or None (see
+# ``wait_device_event``: the calling thread's current stream, or a host-side wait).
+StreamLike: TypeAlias = "torch.Stream | None"
+
+# The packer's side stream for the device->host copies: a CUDA stream when the worker
+# computes on a CUDA device, None elsewhere (each device's current stream is used, and
+# host tensors are copied on the host).
+CopyStream: TypeAlias = "torch.cuda.Stream | None"
 
 
 def default_device() -> torch.device:
@@ -92,7 +112,7 @@ def record_device_event(device: torch.device | None = None, *, force_sync: bool 
     return DeviceSync(dev, stream)
 
 
-def wait_device_event(ev: DeviceEvent | None, stream: Any = None) -> None:
+def wait_device_event(ev: DeviceEvent | None, stream: StreamLike = None) -> None:
     """Order the packer's copies after the event.
 
     CUDA event: ``stream.wait_event(ev)`` (a device-side wait; the host goes on), or the

@@ -323,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_async.verify.tlc", description="Run the TLC models of tla/.")
     parser.add_argument("cfg", nargs="*", help="cfg files relative to tla/ (default: every model in tla/README.md)")
     args = parser.parse_args(argv)
+    print(f"TLA+ modules: {tla_dir()}")
     rows = read_model_table()
     if args.cfg:
         rows = [r for r in rows if r.cfg in args.cfg]

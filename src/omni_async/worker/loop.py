@@ -37,7 +37,6 @@ from omni_async.core.messages import (
     BatchDiffusionOutput,
     DiffusionOutput,
     DiffusionRequest,
-    Failure,
     RpcRequest,
 )
 from omni_async.core.methods import (
@@ -51,6 +50,8 @@ from omni_async.core.methods import (
 from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.packing import packed_nbytes
+from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.packer import Packer, PackFn, fire_traced
 
 log = logging.getLogger(__name__)
@@ -66,29 +67,20 @@ class DiffusionWorkerModel(Protocol):
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput: ...
 
 
-def _no_event() -> Any:
+def _no_event() -> DeviceEvent | None:
     return None
 
 
-def output_nbytes(value: object) -> int:
-    """Bytes of tensor/array data in a nested output (what the packer will copy)."""
-    n = getattr(value, "nbytes", None)
-    if isinstance(n, int) and hasattr(value, "dtype"):
-        return n
-    numel = getattr(value, "numel", None)
-    if callable(numel) and hasattr(value, "element_size"):
-        return int(numel()) * int(value.element_size())
-    if isinstance(value, dict):
-        return sum(output_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(output_nbytes(v) for v in value)
-    if isinstance(value, DiffusionOutput):
-        return output_nbytes(value.output)
-    fields = getattr(value, "__attrs_attrs__", None) or getattr(value, "__dataclass_fields__", None)
-    if fields is not None:
-        names = [f.name for f in fields] if not isinstance(fields, dict) else list(fields)
-        return sum(output_nbytes(getattr(value, name)) for name in names)
-    return 0
+def _budget_nbytes(output: DiffusionOutput) -> int:
+    """What ``output`` counts against the packer's byte budget: the bytes packing copies.
+
+    0 for an output the packer will refuse: its pack fails the same way at once, copies
+    nothing, and the packer reports the failure (F2); sizing must not fail the call.
+    """
+    try:
+        return packed_nbytes(output)
+    except Exception:  # noqa: BLE001  # the packer's walk raises it again, and reports it
+        return 0
 
 
 class WorkerLoop:
@@ -101,7 +93,7 @@ class WorkerLoop:
         reply_rank: int = 0,
         packer: Packer | None = None,
         pack_sync: PackFn | None = None,
-        record_event: Callable[[], Any] = _no_event,
+        record_event: Callable[[], DeviceEvent | None] = _no_event,
         backpressure_timeout: float | None = None,
         tracer: Tracer | None = None,
     ) -> None:
@@ -130,30 +122,33 @@ class WorkerLoop:
                 self._packer.drop(req.args[0] if req.args else ())
             return
         if req.method in (LOOP_INFO, DRAIN_OUTPUTS):
-            try:
-                result = self._control(req)
-                msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, result, rank=self.rank)
-            except Exception as exc:
-                msg = AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank)
-            self._send(msg, req.rpc_id)
+            self._answer(req, self._control)
             return
         if req.async_output and req.method in ASYNC_METHODS and self._packer is not None:
             self._execute_async(req)
             return
-        try:
-            result = self._call(req)
-            if req.method in ASYNC_METHODS:
-                result = self._step_result(result)
-            msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, result, rank=self.rank)
-        except Exception as exc:
-            msg = AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank)
-        self._send(msg, req.rpc_id)
+        self._answer(req, self._call_sync)
 
     # ------------------------------------------------------------- internals
 
-    def _control(self, req: RpcRequest) -> Any:
+    def _answer(self, req: RpcRequest, compute: Callable[[RpcRequest], object]) -> None:
+        """Answer ``req`` with ``compute(req)``, or with what it raised as a typed failure (F2)."""
+        try:
+            msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, compute(req), rank=self.rank)
+        except Exception as exc:
+            msg = AsyncDiffusionOutput.rpc_error(req.rpc_id, exc, rank=self.rank)
+        self._send(msg, req.rpc_id)
+
+    def _fail_call(
+        self, req: RpcRequest, exc: Exception, machines: Sequence[Machine[RequestState, RequestEvent]] = ()
+    ) -> None:
+        """Answer ``req`` with ``exc`` as a typed failure (F2), ending its outputs' machines first."""
+        self._abort(machines)
+        self._send(AsyncDiffusionOutput.rpc_error(req.rpc_id, exc, rank=self.rank), req.rpc_id)
+
+    def _control(self, req: RpcRequest) -> object:
         if req.method == LOOP_INFO:
-            info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
+            info: dict[str, object] = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
             if self._packer is not None:
                 info["packer"] = attrs.asdict(self._packer.metrics)
                 info["packer_state"] = self._packer.state.name
@@ -171,7 +166,12 @@ class WorkerLoop:
             )
         return True
 
-    def _call(self, req: RpcRequest) -> Any:
+    def _call_sync(self, req: RpcRequest) -> object:
+        result = self._call(req)
+        return self._step_result(result) if req.method in ASYNC_METHODS else result
+
+    def _call(self, req: RpcRequest) -> object:
+        """Call the model's method; its result is whatever that method returns (any RPC result)."""
         if req.method in DRAIN_BEFORE:
             self._drain(float(req.kwargs.get("drain_timeout", DEFAULT_DRAIN_TIMEOUT)))
             req = attrs.evolve(req, kwargs={k: v for k, v in req.kwargs.items() if k != "drain_timeout"})
@@ -182,7 +182,7 @@ class WorkerLoop:
             raise UsageError(f"worker has no RPC method {req.method!r}")
         return fn(*req.args, **req.kwargs)
 
-    def _step_result(self, result: Any) -> Any:
+    def _step_result(self, result: object) -> object:
         """Step mode: only the reply rank ships its output, packed here on the main thread."""
         if not self.is_reply_rank:
             return None
@@ -204,14 +204,13 @@ class WorkerLoop:
             if not requests or not all(isinstance(r, DiffusionRequest) for r in requests):
                 raise UsageError(f"{req.method} takes DiffusionRequest(s), got {req.args!r}")
         except Exception as exc:
-            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            self._fail_call(req, exc)
             return
         machines = [request_machine(self.new_output_id()) for _ in requests]
         # Back-pressure: wait for the packer *before* the forward, never drop.
         if not self._packer.wait_for_room(len(requests), timeout=self._backpressure_timeout):
             err = RuntimeError(f"packer on rank {self.rank} has no room (stopped or back-pressure timeout)")
-            self._abort(machines)
-            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(err), rank=self.rank), req.rpc_id)
+            self._fail_call(req, err, machines)
             return
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
@@ -219,8 +218,7 @@ class WorkerLoop:
             result = self._call(req)
             outputs = self._split(result, requests)
         except Exception as exc:
-            self._abort(machines)
-            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            self._fail_call(req, exc, machines)
             return
         if not self.is_reply_rank:
             # Non-reply ranks computed the same forward (tensor parallel); their copy is not shipped.
@@ -234,12 +232,11 @@ class WorkerLoop:
         except Exception as exc:
             # Answer with the error at once: escaping handle_rpc unanswered would make the
             # call wait out its compute deadline and report a timeout instead (F2).
-            self._abort(machines)
-            self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, Failure.from_exception(exc), rank=self.rank), req.rpc_id)
+            self._fail_call(req, exc, machines)
             return
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
-            self._packer.submit(m.key, out, m, event=event, nbytes=output_nbytes(out))
+            self._packer.submit(m.key, out, m, event=event, nbytes=_budget_nbytes(out))
         self._send(
             AsyncDiffusionOutput.compute_done(
                 req.rpc_id, tuple(m.key for m in machines), tuple(r.request_id for r in requests), rank=self.rank
@@ -249,6 +246,7 @@ class WorkerLoop:
 
     @staticmethod
     def _split(result: Any, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
+        # ``result``: whatever the forward returned (Any: checked here, not trusted).
         outs = list(result.per_request()) if isinstance(result, BatchDiffusionOutput) else [result]
         if not all(isinstance(o, DiffusionOutput) for o in outs):
             raise UsageError(f"the forward must return DiffusionOutput(s), got {type(result).__qualname__}")
@@ -259,7 +257,7 @@ class WorkerLoop:
             )
         return outs
 
-    def _abort(self, machines: list[Machine[RequestState, RequestEvent]]) -> None:
+    def _abort(self, machines: Sequence[Machine[RequestState, RequestEvent]]) -> None:
         for m in machines:
             self._fire(m, RequestEvent.FORCE_RELEASE)
 
@@ -270,7 +268,7 @@ class WorkerLoop:
             # The answer itself could not travel (unpicklable result, oversize): send a
             # small typed failure instead, so the caller is not left waiting (F5).
             log.warning("rank %d: cannot send the answer to %s: %s", self.rank, rpc_id, exc)
-            self._sender.put(AsyncDiffusionOutput.rpc_failed(rpc_id, Failure.from_exception(exc), rank=self.rank))
+            self._sender.put(AsyncDiffusionOutput.rpc_error(rpc_id, exc, rank=self.rank))
 
     def _fire(self, m: Machine[RequestState, RequestEvent], event: RequestEvent) -> None:
         fire_traced(m, event, self._trace, self.rank)

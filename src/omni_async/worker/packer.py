@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TypeAlias
 
 import attrs
 
@@ -40,28 +40,34 @@ from omni_async.core.states import (
     RequestState,
     lifecycle_machine,
 )
-from omni_async.core.trace import FieldValue, Tracer
+from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.platform import CopyStream, DeviceEvent
 
 log = logging.getLogger(__name__)
 
 # pack(output, side_stream, ready_event) -> the packed output (what travels on the
 # channel).  It must order its reads after ready_event (see omni_async.transport.platform).
-PackFn = Callable[[DiffusionOutput, Any, Any], DiffusionOutput]
+# The side stream is what ``make_stream`` made on the packer thread (None on the worker's
+# main thread, which packs step-mode answers).
+PackFn: TypeAlias = "Callable[[DiffusionOutput, CopyStream, DeviceEvent | None], DiffusionOutput]"
 # Called with a packed output that could not be sent, to give its segments back.
 ReleaseFn = Callable[[DiffusionOutput], None]
 
 
-def _identity_pack(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+def _identity_pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
     return output
 
+
+def _no_stream() -> CopyStream:
+    return None
 
 
 @attrs.define(eq=False)
 class PackJob:
     output_id: str
     output: DiffusionOutput
-    event: Any
+    event: DeviceEvent | None
     nbytes: int
     machine: Machine[RequestState, RequestEvent]
     submitted_at: float
@@ -88,7 +94,7 @@ class Packer:
         *,
         pack: PackFn = _identity_pack,
         release: ReleaseFn = no_release,
-        make_stream: Callable[[], Any] = lambda: None,
+        make_stream: Callable[[], CopyStream] = _no_stream,
         max_outputs: int = 4,
         max_bytes: int | None = None,
         tracer: Tracer | None = None,
@@ -151,7 +157,7 @@ class Packer:
         output: DiffusionOutput,
         machine: Machine[RequestState, RequestEvent],
         *,
-        event: Any = None,
+        event: DeviceEvent | None = None,
         nbytes: int = 0,
     ) -> None:
         """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``."""
@@ -252,14 +258,13 @@ class Packer:
                 self._machine.fire(LifecycleEvent.STOPPED)
             self._cond.notify_all()
 
-    def _pack_one(self, job: PackJob, stream: Any) -> None:
+    def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
         self._fire(job, RequestEvent.PACK)
         t0 = time.perf_counter()
         try:
             packed = self._pack(attrs.evolve(job.output, async_output_id=job.output_id), stream, job.event)
         except Exception as exc:
-            self.metrics.failed += 1
-            self._send_failure(job, Failure.from_exception(exc))
+            self._fail(job, exc)
             return
         self.metrics.pack_seconds += time.perf_counter() - t0
         try:
@@ -268,8 +273,7 @@ class Packer:
             # Unpicklable, oversize, or a full channel: the packed segments go back,
             # and the executor gets a typed failure instead of waiting forever (F5).
             self._release(packed)
-            self.metrics.failed += 1
-            self._send_failure(job, Failure.from_exception(exc))
+            self._fail(job, exc)
             return
         self.metrics.packed += 1
         self.metrics.bytes_packed += job.nbytes
@@ -279,6 +283,11 @@ class Packer:
         self.metrics.cancelled += 1
         self._fire(job, RequestEvent.DROP)
         self._send_failure(job, Failure("Cancelled", f"output {job.output_id} was dropped before packing"))
+
+    def _fail(self, job: PackJob, exc: Exception) -> None:
+        """Packing or sending ``job`` raised ``exc``: count it and report it as a typed failure (F2)."""
+        self.metrics.failed += 1
+        self._send_failure(job, Failure.from_exception(exc))
 
     def _send_failure(self, job: PackJob, failure: Failure) -> None:
         try:
@@ -298,12 +307,4 @@ def fire_traced(
     """Fire a worker-side request machine, recording ``WorkerFire`` when tracing."""
     src = machine.state
     dst = machine.fire(event)
-    if tracer is not None:
-        fields: dict[str, FieldValue] = {
-            "output_id": machine.key,
-            "event": event.name,
-            "src": src.name,
-            "dst": dst.name,
-            "rank": rank,
-        }
-        tracer("WorkerFire", fields)
+    emit(tracer, "WorkerFire", output_id=machine.key, event=event.name, src=src.name, dst=dst.name, rank=rank)

@@ -1,0 +1,160 @@
+"""The worker loop on its own: every failed call answered with a typed failure (F2), and
+each output counted against the packer's byte budget as the packer copies it (F5)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from omni_async.core.errors import UsageError
+from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.states import RequestEvent, request_machine
+from omni_async.transport.channel import InProcessChannel
+from omni_async.transport.packing import pack_diffusion_output_shm, packed_nbytes
+from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.packer import Packer
+
+
+class Model:
+    """Returns ``value`` as every output; ``params["fail"]`` makes the forward raise."""
+
+    def __init__(self, value: object = None) -> None:
+        self.value = value
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        if request.params.get("fail"):
+            raise RuntimeError("the forward failed")
+        return DiffusionOutput(request.request_id, self.value)
+
+    def boom(self) -> None:
+        raise ValueError("boom")
+
+
+def _broken_event() -> DeviceEvent | None:
+    raise RuntimeError("cudaEventRecord failed")
+
+
+def _no_event() -> DeviceEvent | None:
+    return None
+
+
+@pytest.fixture
+def channel() -> Iterator[InProcessChannel]:
+    ch = InProcessChannel()
+    yield ch
+    ch.close()
+
+
+def _next(ch: InProcessChannel) -> AsyncDiffusionOutput:
+    msg = ch.get(timeout=5.0)
+    assert msg is not None
+    return msg
+
+
+def _execute(rid: str, **params: object) -> RpcRequest:
+    return RpcRequest(f"rpc-{rid}", "execute_model", (DiffusionRequest(rid, params),), async_output=True)
+
+
+def _fill(packer: Packer) -> None:
+    """Leave one output in flight in a packer that never runs."""
+    m = request_machine("held")
+    m.fire(RequestEvent.FORWARD)
+    m.fire(RequestEvent.COMPUTE_DONE)
+    packer.submit("held", DiffusionOutput("held"), m)
+
+
+# (what fails, the request, the failure's type and a part of its message)
+FAILED_CALLS: list[tuple[str, RpcRequest, str, str]] = [
+    ("the method raises", RpcRequest("r1", "boom"), "ValueError", "boom"),
+    ("no such method", RpcRequest("r1", "nope"), "UsageError", "worker has no RPC method 'nope'"),
+    ("a control call raises", RpcRequest("r1", "drain_outputs", ("soon",)), "ValueError", "could not convert"),
+    (
+        "not a request",
+        RpcRequest("r1", "execute_model", ("x",), async_output=True),
+        "UsageError",
+        "execute_model takes DiffusionRequest(s)",
+    ),
+    ("the forward raises", _execute("q1", fail=True), "RuntimeError", "the forward failed"),
+    ("the event cannot be recorded", _execute("q1"), "RuntimeError", "cudaEventRecord failed"),
+    ("no room in the packer", _execute("q1"), "RuntimeError", "has no room"),
+]
+
+
+@pytest.mark.parametrize(("what", "req", "type_name", "message"), FAILED_CALLS, ids=[c[0] for c in FAILED_CALLS])
+def test_a_failed_call_is_answered_with_its_typed_failure(
+    channel: InProcessChannel, what: str, req: RpcRequest, type_name: str, message: str
+) -> None:
+    packer = Packer(0, channel, max_outputs=1)  # never started: what it is given stays in flight
+    full = what == "no room in the packer"
+    if full:
+        _fill(packer)
+    loop = WorkerLoop(
+        0,
+        Model(),
+        channel,
+        packer=packer,
+        record_event=_broken_event if what == "the event cannot be recorded" else _no_event,
+        backpressure_timeout=0.01 if full else None,
+    )
+    loop.handle_rpc(req)
+    msg = _next(channel)
+    assert (msg.kind, msg.rpc_id, msg.result) == (AsyncOutputKind.RPC_RESULT, req.rpc_id, None)
+    assert msg.failure is not None and msg.failure.type_name == type_name and message in msg.failure.message
+    assert type_name in msg.failure.traceback
+    assert channel.get(timeout=0.05) is None, "one answer, no COMPUTE_DONE"
+    assert packer.metrics.in_flight_outputs == (1 if full else 0), "nothing of the failed call reaches the packer"
+
+
+def test_an_unsendable_answer_becomes_a_typed_failure() -> None:
+    small = InProcessChannel(max_message_bytes=10_000, max_bytes=20_000)
+    loop = WorkerLoop(0, Model(b"x" * 50_000), small)
+    loop.handle_rpc(RpcRequest("r1", "execute_model", (DiffusionRequest("q1"),)))
+    msg = _next(small)
+    assert msg.rpc_id == "r1" and msg.failure is not None and msg.failure.type_name == "MessageTooLarge"
+    small.close()
+
+
+def test_the_packer_budget_counts_the_bytes_packing_copies(channel: InProcessChannel) -> None:
+    value = {
+        "image": torch.ones(16, 16),  # 1024
+        "view": torch.zeros(1_000_000)[:2],  # its own 8 bytes, not the storage's 4 MB (F5)
+        "latents": [np.zeros(10, dtype=np.int16), (torch.ones(3, dtype=torch.float64),)],  # 20 + 24
+        "png": b"\x89PNG" * 4,  # 16: bytes are copied too
+        "seed": np.int64(7),  # a plain value in the skeleton: 0
+    }
+    packer = Packer(0, channel, max_outputs=8)  # never started: the output stays in flight
+    loop = WorkerLoop(0, Model(value), channel, packer=packer)
+    loop.handle_rpc(_execute("q1"))
+    assert _next(channel).kind is AsyncOutputKind.COMPUTE_DONE
+    assert packed_nbytes(DiffusionOutput("q1", value)) == 1024 + 8 + 20 + 24 + 16
+    assert packer.metrics.in_flight_bytes == 1024 + 8 + 20 + 24 + 16
+
+
+def _shm_pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+    return pack_diffusion_output_shm(output, stream, ready_event=event)
+
+
+def test_an_output_the_packer_refuses_counts_nothing_and_fails_typed(channel: InProcessChannel) -> None:
+    """Sizing never fails the call: the packer refuses the output itself and says why (F2)."""
+    value = {"image": torch.ones(16, 16), "handle": object()}
+    with pytest.raises(UsageError):
+        packed_nbytes(DiffusionOutput("q1", value))
+    held = Packer(0, channel, pack=_shm_pack)
+    loop = WorkerLoop(0, Model(value), channel, packer=held)
+    loop.handle_rpc(_execute("q1"))
+    done = _next(channel)
+    assert done.kind is AsyncOutputKind.COMPUTE_DONE
+    assert held.metrics.in_flight_outputs == 1 and held.metrics.in_flight_bytes == 0
+    held.start()
+    try:
+        ready = _next(channel)
+        assert ready.kind is AsyncOutputKind.OUTPUT_READY and ready.async_output_id == done.async_output_ids[0]
+        assert ready.failure is not None and ready.failure.type_name == "UnsupportedOutputType"
+        assert "output['handle']" in ready.failure.message
+    finally:
+        assert held.stop()
+    assert held.metrics.failed == 1 and held.metrics.in_flight_bytes == 0
