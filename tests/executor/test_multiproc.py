@@ -335,3 +335,31 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
         assert ex.pool.stats().outstanding == 0, ex.pool.outstanding()
         with pytest.raises(WorkerDied):
             ex.wait_output_ready(oid).result(timeout=5)
+
+
+def test_shutdown_with_sends_in_flight_is_quiet(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 8: workers whose result pipe closed at shutdown exit quietly.
+
+    At shutdown one forward is running (its COMPUTE_DONE will find the pipe closed) and
+    one output waits for a segment the engine holds (its failure will too).  Neither
+    may print ``ChannelClosed ... Broken pipe`` tracebacks: the reader is gone on
+    purpose, which a worker logs at debug level and exits.
+    """
+    pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
+    opts = WorkerOptions(lease_timeout=0.5)
+    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool)
+    try:
+        params = {"seed": 71, "numel": (1 << 18) - 1024}
+        first = ex.execute_request(_req("h1", **params))
+        assert first.async_output_id is not None
+        held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # the one segment
+        ex.execute_request(_req("h2", **params))  # its pack waits for the segment, then fails
+        ex.submit_request(_req("h3", sleep=1.0, **params))  # a forward still running at shutdown
+        time.sleep(0.3)
+    finally:
+        ex.shutdown()
+    del held
+    assert all(p.exitcode == 0 for p in ex.procs), [p.exitcode for p in ex.procs]
+    err = capfd.readouterr().err
+    for noise in ("Traceback", "ChannelClosed", "Broken pipe"):
+        assert noise not in err, err
