@@ -45,6 +45,7 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
         world_size=args.world_size,
         deadlines=deadlines,
         options=WorkerOptions(device=args.device),
+        max_held_outputs=args.max_held_outputs,
     )
 
 
@@ -120,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=4)
     d.add_argument("--compute-timeout", type=float, default=60.0)
     d.add_argument("--output-timeout", type=float, default=60.0)
+    # The demo submits every request before it claims any output: with more requests
+    # than this, packing waits for room until the first outputs expire unclaimed.
+    d.add_argument("--max-held-outputs", type=int, default=None,
+                   help="outputs held in shared memory before packing waits (multiproc; default 64)")
     args = parser.parse_args(argv)
     assert args.command == "demo"
     return demo(args)
