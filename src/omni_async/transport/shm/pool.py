@@ -119,10 +119,10 @@ _EMPTY, _FREE, _LEASED = 0, 1, 2
     _C_FULL_SEEN_NS,  # monotonic ns: a waiting lease last found no room; 0: none waits
 ) = range(14)
 _NC: Final = 14
-# A lease that waits finds no room at least every 20 ms (its backoff cap); a pool whose
-# last failed attempt is older than this has no live waiter (a waiter killed while
-# waiting stops updating it), so "full" ends by itself.
-_FULL_GAP_NS: Final = 250_000_000
+# A lease that waits finds no room at least every 20 ms (its backoff cap), a loaded
+# machine permitting; a pool whose last failed attempt is older than this has no live
+# waiter (a waiter killed while waiting stops updating it), so "full" ends by itself.
+_FULL_GAP_NS: Final = 1_000_000_000
 
 
 def size_class(nbytes: int, min_segment_bytes: int) -> int:
