@@ -52,6 +52,7 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
         world_size=args.world_size,
         deadlines=deadlines,
         options=WorkerOptions(device=args.device),
+        max_held_outputs=args.max_held_outputs,
     )
 
 
@@ -213,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=_seconds,
         default=60.0,
         help="seconds from COMPUTE_DONE until the output is delivered; 0 or 'none': no limit",
+    )
+    # The demo submits every request before it claims any output: with more requests
+    # than this, packing waits for room until the first outputs expire unclaimed.
+    d.add_argument(
+        "--max-held-outputs",
+        type=_positive_int,
+        default=None,
+        help="outputs held unclaimed in shared memory before packing waits (multiproc; None: 64)",
     )
     d.set_defaults(subparser=d)
     return parser

@@ -111,6 +111,7 @@ class Out:
     waiter: Future[DiffusionOutput] | None = None
     waiter_cancelled: bool = False  # cancelled without telling the registry (F3)
     deadline: float | None = None
+    expired: bool = False  # its output deadline passed: a later wait hears OutputTimeout
     consumer: str | None = None
     gone: list[Future[None]] = attrs.field(factory=list)
 
@@ -489,6 +490,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.waiter_oid[fut] = oid
         if self.closed:
             self.track(fut, ("error", ExecutorShutdown, oid))
+        elif m is not None and m.expired:
+            self.track(fut, ("error", OutputTimeout, oid))
         elif m is None or not m.recorded:
             self.track(fut, ("error", OutputError, oid))
         elif m.fate is not None:
@@ -547,6 +550,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         for m in self.outs.values():
             if m.recorded and m.deadline is not None and m.deadline <= self.now:
                 m.deadline = None
+                m.expired = True
                 self.timeouts += 1
                 self.fail_waiter(m, OutputTimeout)
                 self.abandon(m)

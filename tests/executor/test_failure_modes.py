@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+import torch
 from helpers.executor_harness import (
     GATES,
     RELAXED,
@@ -542,6 +543,60 @@ def test_f15_abort_before_packing_cancels_the_packing(executors: list[DiffusionE
     m = ex.packers[0].metrics
     assert m.cancelled == 1 and m.packed == 1, "'b' was never packed"
     assert quiet(ex) and ex.metrics()["released"] == 0
+
+
+def test_f15_a_drop_cancels_only_the_dropped_outputs_of_the_queue() -> None:
+    """F15's cancellation is per id: the outputs queued beside a dropped one still ship.
+
+    Five outputs queue behind a slow pack (the first); the third is dropped.  The
+    packer sends one Cancelled failure, for the third, and every other output as a
+    success carrying its own bytes.  (A cancellation that swept the whole queue would
+    pass the F15 test above, whose only queued output is the dropped one.)
+    """
+    channel = InProcessChannel(put_timeout=TIMEOUT)
+    first_started, release_first = threading.Event(), threading.Event()
+
+    def slow_first(output: DiffusionOutput, stream: Any, event: Any) -> DiffusionOutput:
+        if output.async_output_id == "o0":
+            first_started.set()
+            assert release_first.wait(TIMEOUT)
+        return output
+
+    packer = Packer(0, channel, pack=slow_first, max_outputs=8)
+    packer.start()
+    ids = [f"o{i}" for i in range(5)]
+
+    def image(i: int) -> torch.Tensor:
+        return torch.full((1000,), float(i)) + torch.arange(1000.0) * (i + 1)
+
+    try:
+        for i, oid in enumerate(ids):
+            m = request_machine(oid)
+            m.fire(RequestEvent.FORWARD)
+            m.fire(RequestEvent.COMPUTE_DONE)
+            packer.submit(oid, DiffusionOutput(f"req-{i}", {"image": image(i)}), m)
+        assert first_started.wait(TIMEOUT), "the packer is busy with o0; o1..o4 are queued"
+        assert packer.drop(["o2"]) == 1
+        release_first.set()
+        got: dict[str, Msg] = {}
+        while len(got) < len(ids):
+            msg = channel.get(TIMEOUT)
+            assert msg is not None, f"only {sorted(got)} arrived"
+            assert msg.async_output_id is not None
+            got[msg.async_output_id] = msg
+        assert packer.drain(TIMEOUT)
+    finally:
+        release_first.set()
+        assert packer.stop(TIMEOUT)
+    cancelled = got.pop("o2")
+    assert cancelled.failure is not None and cancelled.failure.type_name == "Cancelled"
+    for oid, msg in got.items():
+        assert msg.failure is None, f"{oid} was not dropped but failed: {msg.failure}"
+        assert msg.output is not None
+        i = int(oid[1:])
+        assert msg.output.request_id == f"req-{i}"
+        assert torch.equal(msg.output.output["image"], image(i)), f"{oid} arrived with foreign bytes"
+    assert packer.metrics.cancelled == 1 and packer.metrics.packed == 4
 
 
 # --------------------------------------------------------------------------- F16

@@ -20,8 +20,9 @@ from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
-from omni_async.core.messages import DiffusionRequest, RunnerOutput
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.transport.packing import pack_diffusion_output_shm
 from omni_async.transport.shm import SegmentPool
 from omni_async.verify.recorder import ListTracer
 
@@ -299,3 +300,66 @@ def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: L
         packer = ex.collective_rpc("loop_info")[0]["packer"]
         assert packer["backpressure_waits"] >= 1 and packer["backpressure_seconds"] > 0.3, packer
         _assert_quiet(ex)
+
+
+def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() -> None:
+    """TLC's DeathKeepsOpen through real processes: a worker's death closes the registry.
+
+    A worker's packer can send OUTPUT_READY for an output whose COMPUTE_DONE the main
+    thread never sent (killed in between); the pump may read it after the death was
+    handled.  The registry must release its segment on arrival and keep nothing: left
+    open (``fail_all(..., close=False)``), it would create an EARLY_READY record, with
+    no deadline, that holds the segment forever.  The message is written through the
+    executor's own end of the result channel, as if it had been in the pipe all along
+    (no trace is kept: no worker machine of the spec sent it).
+    """
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES) as ex:
+        fut = ex.submit_request(_req("slow", sleep=30))
+        time.sleep(0.3)
+        # The call's future fails inside the pump's fail_all: the death is handled.
+        _kill_and_expect_worker_died(ex, fut)
+        released = ex.metrics()["released"]
+        oid = "r0-dead-7"
+        image = torch.arange(1 << 17, dtype=torch.float32)  # 512 KiB: a real segment
+        packed = pack_diffusion_output_shm(
+            DiffusionOutput("late", {"image": image}, async_output_id=oid), pool=ex.pool
+        )
+        assert ex.pool.stats().outstanding == 1
+        ex._channel.put(AsyncDiffusionOutput.output_ready(oid, packed, rank=0))
+        deadline = time.monotonic() + 5
+        while ex.metrics()["released"] == released and time.monotonic() < deadline:
+            time.sleep(0.05)
+        m = ex.metrics()
+        assert m["released"] == released + 1, f"the late output of the dead worker is held: {m}"
+        assert m["pending_outputs"] == 0 and m["held_payloads"] == 0, m
+        assert ex.pool.stats().outstanding == 0, ex.pool.outstanding()
+        with pytest.raises(WorkerDied):
+            ex.wait_output_ready(oid).result(timeout=5)
+
+
+def test_shutdown_with_sends_in_flight_is_quiet(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 8: workers whose result pipe closed at shutdown exit quietly.
+
+    At shutdown one forward is running (its COMPUTE_DONE will find the pipe closed) and
+    one output waits for a segment the engine holds (its failure will too).  Neither
+    may print ``ChannelClosed ... Broken pipe`` tracebacks: the reader is gone on
+    purpose, which a worker logs at debug level and exits.
+    """
+    pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
+    opts = WorkerOptions(lease_timeout=0.5)
+    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, options=opts, pool=pool)
+    try:
+        params = {"seed": 71, "numel": (1 << 18) - 1024}
+        first = ex.execute_request(_req("h1", **params))
+        assert first.async_output_id is not None
+        held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # the one segment
+        ex.execute_request(_req("h2", **params))  # its pack waits for the segment, then fails
+        ex.submit_request(_req("h3", sleep=1.0, **params))  # a forward still running at shutdown
+        time.sleep(0.3)
+    finally:
+        ex.shutdown()
+    del held
+    assert all(p.exitcode == 0 for p in ex.procs), [p.exitcode for p in ex.procs]
+    err = capfd.readouterr().err
+    for noise in ("Traceback", "ChannelClosed", "Broken pipe"):
+        assert noise not in err, err

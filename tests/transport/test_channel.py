@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 import helpers.channel_children as children
+import numpy as np
 import pytest
 
 from omni_async.core.errors import ProtocolError, UsageError
@@ -246,3 +247,71 @@ def test_unserialized_inproc_passes_objects() -> None:
     ch.put(m)
     assert ch.get(1.0) is m
     assert isinstance(both()[0], ResultChannel)
+
+
+def _big_payload(tid: int, i: int, n: int) -> bytes:
+    """``n`` bytes that differ at every offset between (thread, message) pairs."""
+    k = np.arange(n, dtype=np.uint32)
+    return ((k * (2 * tid + 1) + 97 * i + (k >> 8)) & 0xFF).astype(np.uint8).tobytes()
+
+
+def test_large_messages_from_many_threads_arrive_intact_f7() -> None:
+    """F7 with messages that cannot be written atomically.
+
+    Small messages go out in one ``write`` (at most PIPE_BUF bytes are atomic anyway),
+    so they survive two writers even without the sender's lock.  These carry 384 KiB
+    inline: each is a header write plus a body write far above PIPE_BUF and a large
+    part of the pipe's buffer, so without the lock two threads interleave them and the
+    reader sees torn or mixed frames.  Every message must arrive whole, its bytes its
+    own, in each thread's order.
+    """
+    ch = PipeChannel(mp_context=SPAWN)  # 8 MiB of credits: room for every writer at once
+    sender = ch.new_sender("big")
+    threads, per, nbytes = 4, 6, 384 << 10
+    start = threading.Barrier(threads)
+    errors: list[BaseException] = []
+
+    def write(tid: int) -> None:
+        try:
+            start.wait(10.0)
+            for i in range(per):
+                sender.put(AsyncDiffusionOutput.rpc_result(f"t{tid}", (tid, i, _big_payload(tid, i, nbytes))), timeout=20.0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    got: list[tuple[int, int, bytes]] = []
+    read_errors: list[BaseException] = []
+
+    def read() -> None:
+        # A reader thread of its own: a torn frame can make recv_bytes wait for bytes
+        # that never come, and the test must fail, not hang (EOF ends it below).
+        try:
+            while len(got) < threads * per:
+                m = ch.get(20.0)
+                if m is None:
+                    return
+                got.append(m.result)
+        except BaseException as exc:
+            read_errors.append(exc)
+
+    reader = threading.Thread(target=read, name="big-reader", daemon=True)
+    reader.start()
+    writers = [threading.Thread(target=write, args=(t,), name=f"big-writer-{t}", daemon=True) for t in range(threads)]
+    for t in writers:
+        t.start()
+    reader.join(30.0)
+    # However the reader ended: closing the reading end frees a writer blocked on a
+    # full pipe (EPIPE), closing the writing end gives a reader stuck in a torn frame EOF.
+    ch.close()
+    for t in writers:
+        t.join(10.0)
+    sender.close()
+    reader.join(10.0)
+    assert not read_errors, read_errors
+    assert not errors, errors
+    assert len(got) == threads * per, f"{len(got)} of {threads * per} messages arrived"
+    order: dict[int, list[int]] = defaultdict(list)
+    for tid, i, data in got:
+        assert data == _big_payload(tid, i, nbytes), f"message {i} of thread {tid} arrived with foreign bytes"
+        order[tid].append(i)
+    assert order == {t: list(range(per)) for t in range(threads)}

@@ -129,6 +129,33 @@ def test_bounds_wait_then_raise(no_shm_leak: None) -> None:
             pool.lease(0)
 
 
+def test_waits_for_room_are_counted_and_a_full_pool_says_so_while_it_lasts(no_shm_leak: None) -> None:
+    """Back-pressure is never silent: stats() tells a waiting lease, how long, and the give-ups."""
+    with SegmentPool(max_bytes=1 << 20, max_segments=1, lease_timeout=0.1) as pool:
+        st = pool.stats()
+        assert (st.lease_waits, st.lease_wait_s, st.exhausted, st.full_for_s) == (0, 0.0, 0, 0.0)
+        a = pool.lease(1000)
+        assert pool.stats().full_for_s == 0.0, "full, but nobody waits"
+        got: list[Lease] = []
+        waiter = threading.Thread(target=lambda: got.append(pool.lease(1000, timeout=10.0)))
+        waiter.start()
+        time.sleep(0.3)
+        st = pool.stats()
+        assert st.full_for_s >= 0.2 and st.lease_waits == 0, st  # waiting now, for that long
+        pool.release(a)
+        waiter.join(5.0)
+        st = pool.stats()
+        assert st.lease_waits == 1 and st.lease_wait_s >= 0.25 and st.exhausted == 0, st
+        assert st.full_for_s == 0.0, "the wait ended: no longer full"
+        with pytest.raises(PoolExhausted):
+            pool.lease(1000)
+        st = pool.stats()
+        assert st.lease_waits == 2 and st.exhausted == 1, st
+        time.sleep(1.1)  # nobody waits any more: "full" ends by itself (within 1 s)
+        assert pool.stats().full_for_s == 0.0
+        pool.release(got[0])
+
+
 def test_free_segments_of_other_classes_are_evicted_for_room(no_shm_leak: None) -> None:
     with SegmentPool(max_bytes=1 << 20, max_segments=8) as pool:
         smalls = [pool.lease(100_000) for _ in range(4)]  # 4 x 128 KiB

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    AsyncOutputKind,
+    DiffusionOutput,
+    DiffusionRequest,
+    RpcRequest,
+)
 from omni_async.core.states import RequestEvent, request_machine
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.packing import pack_diffusion_output_shm, packed_nbytes

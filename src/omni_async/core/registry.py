@@ -162,6 +162,9 @@ class OutputRegistry:
         # released quietly, any other is a counted protocol error; neither creates a record.
         self._finished: OrderedDict[str, set[IdMessage]] = OrderedDict()
         self._max_finished = max_finished
+        # Tombstones of expired ids (as bounded): a later wait says the output expired,
+        # and how long it had waited, not "unknown id" or "abandoned by its waiter".
+        self._expired: OrderedDict[str, str] = OrderedDict()
 
     # ------------------------------------------------------------------ queries
 
@@ -280,6 +283,10 @@ class OutputRegistry:
         if self._closed is not None:
             fut.set_exception(self._closed(output_id))
             return fut
+        expired = self._expired.get(output_id)
+        if expired is not None:
+            fut.set_exception(OutputTimeout(expired, output_id=output_id))
+            return fut
         if rec is None:
             fut.set_exception(
                 OutputError(f"unknown output id {output_id!r} (never announced, or already finished)", output_id=output_id)
@@ -348,18 +355,26 @@ class OutputRegistry:
         if due:
             emit(self._trace, "Expire", count=len(due))
         for rec in due:
+            assert rec.deadline is not None and self._output_timeout is not None
+            reason = self._expiry_reason(rec, now - (rec.deadline - self._output_timeout))
             rec.deadline = None
             self.stats.timeouts += 1
-            self._fail_waiter(
-                rec,
-                OutputTimeout(
-                    f"output {rec.output_id!r} not delivered within {self._output_timeout}s of COMPUTE_DONE",
-                    output_id=rec.output_id,
-                ),
-                "timeout",
-            )
+            self._expired[rec.output_id] = reason
+            while len(self._expired) > self._max_finished:
+                self._expired.popitem(last=False)
+            self._fail_waiter(rec, OutputTimeout(reason, output_id=rec.output_id), "timeout")
             self._abandon(rec)
         return len(due)
+
+    def _expiry_reason(self, rec: OutputRecord, waited: float) -> str:
+        """Why ``rec`` expired, for its waiter and for any later wait (its tombstone)."""
+        of = f" of request {rec.request_id!r}" if rec.request_id is not None else ""
+        how = "undelivered" if rec.waiter is not None else "unclaimed"
+        arrived = "" if rec.state in HOLDING else "; it had not arrived from the worker (still packing)"
+        return (
+            f"output {rec.output_id!r}{of} expired {how} after {waited:.1f} s "
+            f"(output_timeout={self._output_timeout}){arrived}"
+        )
 
     def rearm_deadlines(self, output_ids: Iterable[str], now: float) -> None:
         """Measure the output deadline of these ids from ``now`` (their call resolved)."""

@@ -13,7 +13,19 @@ Processes and threads, and who owns what:
 * The monitor waits on every worker's process sentinel.  A worker that dies
   fails every pending waiter and RPC at once with ``WorkerDied`` naming the rank
   and the exit code, reclaims the segments the dead process had leased, and
-  marks the executor failed: ``check_health`` raises from then on.
+  marks the executor failed: ``check_health`` raises from then on.  Twice a
+  second it also looks at the pool, and logs a warning when the budget of held
+  outputs is full (see below).
+
+The budget of held outputs: ``max_held_outputs`` and ``max_held_bytes`` bound the
+outputs held in shared memory -- packed by a worker and not yet released, whether
+unclaimed or claimed and still viewed by the engine (inline outputs, below
+``WorkerOptions.inline_threshold``, travel in the message and are not counted).
+They size the ``SegmentPool``.  When the budget is full, a worker's packing waits for
+room, its next forwards wait for the packer (back-pressure), ``metrics()`` shows
+``pool_full`` and for how long (``pool_full_s``), the monitor logs a warning naming
+the budget, and an output that finds no room within ``WorkerOptions.lease_timeout``
+fails with ``HeldOutputsFull`` (to its waiter: a ``RemoteError`` of that type).
 
 Shutdown (idempotent, F16): stop the pump (every pending waiter fails with
 ``ExecutorShutdown``), close the result pipes so a worker's write fails at once
@@ -41,6 +53,7 @@ from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
 from omni_async.transport.channel import PipeChannel, PipeSender
+from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
     pack_diffusion_output_shm,
     release_packed_output,
@@ -56,6 +69,12 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+
+# The default budget of held outputs; the byte budget defaults to half the free space of
+# /dev/shm (at most 8 GiB), see SegmentPool.
+DEFAULT_MAX_HELD_OUTPUTS = 64
+# How often the monitor looks for a full budget of held outputs.
+_BUDGET_CHECK_S = 0.5
 
 
 @attrs.frozen
@@ -93,6 +112,8 @@ class WorkerOptions:
     max_bytes_in_flight: int | None = None
     backpressure_timeout: float | None = None
     inline_threshold: int = 64 << 10
+    # How long packing waits for room in the budget of held outputs before the output
+    # fails with HeldOutputsFull (None: the pool's own lease timeout).
     lease_timeout: float | None = 30.0
 
 
@@ -131,14 +152,19 @@ def _worker_main(
         return None
 
     def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
-        return pack_diffusion_output_shm(
-            output,
-            stream,
-            pool=pool,
-            inline_threshold=opts.inline_threshold,
-            ready_event=event,
-            lease_timeout=opts.lease_timeout,
-        )
+        try:
+            return pack_diffusion_output_shm(
+                output,
+                stream,
+                pool=pool,
+                inline_threshold=opts.inline_threshold,
+                ready_event=event,
+                lease_timeout=opts.lease_timeout,
+            )
+        except PoolExhausted as exc:
+            if isinstance(exc.__cause__, OSError):  # /dev/shm itself is full, not the budget
+                raise
+            raise _budget_full(output, exc, pool) from exc
 
     def release(packed: DiffusionOutput) -> None:
         release_packed_output(packed, pool=pool)
@@ -178,11 +204,32 @@ def _worker_main(
         sender.close()
 
 
+def _budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:
+    """The error of an output that found no room in the budget of held outputs."""
+    try:
+        st = pool.stats()
+        held = f"{st.outstanding} of max_held_outputs={pool.max_segments} outputs and {st.bytes_leased} of "
+    except Exception:  # noqa: BLE001  # closing at shutdown: the numbers are not essential
+        held = f"up to max_held_outputs={pool.max_segments} outputs and "
+    return HeldOutputsFull(
+        f"output {output.async_output_id} of request {output.request_id!r} found no room in the budget of held "
+        f"outputs within lease_timeout={exc.timeout} s: {held}max_held_bytes={pool.max_bytes} bytes are held in "
+        f"shared memory (packed, not yet released); it needs {exc.nbytes} bytes.  Release outputs sooner "
+        "(release_output after wait_output_ready, or drop_output), or raise "
+        "MultiprocDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)",
+        nbytes=exc.nbytes,
+        timeout=exc.timeout,
+    )
+
+
 class MultiprocDiffusionExecutor(DiffusionExecutor):
     """``world_size`` worker processes built from ``spec``; ``reply_rank`` ships the outputs.
 
-    ``options`` are the worker-side settings (device, packer budget); ``pool`` the
-    shared-memory pool (one is made when None; either way the executor closes it at
+    ``options`` are the worker-side settings (device, packer budget); ``max_held_outputs``
+    and ``max_held_bytes`` the budget of outputs held in shared memory (see the module
+    docstring; defaults: 64 outputs, half the free space of /dev/shm up to 8 GiB);
+    ``pool`` a shared-memory pool made by the caller instead, whose ``max_segments``
+    and ``max_bytes`` are then the budget (either way the executor closes it at
     shutdown); ``copy_outputs`` makes ``wait_output_ready`` return owned copies and
     give the segment back at once instead of zero-copy views.  The constructor
     returns once every rank has built its model and answered.
@@ -198,7 +245,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         deadlines: Deadlines | None = None,
         options: WorkerOptions | None = None,
         pool: SegmentPool | None = None,
-        pool_max_bytes: int | None = None,
+        max_held_outputs: int | None = None,
+        max_held_bytes: int | None = None,
         copy_outputs: bool = False,
         start_timeout: float = 120.0,
         tracer: Tracer | None = None,
@@ -207,7 +255,22 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
         self._ctx = multiprocessing.get_context("spawn")
-        self.pool = pool if pool is not None else SegmentPool(max_bytes=pool_max_bytes, mp_context=self._ctx)
+        if pool is not None and (max_held_outputs is not None or max_held_bytes is not None):
+            raise UsageError("pass either pool= or max_held_outputs=/max_held_bytes=: the pool is the budget")
+        for name, value in (("max_held_outputs", max_held_outputs), ("max_held_bytes", max_held_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be a positive int, got {value!r}")
+        self.pool = (
+            pool
+            if pool is not None
+            else SegmentPool(
+                max_bytes=max_held_bytes,
+                max_segments=max_held_outputs if max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS,
+                mp_context=self._ctx,
+            )
+        )
+        self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else self.pool.lease_timeout
+        self._budget_full_logged = False
         self._channel = PipeChannel(mp_context=self._ctx)
         self._copy_outputs = copy_outputs
         super().__init__(
@@ -291,9 +354,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     def _watch(self) -> None:
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
         while sentinels:
-            ready = multiprocessing.connection.wait([*sentinels, self._monitor_stop_r])
+            ready = multiprocessing.connection.wait([*sentinels, self._monitor_stop_r], _BUDGET_CHECK_S)
             if self._monitor_stop_r in ready:
                 return
+            self._check_budget()
             for s in ready:
                 if not isinstance(s, int):
                     continue
@@ -303,6 +367,56 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 if self._closed:
                     continue
                 self._on_worker_death(rank, proc.exitcode, proc.pid)
+
+    def _check_budget(self) -> None:
+        """Warn once per stall when the budget of held outputs is full (a packer waits for room)."""
+        try:
+            st = self.pool.stats()
+        except Exception:  # noqa: BLE001  # closed at shutdown; a wedged lock surfaces in the workers
+            return
+        if st.full_for_s > 0 and not self._budget_full_logged:
+            self._budget_full_logged = True
+            log.warning(
+                "the budget of held outputs is full: %d of max_held_outputs=%d outputs and %d of "
+                "max_held_bytes=%d bytes are held in shared memory (packed, not yet released), and a "
+                "worker's packing has waited %.1f s for room; its next forwards wait too, and an output "
+                "still without room after lease_timeout=%s s fails with HeldOutputsFull.  Release outputs "
+                "sooner (release_output after wait_output_ready, or drop_output), or raise "
+                "MultiprocDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)",
+                st.outstanding,
+                self.pool.max_segments,
+                st.bytes_leased,
+                self.pool.max_bytes,
+                st.full_for_s,
+                self._lease_timeout,
+            )
+        elif st.full_for_s == 0 and self._budget_full_logged:
+            self._budget_full_logged = False
+            log.info("the budget of held outputs has room again (%d outputs held)", st.outstanding)
+
+    def metrics(self) -> dict[str, float]:
+        """The executor's counters (see ``DiffusionExecutor.metrics``) and the budget of held outputs:
+        ``max_held_outputs``/``max_held_bytes``, what is held now (``held_outputs``/``held_bytes``),
+        ``pool_full`` (1 while a worker's packing waits for room) and for how long (``pool_full_s``),
+        ``pool_waits``/``pool_wait_s_total`` (packs that had to wait, and how long in all) and
+        ``pool_exhausted`` (outputs that found no room in time: ``HeldOutputsFull``)."""
+        m = super().metrics()
+        m["max_held_outputs"] = float(self.pool.max_segments)
+        m["max_held_bytes"] = float(self.pool.max_bytes)
+        try:
+            st = self.pool.stats()
+        except Exception:  # noqa: BLE001  # the pool closed at shutdown
+            return m
+        m.update(
+            held_outputs=float(st.outstanding),
+            held_bytes=float(st.bytes_leased),
+            pool_full=float(st.full_for_s > 0),
+            pool_full_s=st.full_for_s,
+            pool_waits=float(st.lease_waits),
+            pool_wait_s_total=st.lease_wait_s,
+            pool_exhausted=float(st.exhausted),
+        )
+        return m
 
     def _on_worker_death(self, rank: int, exitcode: int | None, pid: int | None) -> None:
         err = WorkerDied(rank, exitcode)

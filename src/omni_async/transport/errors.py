@@ -67,6 +67,17 @@ class PoolExhausted(TransportError, TimeoutError):
         self.timeout = timeout
 
 
+class HeldOutputsFull(PoolExhausted):
+    """An output found no room in the executor's budget of held outputs within the lease timeout.
+
+    ``MultiprocDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)`` bounds the
+    outputs held in shared memory (packed and not yet released).  When the budget stays
+    full longer than ``WorkerOptions.lease_timeout``, the output that needed room fails
+    with this error (its waiter gets a ``RemoteError`` whose ``failure.type_name`` is
+    ``"HeldOutputsFull"``), naming the budget and how to raise it.
+    """
+
+
 class SegmentTooLarge(UsageError, ValueError):
     """One tensor needs more bytes than the pool's largest size class (or its byte budget)."""
 

@@ -50,6 +50,7 @@ from omni_async.core.methods import (
 from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.packer import Packer, PackFn, fire_traced
@@ -264,6 +265,9 @@ class WorkerLoop:
     def _send(self, msg: AsyncDiffusionOutput, rpc_id: str) -> None:
         try:
             self._sender.put(msg)
+        except ChannelClosed as exc:
+            # The executor closed its end (shutdown) or is gone: nobody reads the answer.
+            log.debug("rank %d: no answer to %s, the result channel is closed: %s", self.rank, rpc_id, exc)
         except Exception as exc:
             # The answer itself could not travel (unpicklable result, oversize): send a
             # small typed failure instead, so the caller is not left waiting (F5).

@@ -42,6 +42,7 @@ from omni_async.core.states import (
 )
 from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.platform import CopyStream, DeviceEvent
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,9 @@ class Packer:
     def _send_failure(self, job: PackJob, failure: Failure) -> None:
         try:
             self._sender.put(AsyncDiffusionOutput.output_failed(job.output_id, failure, rank=self.rank))
+        except ChannelClosed as exc:
+            # Shutdown (or the executor is gone): nobody is waiting for this output any more.
+            log.debug("packer %d: %s not reported, the result channel is closed: %s", self.rank, job.output_id, exc)
         except Exception:
             log.exception("packer %d: cannot report the failure of %s", self.rank, job.output_id)
         if job.machine.can(RequestEvent.OUTPUT_FAILED):

@@ -54,7 +54,10 @@ class has no free segment and the budget is full, free segments of other classes
 evicted (unlinked) to make room; when everything is leased, ``lease`` **waits** (polling
 with backoff, so a dead waiter can never wedge a notifier) up to ``timeout`` and then
 raises ``PoolExhausted``: back-pressure, not failure, unless the consumer never
-releases.  An item larger than the budget raises ``SegmentTooLarge`` at once.
+releases.  Such waits are never silent: ``stats()`` counts them (``lease_waits``,
+``lease_wait_s``, ``exhausted``) and says how long the pool has been full for a lease
+waiting now (``full_for_s``), in any process.  An item larger than the budget raises
+``SegmentTooLarge`` at once.
 
 A view stays valid until its lease is released; after that the segment is reused and
 the bytes change underneath it.  Consumers that keep data longer copy it first
@@ -109,8 +112,17 @@ _EMPTY, _FREE, _LEASED = 0, 1, 2
     _C_REPAIRS,
     _C_CLOSED,
     _C_HOLDER,  # pid inside the lock, 0 when free
-) = range(9)
-_NC: Final = 9
+    _C_WAITS,  # leases that had to wait for room
+    _C_WAIT_NS,  # the time they waited, in all
+    _C_EXHAUSTED,  # leases that waited in vain (PoolExhausted)
+    _C_FULL_SINCE_NS,  # monotonic ns: when the pool became full for a waiting lease; 0: never
+    _C_FULL_SEEN_NS,  # monotonic ns: a waiting lease last found no room; 0: none waits
+) = range(14)
+_NC: Final = 14
+# A lease that waits finds no room at least every 20 ms (its backoff cap), a loaded
+# machine permitting; a pool whose last failed attempt is older than this has no live
+# waiter (a waiter killed while waiting stops updating it), so "full" ends by itself.
+_FULL_GAP_NS: Final = 1_000_000_000
 
 
 def size_class(nbytes: int, min_segment_bytes: int) -> int:
@@ -157,15 +169,23 @@ class PoolStats:
     bytes: int
     bytes_leased: int
     outstanding: int
+    # Back-pressure: leases that waited for room, the seconds they waited, those that
+    # gave up (PoolExhausted); ``full_for_s`` > 0 while a lease is waiting now: how long
+    # the pool has stayed full for it (every ``max_segments`` or ``max_bytes`` leased).
+    lease_waits: int = 0
+    lease_wait_s: float = 0.0
+    exhausted: int = 0
+    full_for_s: float = 0.0
 
 
 def _default_max_bytes() -> int:
+    """Half the free space of /dev/shm now, at most 8 GiB: a budget that fits (never above it)."""
     try:
         st = os.statvfs(files.SHM_DIR)
         room = st.f_bavail * st.f_frsize // 2
     except OSError:
         room = 1 << 30
-    return int(max(64 << 20, min(8 << 30, room)))
+    return int(max(1 << 20, min(8 << 30, room)))
 
 
 def _close_owner(prefix: str) -> None:
@@ -311,6 +331,14 @@ class SegmentPool:
         return self._max_bytes
 
     @property
+    def max_segments(self) -> int:
+        return self._max_segments
+
+    @property
+    def lease_timeout(self) -> float:
+        return self._lease_timeout
+
+    @property
     def closed(self) -> bool:
         return self._local_closed or bool(self._ctr[_C_CLOSED])
 
@@ -367,14 +395,19 @@ class SegmentPool:
         t = self._lease_timeout if timeout is None else timeout
         deadline = time.monotonic() + t
         delay = 0.0005
+        waited_since = 0
         while True:
             self._check_open()
             got = self._try_lease(size, nbytes)
             if got is not None:
                 lease, create = got
+                if waited_since:
+                    self._count_wait(waited_since, exhausted=False)
                 break
+            waited_since = waited_since or time.monotonic_ns()
             now = time.monotonic()
             if now >= deadline:
+                self._count_wait(waited_since, exhausted=True)
                 st = self.stats()
                 raise PoolExhausted(
                     f"no {size}-byte segment free in pool {self._prefix} within {t} s "
@@ -418,6 +451,11 @@ class SegmentPool:
                 need_bytes = live + size - self._max_bytes
                 need_slot = empties.size == 0
                 if int(sizes[free].sum()) < need_bytes or (need_slot and free.size == 0):
+                    # Full: the caller waits.  Time the stall (see _FULL_GAP_NS).
+                    now = time.monotonic_ns()
+                    if not c[_C_FULL_SEEN_NS] or now - int(c[_C_FULL_SEEN_NS]) > _FULL_GAP_NS:
+                        c[_C_FULL_SINCE_NS] = now
+                    c[_C_FULL_SEEN_NS] = now
                     return None
                 for i in sorted(free.tolist(), key=lambda j: -int(sizes[j])):
                     if need_bytes <= 0 and not need_slot:
@@ -427,6 +465,16 @@ class SegmentPool:
                     self._evict(int(i))
                 empties = np.flatnonzero(state == _EMPTY)
             return self._grant(int(empties[0]), pid, nbytes, new_size=size), True
+
+    def _count_wait(self, since_ns: int, *, exhausted: bool) -> None:
+        c = self._ctr
+        with self._locked():
+            c[_C_WAITS] += 1
+            c[_C_WAIT_NS] += time.monotonic_ns() - since_ns
+            if exhausted:
+                c[_C_EXHAUSTED] += 1
+            else:
+                c[_C_FULL_SEEN_NS] = 0  # room was found: this stall is over
 
     def _grant(self, i: int, pid: int, nbytes: int, *, new_size: int = 0) -> Lease:
         # Under the lock.  The state is written last: a slot is LEASED only once its
@@ -553,6 +601,8 @@ class SegmentPool:
     def stats(self) -> PoolStats:
         s, c = self._slots, self._ctr
         with self._locked():
+            seen, now = int(c[_C_FULL_SEEN_NS]), time.monotonic_ns()
+            full = seen > 0 and now - seen <= _FULL_GAP_NS
             return PoolStats(
                 created=int(c[_C_CREATED]),
                 reused=int(c[_C_REUSED]),
@@ -565,6 +615,10 @@ class SegmentPool:
                 bytes=self._bytes(),
                 bytes_leased=self._bytes(_LEASED),
                 outstanding=int((s[:, _STATE] == _LEASED).sum()),
+                lease_waits=int(c[_C_WAITS]),
+                lease_wait_s=int(c[_C_WAIT_NS]) / 1e9,
+                exhausted=int(c[_C_EXHAUSTED]),
+                full_for_s=max(now - int(c[_C_FULL_SINCE_NS]), 1) / 1e9 if full else 0.0,
             )
 
     def outstanding(self) -> list[LeaseInfo]:
