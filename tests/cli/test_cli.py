@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from omni_async import cli
+from omni_async.cli import demo as cli_demo
 from omni_async.models.tiny import image_digest
 
 
@@ -90,7 +91,7 @@ def test_a_bad_value_is_one_error_line_before_anything_starts(
     def must_not_run(args: argparse.Namespace) -> int:
         raise AssertionError(f"the demo started with {args}")
 
-    monkeypatch.setattr(cli, "demo", must_not_run)
+    monkeypatch.setattr(cli_demo, "run", must_not_run)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo", *argv])
     assert exit_info.value.code == 2
@@ -112,7 +113,7 @@ def test_a_bad_value_from_the_real_command_line_is_no_traceback() -> None:
 def test_a_bad_timeout_in_the_environment_is_one_error_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "demo", lambda args: pytest.fail("the demo started"))
+    monkeypatch.setattr(cli_demo, "run", lambda args: pytest.fail("the demo started"))
     monkeypatch.setenv("OMNI_ASYNC_RPC_TIMEOUT", "-3")
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["demo"])
@@ -144,7 +145,7 @@ def test_good_values_reach_the_demo(
         seen.append(args)
         return 0
 
-    monkeypatch.setattr(cli, "demo", record)
+    monkeypatch.setattr(cli_demo, "run", record)
     assert cli.main(["demo", *argv]) == 0
     assert getattr(seen[0], dest) == value
 

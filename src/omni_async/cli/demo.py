@@ -1,0 +1,186 @@
+"""``omni-async demo`` runs the reference stack end to end: an executor, its
+workers (processes by default, threads with ``--executor inproc``) running
+``TinyDiffusionWorker``, and an engine-side loop that submits requests, awaits
+every output with a deadline, and checks each one: its bytes against the digest the
+worker took before packing (the transport is bit-exact), its values against a fresh
+local forward (it is that request's image).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from omni_async.cli import options
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import UsageError
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import TinyDiffusionWorker, image_digest
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``omni-async demo``."""
+    d = sub.add_parser(
+        "demo",
+        help="run the reference stack end to end and check every output",
+        description=(
+            "Start an executor with TinyDiffusionWorker, submit requests, wait for every output "
+            "and check its bytes (against the digest the worker took) and its values (against "
+            "a local CPU forward).  Exit status 0: every output arrived intact and nothing was "
+            "left behind; 1: a mismatch or a leak; 2: bad arguments."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument(
+        "--executor",
+        choices=("multiproc", "inproc"),
+        default="multiproc",
+        help="multiproc: worker processes and shared memory; inproc: worker threads in this process",
+    )
+    d.add_argument(
+        "--device", type=options.device, default="cpu", help="where the workers compute: cpu, cuda or cuda:<index>"
+    )
+    d.add_argument(
+        "--world-size", type=options.positive_int, default=1, help="number of worker ranks (rank 0 ships outputs)"
+    )
+    d.add_argument("--requests", type=options.positive_int, default=16, help="number of requests to submit")
+    d.add_argument(
+        "--batch", type=options.positive_int, default=2, help="requests per execute call (the last may be smaller)"
+    )
+    # 256 x 256 fp32 = 256 KiB per image: above the inline threshold, so the
+    # images travel through the shared-memory pool.
+    d.add_argument("--height", type=options.image_side, default=256, help="image height in pixels, a multiple of 8")
+    d.add_argument("--width", type=options.image_side, default=256, help="image width in pixels, a multiple of 8")
+    d.add_argument("--steps", type=options.positive_int, default=4, help="denoising steps per request")
+    d.add_argument(
+        "--compute-timeout",
+        type=options.seconds,
+        default=60.0,
+        help="seconds from submitting an execute call until every rank has answered; 0 or 'none': no limit",
+    )
+    d.add_argument(
+        "--output-timeout",
+        type=options.seconds,
+        default=60.0,
+        help="seconds from COMPUTE_DONE until the output is delivered; 0 or 'none': no limit",
+    )
+    # The demo submits every request before it claims any output: with more requests
+    # than this, packing waits for room until the first outputs expire unclaimed.
+    d.add_argument(
+        "--max-held-outputs",
+        type=options.positive_int,
+        default=None,
+        help="outputs held unclaimed in shared memory before packing waits (multiproc; None: 64)",
+    )
+    d.set_defaults(subparser=d, check=_check, run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    # The OMNI_ASYNC_*_TIMEOUT variables are read now as well: a bad one is reported
+    # like a bad option, before anything starts.
+    try:
+        _deadlines(args)
+    except UsageError as exc:
+        args.subparser.error(str(exc))
+
+
+def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:
+    return TinyDiffusionWorker(device=device, width=width, steps=steps)
+
+
+def _deadlines(args: argparse.Namespace) -> Deadlines:
+    """The options' deadlines over the environment's (``OMNI_ASYNC_*_TIMEOUT``)."""
+    return Deadlines.from_env(compute_timeout=args.compute_timeout, output_timeout=args.output_timeout)
+
+
+def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
+    deadlines = _deadlines(args)
+    if args.executor == "inproc":
+        return InProcessExecutor(
+            lambda rank: _make_worker(args.device, args.width, args.steps),
+            world_size=args.world_size,
+            deadlines=deadlines,
+        )
+    return MultiprocDiffusionExecutor(
+        WorkerSpec(
+            "omni_async.models.tiny:TinyDiffusionWorker",
+            kwargs={"device": args.device, "width": args.width, "steps": args.steps},
+        ),
+        world_size=args.world_size,
+        deadlines=deadlines,
+        options=WorkerOptions(device=args.device),
+        max_held_outputs=args.max_held_outputs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("CUDA requested but not available", file=sys.stderr)
+        return 2
+    reference = TinyDiffusionWorker(device="cpu", width=args.width, steps=args.steps)
+    requests = [
+        DiffusionRequest(f"req-{i}", {"seed": i, "height": args.height, "keep_trajectory": i % 2 == 0})
+        for i in range(args.requests)
+    ]
+    expected = {r.request_id: reference.execute_model(r).output["image"] for r in requests}
+    t0 = time.perf_counter()
+    with _build_executor(args) as ex:
+        started = time.perf_counter()
+        print(
+            f"executor {type(ex).__name__} up in {started - t0:.2f}s "
+            f"(world_size={args.world_size}, device={args.device})"
+        )
+        announced = []
+        for i in range(0, len(requests), args.batch):
+            chunk = requests[i : i + args.batch]
+            outs = ex.execute_batch(chunk) if len(chunk) > 1 else [ex.execute_request(chunk[0])]
+            announced.extend(outs)
+        computed = time.perf_counter()
+        bad = 0
+        for ro in announced:
+            assert ro.async_output_id is not None
+            out: DiffusionOutput = ex.wait_output_ready(ro.async_output_id).result(timeout=args.output_timeout)
+            got = out.output["image"].to("cpu")
+            # The bytes: exactly what the worker computed (its digest, taken before
+            # packing).  The values: this request's image, against a CPU forward; a
+            # tolerance, since GPU kernels and even CPU BLAS differ in the last bits
+            # (see omni_async/models/tiny.py).
+            intact = int(image_digest(got)) == int(out.output["digest"])
+            diff = (got.double() - expected[ro.request_id].double()).abs()
+            if not intact or float(diff.max()) > 0.05:
+                bad += 1
+                print(
+                    f"mismatch: {ro.request_id} (output {ro.async_output_id}): bytes "
+                    f"{'intact' if intact else 'CHANGED in transit'}, max |diff| from the reference "
+                    f"{float(diff.max()):g}",
+                    file=sys.stderr,
+                )
+            ex.release_output(out)
+        done = time.perf_counter()
+        m = ex.metrics()
+        print(
+            f"{len(requests)} requests: all COMPUTE_DONE after {computed - started:.3f}s, "
+            f"all outputs after {done - started:.3f}s; {bad} mismatched"
+        )
+        print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.items())))
+        if m["pending_outputs"] or m["held_payloads"]:
+            print("registry not empty at the end", file=sys.stderr)
+            bad += 1
+        if isinstance(ex, MultiprocDiffusionExecutor):
+            st = ex.pool.stats()
+            print(
+                f"segment pool: {st.segments} segments, {st.created} created, {st.reused} reused, "
+                f"{st.outstanding} still leased"
+            )
+            if st.outstanding:
+                print("segments still leased at the end", file=sys.stderr)
+                bad += 1
+    return 1 if bad else 0
