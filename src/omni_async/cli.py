@@ -85,6 +85,7 @@ def demo(args: argparse.Namespace) -> int:
                 print(f"mismatch: {ro.request_id} (output {ro.async_output_id}): bytes "
                       f"{'intact' if intact else 'CHANGED in transit'}, max |diff| from the reference "
                       f"{float(diff.max()):g}", file=sys.stderr)
+            del got  # on CPU .to("cpu") is the view itself; a live view fails the release (OutputStillViewed)
             ex.release_output(out)
         done = time.perf_counter()
         m = ex.metrics()
