@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.finalizers import quiet_finalizers
 from helpers.mp_workers import expected_image
 from helpers.traces import keep
 
@@ -22,6 +23,8 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.transport.errors import OutputStillViewed
+from omni_async.transport.packing import settle_releases
 from omni_async.transport.shm import SegmentPool
 from omni_async.verify.recorder import ListTracer
 
@@ -247,6 +250,7 @@ def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer:
     done = ex.execute_request(_req("ok", **params))
     assert done.async_output_id is not None
     ready = ex.wait_output_ready(done.async_output_id).result(timeout=30)
+    kept = ready.output["image"]
     pending = ex.submit_request(_req("slow", sleep=30))
     time.sleep(0.2)
     t0 = time.monotonic()
@@ -258,7 +262,13 @@ def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer:
     with pytest.raises(ExecutorShutdown):
         ex.execute_request(_req("late"))
     assert all(not p.is_alive() for p in ex.procs)
-    del ready  # its view outlives the pool's files harmlessly; the segment is unlinked
+    # Views outlive the pool: still readable (the mapping stays until they go), and the
+    # release their finalizer attempts on the closed pool raises and logs nothing.
+    assert torch.equal(kept, expected_image(params))
+    with quiet_finalizers() as caught:
+        del ready, kept
+        settle_releases()
+    assert caught == []
 
 
 def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> None:
@@ -300,3 +310,64 @@ def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: L
         packer = ex.collective_rpc("loop_info")[0]["packer"]
         assert packer["backpressure_waits"] >= 1 and packer["backpressure_seconds"] > 0.3, packer
         _assert_quiet(ex)
+
+
+def _image_of(ex: MultiprocDiffusionExecutor, rid: str, params: Mapping[str, object]) -> Any:
+    ro = ex.execute_request(_req(rid, **params))
+    assert ro.async_output_id is not None
+    return ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+
+
+def test_a_kept_tensor_never_changes_after_release_through_workers(tracer: ListTracer) -> None:
+    """Issue 8: keep a tensor, release its output, run requests that reuse the segment.
+
+    Before the fix the release succeeded and the next request's bytes showed through
+    the kept tensor (its sum changed, no error).  Now the release fails loudly and the
+    segment stays out of the pool until the tensor is gone.
+    """
+    pool = SegmentPool(max_bytes=4 << 20, max_segments=2)
+    params = {"seed": 71, "numel": (1 << 18) - 1024}  # ~1 MiB: every output in one size class
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, pool=pool, tracer=tracer) as ex:
+        out = _image_of(ex, "k0", params)
+        kept = out.output["image"]
+        before = kept.clone()
+        loud = False
+        try:
+            ex.release_output(out)
+        except OutputStillViewed as err:
+            loud = True
+            assert err.output_id == out.async_output_id and err.views == 1
+            assert "copy" in str(err)
+        del out
+        for i in range(4):
+            p = {"seed": 100 + i, "numel": params["numel"]}
+            _wait_ok(ex, ex.execute_request(_req(f"k{i + 1}", **p)), p)
+        assert torch.equal(kept, before), f"kept tensor changed: sum {float(before.sum())} -> {float(kept.sum())}"
+        assert loud, "release_output with a live view must fail loudly"
+        del kept
+        settle_releases()
+        _assert_quiet(ex)
+
+
+def test_a_segment_is_reused_only_after_the_last_view_is_gone_through_workers(tracer: ListTracer) -> None:
+    pool = SegmentPool(max_bytes=4 << 20, max_segments=2)
+    params = {"seed": 72, "numel": (1 << 18) - 1024}
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, pool=pool, tracer=tracer) as ex:
+        out = _image_of(ex, "v0", params)
+        view = out.output["image"][::4]
+        del out  # no release_output: the view alone holds the segment
+        settle_releases()
+        assert pool.stats().outstanding == 1
+        _wait_ok(ex, ex.execute_request(_req("v1", **params)), params)
+        st = pool.stats()
+        assert st.created == 2 and st.outstanding == 1, st  # the viewed segment was not reused
+        assert torch.equal(view, expected_image(params)[::4])
+        del view
+        settle_releases()
+        assert pool.stats().outstanding == 0
+        for i in range(3):
+            _wait_ok(ex, ex.execute_request(_req(f"v{i + 2}", **params)), params)
+        st = pool.stats()
+        assert st.created == 2 and st.reused >= 3, st
+        _assert_quiet(ex)
+
