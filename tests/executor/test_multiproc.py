@@ -20,7 +20,7 @@ from helpers.mp_workers import expected_image
 from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.errors import ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.errors import OutputStillViewed
@@ -371,3 +371,21 @@ def test_a_segment_is_reused_only_after_the_last_view_is_gone_through_workers(tr
         assert st.created == 2 and st.reused >= 3, st
         _assert_quiet(ex)
 
+
+def test_an_output_id_is_delivered_to_exactly_one_waiter(ex2: MultiprocDiffusionExecutor) -> None:
+    """The second-waiter rule: a second wait_output_ready on an id fails at once, typed."""
+    params = {"seed": 73, "numel": 1 << 18}
+    ro = ex2.execute_request(_req("once", **params))
+    oid = ro.async_output_id
+    assert oid is not None
+    first = ex2.wait_output_ready(oid)
+    second = ex2.wait_output_ready(oid)  # while the first is pending (or just delivered)
+    with pytest.raises(OutputAlreadyClaimed) as err:
+        second.result(timeout=1)
+    assert err.value.output_id == oid and "exactly one" in str(err.value)
+    out = first.result(timeout=30)
+    later = ex2.wait_output_ready(oid)  # after delivery: says so, not "unknown id"
+    with pytest.raises(OutputAlreadyClaimed, match="delivered"):
+        later.result(timeout=1)
+    assert ex2.release_output(out) == 1
+    _assert_quiet(ex2)
