@@ -22,6 +22,7 @@ from omni_async.core.errors import (
     IllegalTransition,
     MessageValidationError,
     OmniAsyncError,
+    OutputAlreadyClaimed,
     OutputDropped,
     OutputError,
     OutputTimeout,
@@ -59,6 +60,7 @@ from omni_async.transport.errors import (
     DeviceSyncUnavailable,
     LeaseAlreadyReleased,
     MessageTooLarge,
+    OutputStillViewed,
     PoolClosed,
     PoolExhausted,
     SegmentTooLarge,
@@ -70,6 +72,7 @@ from omni_async.transport.errors import (
 from omni_async.transport.packing import (
     pack_diffusion_output_shm,
     release_packed_output,
+    release_unpacked_output,
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.platform import DeviceEvent, record_device_event, wait_device_event
@@ -105,8 +108,10 @@ __all__ = [
     "MessageValidationError",
     "MultiprocDiffusionExecutor",
     "OmniAsyncError",
+    "OutputAlreadyClaimed",
     "OutputDropped",
     "OutputError",
+    "OutputStillViewed",
     "OutputTimeout",
     "Packer",
     "PoolClosed",
@@ -136,6 +141,7 @@ __all__ = [
     "pack_diffusion_output_shm",
     "record_device_event",
     "release_packed_output",
+    "release_unpacked_output",
     "sweep_dead_executors",
     "unpack_diffusion_output_shm",
     "wait_device_event",
