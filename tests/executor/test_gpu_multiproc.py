@@ -37,6 +37,7 @@ def test_cuda_workers_request_mode_bit_exact_and_pooled() -> None:
                 assert got.device.type == "cpu" and got.dtype == expected.dtype
                 assert torch.equal(got, expected), f"{rq.request_id}: output differs from the forward"
                 assert out.metrics["pack_pinned"] == 1.0  # copied into a cudaHostRegister'ed segment
+                del got  # a view still alive would make the release fail (OutputStillViewed)
                 ex.release_output(out)
             created.append(ex.pool.stats().created)
         assert created[-1] == created[1], f"segments created per round: {created}"

@@ -34,6 +34,7 @@ from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
+    OutputAlreadyClaimed,
     OutputDropped,
     OutputError,
     OutputTimeout,
@@ -128,6 +129,25 @@ def test_execute_request_blocks_until_compute_done(make_executor: Callable[..., 
     ro = ex.execute_request(req("r1"))
     assert ro.async_output_id is not None
     assert ex.wait_output_ready(ro.async_output_id).result(timeout=TIMEOUT).request_id == "r1"
+
+
+def test_an_output_id_is_delivered_to_exactly_one_waiter(make_executor: Callable[..., InProcessExecutor]) -> None:
+    """A second wait_output_ready on an id fails at once with a typed error, before and
+    after the first waiter got the output (never "unknown id", never a second delivery)."""
+    ex = make_executor()
+    ro = ex.execute_request(req("r1", value=2.0))
+    oid = ro.async_output_id
+    assert oid is not None
+    first = ex.wait_output_ready(oid)
+    err = exc_of(ex.wait_output_ready(oid))
+    assert isinstance(err, OutputAlreadyClaimed) and isinstance(err, UsageError) and err.output_id == oid
+    assert torch.equal(first.result(timeout=TIMEOUT).output["image"], expected_image(2.0))
+    err = exc_of(ex.wait_output_ready(oid))
+    assert isinstance(err, OutputAlreadyClaimed) and "delivered" in str(err)
+    # An id never announced is still "unknown", and does not count as claimed.
+    assert not isinstance(exc_of(ex.wait_output_ready("nope")), OutputAlreadyClaimed)
+    assert not isinstance(exc_of(ex.wait_output_ready("nope")), OutputAlreadyClaimed)
+    assert ex.metrics()["delivered"] == 1 and quiet(ex)
 
 
 def test_empty_batch_is_a_usage_error(make_executor: Callable[..., InProcessExecutor]) -> None:

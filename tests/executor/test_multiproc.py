@@ -14,15 +14,17 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.finalizers import quiet_finalizers
 from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.mp_workers import expected_image
 from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.errors import ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
-from omni_async.transport.packing import pack_diffusion_output_shm
+from omni_async.transport.errors import OutputStillViewed
+from omni_async.transport.packing import pack_diffusion_output_shm, settle_releases
 from omni_async.transport.shm import SegmentPool
 from omni_async.verify.recorder import ListTracer
 
@@ -43,6 +45,7 @@ def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: Mapping[s
     got = out.output["image"]
     assert got.dtype == exp.dtype
     assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+    del got  # a view still alive would make the release fail (OutputStillViewed)
     assert ex.release_output(out) == (1 if exp.numel() * exp.element_size() > (64 << 10) else 0)
 
 
@@ -247,6 +250,7 @@ def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer:
     done = ex.execute_request(_req("ok", **params))
     assert done.async_output_id is not None
     ready = ex.wait_output_ready(done.async_output_id).result(timeout=30)
+    kept = ready.output["image"]
     pending = ex.submit_request(_req("slow", sleep=30))
     time.sleep(0.2)
     t0 = time.monotonic()
@@ -258,7 +262,13 @@ def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer:
     with pytest.raises(ExecutorShutdown):
         ex.execute_request(_req("late"))
     assert all(not p.is_alive() for p in ex.procs)
-    del ready  # its view outlives the pool's files harmlessly; the segment is unlinked
+    # Views outlive the pool: still readable (the mapping stays until they go), and the
+    # release their finalizer attempts on the closed pool raises and logs nothing.
+    assert torch.equal(kept, expected_image(params))
+    with quiet_finalizers() as caught:
+        del ready, kept
+        settle_releases()
+    assert caught == []
 
 
 def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> None:
@@ -363,3 +373,82 @@ def test_shutdown_with_sends_in_flight_is_quiet(capfd: pytest.CaptureFixture[str
     err = capfd.readouterr().err
     for noise in ("Traceback", "ChannelClosed", "Broken pipe"):
         assert noise not in err, err
+
+
+def _image_of(ex: MultiprocDiffusionExecutor, rid: str, params: Mapping[str, object]) -> Any:
+    ro = ex.execute_request(_req(rid, **params))
+    assert ro.async_output_id is not None
+    return ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+
+
+def test_a_kept_tensor_never_changes_after_release_through_workers(tracer: ListTracer) -> None:
+    """Issue 8: keep a tensor, release its output, run requests that reuse the segment.
+
+    Before the fix the release succeeded and the next request's bytes showed through
+    the kept tensor (its sum changed, no error).  Now the release fails loudly and the
+    segment stays out of the pool until the tensor is gone.
+    """
+    pool = SegmentPool(max_bytes=4 << 20, max_segments=2)
+    params = {"seed": 71, "numel": (1 << 18) - 1024}  # ~1 MiB: every output in one size class
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, pool=pool, tracer=tracer) as ex:
+        out = _image_of(ex, "k0", params)
+        kept = out.output["image"]
+        before = kept.clone()
+        loud = False
+        try:
+            ex.release_output(out)
+        except OutputStillViewed as err:
+            loud = True
+            assert err.output_id == out.async_output_id and err.views == 1
+            assert "copy" in str(err)
+        del out
+        for i in range(4):
+            p = {"seed": 100 + i, "numel": params["numel"]}
+            _wait_ok(ex, ex.execute_request(_req(f"k{i + 1}", **p)), p)
+        assert torch.equal(kept, before), f"kept tensor changed: sum {float(before.sum())} -> {float(kept.sum())}"
+        assert loud, "release_output with a live view must fail loudly"
+        del kept
+        settle_releases()
+        _assert_quiet(ex)
+
+
+def test_a_segment_is_reused_only_after_the_last_view_is_gone_through_workers(tracer: ListTracer) -> None:
+    pool = SegmentPool(max_bytes=4 << 20, max_segments=2)
+    params = {"seed": 72, "numel": (1 << 18) - 1024}
+    with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, pool=pool, tracer=tracer) as ex:
+        out = _image_of(ex, "v0", params)
+        view = out.output["image"][::4]
+        del out  # no release_output: the view alone holds the segment
+        settle_releases()
+        assert pool.stats().outstanding == 1
+        _wait_ok(ex, ex.execute_request(_req("v1", **params)), params)
+        st = pool.stats()
+        assert st.created == 2 and st.outstanding == 1, st  # the viewed segment was not reused
+        assert torch.equal(view, expected_image(params)[::4])
+        del view
+        settle_releases()
+        assert pool.stats().outstanding == 0
+        for i in range(3):
+            _wait_ok(ex, ex.execute_request(_req(f"v{i + 2}", **params)), params)
+        st = pool.stats()
+        assert st.created == 2 and st.reused >= 3, st
+        _assert_quiet(ex)
+
+
+def test_an_output_id_is_delivered_to_exactly_one_waiter(ex2: MultiprocDiffusionExecutor) -> None:
+    """The second-waiter rule: a second wait_output_ready on an id fails at once, typed."""
+    params = {"seed": 73, "numel": 1 << 18}
+    ro = ex2.execute_request(_req("once", **params))
+    oid = ro.async_output_id
+    assert oid is not None
+    first = ex2.wait_output_ready(oid)
+    second = ex2.wait_output_ready(oid)  # while the first is pending (or just delivered)
+    with pytest.raises(OutputAlreadyClaimed) as err:
+        second.result(timeout=1)
+    assert err.value.output_id == oid and "exactly one" in str(err.value)
+    out = first.result(timeout=30)
+    later = ex2.wait_output_ready(oid)  # after delivery: says so, not "unknown id"
+    with pytest.raises(OutputAlreadyClaimed, match="delivered"):
+        later.result(timeout=1)
+    assert ex2.release_output(out) == 1
+    _assert_quiet(ex2)

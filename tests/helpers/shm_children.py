@@ -13,7 +13,7 @@ import torch
 
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.errors import PoolExhausted
-from omni_async.transport.packing import release_packed_output, unpack_diffusion_output_shm
+from omni_async.transport.packing import release_unpacked_output, unpack_diffusion_output_shm
 from omni_async.transport.shm import Lease, SegmentPool, files
 from omni_async.transport.shm import pool as shm
 
@@ -28,16 +28,32 @@ def lease_and_fill(pool: SegmentPool, conn: Connection, nbytes: int, value: int)
     conn.close()
 
 
-def unpack_and_check(pool: SegmentPool, conn: Connection, packed: DiffusionOutput) -> None:
-    """Unpack without copying, report each tensor's raw bytes checksum, release here."""
-    out = unpack_diffusion_output_shm(packed)
+def _checksums(out: DiffusionOutput) -> dict[str, object]:
     report: dict[str, object] = {}
     for key, t in out.output.items():
         if isinstance(t, torch.Tensor):
             raw = t.contiguous().reshape(-1).view(torch.uint8)
             report[key] = (str(t.dtype), tuple(t.shape), int(raw.to(torch.int64).sum()), raw[:64].tolist())
-    report["_released"] = release_packed_output(packed, pool=pool)
+    return report
+
+
+def unpack_and_check(pool: SegmentPool, conn: Connection, packed: DiffusionOutput) -> None:
+    """Unpack without copying, report each tensor's raw bytes checksum, release here."""
+    out = unpack_diffusion_output_shm(packed)
+    report = _checksums(out)  # its views die with the helper's frame
+    report["_released"] = release_unpacked_output(out, pool=pool)
     conn.send(report)
+    conn.close()
+
+
+_KEPT: list[object] = []
+
+
+def unpack_keep_and_exit(pool: SegmentPool, conn: Connection, packed: DiffusionOutput) -> None:
+    """Unpack without copying, keep a view in a global and exit normally while holding it."""
+    out = unpack_diffusion_output_shm(packed)
+    _KEPT.append(out.output["image"])
+    conn.send(float(out.output["image"].sum()))
     conn.close()
 
 

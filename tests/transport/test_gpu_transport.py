@@ -98,7 +98,7 @@ def test_bit_exact_round_trip(pool: SegmentPool, side: torch.cuda.Stream, dtype:
     for k, v in value.items():
         assert got[k].device.type == "cpu" and got[k].dtype == dtype and got[k].shape == v.shape
         assert raw(got[k]) == raw(v), k
-    release_packed_output(packed)
+    del got  # the last views: the segment goes back by itself
 
 
 @pytest.mark.parametrize("marker", ["event", "device_sync"])
@@ -114,8 +114,7 @@ def test_the_copy_is_ordered_after_the_forward(pool: SegmentPool, side: torch.cu
         packed = pack_diffusion_output_shm(DiffusionOutput("r", {"x": out}), side, pool=pool, ready_event=ev)
         got = unpack_diffusion_output_shm(packed).output["x"]
         assert bool((got == value).all()), f"try {i}: stale bytes reached the consumer"
-        del got
-        release_packed_output(packed)
+        del got  # the last view: the segment goes back by itself
 
 
 def test_without_the_event_the_race_is_real(pool: SegmentPool, side: torch.cuda.Stream) -> None:
@@ -131,7 +130,7 @@ def test_without_the_event_the_race_is_real(pool: SegmentPool, side: torch.cuda.
         packed = pack_diffusion_output_shm(DiffusionOutput("r", {"x": out}), side, pool=pool, ready_event=None)
         got = unpack_diffusion_output_shm(packed).output["x"]
         races += int(not bool((got == float(i + 1)).all()))
-        release_packed_output(packed)
+        del got  # the last view: the segment goes back by itself
         torch.cuda.synchronize()
     report("race_without_event", {"races": races, "tries": tries})
     if races == 0:
@@ -176,8 +175,9 @@ def test_pooled_pinned_copy_of_a_large_output(pool: SegmentPool, side: torch.cud
         if i == 0:
             got = unpack_diffusion_output_shm(packed).output["video"]
             assert torch.equal(got.view(torch.int16), x.view(torch.int16).cpu())
-            del got
-        release_packed_output(packed)
+            del got  # the last view: the segment goes back by itself
+        else:
+            release_packed_output(packed)
     st = pool.stats()
     assert st.created == 1 and st.reused == 5
     med = statistics.median(times[1:])
@@ -206,8 +206,7 @@ def test_a_segment_cuda_will_not_register_is_still_copied_exactly(pool: SegmentP
         assert float((torch.ones(1000, device="cuda") * 2).sum()) == 2000.0  # a kernel launch in this thread
         got = unpack_diffusion_output_shm(packed).output["video"]
         assert raw(got) == raw(x)
-        del got
-        release_packed_output(packed)
+        del got  # the last view: the segment goes back by itself
     finally:
         assert int(cudart.cudaHostUnregister(base.data_ptr())) == 0
         del base

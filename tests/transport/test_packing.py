@@ -106,7 +106,7 @@ def test_every_dtype_round_trips_bit_exactly(
     got = unpack_diffusion_output_shm(wire).output["t"]
     assert got.dtype == dtype and tuple(got.shape) == tuple(t.shape)
     assert raw(got) == raw(t)
-    release_packed_output(wire)
+    del got  # the last view: the segment goes back by itself (the fixture checks)
 
 
 @pytest.mark.parametrize("to_shm", [False, True])
@@ -134,8 +134,8 @@ def test_a_small_view_of_a_huge_tensor_costs_its_own_bytes(segment_pool: Segment
     assert isinstance(shm.output, PackedPayload)
     assert shm.output.shm_bytes == 8 and shm.output.lease is not None and shm.output.lease.nbytes == 8
     assert len(pickle.dumps(shm)) < 2000
-    assert unpack_diffusion_output_shm(shm).output["v"].tolist() == [1.5, -2.5]
-    release_packed_output(shm)
+    assert unpack_diffusion_output_shm(shm).output["v"].tolist() == [1.5, -2.5]  # its views are gone: released
+    assert segment_pool.stats().outstanding == 0
     arr = np.empty(25_000_000, dtype=np.float32)[5:7]
     packed = pack_diffusion_output_shm(out({"a": arr}), pool=segment_pool, inline_threshold=0)
     assert isinstance(packed.output, PackedPayload) and packed.output.shm_bytes == 8
@@ -184,7 +184,8 @@ def test_nested_structures_round_trip(segment_pool: SegmentPool) -> None:
     }
     packed = pack_diffusion_output_shm(out(value), pool=segment_pool)
     assert is_packed(packed) and packed.metrics["pack_shm_bytes"] > 0
-    got = unpack_diffusion_output_shm(pickle.loads(pickle.dumps(packed))).output
+    unpacked = unpack_diffusion_output_shm(pickle.loads(pickle.dumps(packed)))
+    got = unpacked.output
     v = got["video"]
     assert type(v) is Video and type(v.frames[0]) is Frame and v.fps == 24.0
     assert raw(v.frames[0].image) == raw(big) and v.frames[0].label == "a"
@@ -198,7 +199,8 @@ def test_nested_structures_round_trip(segment_pool: SegmentPool) -> None:
     assert got["tuple"] == value["tuple"] and type(got["tuple"][7]) is bytearray
     assert got["blob"] == value["blob"] and type(got["mblob"]) is bytearray and got["mblob"] == value["mblob"]
     assert got["np_scalar"] == np.float32(1.25)
-    release_packed_output(packed)
+    del got, v
+    assert release_unpacked_output(unpacked) == 1
 
 
 def test_unpack_is_zero_copy(segment_pool: SegmentPool) -> None:
@@ -212,8 +214,10 @@ def test_unpack_is_zero_copy(segment_pool: SegmentPool) -> None:
     assert lo <= got["t"].data_ptr() < hi
     assert lo <= got["a"].ctypes.data < hi
     assert torch.equal(got["t"], t) and np.array_equal(got["a"], t.numpy() * 2)
-    copied = unpack_diffusion_output_shm(packed, copy=True).output  # copies, then releases
+    copied = unpack_diffusion_output_shm(packed, copy=True).output  # copies
     assert not lo <= copied["t"].data_ptr() < hi and torch.equal(copied["t"], t)
+    assert segment_pool.stats().outstanding == 1  # the zero-copy views still hold it
+    del got
     assert segment_pool.outstanding() == []
 
 

@@ -163,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
                     f"{float(diff.max()):g}",
                     file=sys.stderr,
                 )
+            del got  # on CPU .to("cpu") is the view itself; a live view fails the release (OutputStillViewed)
             ex.release_output(out)
         done = time.perf_counter()
         m = ex.metrics()

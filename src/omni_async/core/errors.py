@@ -72,6 +72,16 @@ class OutputDropped(OutputError):
     """The output was dropped (aborted) while a waiter was waiting for it."""
 
 
+class OutputAlreadyClaimed(OutputError, UsageError):
+    """``wait_output_ready`` for an id an earlier call already claimed.
+
+    Each output id is delivered to exactly one waiter: the first ``wait_output_ready``
+    call claims it; every later call for the same id fails at once with this error,
+    whether the first is still waiting or already got the output, failed or was
+    cancelled.  Share the first future (or the output it delivers) instead.
+    """
+
+
 class OutputTimeout(OutputError, TimeoutError):
     """The output was not delivered within its output deadline (measured from COMPUTE_DONE)."""
 

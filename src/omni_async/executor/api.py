@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
@@ -27,6 +28,7 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
+    OutputAlreadyClaimed,
     RpcFailed,
     UsageError,
 )
@@ -92,6 +94,11 @@ class DiffusionExecutor(abc.ABC):
         self._waits = 0
         self._wait_s_total = 0.0
         self._wait_s_max = 0.0
+        # Exactly-once delivery: the ids a wait_output_ready call claimed, oldest first,
+        # each with what became of its claim (a one-element list the claim's future
+        # updates).  Read and written under the pump's lock (inside pump.call), bounded.
+        self._claims: OrderedDict[str, list[str]] = OrderedDict()
+        self._max_claims = 4096
 
     # --------------------------------------------------------------- transport
 
@@ -240,21 +247,59 @@ class DiffusionExecutor(abc.ABC):
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
         """The future of an output announced by COMPUTE_DONE.
 
+        **Exactly one waiter per id.**  The first call for an id claims it and is the
+        only one ever to get its output (or its failure).  Every later call for the same
+        id fails at once -- its future already holds ``OutputAlreadyClaimed``, a
+        ``UsageError`` naming the id and what became of the first claim (waiting,
+        delivered, failed, cancelled) -- never a second delivery of the same segment and
+        never "unknown id".  Share the first future, or the output it delivers, instead.
+        A call that fails at once for another reason (an id never announced, already
+        dropped, a closed executor) claims nothing.  Claims are remembered for the
+        last 4096 ids; an older id is "unknown" again.
+
         Cancelling the future abandons the output: it is released the moment it
         arrives (F9).
         """
         t0 = time.monotonic()
-        fut = self.pump.call(lambda d: d.registry.wait(async_output_id))
+        status = ["waiting"]
+
+        def claim(d: Dispatcher) -> Future[DiffusionOutput]:
+            earlier = self._claims.get(async_output_id)
+            if earlier is not None and not d.registry.closed:  # closed: that error says more
+                refused: Future[DiffusionOutput] = Future()
+                refused.set_exception(
+                    OutputAlreadyClaimed(
+                        f"output {async_output_id!r} was already claimed by an earlier wait_output_ready "
+                        f"({earlier[0]}): an output is delivered to exactly one waiter; share that future "
+                        "or the output it delivered (copy what you keep)",
+                        output_id=async_output_id,
+                    )
+                )
+                return refused
+            fut = d.registry.wait(async_output_id)
+            if not fut.done():  # a claim; a future failed at once claims nothing
+                self._claims[async_output_id] = status
+                while len(self._claims) > self._max_claims:
+                    self._claims.popitem(last=False)
+            return fut
+
+        fut = self.pump.call(claim)
+        if fut.done() and isinstance(fut.exception(), OutputAlreadyClaimed):
+            return fut
 
         def on_done(f: Future[DiffusionOutput]) -> None:
             if f.cancelled():
+                status[0] = "cancelled"
                 self.pump.call(lambda d: d.registry.cancel(async_output_id, f))
-            elif f.exception() is None:
+            elif (exc := f.exception()) is None:
+                status[0] = "delivered"
                 waited = time.monotonic() - t0
                 with self._wait_lock:
                     self._waits += 1
                     self._wait_s_total += waited
                     self._wait_s_max = max(self._wait_s_max, waited)
+            else:
+                status[0] = f"failed with {type(exc).__name__}"
 
         fut.add_done_callback(on_done)
         return fut
@@ -281,6 +326,12 @@ class DiffusionExecutor(abc.ABC):
         """The engine is done with a delivered output: give back what it holds (segments).
 
         Returns how many segments went back; 0 for an executor without shared memory.
+        Where outputs are zero-copy views of shared memory (``MultiprocDiffusionExecutor``)
+        the segment goes back only once no tensor or array viewing it is alive: this call
+        takes the output's own views back (``output.output`` is unusable afterwards) and
+        raises ``OutputStillViewed`` if the engine still holds others -- it never hands
+        the segment to the next request under a live view.  Dropping every view without
+        calling it releases the segment too.
         """
         return 0
 
@@ -309,7 +360,7 @@ class DiffusionExecutor(abc.ABC):
     def metrics(self) -> dict[str, float]:
         """Counters of the executor side; ``output_waits``/``output_wait_s_total``/
         ``output_wait_s_max``: the ``wait_output_ready`` futures that delivered an output,
-        and how long they took from the call (a repeated call for one id counts again)."""
+        and how long they took from the call."""
         with self._wait_lock:
             waits = {
                 "output_waits": float(self._waits),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
@@ -40,9 +41,16 @@ def map_future(inner: Future[T], fn: Callable[[T], U], discard: Callable[[U], ob
         else:
             outer.set_result(value)  # type: ignore[arg-type]  # set above whenever exc is None
 
+    # Weakly: with a strong reference the two futures would hold each other (through
+    # their callback lists) until a garbage collection, and with them the mapped value --
+    # an unpacked output, whose views keep its segment out of the pool.  Until it is
+    # resolved, whoever resolves ``inner`` holds it.
+    inner_ref = weakref.ref(inner)
+
     def on_outer(f: Future[U]) -> None:
-        if f.cancelled():
-            inner.cancel()
+        i = inner_ref()
+        if f.cancelled() and i is not None:
+            i.cancel()
 
     outer.add_done_callback(on_outer)
     inner.add_done_callback(on_inner)

@@ -328,19 +328,41 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         return self._failure
 
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
-        """The unpacked output: tensors view shared memory until ``release_output`` (zero copy)."""
+        """The unpacked output, delivered to exactly one waiter (see ``DiffusionExecutor``).
+
+        Zero copy: its tensors and arrays view the output's shared-memory segment, and
+        the segment goes back to the pool only when the last of them (and of anything
+        derived from them) is gone -- so a tensor the engine keeps never changes under
+        it.  ``release_output`` says "done" explicitly; with ``copy_outputs=True`` the
+        output holds owned copies and its segment went back before delivery.
+        """
         packed = super().wait_output_ready(async_output_id)
-        return map_future(packed, self._receive, discard=self.release_output)
+        return map_future(packed, self._receive, discard=self._discard)
 
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
+        # On failure the unpack gives the segment back itself.
+        return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
+
+    def _discard(self, output: DiffusionOutput) -> None:
+        # Unpacked for a waiter that was cancelled meanwhile: nobody else holds its views.
         try:
-            return unpack_diffusion_output_shm(packed, copy=self._copy_outputs)
-        except BaseException:
-            self._release_packed(packed)
-            raise
+            self.release_output(output)
+        except Exception:
+            log.exception("releasing the segment of %s failed", output.async_output_id)
 
     def release_output(self, output: DiffusionOutput) -> int:
-        """Give an unpacked output's segment back to the pool (exactly once)."""
+        """The engine is done with ``output``: give its segment back, or fail loudly.
+
+        Takes the output's own views back (``output.output`` then raises
+        ``LeaseAlreadyReleased`` on any use) and returns 1 with the segment back in the
+        pool.  If the engine still holds a tensor or array viewing the segment (or one
+        derived from it), raises ``OutputStillViewed`` naming the output and how many
+        are alive: the segment stays out of the pool until they are dropped, then goes
+        back by itself (nothing leaks, nothing changes under them); copy what you keep
+        to release at once.  0 for an output that holds no segment (inline only, or
+        ``copy_outputs=True``).  A second release raises ``LeaseAlreadyReleased``.
+        Any thread; dropping every view without calling it releases the segment too.
+        """
         return release_unpacked_output(output, pool=self.pool)
 
     def _release_packed(self, packed: DiffusionOutput) -> None:

@@ -88,10 +88,40 @@ class SegmentTooLarge(UsageError, ValueError):
 
 
 class LeaseAlreadyReleased(UsageError):
-    """A lease (or a packed output) was released a second time."""
+    """A lease (or a packed output) was released a second time, or used after its release.
 
-    def __init__(self, segment: str) -> None:
-        super().__init__(f"segment {segment!r} was already released")
+    Also raised by any use of an unpacked output after ``release_output`` took it back,
+    and by an unpack of a packed output whose segment already went back: loud where a
+    view would otherwise show bytes of a later request.
+    """
+
+    def __init__(self, segment: str, detail: str | None = None) -> None:
+        super().__init__(f"segment {segment!r} was already released" + (f": {detail}" if detail else ""))
+        self.segment = segment
+
+
+class OutputStillViewed(UsageError):
+    """``release_output`` (or a release of the packed output) while tensors or arrays viewing
+    the output's segment are still alive elsewhere.
+
+    The zero-copy views of an unpacked output hold its segment: it goes back to the pool
+    only when the last of them is gone, so a kept view can never show another request's
+    bytes.  An explicit release says "I am done": if views are still alive it fails with
+    this error instead of returning the segment under them.  Nothing leaks either way --
+    the segment goes back by itself once those views are dropped.  ``views`` counts the
+    output's tensors/arrays still referenced (directly or through views derived from
+    them); ``segment`` names the segment.
+    """
+
+    def __init__(self, output_id: str, views: int, segment: str) -> None:
+        super().__init__(
+            f"output {output_id!r}: {views} tensor(s)/array(s) viewing its shared-memory segment {segment} "
+            "are still alive, so the segment cannot go back to the pool now.  Drop them (the segment then goes "
+            "back by itself; nothing leaks) or copy what you keep (tensor.clone(), array.copy(), or unpack with "
+            "copy=True / MultiprocDiffusionExecutor(copy_outputs=True)) before releasing"
+        )
+        self.output_id = output_id
+        self.views = views
         self.segment = segment
 
 

@@ -27,14 +27,34 @@ caching allocator cannot hand their memory to the next forward mid-copy (no
 ``record_stream`` needed).  The packer runs on its own thread: the current CUDA device
 is per thread, hence the explicit ``torch.cuda.device`` around the copies.
 
-Release API (consumer side): ``unpack_diffusion_output_shm(packed)`` returns tensors
-that VIEW the segment (zero copy); they stay valid until the consumer releases the
-segment exactly once, through either handle: ``release_packed_output(packed)`` or
-``release_unpacked_output(unpacked)`` (a second release, through either, raises
-``LeaseAlreadyReleased``).  ``unpack_diffusion_output_shm(packed, copy=True)`` returns
-owned copies and releases at once.  The executor's registry calls
-``release_packed_output`` on every packed output it drops or abandons.  Unpacking and
-releasing work in any process that received the pool (segments attach by name).
+Lifetime of an unpacked output (consumer side) -- the rule:
+
+* ``unpack_diffusion_output_shm(packed)`` returns tensors and arrays that VIEW the
+  segment (zero copy).  **The segment goes back to the pool when the last of them is
+  gone** -- the output's own leaves and anything derived from them (slices, ``.numpy()``,
+  ``np.asarray``, memoryviews, DLPack, storages) -- and never before, so a view the
+  caller keeps can never show the bytes of a later request.  Dropping everything
+  releases it: no explicit call is needed, and the last ``del`` gives it back before it
+  returns, on whatever thread runs it.
+* ``release_unpacked_output(unpacked)`` (``MultiprocDiffusionExecutor.release_output``)
+  says "done" explicitly: it takes the output's own views back (``unpacked.output``
+  becomes a ``ReleasedOutput``, which raises ``LeaseAlreadyReleased`` on any use) and
+  returns 1 with the segment back in the pool -- if no other view is alive.  If some are,
+  it raises ``OutputStillViewed`` (the output id, how many, what to do: drop them or
+  copy) and the segment goes back by itself when they are dropped: loud, never stale,
+  never leaked.  ``release_packed_output(packed)`` on a payload whose views are alive
+  in this process raises the same; after the views gave it back, ``LeaseAlreadyReleased``.
+* ``copy=True`` returns owned copies and releases at once; ``bytes``/``bytearray``
+  leaves are copies in either mode.  The executor's registry calls
+  ``release_packed_output`` on every packed output it drops or abandons (never unpacked).
+* The release runs in a finalizer (``weakref.finalize`` on one ndarray per segment that
+  every view's memory hangs from): any thread, never raises, at most once, a no-op once
+  the pool closed; inside a garbage collection it is handed to the ``omni-release``
+  thread (``settle_releases`` waits for it).  Views outlive a closed pool readably: they
+  keep the mapping.  Until released, the lease shows in ``SegmentPool.outstanding()``.
+
+Unpacking and releasing work in any process that received the pool (segments attach by
+name); views are tracked per process.
 """
 
 from __future__ import annotations
@@ -42,6 +62,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import gc
+import logging
+import os
+import queue
 import threading
 import time
 import weakref
@@ -54,7 +78,13 @@ import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
-from omni_async.transport.errors import UnsupportedOutputType
+from omni_async.transport.errors import (
+    LeaseAlreadyReleased,
+    OutputStillViewed,
+    PoolClosed,
+    UnknownSegment,
+    UnsupportedOutputType,
+)
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 from omni_async.transport.shm import Lease, SegmentPool, attach_view
 
@@ -66,6 +96,7 @@ __all__ = [
     "PackedObject",
     "PackedPayload",
     "PackedSeq",
+    "ReleasedOutput",
     "ShmArray",
     "ShmBytes",
     "ShmTensor",
@@ -75,8 +106,11 @@ __all__ = [
     "packed_nbytes",
     "release_packed_output",
     "release_unpacked_output",
+    "settle_releases",
     "unpack_diffusion_output_shm",
 ]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_INLINE_THRESHOLD: Final = 64 << 10
 DEFAULT_MAX_INLINE_BYTES: Final = 1 << 20
@@ -449,6 +483,174 @@ def pack_diffusion_output_shm(
 
 
 # -- unpack / release ----------------------------------------------------------------------
+#
+# Lifetime of a zero-copy unpack (see the module docstring for the rule):
+#
+# * One ``_Views`` per leased segment viewed in this process, in ``_LIVE`` (by lease)
+#   while its views may be alive.  Its *anchor* is a fresh uint8 ndarray over the
+#   segment's cached mapping (``seg.numpy()``, whose base is the mapping's tensor, so
+#   numpy stops collapsing bases at the anchor): every tensor leaf is
+#   ``torch.from_numpy(anchor[a:b])`` (its storage keeps that slice, hence the anchor,
+#   alive) and every array leaf is a numpy view whose base IS the anchor.  Whatever the
+#   caller derives -- slices, ``.numpy()``, ``np.asarray``, memoryviews, DLPack,
+#   storages -- holds one of those, so the anchor dies exactly when the last view does.
+# * ``weakref.finalize(anchor, _views_gone, views)`` then gives the lease back.  It runs
+#   on whatever thread dropped the last view, inside a garbage collection, or at
+#   interpreter exit; it never raises, releases at most once (``views.gone``), and a
+#   closed or vanished pool means nothing is left to give back.  During a collection the
+#   thread might be inside the pool's own (non-reentrant) lock, so there the release is
+#   queued for the ``omni-release`` thread instead of taken on the spot.
+# * The anchor also keeps the mapping's tensor, and so the mmap, alive: after the pool
+#   closed (files unlinked, mapping dropped from the cache) live views stay readable.
+
+_LOCK = threading.RLock()  # reentrant: a finalizer may run while this thread holds it
+_LIVE: dict[Lease, _Views] = {}
+_UNPACKED: dict[int, tuple[weakref.ref[DiffusionOutput], _Views]] = {}
+_DEFERRED: queue.SimpleQueue[_Views | threading.Event] = queue.SimpleQueue()  # put() is reentrant
+_RELEASER: list[threading.Thread] = []
+_RELEASER_PID = [0]
+_IN_GC = [0]  # > 0 while a garbage collection runs (gc.callbacks)
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    _IN_GC[0] += 1 if phase == "start" else -1 if _IN_GC[0] > 0 else 0
+
+
+gc.callbacks.append(_on_gc)
+
+
+class ReleasedOutput:
+    """What ``DiffusionOutput.output`` holds once ``release_unpacked_output`` took it back.
+
+    Any use but ``repr`` raises ``LeaseAlreadyReleased``: reading a released output
+    through the output object fails loudly instead of showing another request's bytes.
+    """
+
+    __slots__ = ("output_id", "segment")
+
+    def __init__(self, output_id: str, segment: str) -> None:
+        self.output_id = output_id
+        self.segment = segment
+
+    def _released(self) -> LeaseAlreadyReleased:
+        return LeaseAlreadyReleased(
+            self.segment,
+            f"output {self.output_id!r} was released (release_output); copy what you keep before releasing",
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise self._released()
+
+    def __getitem__(self, key: object) -> Any:
+        raise self._released()
+
+    def __iter__(self) -> Any:
+        raise self._released()
+
+    def __len__(self) -> int:
+        raise self._released()
+
+    def __repr__(self) -> str:
+        return f"<released output {self.output_id!r} (segment {self.segment})>"
+
+
+class _Views:
+    """This process's zero-copy views of one leased segment (see the comment above)."""
+
+    __slots__ = ("anchor", "gone", "lease", "leaves", "output_id", "pool")
+
+    def __init__(self, lease: Lease, output_id: str, pool: SegmentPool, anchor: np.ndarray[Any, Any]) -> None:
+        self.lease = lease
+        self.output_id = output_id
+        self.pool: weakref.ref[SegmentPool] = weakref.ref(pool)
+        self.anchor: weakref.ref[np.ndarray[Any, Any]] = weakref.ref(anchor)
+        # One weak reference per tensor/array leaf handed out: for counting, never for lifetime.
+        self.leaves: list[weakref.ref[Any]] = []
+        self.gone = False  # the last view is gone (or the unpack failed): released or being released
+
+    def alive(self) -> int:
+        n = sum(1 for r in self.leaves if r() is not None)
+        # A view derived from an array leaf points at the anchor, not at the leaf.
+        return n if n or self.anchor() is None else 1
+
+
+def _log(level: int, msg: str, *args: object, exc_info: bool = False) -> None:
+    try:  # at interpreter exit logging may be half torn down: never let that escape
+        log.log(level, msg, *args, exc_info=exc_info)
+    except Exception:  # noqa: BLE001, S110 -- logging itself failed: nothing left to tell
+        pass
+
+
+def _give_back(views: _Views) -> None:
+    """Release ``views``' lease to its pool, once; never raises (a finalizer's work)."""
+    try:
+        pool = views.pool()
+        if pool is not None and not pool.closed:
+            pool.release(views.lease)
+    except (PoolClosed, UnknownSegment):
+        pass  # closed meanwhile: its owner unlinked every segment, nothing to give back
+    except LeaseAlreadyReleased:
+        _log(logging.ERROR, "segment %s of output %r was released behind its views' back", views.lease.name, views.output_id)
+    except Exception:  # noqa: BLE001 -- a finalizer must never raise; logged
+        _log(logging.ERROR, "releasing segment %s of output %r failed", views.lease.name, views.output_id, exc_info=True)
+    finally:
+        with _LOCK:
+            if _LIVE.get(views.lease) is views:
+                del _LIVE[views.lease]
+
+
+def _views_gone(views: _Views) -> None:
+    """The finalizer of a ``_Views``' anchor: its last view is gone.
+
+    Called at most once (``weakref.finalize``; the one other caller detaches it first),
+    and takes no lock of ours: during a collection this thread may hold any of them.
+    """
+    try:
+        views.gone = True
+        if _IN_GC[0]:
+            _DEFERRED.put(views)  # maybe inside the pool's lock on this thread: not here
+        else:
+            _give_back(views)
+    except Exception:  # noqa: BLE001, S110 -- a finalizer must never raise
+        pass
+
+
+def _releaser() -> None:
+    while True:
+        item = _DEFERRED.get()
+        if isinstance(item, threading.Event):
+            item.set()
+        else:
+            _give_back(item)
+
+
+def _ensure_releaser() -> None:
+    # Started once per process, from an unpack (never from a finalizer); its loop never
+    # ends, so only a fork (a process without it) needs a new one.
+    if _RELEASER_PID[0] == os.getpid():
+        return
+    with _LOCK:
+        if _RELEASER_PID[0] != os.getpid():
+            t = threading.Thread(target=_releaser, name="omni-release", daemon=True)
+            t.start()
+            _RELEASER[:] = [t]
+            _RELEASER_PID[0] = os.getpid()
+
+
+def settle_releases(timeout: float = 5.0) -> bool:
+    """Wait until every release a garbage collection deferred has been carried out.
+
+    Releases normally happen on the thread that drops the last view, before ``del``
+    returns; only views freed by the cyclic garbage collector are released on the
+    ``omni-release`` thread.  Returns False if that did not finish within ``timeout``.
+    """
+    if _RELEASER_PID[0] != os.getpid():
+        return True  # nothing was ever deferred in this process
+    done = threading.Event()
+    _DEFERRED.put(done)
+    return done.wait(timeout)
 
 
 def is_packed(output: DiffusionOutput) -> bool:
@@ -460,33 +662,71 @@ def packed_lease(output: DiffusionOutput) -> Lease | None:
     return payload.lease if isinstance(payload, PackedPayload) else None
 
 
-def _unwalk(x: Any, seg: torch.Tensor | None, copy: bool) -> Any:
+def _output_id(output: DiffusionOutput) -> str:
+    return output.async_output_id or output.request_id
+
+
+class _Copies:
+    """Leaf builder for ``copy=True``: owned copies out of the segment."""
+
+    def __init__(self, seg: torch.Tensor | None) -> None:
+        self.seg = seg
+
+    def tensor(self, x: ShmTensor) -> torch.Tensor:
+        assert self.seg is not None
+        return self.seg[x.offset : x.offset + x.nbytes].view(x.dtype).view(x.shape).clone()
+
+    def array(self, x: ShmArray) -> np.ndarray[Any, Any]:
+        assert self.seg is not None
+        return self.seg[x.offset : x.offset + x.nbytes].numpy().view(x.dtype).reshape(x.shape).copy()
+
+    def raw(self, x: ShmBytes) -> bytes:
+        assert self.seg is not None
+        return self.seg[x.offset : x.offset + x.nbytes].numpy().tobytes()
+
+
+class _ViewsOf:
+    """Leaf builder for zero copy: views whose lifetime holds the anchor (see above)."""
+
+    def __init__(self, anchor: np.ndarray[Any, Any], leaves: list[weakref.ref[Any]]) -> None:
+        self.anchor = anchor
+        self.leaves = leaves
+
+    def tensor(self, x: ShmTensor) -> torch.Tensor:
+        part = self.anchor[x.offset : x.offset + x.nbytes]
+        self.leaves.append(weakref.ref(part))  # alive exactly while the tensor's storage is
+        return torch.from_numpy(part).view(x.dtype).view(x.shape)
+
+    def array(self, x: ShmArray) -> np.ndarray[Any, Any]:
+        a = self.anchor[x.offset : x.offset + x.nbytes].view(x.dtype).reshape(x.shape)
+        self.leaves.append(weakref.ref(a))
+        return a
+
+    def raw(self, x: ShmBytes) -> bytes:
+        return self.anchor[x.offset : x.offset + x.nbytes].tobytes()
+
+
+def _unwalk(x: Any, src: _Copies | _ViewsOf) -> Any:
     if isinstance(x, ShmTensor):
-        assert seg is not None
-        v = seg[x.offset : x.offset + x.nbytes]
-        t = v.view(x.dtype).view(x.shape) if x.nbytes else torch.empty(x.shape, dtype=x.dtype)
-        return t.clone() if copy else t
+        return src.tensor(x) if x.nbytes else torch.empty(x.shape, dtype=x.dtype)
     if isinstance(x, InlineTensor):
         if not x.data:
             return torch.empty(x.shape, dtype=x.dtype)
         return torch.frombuffer(bytearray(x.data), dtype=torch.uint8).view(x.dtype).view(x.shape)
     if isinstance(x, ShmArray):
-        assert seg is not None
-        a = seg[x.offset : x.offset + x.nbytes].numpy().view(x.dtype).reshape(x.shape)
-        return a.copy() if copy else a
+        return src.array(x)
     if isinstance(x, ShmBytes):
-        assert seg is not None
-        raw = seg[x.offset : x.offset + x.nbytes].numpy().tobytes()
+        raw = src.raw(x)
         return bytearray(raw) if x.mutable else raw
     if isinstance(x, PackedSeq):
-        items = [_unwalk(v, seg, copy) for v in x.items]
+        items = [_unwalk(v, src) for v in x.items]
         if x.cls is list:
             return items
         if x.cls is tuple:
             return tuple(items)
         return x.cls(*items)  # namedtuple
     if isinstance(x, PackedMap):
-        pairs = [(k, _unwalk(v, seg, copy)) for k, v in x.items]
+        pairs = [(k, _unwalk(v, src)) for k, v in x.items]
         if x.cls is collections.defaultdict:
             return collections.defaultdict(x.default_factory, pairs)
         return x.cls(pairs)
@@ -494,63 +734,165 @@ def _unwalk(x: Any, seg: torch.Tensor | None, copy: bool) -> Any:
         # As pickle does: no __init__, no validators or converters run a second time.
         obj: Any = object.__new__(x.cls)
         for name, v in x.fields:
-            object.__setattr__(obj, name, _unwalk(v, seg, copy))
+            object.__setattr__(obj, name, _unwalk(v, src))
         return obj
     return x
 
 
-def unpack_diffusion_output_shm(packed: DiffusionOutput, *, copy: bool = False) -> DiffusionOutput:
+def unpack_diffusion_output_shm(
+    packed: DiffusionOutput, *, copy: bool = False, pool: SegmentPool | None = None
+) -> DiffusionOutput:
     """Restore a packed output.
 
-    ``copy=False`` (zero copy): tensors and arrays view the shared segment; valid until
-    ``release_packed_output(packed)``, which the caller must call exactly once.
-    ``copy=True``: owned copies, and the segment is released before returning.
-    Works in any process: the segment is attached by name (cached per process).
+    ``copy=False`` (zero copy): tensors and arrays view the shared segment, which goes
+    back to the pool when the last of them is gone (or at ``release_unpacked_output``
+    if none is left then); see the module docstring.  ``copy=True``: owned copies, and
+    the segment goes back before returning (unless views of it from an earlier zero-copy
+    unpack are alive in this process: then when they go).  ``bytes``/``bytearray``
+    leaves are copies either way.  Works in any process that received the pool: the
+    segment is attached by name (cached per process); ``pool`` defaults to the one
+    with the lease's prefix.  A second zero-copy unpack of a payload whose views are
+    still alive here shares them; one whose segment already went back raises
+    ``LeaseAlreadyReleased``.  If unpacking fails past those checks, the segment is
+    given back before the error propagates.
     """
     payload = packed.output
     if not isinstance(payload, PackedPayload):
         raise UsageError(f"output of {packed.request_id!r} is not packed")
-    seg = attach_view(payload.lease.name, payload.lease.size) if payload.lease is not None else None
-    tree = _unwalk(payload.tree, seg, copy)
-    if copy and payload.lease is not None:
-        release_packed_output(packed)
+    lease = payload.lease
+    if lease is None:
+        return attrs.evolve(packed, output=_unwalk(payload.tree, _Copies(None)))
+    if pool is None:
+        pool = SegmentPool.for_prefix(lease.prefix)
+    if copy:
+        with _LOCK:
+            viewed = lease in _LIVE  # then the live views hold it; it goes when they do
+        if not viewed and not pool.is_leased(lease):
+            raise LeaseAlreadyReleased(lease.name, f"output {_output_id(packed)!r} cannot be unpacked any more")
+        try:
+            tree = _unwalk(payload.tree, _Copies(attach_view(lease.name, lease.size)))
+        finally:
+            if not viewed:
+                pool.release(lease)
+        return attrs.evolve(packed, output=tree)
+    return _unpack_views(packed, payload, lease, pool)
+
+
+def _shared_views(lease: Lease, oid: str) -> tuple[_Views, np.ndarray[Any, Any]] | None:
+    """Under ``_LOCK``: the live views of ``lease`` in this process and their anchor, if any."""
+    views = _LIVE.get(lease)
+    if views is None:
+        return None
+    anchor = views.anchor()
+    if views.gone or anchor is None:
+        raise LeaseAlreadyReleased(lease.name, f"the views of output {oid!r} were all dropped, which gave it back")
+    return views, anchor
+
+
+def _unpack_views(packed: DiffusionOutput, payload: PackedPayload, lease: Lease, pool: SegmentPool) -> DiffusionOutput:
+    # _LOCK is only ever held for dict and flag work, never across a wait (no pool lock,
+    # no mapping lock): so no finalizer, wherever it runs, can deadlock on it.
+    oid = _output_id(packed)
+    _ensure_releaser()
+    fin: weakref.finalize[Any, Any] | None = None
+    with _LOCK:
+        shared = _shared_views(lease, oid)
+    if shared is None:
+        if not pool.is_leased(lease):
+            if pool.closed:
+                raise PoolClosed(f"segment pool {pool.prefix} is closed (output {oid!r})")
+            raise LeaseAlreadyReleased(lease.name, f"output {oid!r} cannot be unpacked any more")
+        try:
+            fresh = attach_view(lease.name, lease.size).numpy()
+        except BaseException:
+            pool.release(lease)
+            raise
+        with _LOCK:
+            shared = _shared_views(lease, oid)  # another thread may have won the race
+            if shared is None:
+                views = _Views(lease, oid, pool, fresh)
+                fin = weakref.finalize(fresh, _views_gone, views)
+                _LIVE[lease] = views
+                shared = views, fresh
+        del fresh
+    views, anchor = shared
+    del shared
+    try:
+        tree = _unwalk(payload.tree, _ViewsOf(anchor, views.leaves))
+    except BaseException:
+        if fin is not None and fin.detach() is not None:
+            # The partial views are unreachable but through this traceback, which may
+            # live long (a failed future keeps it): give the segment back now.
+            views.gone = True
+            _give_back(views)
+        raise
+    del anchor
     out = attrs.evolve(packed, output=tree)
-    if not copy and payload.lease is not None:
-        _remember_unpacked(out, payload.lease)
+    _remember_unpacked(out, views)
     return out
 
 
-# The unpacked output cannot carry its lease (DiffusionOutput is the public message
-# type), so this process remembers which lease each live unpacked output views.  The
-# entry goes when the object does; the lease does not (views may outlive the object),
-# so an unreleased lease stays visible in ``SegmentPool.outstanding()``.
-_UNPACKED_LOCK = threading.Lock()
-_UNPACKED: dict[int, tuple[weakref.ref[DiffusionOutput], Lease]] = {}
+# The unpacked output cannot carry its views' state (DiffusionOutput is the public
+# message type), so this process remembers which ``_Views`` each live unpacked output
+# belongs to.  The entry goes when the output object does; the views and the lease do
+# not (views may outlive the object): an unreleased lease stays in ``outstanding()``.
 
 
-def _forget(key: int) -> None:
-    with _UNPACKED_LOCK:
-        _UNPACKED.pop(key, None)
-
-
-def _remember_unpacked(out: DiffusionOutput, lease: Lease) -> None:
+def _remember_unpacked(out: DiffusionOutput, views: _Views) -> None:
     key = id(out)
-    with _UNPACKED_LOCK:
-        _UNPACKED[key] = (weakref.ref(out), lease)
-    weakref.finalize(out, _forget, key)
+
+    def forget(ref: weakref.ref[DiffusionOutput]) -> None:
+        # No lock (it may run in a collection, on a thread holding any lock); safe: the
+        # object's id cannot be reused before its weakref callbacks have run.
+        entry = _UNPACKED.get(key)
+        if entry is not None and entry[0] is ref:
+            _UNPACKED.pop(key, None)
+
+    with _LOCK:
+        _UNPACKED[key] = (weakref.ref(out, forget), views)
+
+
+def _still_viewed(views: _Views) -> bool:
+    with _LOCK:
+        if views.gone:
+            return False
+    # What holds the views may be a reference cycle that is already garbage: collect
+    # once before calling them alive (only on this path, which is about to fail).
+    gc.collect()
+    with _LOCK:
+        return not views.gone
 
 
 def release_unpacked_output(output: DiffusionOutput, *, pool: SegmentPool | None = None) -> int:
-    """Like ``release_packed_output``, given what ``unpack_diffusion_output_shm`` returned.
+    """The consumer is done with what ``unpack_diffusion_output_shm`` returned (zero copy).
 
-    0 for an output that views no segment (copied, inline-only, or never unpacked here).
+    Takes the output's own views back (``output.output`` becomes a ``ReleasedOutput``,
+    which raises ``LeaseAlreadyReleased`` on any use) and returns 1 with the segment back
+    in the pool -- if no other view of it is alive.  If some are (a tensor the caller
+    kept, a slice of one, a numpy array over one...), raises ``OutputStillViewed``
+    naming the output and how many are alive; the segment then goes back by itself when
+    they are dropped.  0 for an output that views no segment (copied, inline-only, never
+    unpacked here).  A second release raises ``LeaseAlreadyReleased``.  ``pool`` is not
+    needed (the views know theirs); accepted for symmetry with ``release_packed_output``.
     """
-    with _UNPACKED_LOCK:
+    with _LOCK:
         entry = _UNPACKED.get(id(output))
-    if entry is None or entry[0]() is not output:
+        if entry is not None and entry[0]() is output:
+            del _UNPACKED[id(output)]
+        else:
+            entry = None
+    if entry is None:
+        if isinstance(output.output, ReleasedOutput):
+            raise output.output._released()
         return 0
-    lease = entry[1]
-    (pool or SegmentPool.for_prefix(lease.prefix)).release(lease)
+    views = entry[1]
+    # Dropping the output's own references may drop the last view: the finalizer then
+    # releases, on this thread, before setattr returns.
+    object.__setattr__(output, "output", ReleasedOutput(_output_id(output), views.lease.name))
+    if _still_viewed(views):
+        raise OutputStillViewed(_output_id(output), views.alive(), views.lease.name)
+    if _DEFERRED.qsize():
+        settle_releases()  # the collection above deferred it: it is done when we return
     return 1
 
 
@@ -558,11 +900,20 @@ def release_packed_output(output: DiffusionOutput, *, pool: SegmentPool | None =
     """Return a packed output's segment to its pool; how many segments were released (0 or 1).
 
     0 when the output holds no segment (not packed, or everything inline).  Raises
-    ``LeaseAlreadyReleased`` on a second release, ``PoolClosed`` after the pool closed.
-    The pool is found by the lease's prefix among this process's pools unless given.
+    ``LeaseAlreadyReleased`` on a second release (also when its zero-copy views already
+    gave it back), ``OutputStillViewed`` while zero-copy views of it are alive in this
+    process (they hold it; see ``release_unpacked_output``), ``PoolClosed`` after the
+    pool closed.  The pool is found by the lease's prefix among this process's pools
+    unless given.
     """
     lease = packed_lease(output)
     if lease is None:
         return 0
+    with _LOCK:
+        views = _LIVE.get(lease)
+    if views is not None:
+        if _still_viewed(views):
+            raise OutputStillViewed(views.output_id, views.alive(), lease.name)
+        raise LeaseAlreadyReleased(lease.name, f"the views of output {views.output_id!r} were dropped, which gave it back")
     (pool or SegmentPool.for_prefix(lease.prefix)).release(lease)
     return 1
