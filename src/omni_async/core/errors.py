@@ -24,6 +24,20 @@ class MessageValidationError(UsageError, ValueError):
     """A protocol message was constructed with a field combination the protocol forbids."""
 
 
+class InvalidRequest(MessageValidationError):
+    """A request parameter the model cannot take (wrong type, out of range).
+
+    Names the request and the parameter: ``request_id``, ``parameter``.  Raised by a
+    model's ``validate_request`` -- in the caller's thread when the executor can run it
+    before sending, otherwise in the worker, where it fails that request's call.
+    """
+
+    def __init__(self, request_id: str, parameter: str, problem: str) -> None:
+        super().__init__(f"request {request_id!r}: parameter {parameter!r} {problem}")
+        self.request_id = request_id
+        self.parameter = parameter
+
+
 class ProtocolError(OmniAsyncError):
     """A peer sent a message the protocol does not allow (duplicate, unknown id, ...)."""
 

@@ -24,19 +24,20 @@ kill, and finally close the pool, which unlinks every segment.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError, WorkerDied
-from omni_async.core.messages import DiffusionOutput, RpcRequest
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
@@ -54,25 +55,89 @@ from omni_async.worker.packer import Packer
 log = logging.getLogger(__name__)
 
 
+_SPEC_HINT = "pass the import path, e.g. 'mypkg.models:MyWorker'"
+
+
 @attrs.frozen
 class WorkerSpec:
     """How a worker process builds its model: ``"package.module:factory"`` plus keyword arguments.
 
     The factory is called as ``factory(**kwargs)``; with ``pass_rank`` it also gets
     ``rank=``.  A string, not a callable, so that it pickles into a spawned process.
+
+    The constructor checks the fields (``UsageError`` naming the problem) and, with
+    ``check_import`` (the default), imports the factory here, in the engine's process:
+    a typo fails now rather than as a worker that dies at start-up.  Turn it off for a
+    module that must not be imported outside a worker (one that initialises a device
+    at import time, say); the worker then reports the import error at start-up.
+
+    A factory with a static (or class) method ``validate_request(request)`` -- or, for
+    a factory function, such an attribute -- gets it called by the executor on every
+    request before sending it (``request_validator``): a bad request fails in the
+    caller's thread, and no worker sees it.
     """
 
     factory: str
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     pass_rank: bool = False
+    check_import: bool = attrs.field(default=True, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if ":" not in self.factory:
-            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}")
+        if not isinstance(self.factory, str):
+            raise UsageError(
+                f"WorkerSpec.factory must be a 'module:callable' string (it travels to the worker "
+                f"processes by name), got {type(self.factory).__name__} {self.factory!r}: {_SPEC_HINT}"
+            )
+        module, _, name = self.factory.partition(":")
+        if not module or not name or not all(p.isidentifier() for p in (*module.split("."), *name.split("."))):
+            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}: {_SPEC_HINT}")
+        if not isinstance(self.kwargs, Mapping):
+            raise UsageError(
+                f"WorkerSpec.kwargs must be a mapping of keyword arguments, got {type(self.kwargs).__name__} "
+                f"{self.kwargs!r}"
+            )
+        bad_keys = [k for k in self.kwargs if not isinstance(k, str)]
+        if bad_keys:
+            raise UsageError(f"WorkerSpec.kwargs keys must be str (keyword arguments), got {bad_keys!r}")
+        for field in ("pass_rank", "check_import"):
+            if not isinstance(getattr(self, field), bool):
+                raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.check_import:
+            self.resolve()
+
+    def resolve(self) -> Callable[..., object]:
+        """Import the factory in this process; ``UsageError`` when it cannot be found."""
+        module_name, _, qualname = self.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:
+            raise UsageError(
+                f"WorkerSpec.factory {self.factory!r}: cannot import {module_name!r} "
+                f"({type(exc).__name__}: {exc}); {_SPEC_HINT}"
+            ) from exc
+        for part in qualname.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError as exc:
+                raise UsageError(f"WorkerSpec.factory {self.factory!r}: {module_name!r} has no {qualname!r}") from exc
+        if not callable(obj):
+            raise UsageError(f"WorkerSpec.factory {self.factory!r} is a {type(obj).__name__}, not a callable")
+        return cast("Callable[..., object]", obj)
+
+    def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
+        """The factory's ``validate_request`` when it needs no worker instance; else None."""
+        if not self.check_import:
+            return None
+        factory = self.resolve()
+        if isinstance(factory, type):
+            hook = inspect.getattr_static(factory, "validate_request", None)
+            if not isinstance(hook, (staticmethod, classmethod)):
+                return None
+        hook = getattr(factory, "validate_request", None)
+        return cast("Callable[[DiffusionRequest], None]", hook) if callable(hook) else None
 
     def build(self, rank: int) -> object:
-        module, _, name = self.factory.partition(":")
-        factory = getattr(importlib.import_module(module), name)
+        factory = self.resolve()
         kwargs = dict(self.kwargs)
         if self.pass_rank:
             kwargs["rank"] = rank
@@ -199,6 +264,11 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         start_timeout: float = 120.0,
         tracer: Tracer | None = None,
     ) -> None:
+        if not isinstance(spec, WorkerSpec):
+            raise UsageError(
+                f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}: "
+                f"WorkerSpec('mypkg.models:MyWorker', kwargs={{...}})"
+            )
         opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
@@ -214,6 +284,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             deadlines=deadlines,
             release_hook=self._release_packed,
             tracer=tracer,
+            validate_request=spec.request_validator(),
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
@@ -274,6 +345,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     def release_output(self, output: DiffusionOutput) -> int:
         """Give an unpacked output's segment back to the pool (exactly once)."""
+        self._check_output(output, "release_output")
         return release_unpacked_output(output, pool=self.pool)
 
     def _release_packed(self, packed: DiffusionOutput) -> None:
