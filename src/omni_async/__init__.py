@@ -31,6 +31,7 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
     WorkerDied,
+    WorkerStartupFailed,
 )
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
@@ -134,6 +135,7 @@ __all__ = [
     "WorkerLoop",
     "WorkerOptions",
     "WorkerSpec",
+    "WorkerStartupFailed",
     "list_segments",
     "pack_diffusion_output_shm",
     "record_device_event",

@@ -165,5 +165,5 @@ def test_multiproc_executor_wants_a_worker_spec() -> None:
 
 
 def test_new_error_types_are_exported() -> None:
-    for name in ("InvalidRequest",):
+    for name in ("InvalidRequest", "WorkerStartupFailed"):
         assert name in omni_async.__all__ and getattr(omni_async, name) is getattr(errors, name)

@@ -14,6 +14,10 @@ Processes and threads, and who owns what:
   fails every pending waiter and RPC at once with ``WorkerDied`` naming the rank
   and the exit code, reclaims the segments the dead process had leased, and
   marks the executor failed: ``check_health`` raises from then on.
+* Each worker has a status pipe to the executor: it reports that its model is
+  built, or the exception that stopped it (type, message, traceback) before it
+  exits.  A start-up failure makes the constructor raise ``WorkerStartupFailed``
+  with that ``Failure``; a later one rides on the monitor's ``WorkerDied``.
 
 Shutdown (idempotent, F16): stop the pump (every pending waiter fails with
 ``ExecutorShutdown``), close the result pipes so a worker's write fails at once
@@ -28,7 +32,9 @@ import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, cast
@@ -36,8 +42,15 @@ from typing import Any, cast
 import attrs
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError, WorkerDied
-from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.errors import (
+    ComputeTimeout,
+    ExecutorShutdown,
+    OmniAsyncError,
+    UsageError,
+    WorkerDied,
+    WorkerStartupFailed,
+)
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, Failure, RpcRequest
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
@@ -169,6 +182,15 @@ def _device_setup(device: str) -> Any:
     return dev
 
 
+def _report(status: multiprocessing.connection.Connection, failure: Failure | None) -> bool:
+    """Tell the executor the model is built (None) or what stopped the worker; False if it cannot hear."""
+    try:
+        status.send(failure)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _worker_main(
     rank: int,
     spec: WorkerSpec,
@@ -176,8 +198,41 @@ def _worker_main(
     pool: SegmentPool,
     sender: PipeSender,
     rpc_conn: multiprocessing.connection.Connection,
+    status: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
+    try:
+        packer, loop = _build_worker(rank, spec, opts, pool, sender)
+    except BaseException as exc:
+        # The executor raises it (WorkerStartupFailed, with the traceback); print it
+        # here only if the executor cannot hear.
+        if not _report(status, Failure.from_exception(exc)):
+            raise
+        sys.exit(1)
+    _report(status, None)
+    packer.start()
+    try:
+        while True:
+            try:
+                req = rpc_conn.recv()
+            except (EOFError, OSError):
+                break  # the executor is gone
+            if req is None:
+                break
+            loop.handle_rpc(req)
+    except BaseException as exc:
+        if not _report(status, Failure.from_exception(exc)):
+            raise
+        sys.exit(1)
+    finally:
+        packer.stop(timeout=10.0)
+        sender.close()
+
+
+def _build_worker(
+    rank: int, spec: WorkerSpec, opts: WorkerOptions, pool: SegmentPool, sender: PipeSender
+) -> tuple[Packer, WorkerLoop]:
+    """The worker's model, packer and loop (the packer not started yet)."""
     import torch
 
     from omni_async.transport.platform import record_device_event
@@ -224,19 +279,10 @@ def _worker_main(
         record_event=lambda: record_device_event(dev),
         backpressure_timeout=opts.backpressure_timeout,
     )
-    packer.start()
-    try:
-        while True:
-            try:
-                req = rpc_conn.recv()
-            except (EOFError, OSError):
-                break  # the executor is gone
-            if req is None:
-                break
-            loop.handle_rpc(req)
-    finally:
-        packer.stop(timeout=10.0)
-        sender.close()
+    return packer, loop
+
+
+_NO_REPORT = object()  # a worker that died without reporting how its start-up went
 
 
 class MultiprocDiffusionExecutor(DiffusionExecutor):
@@ -246,7 +292,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     shared-memory pool (one is made when None; either way the executor closes it at
     shutdown); ``copy_outputs`` makes ``wait_output_ready`` return owned copies and
     give the segment back at once instead of zero-copy views.  The constructor
-    returns once every rank has built its model and answered.
+    returns once every rank has built its model and answered; a rank whose model
+    fails to build makes it raise ``WorkerStartupFailed`` carrying the remote error.
     """
 
     def __init__(
@@ -288,16 +335,19 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
+        self._status_conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._failure: WorkerDied | None = None
         self._monitor_stop_r, self._monitor_stop_w = self._ctx.Pipe(duplex=False)
         try:
+            deadline = time.monotonic() + start_timeout
             for rank in range(world_size):
                 sender = self._channel.new_sender(f"rank{rank}")
                 rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
+                status_r, status_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=_worker_main,
-                    args=(rank, spec, opts, self.pool, sender, rpc_r),
+                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
@@ -305,16 +355,63 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 # The child holds its own copies; closing ours lets EOF mean "worker gone".
                 sender.close()
                 rpc_r.close()
+                status_w.close()
                 self._rpc_conns.append(rpc_w)
+                self._status_conns.append(status_r)
                 self.procs.append(proc)
+            self._await_models(deadline, start_timeout)
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
             self._monitor.start()
-            # Every rank has built its model and answers RPCs.
-            self.collective_rpc("loop_info", timeout=start_timeout)
+            # Every rank answers RPCs.
+            self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
             self.shutdown("the executor failed to start")
             raise
+
+    def _await_models(self, deadline: float, start_timeout: float) -> None:
+        """Wait until every rank reports its model built; raise ``WorkerStartupFailed`` for the first that fails."""
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ComputeTimeout(f"worker rank(s) {sorted(waiting)} did not build their model in {start_timeout} s")
+            objects: dict[Any, int] = {}
+            for rank in waiting:
+                objects[self._status_conns[rank]] = rank
+                objects[self.procs[rank].sentinel] = rank
+            for ready in multiprocessing.connection.wait(list(objects), left):
+                rank = objects[ready]
+                if rank not in waiting:
+                    continue
+                conn = self._status_conns[rank]
+                if conn.poll(0):
+                    try:
+                        failure = conn.recv()
+                    except (EOFError, OSError):
+                        failure = _NO_REPORT
+                    if failure is None:
+                        waiting.discard(rank)
+                        continue
+                else:
+                    failure = _NO_REPORT  # the sentinel fired: dead without a word
+                proc = self.procs[rank]
+                proc.join(5.0)
+                raise WorkerStartupFailed(
+                    rank, proc.exitcode, failure=failure if isinstance(failure, Failure) else None
+                )
+
+    def _last_words(self, rank: int) -> Failure | None:
+        """The failure a dead worker reported before exiting, if any (monitor thread)."""
+        conn = self._status_conns[rank]
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if isinstance(msg, Failure):
+                    return msg
+        except (EOFError, OSError):
+            pass
+        return None
 
     # ----------------------------------------------------------------- transport
 
@@ -373,7 +470,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self._on_worker_death(rank, proc.exitcode, proc.pid)
 
     def _on_worker_death(self, rank: int, exitcode: int | None, pid: int | None) -> None:
-        err = WorkerDied(rank, exitcode)
+        failure = self._last_words(rank)
+        err = WorkerDied(rank, exitcode, failure=failure)
         log.error("%s", err)
         if self._failure is None:
             self._failure = err
@@ -385,7 +483,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         # Close the registry too (TLC's DeathKeepsOpen): a message the dead worker sent
         # before dying can still be in the pipe; without the close it would create a
         # record (EARLY_READY, no deadline) that nobody ever claims.
-        self.pump.fail_all(lambda oid: WorkerDied(rank, exitcode, output_id=oid), outcome="worker_died", close=True)
+        self.pump.fail_all(
+            lambda oid: WorkerDied(rank, exitcode, output_id=oid, failure=failure), outcome="worker_died", close=True
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -417,6 +517,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             self._monitor.join(5.0)
         self._monitor_stop_r.close()
         self._monitor_stop_w.close()
+        for conn in self._status_conns:
+            conn.close()
         # The executor owns its pool, also one passed in: closing it unlinks every
         # segment; the prefix sweep catches any a dying worker created meanwhile.
         self.pool.close()
