@@ -19,6 +19,12 @@ Processes and threads, and who owns what:
   exits.  A start-up failure makes the constructor raise ``WorkerStartupFailed``
   with that ``Failure``; a later one rides on the monitor's ``WorkerDied``.
 
+The executor process may die without shutting down (``kill -9``, a crash).  Then
+nobody would unlink the pool: every worker watches the executor (``_ExecutorWatch``)
+and, once it is gone, unlinks the whole pool by its prefix and exits.  What escapes
+that too (the workers were killed as well) is swept by the next executor at
+construction (``sweep_dead_pools``) or by ``omni-async cleanup``.
+
 Shutdown (idempotent, F16): stop the pump (every pending waiter fails with
 ``ExecutorShutdown``), close the result pipes so a worker's write fails at once
 instead of waiting for room, ask each worker to exit, then join -> terminate ->
@@ -32,12 +38,13 @@ import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import attrs
 
@@ -62,6 +69,7 @@ from omni_async.transport.packing import (
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
 
@@ -182,6 +190,76 @@ def _device_setup(device: str) -> Any:
     return dev
 
 
+# A worker whose executor died exits with this code after unlinking the pool.
+EXIT_ORPHANED = 3
+
+
+class _ExecutorWatch:
+    """Worker side: notices that the executor process is gone, unlinks its pool, exits.
+
+    How the death is noticed: the executor keeps the writing end of a "lifeline" pipe
+    and never writes to it; the worker holds the reading end, which turns readable
+    (EOF) the moment the kernel closes the executor's last descriptor -- however it
+    died, ``kill -9`` included -- with no polling delay.  As a fallback the watch also
+    checks every second that ``os.getppid()`` is still the executor: the pipe stays
+    open if the executor forked a child that inherited its end.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: it fires when the *thread* that spawned the worker
+    exits, and an executor may be built on a short-lived thread; and it would kill the
+    worker, which then could not clean up (unless it caught the signal, racing its
+    own threads).  Not ``multiprocessing.parent_process().sentinel`` either: the same
+    pipe trick, but its write end lives in the ``Process`` object and is closed with
+    it; ours is explicit and lives as long as the executor.
+
+    On EOF (or a new parent) it marks the pool closed, unlinks every file with the
+    pool's prefix, lock file included, and ``os._exit(EXIT_ORPHANED)`` -- whatever the
+    main thread is doing (a forward can take minutes).  Runs once, from whichever of
+    the watch thread and the RPC loop (whose pipe hits EOF too) gets there first.
+    """
+
+    def __init__(self, rank: int, pool: SegmentPool, lifeline: multiprocessing.connection.Connection) -> None:
+        self._rank = rank
+        self._pool = pool
+        self._lifeline = lifeline
+        self._ppid = os.getppid()
+        self._once = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"omni-watch-{self._rank}", daemon=True).start()
+
+    def executor_gone(self, timeout: float) -> bool:
+        if os.getppid() != self._ppid:
+            return True
+        try:
+            return self._lifeline.poll(timeout)  # readable only at EOF: nobody writes
+        except (EOFError, OSError):
+            return True
+
+    def _run(self) -> None:
+        while not self.executor_gone(1.0):
+            pass
+        self.orphaned()
+
+    def orphaned(self) -> NoReturn:
+        self._once.acquire()  # the second caller waits here for the first one's exit
+        try:
+            n = self._pool.close_orphaned()
+            # A lease that was creating its file as the flag went up: catch it too.
+            time.sleep(0.05)
+            n += unlink_all_with_prefix(self._pool.prefix)
+            log.warning(
+                "omni-worker-%d: the executor process %d is gone; unlinked %d segment(s) of pool %s, exiting",
+                self._rank,
+                self._ppid,
+                n,
+                self._pool.prefix,
+            )
+        except BaseException:
+            pass  # nothing to report to, and the exit below must happen
+        finally:
+            os._exit(EXIT_ORPHANED)
+
+
 def _report(status: multiprocessing.connection.Connection, failure: Failure | None) -> bool:
     """Tell the executor the model is built (None) or what stopped the worker; False if it cannot hear."""
     try:
@@ -199,8 +277,11 @@ def _worker_main(
     sender: PipeSender,
     rpc_conn: multiprocessing.connection.Connection,
     status: multiprocessing.connection.Connection,
+    lifeline: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
+    watch = _ExecutorWatch(rank, pool, lifeline)
+    watch.start()
     try:
         packer, loop = _build_worker(rank, spec, opts, pool, sender)
     except BaseException as exc:
@@ -216,7 +297,10 @@ def _worker_main(
             try:
                 req = rpc_conn.recv()
             except (EOFError, OSError):
-                break  # the executor is gone
+                # No ``None`` came first: the executor is gone (or dropped without shutdown).
+                if watch.executor_gone(2.0):
+                    watch.orphaned()
+                break
             if req is None:
                 break
             loop.handle_rpc(req)
@@ -285,6 +369,28 @@ def _build_worker(
 _NO_REPORT = object()  # a worker that died without reporting how its start-up went
 
 
+def _sweep_dead_pools() -> None:
+    try:
+        removed = remove_dead_executor_files()
+    except Exception:  # best effort: a sweep that fails must not stop an executor from starting
+        log.warning("sweeping the shared memory of dead executors failed", exc_info=True)
+        return
+    if removed:
+        pids = sorted({f.pid for f in removed})
+        segments = sum(not f.is_lock for f in removed)
+        log.warning(
+            "swept %d shared-memory file(s) (%d segment(s), %d bytes) left in /dev/shm by %d executor(s) "
+            "that died without cleaning up: pid(s) %s",
+            len(removed),
+            segments,
+            sum(f.size for f in removed),
+            len(pids),
+            pids,
+        )
+    else:
+        log.debug("no shared-memory files of dead executors to sweep")
+
+
 class MultiprocDiffusionExecutor(DiffusionExecutor):
     """``world_size`` worker processes built from ``spec``; ``reply_rank`` ships the outputs.
 
@@ -294,6 +400,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     give the segment back at once instead of zero-copy views.  The constructor
     returns once every rank has built its model and answered; a rank whose model
     fails to build makes it raise ``WorkerStartupFailed`` carrying the remote error.
+
+    ``sweep_dead_pools`` (default on): first unlink the shared-memory files of
+    executors that died without cleaning up (their pid, in the file names, no longer
+    runs; see ``files.dead_executor_files`` for the one caveat), and log how many.
     """
 
     def __init__(
@@ -310,6 +420,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         copy_outputs: bool = False,
         start_timeout: float = 120.0,
         tracer: Tracer | None = None,
+        sweep_dead_pools: bool = True,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise UsageError(
@@ -319,6 +430,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
+        if sweep_dead_pools:
+            _sweep_dead_pools()
         self._ctx = multiprocessing.get_context("spawn")
         self.pool = pool if pool is not None else SegmentPool(max_bytes=pool_max_bytes, mp_context=self._ctx)
         self._channel = PipeChannel(mp_context=self._ctx)
@@ -339,6 +452,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._failure: WorkerDied | None = None
         self._monitor_stop_r, self._monitor_stop_w = self._ctx.Pipe(duplex=False)
+        # The workers' lifeline (``_ExecutorWatch``): we hold the writing end, never
+        # write, and close it only once every worker is gone.
+        lifeline_r, self._lifeline_w = self._ctx.Pipe(duplex=False)
         try:
             deadline = time.monotonic() + start_timeout
             for rank in range(world_size):
@@ -347,7 +463,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 status_r, status_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=_worker_main,
-                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w),
+                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
@@ -359,6 +475,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self._rpc_conns.append(rpc_w)
                 self._status_conns.append(status_r)
                 self.procs.append(proc)
+            lifeline_r.close()
             self._await_models(deadline, start_timeout)
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
@@ -366,6 +483,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             # Every rank answers RPCs.
             self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
+            lifeline_r.close()
             self.shutdown("the executor failed to start")
             raise
 
@@ -517,6 +635,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             self._monitor.join(5.0)
         self._monitor_stop_r.close()
         self._monitor_stop_w.close()
+        # Every worker is gone: the lifeline has nobody left to warn.
+        self._lifeline_w.close()
         for conn in self._status_conns:
             conn.close()
         # The executor owns its pool, also one passed in: closing it unlinks every
