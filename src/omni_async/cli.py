@@ -5,15 +5,23 @@ workers (processes by default, threads with ``--executor inproc``) running
 ``TinyDiffusionWorker``, and an engine-side loop that submits requests, awaits
 every output with a deadline, and checks each one: its bytes against the digest the
 worker took before packing (the transport is bit-exact), its values against a fresh
-local forward (it is that request's image).
+local forward (it is that request's image).  Ctrl-C shuts the executor down in
+order and exits with 130, reporting in one line whether any shared memory is left.
+
+``omni-async cleanup`` removes what crashed executors left in ``/dev/shm``: the
+segments and lock files of pools whose executor (the pid in their names) no longer
+runs.  ``--dry-run`` only lists them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -23,6 +31,10 @@ from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker, image_digest
+from omni_async.transport.shm import files
+
+# The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
+EXIT_INTERRUPTED = 130
 
 
 def _make_worker(device: str, width: int, steps: int) -> TinyDiffusionWorker:
@@ -59,7 +71,8 @@ def demo(args: argparse.Namespace) -> int:
     ]
     expected = {r.request_id: reference.execute_model(r).output["image"] for r in requests}
     t0 = time.perf_counter()
-    with _build_executor(args) as ex:
+    ex = _build_executor(args)
+    try:
         started = time.perf_counter()
         print(f"executor {type(ex).__name__} up in {started - t0:.2f}s "
               f"(world_size={args.world_size}, device={args.device})")
@@ -101,7 +114,57 @@ def demo(args: argparse.Namespace) -> int:
             if st.outstanding:
                 print("segments still leased at the end", file=sys.stderr)
                 bad += 1
+    finally:
+        with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
+            ex.shutdown()
     return 1 if bad else 0
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def interrupted() -> int:
+    """After Ctrl-C: one line on what is left of this process's shared memory; 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    left = files.entries(f"{files.SHM_PREFIX_ROOT}{os.getpid()}-")
+    how = "shut down cleanly" if not left else "shut down"
+    print(f"interrupted; {how}, {len(left)} shared-memory files left", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def cleanup(args: argparse.Namespace) -> int:
+    """Remove (or with --dry-run list) the /dev/shm files of executors that died."""
+    found = files.dead_executor_files()
+    removed: list[files.DeadFile] = []
+    failed = 0
+    for f in found:
+        why = f"{f.size} bytes, executor pid {f.pid} not running"
+        if args.dry_run:
+            print(f"would remove {f.path} ({why})")
+            removed.append(f)
+            continue
+        try:
+            gone = files.unlink(f.name)
+        except OSError as exc:
+            print(f"cannot remove {f.path}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        if gone:
+            print(f"removed {f.path} ({why})")
+            removed.append(f)
+    verb = "would remove" if args.dry_run else "removed"
+    pids = sorted({f.pid for f in removed})
+    print(
+        f"{verb} {len(removed)} file(s), {sum(f.size for f in removed)} bytes, "
+        f"of {len(pids)} dead executor(s)" + (f": pid(s) {', '.join(map(str, pids))}" if pids else "")
+    )
+    return 1 if failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,9 +183,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=4)
     d.add_argument("--compute-timeout", type=float, default=60.0)
     d.add_argument("--output-timeout", type=float, default=60.0)
+    c = sub.add_parser(
+        "cleanup", help="remove the shared memory (/dev/shm) left by executors that died without cleaning up"
+    )
+    c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     args = parser.parse_args(argv)
+    if args.command == "cleanup":
+        return cleanup(args)
     assert args.command == "demo"
-    return demo(args)
+    try:
+        return demo(args)
+    except KeyboardInterrupt:
+        return interrupted()
 
 
 if __name__ == "__main__":

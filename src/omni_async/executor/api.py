@@ -222,6 +222,8 @@ class DiffusionExecutor(abc.ABC):
         except BaseException as exc:
             err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
             self.pump.call(lambda d: d.forget(rpc_id, err))
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt (Ctrl-C), SystemExit: the caller's, as they are
             raise err from exc
         # A caller that cancels after the pump claimed the call's future (inner RUNNING,
         # outer still cancellable) never sees its RunnerOutputs: nobody else can claim

@@ -25,6 +25,11 @@ and, once it is gone, unlinks the whole pool by its prefix and exits.  What esca
 that too (the workers were killed as well) is swept by the next executor at
 construction (``sweep_dead_pools``) or by ``omni-async cleanup``.
 
+Ctrl-C: a terminal sends SIGINT to the whole foreground process group, the workers
+included.  Workers ignore it (they are spawned with SIGINT blocked and ignore it
+before unblocking); the executor process gets ``KeyboardInterrupt`` and shuts them
+down in order.
+
 Shutdown (idempotent, F16): stop the pump (every pending waiter fails with
 ``ExecutorShutdown``), close the result pipes so a worker's write fails at once
 instead of waiting for room, ask each worker to exit, then join -> terminate ->
@@ -33,16 +38,18 @@ kill, and finally close the pool, which unlinks every segment.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any, NoReturn, cast
 
@@ -280,6 +287,10 @@ def _worker_main(
     lifeline: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
+    # Ctrl-C reaches the whole process group; the executor stops its workers in order.
+    # Spawned with SIGINT blocked (``_sigint_blocked``), so a pending one is discarded here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     watch = _ExecutorWatch(rank, pool, lifeline)
     watch.start()
     try:
@@ -364,6 +375,23 @@ def _build_worker(
         backpressure_timeout=opts.backpressure_timeout,
     )
     return packer, loop
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while a worker is spawned.
+
+    The child inherits the mask through fork and exec, so a Ctrl-C during its start-up
+    (imports, unpickling) stays pending until it ignores SIGINT and then is discarded,
+    instead of printing a ``KeyboardInterrupt`` traceback.  Only this thread's mask
+    changes (any thread may call it); a SIGINT for this process meanwhile goes to
+    another thread or waits until the block ends.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 _NO_REPORT = object()  # a worker that died without reporting how its start-up went
@@ -467,7 +495,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
-                proc.start()
+                with _sigint_blocked():
+                    proc.start()
                 # The child holds its own copies; closing ours lets EOF mean "worker gone".
                 sender.close()
                 rpc_r.close()

@@ -51,6 +51,7 @@ from omni_async.core.methods import (
 from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.errors import ChannelClosed
 from omni_async.worker.packer import Packer, PackFn, fire_traced
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,9 @@ class WorkerLoop:
     def _send(self, msg: AsyncDiffusionOutput, rpc_id: str) -> None:
         try:
             self._sender.put(msg)
+        except ChannelClosed as exc:
+            # The executor stopped reading (it shuts down, or died): nobody to tell.
+            log.debug("rank %d: answer to %s not sent: %s", self.rank, rpc_id, exc)
         except Exception as exc:
             # The answer itself could not travel (unpicklable result, oversize): send a
             # small typed failure instead, so the caller is not left waiting (F5).

@@ -42,6 +42,7 @@ from omni_async.core.states import (
 )
 from omni_async.core.trace import FieldValue, Tracer
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.errors import ChannelClosed
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +284,9 @@ class Packer:
     def _send_failure(self, job: PackJob, failure: Failure) -> None:
         try:
             self._sender.put(AsyncDiffusionOutput.output_failed(job.output_id, failure, rank=self.rank))
+        except ChannelClosed as exc:
+            # The executor stopped reading (it shuts down, or died): nobody to tell.
+            log.debug("packer %d: failure of %s not reported: %s", self.rank, job.output_id, exc)
         except Exception:
             log.exception("packer %d: cannot report the failure of %s", self.rank, job.output_id)
         if job.machine.can(RequestEvent.OUTPUT_FAILED):
