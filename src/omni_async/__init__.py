@@ -20,6 +20,7 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     IllegalTransition,
+    InvalidRequest,
     MessageValidationError,
     OmniAsyncError,
     OutputAlreadyClaimed,
@@ -31,6 +32,7 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
     WorkerDied,
+    WorkerStartupFailed,
 )
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
@@ -104,6 +106,7 @@ __all__ = [
     "HeldOutputsFull",
     "IllegalTransition",
     "InProcessExecutor",
+    "InvalidRequest",
     "Lease",
     "LeaseAlreadyReleased",
     "LifecycleEvent",
@@ -141,6 +144,7 @@ __all__ = [
     "WorkerLoop",
     "WorkerOptions",
     "WorkerSpec",
+    "WorkerStartupFailed",
     "list_segments",
     "pack_diffusion_output_shm",
     "packed_nbytes",

@@ -15,6 +15,10 @@ class Unpackable:
     """A leaf the packer cannot ship (no attrs/dataclass, not plain)."""
 
 
+class Fatal(BaseException):
+    """Not an ``Exception``: the worker loop does not answer it, it ends the worker."""
+
+
 class ScriptedWorker:
     """Does what each request's params say: sleep, raise, exit, or return an output of a given size."""
 
@@ -45,6 +49,8 @@ class ScriptedWorker:
             raise RuntimeError(f"forward of {request.request_id} failed on rank {self.rank}")
         if p.get("exit"):
             os._exit(int(p["exit"]))
+        if p.get("fatal"):
+            raise Fatal(f"forward of {request.request_id}: {p['fatal']}")
         n = int(p.get("numel", 1 << 16))
         dtype = getattr(torch, str(p.get("dtype", "float32")))
         gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
@@ -65,3 +71,15 @@ def expected_image(params: Mapping[str, object]) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.randn(n, generator=gen).to(dtype)
     return torch.randint(-100, 100, (n,), generator=gen).to(dtype)
+
+
+class BrokenWorker:
+    """A model whose construction fails on ``fail_rank`` (all ranks when None): a start-up failure."""
+
+    def __init__(self, rank: int = 0, fail_rank: int | None = None) -> None:
+        if fail_rank is None or rank == fail_rank:
+            raise FileNotFoundError(f"rank {rank}: no weights at /nonexistent/model.safetensors")
+        self.rank = rank
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        return DiffusionOutput(request.request_id, {})

@@ -1,6 +1,6 @@
 """``omni-async``: the command line.
 
-One module per command (``demo``), each registering its own options; ``options`` holds
+One module per command (``demo``, ``cleanup``), each registering its own options; ``options`` holds
 the option types they share.  ``omni-async --help`` lists the commands.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from omni_async.cli import demo
+from omni_async.cli import cleanup, demo
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (demo,)
+_COMMANDS = (demo, cleanup)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.check(args)
+    if hasattr(args, "check"):  # option checks that need more than argparse (the environment)
+        args.check(args)
     code: int = args.run(args)
     return code

@@ -3,14 +3,19 @@ workers (processes by default, threads with ``--executor inproc``) running
 ``TinyDiffusionWorker``, and an engine-side loop that submits requests, awaits
 every output with a deadline, and checks each one: its bytes against the digest the
 worker took before packing (the transport is bit-exact), its values against a fresh
-local forward (it is that request's image).
+local forward (it is that request's image).  Ctrl-C shuts the executor down in
+order and exits with 130, reporting in one line whether any shared memory is left.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -22,6 +27,10 @@ from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker, image_digest
+from omni_async.transport.shm import files
+
+# The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
+EXIT_INTERRUPTED = 130
 
 __all__ = ["add_parser", "run"]
 
@@ -122,6 +131,31 @@ def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        return interrupted()
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def interrupted() -> int:
+    """After Ctrl-C: one line on what is left of this process's shared memory; 130."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    left = files.entries(f"{files.SHM_PREFIX_ROOT}{os.getpid()}-")
+    how = "shut down cleanly" if not left else "shut down"
+    print(f"interrupted; {how}, {len(left)} shared-memory files left", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("CUDA requested but not available", file=sys.stderr)
         return 2
@@ -132,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     expected = {r.request_id: reference.execute_model(r).output["image"] for r in requests}
     t0 = time.perf_counter()
-    with _build_executor(args) as ex:
+    ex = _build_executor(args)
+    try:
         started = time.perf_counter()
         print(
             f"executor {type(ex).__name__} up in {started - t0:.2f}s "
@@ -184,4 +219,7 @@ def run(args: argparse.Namespace) -> int:
             if st.outstanding:
                 print("segments still leased at the end", file=sys.stderr)
                 bad += 1
+    finally:
+        with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
+            ex.shutdown()
     return 1 if bad else 0

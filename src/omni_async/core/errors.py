@@ -24,6 +24,20 @@ class MessageValidationError(UsageError, ValueError):
     """A protocol message was constructed with a field combination the protocol forbids."""
 
 
+class InvalidRequest(MessageValidationError):
+    """A request parameter the model cannot take (wrong type, out of range).
+
+    Names the request and the parameter: ``request_id``, ``parameter``.  Raised by a
+    model's ``validate_request`` -- in the caller's thread when the executor can run it
+    before sending, otherwise in the worker, where it fails that request's call.
+    """
+
+    def __init__(self, request_id: str, parameter: str, problem: str) -> None:
+        super().__init__(f"request {request_id!r}: parameter {parameter!r} {problem}")
+        self.request_id = request_id
+        self.parameter = parameter
+
+
 class ProtocolError(OmniAsyncError):
     """A peer sent a message the protocol does not allow (duplicate, unknown id, ...)."""
 
@@ -95,12 +109,45 @@ class ExecutorShutdown(OutputError):
 
 
 class WorkerDied(OutputError):
-    """A worker process died; names the rank and exit code."""
+    """A worker process died; names the rank and exit code.
 
-    def __init__(self, rank: int, exitcode: int | None, *, output_id: str | None = None) -> None:
-        super().__init__(f"worker rank {rank} died with exit code {exitcode}", output_id=output_id)
+    ``failure`` is the exception that ended it, when the worker could still report one
+    before exiting (None when it was killed, or crashed too hard to say).
+    """
+
+    def __init__(
+        self, rank: int, exitcode: int | None, *, output_id: str | None = None, failure: Failure | None = None
+    ) -> None:
+        super().__init__(self._describe(rank, exitcode, failure), output_id=output_id)
         self.rank = rank
         self.exitcode = exitcode
+        self.failure = failure
+
+    @classmethod
+    def _describe(cls, rank: int, exitcode: int | None, failure: Failure | None) -> str:
+        head = f"worker rank {rank} died with exit code {exitcode}"
+        if failure is None:
+            return head
+        return f"{head} after {_remote(failure)}"
+
+
+class WorkerStartupFailed(WorkerDied):
+    """A worker process failed while it started (building its model), so the executor
+    was never up; raised by the executor's constructor.
+
+    ``failure`` carries the remote exception's type, message and traceback; it is None
+    only when the worker died without being able to report one (killed, crashed).
+    """
+
+    @classmethod
+    def _describe(cls, rank: int, exitcode: int | None, failure: Failure | None) -> str:
+        if failure is None:
+            return f"worker rank {rank} died while starting, with exit code {exitcode}"
+        return f"worker rank {rank} failed to start (exit code {exitcode}): {_remote(failure)}"
+
+
+def _remote(failure: Failure) -> str:
+    return f"{failure.type_name}: {failure.message}\n--- remote traceback ---\n{failure.traceback}"
 
 
 class RpcFailed(OmniAsyncError):

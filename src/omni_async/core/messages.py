@@ -215,6 +215,16 @@ class DiffusionRequest:
 
     def __attrs_post_init__(self) -> None:
         _check_id("request_id", self.request_id)
+        if not isinstance(self.params, Mapping):
+            raise MessageValidationError(
+                f"DiffusionRequest {self.request_id!r}: params must be a mapping of parameter names to values, "
+                f"got {type(self.params).__name__} {self.params!r:.80}"
+            )
+        bad = [k for k in self.params if not isinstance(k, str)]
+        if bad:
+            raise MessageValidationError(
+                f"DiffusionRequest {self.request_id!r}: params keys must be str, got {bad!r:.80}"
+            )
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
 
@@ -62,10 +62,14 @@ class DiffusionExecutor(abc.ABC):
         deadlines: Deadlines | None = None,
         release_hook: ReleaseHook = no_release,
         tracer: Tracer | None = None,
+        validate_request: Callable[[DiffusionRequest], None] | None = None,
     ) -> None:
+        """``validate_request``: the model's parameter check, run on every request in the
+        caller's thread before it is sent (a bad request raises there, no worker sees it)."""
         if world_size < 1:
             raise UsageError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self._validate_request = validate_request
         self.reply_rank = reply_rank
         self.step_mode = step_mode
         self.deadlines = deadlines if deadlines is not None else Deadlines.from_env()
@@ -134,26 +138,84 @@ class DiffusionExecutor(abc.ABC):
         self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
     ) -> Future[list[RunnerOutput]]:
         """Start a batched forward; the future resolves on COMPUTE_DONE (request mode)."""
-        reqs = list(requests)
-        if not reqs:
-            raise UsageError("execute_batch needs at least one request")
+        reqs = self._check_batch(requests, "submit_batch")
+        self._check_consumer(consumer)
         return self._submit("execute_model_batch", (reqs,), consumer)
 
     def submit_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> Future[RunnerOutput]:
+        self._check_request(request, "submit_request")
+        self._check_consumer(consumer)
+        return self._submit_one(request, consumer)
+
+    def _submit_one(self, request: DiffusionRequest, consumer: str | None) -> Future[RunnerOutput]:
         inner = self._submit("execute_model", (request,), consumer)
         return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
 
     def execute_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> RunnerOutput:
+        self._check_request(request, "execute_request")
+        self._check_consumer(consumer)
         if self.step_mode:
             return self._execute_sync("execute_model", (request,))[0]
-        return self.submit_request(request, consumer=consumer).result()
+        return self._submit_one(request, consumer).result()
 
     def execute_batch(
         self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
     ) -> list[RunnerOutput]:
+        reqs = self._check_batch(requests, "execute_batch")
+        self._check_consumer(consumer)
         if self.step_mode:
-            return self._execute_sync("execute_model_batch", (list(requests),))
-        return self.submit_batch(requests, consumer=consumer).result()
+            return self._execute_sync("execute_model_batch", (reqs,))
+        return self._submit("execute_model_batch", (reqs,), consumer).result()
+
+    # Argument checks: API misuse fails here, at once, with a UsageError naming the
+    # argument -- never after a round trip to a worker.
+
+    def _check_request(self, request: object, method: str, argument: str = "request") -> None:
+        if not isinstance(request, DiffusionRequest):
+            raise UsageError(
+                f"{method}: {argument} must be a DiffusionRequest, got {type(request).__name__} {request!r:.80}"
+            )
+        if self._validate_request is not None:
+            self._validate_request(request)
+
+    def _check_batch(self, requests: object, method: str) -> list[DiffusionRequest]:
+        if isinstance(requests, (DiffusionRequest, str, bytes, Mapping)) or not isinstance(requests, Iterable):
+            raise UsageError(
+                f"{method}: requests must be a sequence of DiffusionRequest, got {type(requests).__name__}"
+                + (" (for one request use execute_request/submit_request)" if isinstance(requests, DiffusionRequest) else "")
+            )
+        reqs = list(requests)
+        if not reqs:
+            raise UsageError(f"{method} needs at least one request")
+        seen: set[str] = set()
+        for i, r in enumerate(reqs):
+            self._check_request(r, method, f"requests[{i}]")
+            assert isinstance(r, DiffusionRequest)
+            if r.request_id in seen:
+                raise UsageError(f"{method}: request id {r.request_id!r} appears more than once in the batch")
+            seen.add(r.request_id)
+        return reqs
+
+    @staticmethod
+    def _check_consumer(consumer: object) -> None:
+        if consumer is not None and (not isinstance(consumer, str) or not consumer):
+            raise UsageError(f"consumer must be a non-empty str or None, got {consumer!r}")
+
+    @staticmethod
+    def _check_output_id(async_output_id: object, method: str) -> None:
+        if not isinstance(async_output_id, str) or not async_output_id:
+            raise UsageError(
+                f"{method}: async_output_id must be a non-empty str (a RunnerOutput's async_output_id), "
+                f"got {type(async_output_id).__name__} {async_output_id!r:.80}"
+            )
+
+    @staticmethod
+    def _check_output(output: object, method: str) -> None:
+        if not isinstance(output, DiffusionOutput):
+            raise UsageError(
+                f"{method}: output must be the DiffusionOutput that wait_output_ready delivered, "
+                f"got {type(output).__name__} {output!r:.80}"
+            )
 
     def _submit(self, method: str, args: tuple[Any, ...], consumer: str | None) -> Future[list[RunnerOutput]]:
         if self.step_mode:
@@ -167,6 +229,8 @@ class DiffusionExecutor(abc.ABC):
         except BaseException as exc:
             err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
             self.pump.call(lambda d: d.forget(rpc_id, err))
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt (Ctrl-C), SystemExit: the caller's, as they are
             raise err from exc
         # A caller that cancels after the pump claimed the call's future (inner RUNNING,
         # outer still cancellable) never sees its RunnerOutputs: nobody else can claim
@@ -260,6 +324,7 @@ class DiffusionExecutor(abc.ABC):
         Cancelling the future abandons the output: it is released the moment it
         arrives (F9).
         """
+        self._check_output_id(async_output_id, "wait_output_ready")
         t0 = time.monotonic()
         status = ["waiting"]
 
@@ -310,6 +375,7 @@ class DiffusionExecutor(abc.ABC):
         The returned future resolves once nothing of it remains in the executor
         (an acknowledged abort); a packing that has not started is cancelled (F15).
         """
+        self._check_output_id(async_output_id, "drop_output")
         done = self.pump.call(lambda d: d.registry.drop(async_output_id))
         if not done.done():
             self._notify_drop([async_output_id])
@@ -333,6 +399,7 @@ class DiffusionExecutor(abc.ABC):
         the segment to the next request under a live view.  Dropping every view without
         calling it releases the segment too.
         """
+        self._check_output(output, "release_output")
         return 0
 
     def release_consumer(self, consumer: str) -> int:

@@ -16,6 +16,21 @@ Processes and threads, and who owns what:
   marks the executor failed: ``check_health`` raises from then on.  Twice a
   second it also looks at the pool, and logs a warning when the budget of held
   outputs is full (see below).
+* Each worker has a status pipe to the executor: it reports that its model is
+  built, or the exception that stopped it (type, message, traceback) before it
+  exits.  A start-up failure makes the constructor raise ``WorkerStartupFailed``
+  with that ``Failure``; a later one rides on the monitor's ``WorkerDied``.
+
+The executor process may die without shutting down (``kill -9``, a crash).  Then
+nobody would unlink the pool: every worker watches the executor (``_ExecutorWatch``)
+and, once it is gone, unlinks the whole pool by its prefix and exits.  What escapes
+that too (the workers were killed as well) is swept by the next executor at
+construction (``sweep_dead_pools``) or by ``omni-async cleanup``.
+
+Ctrl-C: a terminal sends SIGINT to the whole foreground process group, the workers
+included.  Workers ignore it (they are spawned with SIGINT blocked and ignore it
+before unblocking); the executor process gets ``KeyboardInterrupt`` and shuts them
+down in order.
 
 The budget of held outputs: ``max_held_outputs`` and ``max_held_bytes`` bound the
 outputs held in shared memory -- packed by a worker and not yet released, whether
@@ -35,20 +50,33 @@ kill, and finally close the pool, which unlinks every segment.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
+import signal
+import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import attrs
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError, WorkerDied
-from omni_async.core.messages import DiffusionOutput, RpcRequest
+from omni_async.core.errors import (
+    ComputeTimeout,
+    ExecutorShutdown,
+    OmniAsyncError,
+    UsageError,
+    WorkerDied,
+    WorkerStartupFailed,
+)
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, Failure, RpcRequest
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
@@ -62,6 +90,7 @@ from omni_async.transport.packing import (
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
 
@@ -77,25 +106,89 @@ DEFAULT_MAX_HELD_OUTPUTS = 64
 _BUDGET_CHECK_S = 0.5
 
 
+_SPEC_HINT = "pass the import path, e.g. 'mypkg.models:MyWorker'"
+
+
 @attrs.frozen
 class WorkerSpec:
     """How a worker process builds its model: ``"package.module:factory"`` plus keyword arguments.
 
     The factory is called as ``factory(**kwargs)``; with ``pass_rank`` it also gets
     ``rank=``.  A string, not a callable, so that it pickles into a spawned process.
+
+    The constructor checks the fields (``UsageError`` naming the problem) and, with
+    ``check_import`` (the default), imports the factory here, in the engine's process:
+    a typo fails now rather than as a worker that dies at start-up.  Turn it off for a
+    module that must not be imported outside a worker (one that initialises a device
+    at import time, say); the worker then reports the import error at start-up.
+
+    A factory with a static (or class) method ``validate_request(request)`` -- or, for
+    a factory function, such an attribute -- gets it called by the executor on every
+    request before sending it (``request_validator``): a bad request fails in the
+    caller's thread, and no worker sees it.
     """
 
     factory: str
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     pass_rank: bool = False
+    check_import: bool = attrs.field(default=True, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
-        if ":" not in self.factory:
-            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}")
+        if not isinstance(self.factory, str):
+            raise UsageError(
+                f"WorkerSpec.factory must be a 'module:callable' string (it travels to the worker "
+                f"processes by name), got {type(self.factory).__name__} {self.factory!r}: {_SPEC_HINT}"
+            )
+        module, _, name = self.factory.partition(":")
+        if not module or not name or not all(p.isidentifier() for p in (*module.split("."), *name.split("."))):
+            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}: {_SPEC_HINT}")
+        if not isinstance(self.kwargs, Mapping):
+            raise UsageError(
+                f"WorkerSpec.kwargs must be a mapping of keyword arguments, got {type(self.kwargs).__name__} "
+                f"{self.kwargs!r}"
+            )
+        bad_keys = [k for k in self.kwargs if not isinstance(k, str)]
+        if bad_keys:
+            raise UsageError(f"WorkerSpec.kwargs keys must be str (keyword arguments), got {bad_keys!r}")
+        for field in ("pass_rank", "check_import"):
+            if not isinstance(getattr(self, field), bool):
+                raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.check_import:
+            self.resolve()
+
+    def resolve(self) -> Callable[..., object]:
+        """Import the factory in this process; ``UsageError`` when it cannot be found."""
+        module_name, _, qualname = self.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:
+            raise UsageError(
+                f"WorkerSpec.factory {self.factory!r}: cannot import {module_name!r} "
+                f"({type(exc).__name__}: {exc}); {_SPEC_HINT}"
+            ) from exc
+        for part in qualname.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError as exc:
+                raise UsageError(f"WorkerSpec.factory {self.factory!r}: {module_name!r} has no {qualname!r}") from exc
+        if not callable(obj):
+            raise UsageError(f"WorkerSpec.factory {self.factory!r} is a {type(obj).__name__}, not a callable")
+        return cast("Callable[..., object]", obj)
+
+    def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
+        """The factory's ``validate_request`` when it needs no worker instance; else None."""
+        if not self.check_import:
+            return None
+        factory = self.resolve()
+        if isinstance(factory, type):
+            hook = inspect.getattr_static(factory, "validate_request", None)
+            if not isinstance(hook, (staticmethod, classmethod)):
+                return None
+        hook = getattr(factory, "validate_request", None)
+        return cast("Callable[[DiffusionRequest], None]", hook) if callable(hook) else None
 
     def build(self, rank: int) -> object:
-        module, _, name = self.factory.partition(":")
-        factory = getattr(importlib.import_module(module), name)
+        factory = self.resolve()
         kwargs = dict(self.kwargs)
         if self.pass_rank:
             kwargs["rank"] = rank
@@ -129,6 +222,85 @@ def _device_setup(device: str) -> torch.device:
     return dev
 
 
+# A worker whose executor died exits with this code after unlinking the pool.
+EXIT_ORPHANED = 3
+
+
+class _ExecutorWatch:
+    """Worker side: notices that the executor process is gone, unlinks its pool, exits.
+
+    How the death is noticed: the executor keeps the writing end of a "lifeline" pipe
+    and never writes to it; the worker holds the reading end, which turns readable
+    (EOF) the moment the kernel closes the executor's last descriptor -- however it
+    died, ``kill -9`` included -- with no polling delay.  As a fallback the watch also
+    checks every second that ``os.getppid()`` is still the executor: the pipe stays
+    open if the executor forked a child that inherited its end.
+
+    Not ``prctl(PR_SET_PDEATHSIG)``: it fires when the *thread* that spawned the worker
+    exits, and an executor may be built on a short-lived thread; and it would kill the
+    worker, which then could not clean up (unless it caught the signal, racing its
+    own threads).  Not ``multiprocessing.parent_process().sentinel`` either: the same
+    pipe trick, but its write end lives in the ``Process`` object and is closed with
+    it; ours is explicit and lives as long as the executor.
+
+    On EOF (or a new parent) it marks the pool closed, unlinks every file with the
+    pool's prefix, lock file included, and ``os._exit(EXIT_ORPHANED)`` -- whatever the
+    main thread is doing (a forward can take minutes).  Runs once, from whichever of
+    the watch thread and the RPC loop (whose pipe hits EOF too) gets there first.
+    """
+
+    def __init__(self, rank: int, pool: SegmentPool, lifeline: multiprocessing.connection.Connection) -> None:
+        self._rank = rank
+        self._pool = pool
+        self._lifeline = lifeline
+        self._ppid = os.getppid()
+        self._once = threading.Lock()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name=f"omni-watch-{self._rank}", daemon=True).start()
+
+    def executor_gone(self, timeout: float) -> bool:
+        if os.getppid() != self._ppid:
+            return True
+        try:
+            return self._lifeline.poll(timeout)  # readable only at EOF: nobody writes
+        except (EOFError, OSError):
+            return True
+
+    def _run(self) -> None:
+        while not self.executor_gone(1.0):
+            pass
+        self.orphaned()
+
+    def orphaned(self) -> NoReturn:
+        self._once.acquire()  # the second caller waits here for the first one's exit
+        try:
+            n = self._pool.close_orphaned()
+            # A lease that was creating its file as the flag went up: catch it too.
+            time.sleep(0.05)
+            n += unlink_all_with_prefix(self._pool.prefix)
+            log.warning(
+                "omni-worker-%d: the executor process %d is gone; unlinked %d segment(s) of pool %s, exiting",
+                self._rank,
+                self._ppid,
+                n,
+                self._pool.prefix,
+            )
+        except BaseException:
+            pass  # nothing to report to, and the exit below must happen
+        finally:
+            os._exit(EXIT_ORPHANED)
+
+
+def _report(status: multiprocessing.connection.Connection, failure: Failure | None) -> bool:
+    """Tell the executor the model is built (None) or what stopped the worker; False if it cannot hear."""
+    try:
+        status.send(failure)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _worker_main(
     rank: int,
     spec: WorkerSpec,
@@ -136,8 +308,51 @@ def _worker_main(
     pool: SegmentPool,
     sender: PipeSender,
     rpc_conn: multiprocessing.connection.Connection,
+    status: multiprocessing.connection.Connection,
+    lifeline: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
+    # Ctrl-C reaches the whole process group; the executor stops its workers in order.
+    # Spawned with SIGINT blocked (``_sigint_blocked``), so a pending one is discarded here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    watch = _ExecutorWatch(rank, pool, lifeline)
+    watch.start()
+    try:
+        packer, loop = _build_worker(rank, spec, opts, pool, sender)
+    except BaseException as exc:
+        # The executor raises it (WorkerStartupFailed, with the traceback); print it
+        # here only if the executor cannot hear.
+        if not _report(status, Failure.from_exception(exc)):
+            raise
+        sys.exit(1)
+    _report(status, None)
+    packer.start()
+    try:
+        while True:
+            try:
+                req = rpc_conn.recv()
+            except (EOFError, OSError):
+                # No ``None`` came first: the executor is gone (or dropped without shutdown).
+                if watch.executor_gone(2.0):
+                    watch.orphaned()
+                break
+            if req is None:
+                break
+            loop.handle_rpc(req)
+    except BaseException as exc:
+        if not _report(status, Failure.from_exception(exc)):
+            raise
+        sys.exit(1)
+    finally:
+        packer.stop(timeout=10.0)
+        sender.close()
+
+
+def _build_worker(
+    rank: int, spec: WorkerSpec, opts: WorkerOptions, pool: SegmentPool, sender: PipeSender
+) -> tuple[Packer, WorkerLoop]:
+    """The worker's model, packer and loop (the packer not started yet)."""
     import torch
 
     from omni_async.transport.platform import record_device_event
@@ -189,19 +404,49 @@ def _worker_main(
         record_event=lambda: record_device_event(dev),
         backpressure_timeout=opts.backpressure_timeout,
     )
-    packer.start()
+    return packer, loop
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Block SIGINT in this thread while a worker is spawned.
+
+    The child inherits the mask through fork and exec, so a Ctrl-C during its start-up
+    (imports, unpickling) stays pending until it ignores SIGINT and then is discarded,
+    instead of printing a ``KeyboardInterrupt`` traceback.  Only this thread's mask
+    changes (any thread may call it); a SIGINT for this process meanwhile goes to
+    another thread or waits until the block ends.
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        while True:
-            try:
-                req = rpc_conn.recv()
-            except (EOFError, OSError):
-                break  # the executor is gone
-            if req is None:
-                break
-            loop.handle_rpc(req)
+        yield
     finally:
-        packer.stop(timeout=10.0)
-        sender.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+_NO_REPORT = object()  # a worker that died without reporting how its start-up went
+
+
+def _sweep_dead_pools() -> None:
+    try:
+        removed = remove_dead_executor_files()
+    except Exception:  # best effort: a sweep that fails must not stop an executor from starting
+        log.warning("sweeping the shared memory of dead executors failed", exc_info=True)
+        return
+    if removed:
+        pids = sorted({f.pid for f in removed})
+        segments = sum(not f.is_lock for f in removed)
+        log.warning(
+            "swept %d shared-memory file(s) (%d segment(s), %d bytes) left in /dev/shm by %d executor(s) "
+            "that died without cleaning up: pid(s) %s",
+            len(removed),
+            segments,
+            sum(f.size for f in removed),
+            len(pids),
+            pids,
+        )
+    else:
+        log.debug("no shared-memory files of dead executors to sweep")
 
 
 def _budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:
@@ -232,7 +477,12 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
     and ``max_bytes`` are then the budget (either way the executor closes it at
     shutdown); ``copy_outputs`` makes ``wait_output_ready`` return owned copies and
     give the segment back at once instead of zero-copy views.  The constructor
-    returns once every rank has built its model and answered.
+    returns once every rank has built its model and answered; a rank whose model
+    fails to build makes it raise ``WorkerStartupFailed`` carrying the remote error.
+
+    ``sweep_dead_pools`` (default on): first unlink the shared-memory files of
+    executors that died without cleaning up (their pid, in the file names, no longer
+    runs; see ``files.dead_executor_files`` for the one caveat), and log how many.
     """
 
     def __init__(
@@ -250,10 +500,18 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         copy_outputs: bool = False,
         start_timeout: float = 120.0,
         tracer: Tracer | None = None,
+        sweep_dead_pools: bool = True,
     ) -> None:
+        if not isinstance(spec, WorkerSpec):
+            raise UsageError(
+                f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}: "
+                f"WorkerSpec('mypkg.models:MyWorker', kwargs={{...}})"
+            )
         opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
+        if sweep_dead_pools:
+            _sweep_dead_pools()
         self._ctx = multiprocessing.get_context("spawn")
         if pool is not None and (max_held_outputs is not None or max_held_bytes is not None):
             raise UsageError("pass either pool= or max_held_outputs=/max_held_bytes=: the pool is the budget")
@@ -281,36 +539,93 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             deadlines=deadlines,
             release_hook=self._release_packed,
             tracer=tracer,
+            validate_request=spec.request_validator(),
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
+        self._status_conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._failure: WorkerDied | None = None
         self._monitor_stop_r, self._monitor_stop_w = self._ctx.Pipe(duplex=False)
+        # The workers' lifeline (``_ExecutorWatch``): we hold the writing end, never
+        # write, and close it only once every worker is gone.
+        lifeline_r, self._lifeline_w = self._ctx.Pipe(duplex=False)
         try:
+            deadline = time.monotonic() + start_timeout
             for rank in range(world_size):
                 sender = self._channel.new_sender(f"rank{rank}")
                 rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
+                status_r, status_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=_worker_main,
-                    args=(rank, spec, opts, self.pool, sender, rpc_r),
+                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
-                proc.start()
+                with _sigint_blocked():
+                    proc.start()
                 # The child holds its own copies; closing ours lets EOF mean "worker gone".
                 sender.close()
                 rpc_r.close()
+                status_w.close()
                 self._rpc_conns.append(rpc_w)
+                self._status_conns.append(status_r)
                 self.procs.append(proc)
+            lifeline_r.close()
+            self._await_models(deadline, start_timeout)
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
             self._monitor.start()
-            # Every rank has built its model and answers RPCs.
-            self.collective_rpc("loop_info", timeout=start_timeout)
+            # Every rank answers RPCs.
+            self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
+            lifeline_r.close()
             self.shutdown("the executor failed to start")
             raise
+
+    def _await_models(self, deadline: float, start_timeout: float) -> None:
+        """Wait until every rank reports its model built; raise ``WorkerStartupFailed`` for the first that fails."""
+        waiting = set(range(len(self.procs)))
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ComputeTimeout(f"worker rank(s) {sorted(waiting)} did not build their model in {start_timeout} s")
+            objects: dict[Any, int] = {}
+            for rank in waiting:
+                objects[self._status_conns[rank]] = rank
+                objects[self.procs[rank].sentinel] = rank
+            for ready in multiprocessing.connection.wait(list(objects), left):
+                rank = objects[ready]
+                if rank not in waiting:
+                    continue
+                conn = self._status_conns[rank]
+                if conn.poll(0):
+                    try:
+                        failure = conn.recv()
+                    except (EOFError, OSError):
+                        failure = _NO_REPORT
+                    if failure is None:
+                        waiting.discard(rank)
+                        continue
+                else:
+                    failure = _NO_REPORT  # the sentinel fired: dead without a word
+                proc = self.procs[rank]
+                proc.join(5.0)
+                raise WorkerStartupFailed(
+                    rank, proc.exitcode, failure=failure if isinstance(failure, Failure) else None
+                )
+
+    def _last_words(self, rank: int) -> Failure | None:
+        """The failure a dead worker reported before exiting, if any (monitor thread)."""
+        conn = self._status_conns[rank]
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if isinstance(msg, Failure):
+                    return msg
+        except (EOFError, OSError):
+            pass
+        return None
 
     # ----------------------------------------------------------------- transport
 
@@ -363,6 +678,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         ``copy_outputs=True``).  A second release raises ``LeaseAlreadyReleased``.
         Any thread; dropping every view without calling it releases the segment too.
         """
+        self._check_output(output, "release_output")
         return release_unpacked_output(output, pool=self.pool)
 
     def _release_packed(self, packed: DiffusionOutput) -> None:
@@ -441,7 +757,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         return m
 
     def _on_worker_death(self, rank: int, exitcode: int | None, pid: int | None) -> None:
-        err = WorkerDied(rank, exitcode)
+        failure = self._last_words(rank)
+        err = WorkerDied(rank, exitcode, failure=failure)
         log.error("%s", err)
         if self._failure is None:
             self._failure = err
@@ -453,7 +770,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         # Close the registry too (TLC's DeathKeepsOpen): a message the dead worker sent
         # before dying can still be in the pipe; without the close it would create a
         # record (EARLY_READY, no deadline) that nobody ever claims.
-        self.pump.fail_all(lambda oid: WorkerDied(rank, exitcode, output_id=oid), outcome="worker_died", close=True)
+        self.pump.fail_all(
+            lambda oid: WorkerDied(rank, exitcode, output_id=oid, failure=failure), outcome="worker_died", close=True
+        )
 
     # ------------------------------------------------------------------ shutdown
 
@@ -485,6 +804,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             self._monitor.join(5.0)
         self._monitor_stop_r.close()
         self._monitor_stop_w.close()
+        # Every worker is gone: the lifeline has nobody left to warn.
+        self._lifeline_w.close()
+        for conn in self._status_conns:
+            conn.close()
         # The executor owns its pool, also one passed in: closing it unlinks every
         # segment; the prefix sweep catches any a dying worker created meanwhile.
         self.pool.close()

@@ -21,11 +21,23 @@ forward with a tolerance (it is the right request's image).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from numbers import Integral
 from typing import Any
 
 import torch
 
+from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+
+# The parameters ``TinyDiffusionWorker`` reads: name -> (kind, smallest value).
+_PARAMS: dict[str, tuple[type, int | None]] = {
+    "height": (int, 1),
+    "width": (int, 1),
+    "steps": (int, 1),
+    "seed": (int, None),
+    "raise": (bool, None),
+    "keep_trajectory": (bool, None),
+}
 
 
 class TinyDiffusionWorker:
@@ -49,10 +61,32 @@ class TinyDiffusionWorker:
 
     # -- the model interface -----------------------------------------------------
 
+    @staticmethod
+    def validate_request(request: DiffusionRequest) -> None:
+        """Check the parameters this model reads; ``InvalidRequest`` names the parameter and the request.
+
+        ``height``, ``width``, ``steps``: int >= 1; ``seed``: int; ``raise``,
+        ``keep_trajectory``: bool; nothing else (a misspelt name fails too).  Static, so
+        the executor runs it in the caller's thread before sending (see ``WorkerSpec``);
+        the forward runs it again for callers that reach the model directly.
+        """
+        for name, value in request.params.items():
+            spec = _PARAMS.get(name)
+            if spec is None:
+                raise InvalidRequest(request.request_id, name, f"is not a parameter of this model ({sorted(_PARAMS)})")
+            kind, low = spec
+            ok = isinstance(value, bool) if kind is bool else isinstance(value, Integral) and not isinstance(value, bool)
+            if not ok:
+                raise InvalidRequest(request.request_id, name, f"must be {kind.__name__}, got {value!r}")
+            if low is not None and value < low:
+                raise InvalidRequest(request.request_id, name, f"must be >= {low}, got {value!r}")
+
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         return self._forward(request)
 
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        for r in requests:  # the whole batch is checked before any forward runs
+            self.validate_request(r)
         return BatchDiffusionOutput(tuple(self._forward(r) for r in requests))
 
     # -- ordinary RPCs --------------------------------------------------------------
@@ -72,6 +106,7 @@ class TinyDiffusionWorker:
     # -- internals ---------------------------------------------------------------------
 
     def _forward(self, request: DiffusionRequest) -> DiffusionOutput:
+        self.validate_request(request)
         p = request.params
         height = int(p.get("height", 32))
         width = int(p.get("width", self.width))
@@ -79,7 +114,7 @@ class TinyDiffusionWorker:
         if p.get("raise"):
             raise RuntimeError(f"forward of {request.request_id} failed on purpose")
         if width != self.width:
-            raise ValueError(f"this model has width {self.width}, request asks for {width}")
+            raise InvalidRequest(request.request_id, "width", f"must be this model's width {self.width}, got {width}")
         gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
         latent = torch.randn(height, width, generator=gen).to(self.device, self.dtype)
         trajectory: list[torch.Tensor] = []

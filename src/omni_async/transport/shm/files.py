@@ -7,20 +7,27 @@ pools whose executor no longer runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from typing import Final
+from typing import Final, NamedTuple
 
 from omni_async.core.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "LOCK_SUFFIX",
     "SHM_DIR",
     "SHM_PREFIX_ROOT",
+    "DeadFile",
+    "dead_executor_files",
     "entries",
     "is_plain_name",
     "list_segments",
+    "owner_pid",
     "pid_alive",
+    "remove_dead_executor_files",
     "sweep_dead_executors",
     "unlink",
     "unlink_all_with_prefix",
@@ -87,11 +94,67 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_dead_executors() -> int:
-    """Unlink segments left by executors that are no longer running (their pid is in the name)."""
-    n = 0
+def owner_pid(name: str) -> int | None:
+    """The pid of the executor that made the pool ``name`` belongs to (None: not one of ours)."""
+    m = _EXECUTOR_PID.match(name)
+    return int(m.group(1)) if m is not None else None
+
+
+class DeadFile(NamedTuple):
+    """A file under ``/dev/shm`` left by an executor that no longer runs."""
+
+    name: str
+    pid: int  # the dead executor's
+    size: int  # bytes
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name)
+
+    @property
+    def is_lock(self) -> bool:
+        return self.name.endswith(LOCK_SUFFIX)
+
+
+def dead_executor_files() -> list[DeadFile]:
+    """Segments and lock files of pools whose executor (the pid in the name) no longer runs.
+
+    Liveness is ``pid_alive`` on that pid: a process of another pid namespace that
+    shares this ``/dev/shm`` (a container with ``--ipc=host``) looks dead from here, so
+    do not share ``/dev/shm`` across pid namespaces, or turn the executor's sweep off.
+    """
+    found = []
     for name in entries(SHM_PREFIX_ROOT):
-        m = _EXECUTOR_PID.match(name)
-        if m is not None and not pid_alive(int(m.group(1))):
-            n += unlink(name) and not name.endswith(LOCK_SUFFIX)
-    return n
+        pid = owner_pid(name)
+        if pid is None or pid_alive(pid):
+            continue
+        try:
+            size = os.stat(os.path.join(SHM_DIR, name)).st_size
+        except FileNotFoundError:
+            continue  # swept meanwhile by someone else
+        found.append(DeadFile(name, pid, size))
+    return found
+
+
+def remove_dead_executor_files() -> list[DeadFile]:
+    """Unlink what ``dead_executor_files`` finds; returns what this call removed.
+
+    A file this user may not unlink (another user's, ``/dev/shm`` is sticky) is skipped
+    and logged; one that is already gone (a concurrent sweep) is not counted.
+    """
+    removed = []
+    for f in dead_executor_files():
+        try:
+            if unlink(f.name):
+                removed.append(f)
+        except PermissionError as exc:
+            log.info("cannot unlink %s left by dead executor %d: %s", f.path, f.pid, exc)
+    return removed
+
+
+def sweep_dead_executors() -> int:
+    """Unlink segments left by executors that are no longer running (their pid is in the name).
+
+    Lock files go too (not counted); returns how many segments.
+    """
+    return sum(not f.is_lock for f in remove_dead_executor_files())

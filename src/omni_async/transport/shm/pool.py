@@ -666,6 +666,19 @@ class SegmentPool:
             self._unregister()
         return n
 
+    def close_orphaned(self) -> int:
+        """Any process, when the owner died without ``close()``: unlink every file; returns how many segments.
+
+        Marks the shared table closed first (no lock: the flag only ever goes up), so a
+        lease in any process fails from now on instead of creating a file after the
+        sweep; then unlinks by prefix, the lock file too.  Mappings stay valid until
+        their processes unmap them or exit.
+        """
+        self._ctr[_C_CLOSED] = 1
+        n = files.unlink_all_with_prefix(self._prefix)
+        self._local_closed = True
+        return n
+
     def _unregister(self) -> None:
         with SegmentPool._registry_lock:
             if SegmentPool._registry.get(self._prefix) is self:

@@ -1,0 +1,90 @@
+"""``omni-async cleanup`` and Ctrl-C during ``omni-async demo``, as a user runs them (issue 8, defect 4)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.crash_children import group_members, kill_all, start
+
+from omni_async.transport.shm.files import SHM_DIR, entries, unlink_all_with_prefix
+
+CLI = [sys.executable, "-m", "omni_async.cli"]
+
+
+def test_cleanup_lists_with_dry_run_then_removes_dead_owners_files() -> None:
+    # Other test runs on this machine sweep dead owners' files too: when one takes our
+    # leftover first, make a new one.
+    for _ in range(3):
+        proc, owner = start("pool")
+        kill_all(proc, owner)
+        prefix = owner["prefix"]
+        try:
+            left = entries(prefix)
+            assert len(left) == 2 and any(n.endswith("lock") for n in left), left  # one segment, the lock file
+            paths = [os.path.join(SHM_DIR, n) for n in left]
+
+            dry = subprocess.run([*CLI, "cleanup", "--dry-run"], capture_output=True, text=True, timeout=120)
+            assert dry.returncode == 0, dry.stdout + dry.stderr
+            if entries(prefix) != left:
+                continue  # swept by someone else
+            assert all(f"would remove {p} " in dry.stdout for p in paths), dry.stdout
+
+            done = subprocess.run([*CLI, "cleanup"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert not entries(prefix)
+            if not all(f"removed {p} " in done.stdout for p in paths):
+                continue  # swept by someone else meanwhile
+            assert f"executor pid {owner['pid']} not running" in done.stdout
+            return
+        finally:
+            unlink_all_with_prefix(prefix)
+    pytest.fail("concurrent sweeps took the leftovers three times in a row")
+
+
+def test_cleanup_spares_live_owners() -> None:
+    proc, owner = start("pool")
+    try:
+        done = subprocess.run([*CLI, "cleanup"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert len(entries(owner["prefix"])) == 2
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        unlink_all_with_prefix(owner["prefix"])
+
+
+def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--requests", "60", "--batch", "1"],  # 256 x 256 images: in shared memory
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # "executor ... up in ...": the workers run
+        assert "up in" in first, first
+        time.sleep(0.5)  # requests computed, outputs in segments, most not claimed yet
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    prefix = f"omni-{proc.pid}-"
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == ["interrupted; shut down cleanly, 0 shared-memory files left"], err
+    assert not entries(prefix), entries(prefix)
+    deadline = time.monotonic() + 5
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_members(proc.pid), group_members(proc.pid)
