@@ -83,7 +83,14 @@ def test_reference_model_rejects_bad_parameters_naming_parameter_and_request(
 
 
 def test_reference_model_fails_a_bad_request_in_process_without_running_the_batch() -> None:
-    with InProcessExecutor(lambda rank: TinyDiffusionWorker(width=64), deadlines=RELAXED) as ex:
+    """The worker checks too (a check only the model instance can make): the executor's is off here."""
+
+    def no_check(request: DiffusionRequest) -> None:
+        return None
+
+    with InProcessExecutor(
+        lambda rank: TinyDiffusionWorker(width=64), deadlines=RELAXED, validate_request=no_check
+    ) as ex:
         good = DiffusionRequest("good", {"height": 8})
         with pytest.raises(RpcFailed) as err:
             ex.execute_batch([good, DiffusionRequest("bad", {"height": 8, "steps": -3})])
@@ -167,3 +174,23 @@ def test_multiproc_executor_wants_a_worker_spec() -> None:
 def test_new_error_types_are_exported() -> None:
     for name in ("InvalidRequest", "WorkerStartupFailed"):
         assert name in omni_async.__all__ and getattr(omni_async, name) is getattr(errors, name)
+
+
+def test_in_process_executor_checks_requests_with_the_models_validator_at_the_call() -> None:
+    """Both executors fail a bad request at the call: in process too, nothing reaches a worker."""
+    with InProcessExecutor(lambda rank: TinyDiffusionWorker()) as ex:
+        with pytest.raises(errors.InvalidRequest, match="'steps'"):
+            ex.submit_request(DiffusionRequest("bad", {"steps": -3}))
+        assert ex.metrics()["pending_outputs"] == 0
+        assert ex.execute_request(DiffusionRequest("good", {"steps": 2})).async_output_id is not None
+
+
+def test_a_rejected_executor_construction_sweeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arguments are checked before the executor touches /dev/shm (the dead-pool sweep)."""
+    from omni_async.executor import multiproc
+
+    swept: list[bool] = []
+    monkeypatch.setattr(multiproc, "_sweep_dead_pools", lambda: swept.append(True))
+    with pytest.raises(UsageError, match="max_held_outputs"):
+        MultiprocDiffusionExecutor(WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker"), max_held_outputs=0)
+    assert swept == []

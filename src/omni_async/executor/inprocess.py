@@ -10,7 +10,7 @@ from typing import Any
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError
-from omni_async.core.messages import RpcRequest
+from omni_async.core.messages import DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
@@ -44,9 +44,13 @@ class InProcessExecutor(DiffusionExecutor):
         make_packer: Callable[[int, ResultSender], Packer] | None = None,
         loop_options: Mapping[str, Any] | None = None,
         release_hook: ReleaseHook = no_release,
+        validate_request: Callable[[DiffusionRequest], None] | None = None,
     ) -> None:
         """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
-        caller build the worker side itself, e.g. a packer with its own pack function."""
+        caller build the worker side itself, e.g. a packer with its own pack function.
+        ``validate_request``: checked on every request in the caller's thread before it is
+        sent; by default the model's own ``validate_request`` (rank 0's), as with worker
+        processes, so a bad request fails at the call on both executors."""
         self.channel = channel if channel is not None else InProcessChannel()
         super().__init__(
             self.channel,
@@ -56,6 +60,7 @@ class InProcessExecutor(DiffusionExecutor):
             deadlines=deadlines,
             release_hook=release_hook,
             tracer=tracer,
+            validate_request=validate_request,
         )
         self._inboxes: list[queue.Queue[RpcRequest | None]] = []
         self._threads: list[threading.Thread] = []
@@ -83,6 +88,9 @@ class InProcessExecutor(DiffusionExecutor):
             self.loops.append(loop)
             self._inboxes.append(inbox)
             self._threads.append(t)
+        if validate_request is None:
+            hook = getattr(self.loops[0].worker, "validate_request", None)
+            self._validate_request = hook if callable(hook) else None
         self.pump.start()
         for p, t in zip(self.packers, self._threads, strict=True):
             p.start()

@@ -510,14 +510,14 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
-        if sweep_dead_pools:
-            _sweep_dead_pools()
         self._ctx = multiprocessing.get_context("spawn")
         if pool is not None and (max_held_outputs is not None or max_held_bytes is not None):
             raise UsageError("pass either pool= or max_held_outputs=/max_held_bytes=: the pool is the budget")
         for name, value in (("max_held_outputs", max_held_outputs), ("max_held_bytes", max_held_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a positive int, got {value!r}")
+        if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
+            _sweep_dead_pools()
         self.pool = (
             pool
             if pool is not None
