@@ -148,11 +148,21 @@ class Dispatcher:
         )
         if msg.kind is K.OUTPUT_READY:
             assert msg.async_output_id is not None
-            self.registry.on_output(msg.async_output_id, output=msg.output, failure=msg.failure, rank=msg.rank)
+            self.registry.on_output(
+                msg.async_output_id,
+                output=msg.output,
+                failure=msg.failure,
+                rank=msg.rank,
+                early_deadline=self._early_deadline(now),
+            )
             return None
         assert msg.rpc_id is not None
         rpc = self._pending.get(msg.rpc_id)
-        if msg.kind is K.COMPUTE_DONE:
+        if msg.names_outputs:
+            # A COMPUTE_DONE, or the failure that replaces one (compute_failed: the worker
+            # could not send its COMPUTE_DONE after handing the outputs to its packer).
+            # Both register the ids they name; the failure then fails the call, whose end
+            # drops them like any failed call's announced ids (defect 3).
             announced = self.registry.on_compute_done(
                 msg.async_output_ids,
                 now=now,
@@ -260,6 +270,22 @@ class Dispatcher:
                 )
             self._tr("RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
         self.registry.expire(now)
+
+    def _early_deadline(self, now: float) -> float | None:
+        """The deadline of a record an early OUTPUT_READY creates (defect 3's backstop).
+
+        Its COMPUTE_DONE answers a call that is pending now (or already ended): no later
+        than the compute deadline of every pending call, and ``compute_timeout`` from
+        now.  Once that passes, the COMPUTE_DONE can only be an orphan, so the registry
+        gives up on it and releases the output.  None (unbounded) when compute
+        deadlines are off.
+        """
+        if self._compute_timeout is None:
+            return None
+        ds = [r.deadline for r in self._pending.values()]
+        if any(d is None for d in ds):
+            return None
+        return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
     def next_deadline(self) -> float | None:
         ds = [r.deadline for r in self._pending.values() if r.deadline is not None]
