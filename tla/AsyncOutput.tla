@@ -38,12 +38,13 @@ CONSTANTS
     MaxCrashes,     \* how many workers may crash (0 or 1)
     ForwardFails,   \* BOOLEAN: a rank's forward may fail
     PackFails,      \* BOOLEAN: packing may fail
+    SendFails,      \* BOOLEAN: the reply rank's put of COMPUTE_DONE may raise
     EngineAborts,   \* BOOLEAN: the engine may cancel, drop, time out and shut down
     MaxQueue,       \* state constraint: messages per rank FIFO
     Bug             \* "none", or the failure mode to reintroduce (see BugModes)
 
 BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
-             "CancelKeepsOutputs"}
+             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
@@ -64,11 +65,15 @@ SegStates == {"none", "leased", "consumer", "released"}
 \* "cancelling": the engine cancelled the call's Future, the dispatcher still
 \* waits for its answers; "gone": its consumer went away.
 RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone"}
-Answers == {"none", "ok", "failed"}
+\* "shipped": a failed answer that names the ids the rank had already handed
+\* to its packer (the failure that replaces a COMPUTE_DONE whose put raised).
+Answers == {"none", "ok", "failed", "shipped"}
 
+\* ids: the output ids the message names (async_output_ids): a COMPUTE_DONE's,
+\* or those of the failure that replaces a COMPUTE_DONE whose put raised.
 Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"},
         rpc : 0..NumRpcs, id : Ids \cup {NoId}, ok : BOOLEAN,
-        out : Ids \cup {NoId}, w : {"main", "packer"}]
+        out : Ids \cup {NoId}, w : {"main", "packer"}, ids : SUBSET Ids]
 
 \* Everything about one output id outside the worker.
 Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no record)
@@ -80,13 +85,14 @@ Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no rec
         nres : 0..3,                            \* history: how often the engine's future was resolved
         got : Ids \cup {NoId},                  \* history: whose output the engine's future got
         dropped : BOOLEAN,                      \* history: the id was dropped
+        gaveUp : BOOLEAN,                       \* history: the engine cancelled its waiter, or its deadline passed
         late : SUBSET {"cd", "out"}]            \* tombstone: messages still expected after removal
 
 VARIABLES
     alive,        \* [Ranks -> BOOLEAN]
     mainPc,       \* [Ranks -> {"idle", "sendOk", "sendFail"}]: after a forward, before its answer
     mainRpc,      \* [Ranks -> 0..NumRpcs]: the last RPC the main thread took
-    failedRanks,  \* history: [RpcIds -> SUBSET Ranks], ranks whose forward failed
+    failedRanks,  \* history: [RpcIds -> SUBSET Ranks], ranks whose forward (or COMPUTE_DONE put) failed
     ws,           \* [Ids -> RequestStates]: the worker's machine of each id (reply rank)
     packQ,        \* the packer's queue of ids
     packing,      \* the id the packer is copying, or NoId
@@ -130,7 +136,7 @@ TypeOK ==
     /\ gone \in BOOLEAN
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
-          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, late |-> {}]
+          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, late |-> {}]
 
 Init ==
     /\ alive = [r \in Ranks |-> TRUE]
@@ -241,6 +247,11 @@ ForceRelease(x) ==
     ELSE IF Bug = "F16" THEN FailWaiter(x)
     ELSE AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE")))
 
+\* expire, for a record still waiting for its COMPUTE_DONE (an early
+\* OUTPUT_READY created it): force-released, its tombstone expects the
+\* COMPUTE_DONE (OutputRegistry._orphan).
+ExpireEarly(x) == [AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE"))) EXCEPT !.late = {"cd"}]
+
 -----------------------------------------------------------------------------
 (* Channel helpers. *)
 
@@ -295,16 +306,34 @@ WorkerMainForward(r) ==
 WorkerMainSendComputeDone(r) ==
     /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
     /\ Send(r, [kind |-> "COMPUTE_DONE", rpc |-> mainRpc[r], id |-> NoId, ok |-> TRUE,
-                out |-> NoId, w |-> "main"])
+                out |-> NoId, w |-> "main", ids |-> Range(Batch[mainRpc[r]])])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, failedRanks, ws, packQ, packing, crashes, recvd, executor>>
+
+\* The put of COMPUTE_DONE raises (unpicklable, oversize, a full channel) after
+\* the outputs went to the packer, whose OUTPUT_READY will come all the same.
+\* WorkerLoop._execute_async answers the call with a failure instead, naming
+\* the ids it handed to the packer, so that the dispatcher registers and drops
+\* them like a failed call's announced ids (Dispatcher.handle).  The failure
+\* takes the COMPUTE_DONE's place in the rank's FIFO: every order the registry
+\* sees is one it already handles.  SendFailKeepsShipped: the failure names
+\* nothing (the reference's WorkerLoop._send fallback), so an output that
+\* arrives is held for nobody.
+WorkerMainComputeDoneFails(r) ==
+    /\ SendFails /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
+    /\ failedRanks' = [failedRanks EXCEPT ![mainRpc[r]] = @ \cup {r}]
+    /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> FALSE,
+                out |-> NoId, w |-> "main",
+                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE Range(Batch[mainRpc[r]])])
+    /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
+    /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
 WorkerMainSendRpcResult(r) ==
     /\ alive[r]
     /\ \/ mainPc[r] = "sendFail"
        \/ mainPc[r] = "sendOk" /\ r # ReplyRank
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> mainPc[r] = "sendOk",
-                out |-> NoId, w |-> "main"])
+                out |-> NoId, w |-> "main", ids |-> {}])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, failedRanks, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -324,7 +353,7 @@ PackerSendOutputReady ==
     /\ alive[ReplyRank] /\ packing # NoId
     /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_READY")]
     /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> TRUE,
-                        out |-> packing, w |-> "packer"])
+                        out |-> packing, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd, executor>>
 
@@ -335,20 +364,22 @@ PackerSendOutputFailed ==
     /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_FAILED")]
     /\ rec' = [rec EXCEPT ![packing] = ReleaseSeg(@)]
     /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> FALSE,
-                        out |-> NoId, w |-> "packer"])
+                        out |-> NoId, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd,
                    pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* F15: the engine dropped the output before packing started; the drop reached
 \* the packer (Packer.drop), which sends a "Cancelled" failure instead.
+\* PackerCancelsUndropped: the guard is gone, the packer cancels an output
+\* that nobody dropped (NoSpuriousFailure).
 PackerCancelOutput ==
     /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
-       /\ rec[i].dropped /\ rec[i].eng = "done"
+       /\ Bug = "PackerCancelsUndropped" \/ (rec[i].dropped /\ rec[i].eng = "done")
        /\ ws' = [ws EXCEPT ![i] = RequestNext(RequestNext(@, "DROP"), "OUTPUT_FAILED")]
        /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> i, ok |-> FALSE,
-                           out |-> NoId, w |-> "packer"])
+                           out |-> NoId, w |-> "packer", ids |-> {}])
        /\ packQ' = Tail(packQ)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packing, crashes, recvd, executor>>
 
@@ -362,8 +393,9 @@ WorkerCrash(r) ==
 (* Pump actions: omni_async.executor.pump.ResultPump._step ->             *)
 (* omni_async.core.dispatch.Dispatcher.handle.                            *)
 
-\* The ids the reply rank announced for RPC k (its COMPUTE_DONE was received).
-Announced(k) == IF answers[k][ReplyRank] = "ok" THEN Range(Batch[k]) ELSE {}
+\* The ids the reply rank announced for RPC k (its COMPUTE_DONE, or the failure
+\* naming what it shipped, was received).
+Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
 
 \* The dispatcher still waits for RPC k's answers (its Future may be cancelled).
 Pending(k) == rpcs[k] \in {"pending", "cancelling"}
@@ -373,14 +405,15 @@ Pending(k) == rpcs[k] \in {"pending", "cancelling"}
 Complete(k, ans, r) ==
     IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ans[q] # "none"
 
-\* Record rank r's answer to RPC k; resolve the RPC once complete: the engine
-\* learns the announced ids, or (any failure, or the engine cancelled the
-\* call) they are dropped.  x: rec after the registry part of the step.
-Dispatch(k, r, ok, ids, x) ==
+\* Record rank r's answer to RPC k (ok; a failure; a failure naming ids);
+\* resolve the RPC once complete: the engine learns the announced ids, or
+\* (any failure, or the engine cancelled the call) they are dropped.  x: rec
+\* after the registry part of the step.
+Dispatch(k, r, ok, named, ids, x) ==
     LET pend == Pending(k)
-        ans == [answers[k] EXCEPT ![r] = IF ok THEN "ok" ELSE "failed"]
+        ans == [answers[k] EXCEPT ![r] = IF ok THEN "ok" ELSE IF named THEN "shipped" ELSE "failed"]
         done == pend /\ Complete(k, ans, r)
-        fail == \E q \in Ranks : ans[q] = "failed"
+        fail == \E q \in Ranks : ans[q] \in {"failed", "shipped"}
         cancelled == rpcs[k] = "cancelling"
         \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
         lose == ~pend \/ (done /\ fail) \/ (done /\ cancelled /\ Bug # "CancelKeepsOutputs")
@@ -394,21 +427,25 @@ Dispatch(k, r, ok, ids, x) ==
                     ELSE IF done /\ ~cancelled THEN [x[i] EXCEPT !.eng = "known"]
                     ELSE x[i]]
 
+\* A message that names output ids: a COMPUTE_DONE, or the failure that
+\* replaces one (Dispatcher.handle registers its ids the same way).
+Names(m) == m.ids # {}
+
 PumpRecvComputeDone(r) ==
-    /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "COMPUTE_DONE"
-    /\ LET k == Head(chan[r]).rpc
-           ids == Range(Batch[k])
-       IN /\ Dispatch(k, r, TRUE, ids, [i \in Ids |-> IF i \in ids THEN OnComputeDone(rec[i]) ELSE rec[i]])
+    /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Names(Head(chan[r]))
+    /\ LET m == Head(chan[r])
+           ids == m.ids
+       IN /\ Dispatch(m.rpc, r, m.ok, TRUE, ids, [i \in Ids |-> IF i \in ids THEN OnComputeDone(rec[i]) ELSE rec[i]])
           /\ perr' = (perr \/ \E i \in ids : CdRefused(rec[i]))
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
 
 PumpRecvRpcResult(r) ==
-    /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT"
+    /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT" /\ ~Names(Head(chan[r]))
     /\ LET m == Head(chan[r]) IN
        \* A late answer (the RPC already ended) goes to the synchronous buffer,
        \* unread; it drops nothing (the call's end already disposed of its ids).
-       Dispatch(m.rpc, r, m.ok, IF Pending(m.rpc) THEN Announced(m.rpc) ELSE {}, rec)
+       Dispatch(m.rpc, r, m.ok, FALSE, IF Pending(m.rpc) THEN Announced(m.rpc) ELSE {}, rec)
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, perr, gone>>
 
@@ -440,11 +477,18 @@ PumpExpireRpc(k) ==
     /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr, gone>>
 
-\* OutputRegistry.expire: the output deadline (armed at COMPUTE_DONE) passed.
+\* OutputRegistry.expire: the output deadline (armed at COMPUTE_DONE) passed:
+\* the record is abandoned.  Or the deadline of a record that an early
+\* OUTPUT_READY created passed (armed at its arrival, no earlier than the
+\* compute deadline of every call pending then, so its call has ended): its
+\* COMPUTE_DONE is given up on, the record force-released (its tombstone
+\* swallows a COMPUTE_DONE still to come), counted as orphaned.
 PumpExpireOutput(i) ==
     /\ EngineAborts /\ pump = "RUNNING"
-    /\ rec[i].st \in {"COMPUTE_DONE", "READY", "FAILED"}
-    /\ rec' = [rec EXCEPT ![i] = Abandon(FailWaiter(@))]
+    /\ \/ /\ rec[i].st \in {"COMPUTE_DONE", "READY", "FAILED"}
+          /\ rec' = [rec EXCEPT ![i] = [Abandon(FailWaiter(@)) EXCEPT !.gaveUp = TRUE]]
+       \/ /\ rec[i].st \in RequestAwaitingComputeDone /\ ~Pending(RpcOf(i))
+          /\ rec' = [rec EXCEPT ![i] = [ExpireEarly(@) EXCEPT !.gaveUp = TRUE]]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
@@ -494,7 +538,7 @@ EngineWaitOutput(i) ==
 \* The engine cancels its Future; the registry hears of it in the done-callback.
 EngineCancelWait(i) ==
     /\ EngineAborts /\ rec[i].waiter = "waiting"
-    /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1]
+    /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1, ![i].gaveUp = TRUE]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 \* The done-callback of a cancelled Future: OutputRegistry.cancel.
@@ -575,6 +619,7 @@ Next ==
     \/ \E r \in Ranks :
           \/ WorkerMainForward(r)
           \/ WorkerMainSendComputeDone(r)
+          \/ WorkerMainComputeDoneFails(r)
           \/ WorkerMainSendRpcResult(r)
           \/ WorkerCrash(r)
           \/ PumpRecv(r)
@@ -651,10 +696,10 @@ DropLeavesNothing ==
 \* An RPC with a failed rank never resolves as success (F12).
 RpcFailureNeverSuccess == \A k \in RpcIds : rpcs[k] = "ok" => failedRanks[k] = {}
 
-\* A COMPUTE_DONE naming i is still to come.
+\* A COMPUTE_DONE naming i (or the failure that replaces it) is still to come.
 CdToCome(i) ==
     LET k == RpcOf(i) IN
-    \/ \E m \in MsgsOf(ReplyRank) : m.kind = "COMPUTE_DONE" /\ m.rpc = k
+    \/ \E m \in MsgsOf(ReplyRank) : i \in m.ids
     \/ alive[ReplyRank] /\ (mainRpc[ReplyRank] < k \/ (mainRpc[ReplyRank] = k /\ mainPc[ReplyRank] = "sendOk"))
 
 \* Somebody may still claim the output of i (or a pending step will release it).
@@ -682,8 +727,43 @@ Idle ==
 QuiescentClean ==
     Idle => \A i \in Ids : rec[i].st = "NONE" /\ rec[i].seg \in {"none", "released"}
 
+\* Something excuses a failure of i, for good: a rank's forward or answer
+\* failed, its packing failed, a worker crashed, the engine cancelled the call
+\* or dropped the output, the call timed out, the consumer went away, shutdown.
+ExcusedOtherwise(i) ==
+    LET k == RpcOf(i) IN
+    \/ failedRanks[k] # {} \/ rpcs[k] \in {"cancelling", "cancelled", "timeout"}
+    \/ ws[i] = "FAILED" \/ rec[i].dropped \/ crashes > 0 \/ closed \/ gone
+
+\* Nothing touched i: its call was submitted, nothing above excuses a failure,
+\* and the engine did not give up on it (cancel its waiter; its deadline).
+Untouched(i) == RpcOf(i) <= submitted /\ ~ExcusedOtherwise(i) /\ ~rec[i].gaveUp
+
+\* A request that nothing touched gets its own output, as a success: checked
+\* at quiescence, in every state of every safety model.  A safety property
+\* rather than a liveness one: the liveness models already show that every
+\* request settles (RequestsTerminate, WaitersResolve, RpcsResolve), so "it
+\* settled, and with its own output" is this invariant; checked in the safety
+\* models it covers their larger configurations (batches, pipelining, every
+\* failure) at the cost of one history flag (gaveUp, which View keeps from
+\* splitting states), where a liveness property would need fairness, no
+\* state constraint, and the same history.
+\* Without it a spurious failure (the packer cancelling an output nobody
+\* dropped: PackerCancelsUndropped) passed every model.
+NoSpuriousFailure == Idle => \A i \in Ids : Untouched(i) => rec[i].got = i
+
 \* The registry never refuses a message of a correct worker.
 NoProtocolError == ~perr
+
+\* What TLC fingerprints a state by (every model's VIEW): the state, except
+\* that gaveUp is forgotten once something else excuses the id.  gaveUp is
+\* history that only NoSpuriousFailure reads, through Untouched; every other
+\* excuse in Untouched is permanent, so two states that differ only there have
+\* the same futures and the same verdicts.  Without it, a deadline or a cancel
+\* on an output that a later drop, timeout or shutdown would have excused
+\* anyway splits the state space for nothing (half again as many states).
+View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone,
+          [i \in Ids |-> IF ExcusedOtherwise(i) THEN [rec[i] EXCEPT !.gaveUp = FALSE] ELSE rec[i]]>>
 
 -----------------------------------------------------------------------------
 (* Properties (FairSpec). *)

@@ -177,7 +177,7 @@ CallDone ==
 \* pump takes the next message and at the end of a trace.
 Settled ==
     /\ CallDone
-    /\ msg.kind = "COMPUTE_DONE" /\ (~mx.good \/ mx.refused) => mx.acc \subseteq mx.dd
+    /\ msg.ids # {} /\ (~mx.good \/ mx.refused) => mx.acc \subseteq mx.dd
 
 -----------------------------------------------------------------------------
 (* Executor-side events: Dispatcher.handle and OutputRegistry.            *)
@@ -189,16 +189,17 @@ Settled ==
 TracePumpRecv ==
     /\ Is("PumpRecv") /\ Holds(Settled)
     /\ Ev.x \in {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"}
-    /\ Holds(Ev.x = "COMPUTE_DONE" => \A o \in Ev.ids : wst[o] \notin {"QUEUED", "COMPUTING"})
+    /\ Holds(\A o \in Ev.ids : wst[o] \notin {"QUEUED", "COMPUTING"})
     /\ Ev.x = "OUTPUT_READY" =>
           wst[Ev.o] \in {"NONE", "PACKING", "READY", "FAILED", "DROPPING", "DROPPED"}
-    /\ LET good == /\ Ev.x = "COMPUTE_DONE" /\ Ev.k \in Rpcs /\ rpc[Ev.k] = "pending"
+    \* a message that names ids: a COMPUTE_DONE, or the failure that replaces one
+    /\ LET good == /\ Ev.ids # {} /\ Ev.k \in Rpcs /\ rpc[Ev.k] = "pending"
                    /\ Ev.r = rrep[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
        IN /\ mx' = [NoMx EXCEPT !.good = good]
           \* what the registry accepts of it (refused ids are taken out below)
           /\ announced' = IF good THEN [announced EXCEPT ![Ev.k] = Ev.ids] ELSE announced
     /\ msg' = [kind |-> Ev.x, o |-> Ev.o, ok |-> Ev.ok, k |-> Ev.k, r |-> Ev.r, ids |-> Ev.ids]
-    /\ cdPending' = IF Ev.x = "COMPUTE_DONE" THEN Ev.ids ELSE {}
+    /\ cdPending' = Ev.ids
     /\ outPending' = (Ev.x = "OUTPUT_READY")
     /\ msgPayload' = (Ev.x = "OUTPUT_READY" /\ Ev.ok)
     /\ call' = Call("recv", 0, "", 0, FALSE, {})
@@ -252,7 +253,8 @@ CtxEvent(o) ==
     CASE call.c = "drop" /\ call.o = o -> "DROP"
       [] call.c = "cancel" /\ call.o = o -> "ABANDON"
       [] call.c = "release" /\ o \in call.pend -> "ABANDON"
-      [] call.c = "expire" /\ call.n > 0 /\ "cd" \in seen[o] /\ ~expired[o] -> "ABANDON"
+      \* an early record (its COMPUTE_DONE unseen) is given up on: force-released
+      [] call.c = "expire" /\ call.n > 0 /\ ~expired[o] -> IF "cd" \in seen[o] THEN "ABANDON" ELSE "FORCE_RELEASE"
       [] call.c = "failall" /\ o \in call.pend -> "FORCE_RELEASE"
       [] call.c = "recv" /\ st[o] \in {"READY", "FAILED"} -> "ABANDON"
       [] OTHER -> "NONE"
@@ -273,7 +275,7 @@ Justified(o, e) ==
 CallAfter(o, e) ==
     CASE e = "DROP" -> [call EXCEPT !.c = "done"]
       [] e = "ABANDON" /\ call.c = "cancel" -> [call EXCEPT !.c = "done"]
-      [] e = "ABANDON" /\ call.c = "expire" -> [call EXCEPT !.n = @ - 1]
+      [] e \in {"ABANDON", "FORCE_RELEASE"} /\ call.c = "expire" -> [call EXCEPT !.n = @ - 1]
       [] e \in {"ABANDON", "FORCE_RELEASE"} -> [call EXCEPT !.pend = @ \ {o}]
       [] OTHER -> call
 
@@ -307,7 +309,7 @@ TraceFire ==
                       THEN [owner EXCEPT ![o] = IF msg.k \in Rpcs /\ rpc[msg.k] = "pending" THEN rcons[msg.k] ELSE ""]
                       ELSE owner
           /\ mx' = IF e = "COMPUTE_DONE" THEN [mx EXCEPT !.acc = @ \cup {o}] ELSE mx
-          /\ expired' = IF e = "ABANDON" /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
+          /\ expired' = IF e \in {"ABANDON", "FORCE_RELEASE"} /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
           /\ call' = CallAfter(o, e)
     /\ Step
     /\ UNCHANGED <<waiter, finished, expect, wst, msg, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
@@ -357,7 +359,7 @@ TraceWaiterResolve ==
               /\ CtxEvent(Ev.o) # "NONE"
               /\ (CASE Ev.x = "cancelled" -> TRUE
                     [] Ev.x = "dropped" -> call.c \in {"drop", "release"}
-                    [] Ev.x = "timeout" -> call.c = "expire"
+                    [] Ev.x \in {"timeout", "orphaned"} -> call.c = "expire"
                     [] OTHER -> call.c = "failall" /\ call.x = Ev.x)
               /\ mustFire' = [mustFire EXCEPT ![Ev.o] = {CtxEvent(Ev.o)}]
               /\ UNCHANGED held
@@ -400,7 +402,7 @@ TraceProtocolError ==
     /\ IF Ev.o = 0
        THEN UNCHANGED <<cdPending, outPending, announced, mx>>  \* the dispatcher's (wrong rank, duplicate answer)
        ELSE /\ mx.lateErr = (IF st[Ev.o] = "NONE" THEN Ev.o ELSE 0)
-            /\ \/ /\ Ev.o \in cdPending /\ msg.kind = "COMPUTE_DONE"
+            /\ \/ /\ Ev.o \in cdPending /\ msg.ids # {}
                   /\ st[Ev.o] \notin RequestAwaitingComputeDone
                   /\ cdPending' = cdPending \ {Ev.o}
                   \* a refused id belongs to another call: not announced by this one
@@ -495,9 +497,9 @@ TraceRpcAnswer ==
     /\ Is("RpcAnswer")
     /\ rpc[Ev.k] = "pending" /\ Ev.r \in rranks[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
     /\ msg.k = Ev.k /\ msg.r = Ev.r /\ msg.kind \in {"COMPUTE_DONE", "RPC_RESULT"}
-    /\ Ev.ok = IF msg.kind = "COMPUTE_DONE" THEN mx.good /\ ~mx.refused ELSE msg.ok
+    /\ Ev.ok = IF msg.ids # {} THEN msg.ok /\ mx.good /\ ~mx.refused ELSE msg.ok
     /\ ans' = [ans EXCEPT ![Ev.k][Ev.r] = IF Ev.ok THEN "ok" ELSE "failed"]
-    /\ cdRank' = IF msg.kind = "COMPUTE_DONE" /\ Ev.ok THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
+    /\ cdRank' = IF msg.ids # {} /\ mx.good /\ ~mx.refused THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, closed>>
@@ -512,9 +514,9 @@ AnyFailed(k) == \E r \in rranks[k] : ans[k][r] = "failed"
 \* or an id of it refused).
 DispatchDropAllowed(o, k, reason) ==
     CASE reason = "orphan" ->
-              /\ msg.kind = "COMPUTE_DONE" /\ msg.k = k /\ rpc[k] # "pending" /\ o \in mx.acc
+              /\ msg.ids # {} /\ msg.k = k /\ rpc[k] # "pending" /\ o \in mx.acc
       [] reason = "rejected" ->
-              /\ msg.kind = "COMPUTE_DONE" /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
+              /\ msg.ids # {} /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
               /\ ~mx.good \/ mx.refused
       [] reason \in {"failed", "cancelled"} ->
               /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]

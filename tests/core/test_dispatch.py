@@ -12,6 +12,7 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OutputDropped,
+    OutputOrphaned,
     ProtocolError,
     RpcFailed,
     WorkerDied,
@@ -495,3 +496,96 @@ def test_dropped_outputs_still_being_packed_are_reported_for_the_workers() -> No
     # o1 is gone already (its output was here); only o2 may still be in a packer.
     assert h.d.take_worker_drops() == ["o2"]
     assert h.d.take_worker_drops() == []
+
+
+# ------------------------------------------------------------------ defect 3: a COMPUTE_DONE that was never sent
+
+SEND_FAILED = Failure("ChannelFull", "cannot send COMPUTE_DONE", "Traceback ...")
+
+
+@pytest.mark.parametrize("order", ["outputs first", "failure first"])
+def test_failed_compute_done_send_drops_what_the_packer_ships(order: str) -> None:
+    """Defect 3: the reply rank handed its outputs to the packer, then its COMPUTE_DONE put raised.
+
+    Its failed answer names the ids it had handed over (``compute_failed``): the dispatcher
+    registers them and drops them with the failed call, so an output that arrived early
+    is released at once and one that arrives later is released on arrival.  Before the
+    fix the failure named nothing and an early output was held for nobody until shutdown
+    (tla/buggy/SendFailKeepsShipped.cfg: NoOrphanPayload).
+    """
+    h = Harness(world_size=2)
+    fut = h.submit("r1")
+    if order == "outputs first":
+        h.output("o1")
+        assert h.registry.state_of("o1") is S.EARLY_READY
+    h.handle(Msg.compute_failed("r1", ("o1", "o2"), SEND_FAILED, rank=0))
+    assert not fut.done(), "F12: the call still waits for rank 1"
+    h.handle(Msg.rpc_result("r1", None, rank=1))
+    err = exc_of(fut)
+    assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
+    if order == "failure first":
+        h.output("o1")
+    assert h.released == ["payload-o1"], "released at once, not held for nobody"
+    assert h.registry.state_of("o2") is S.DROPPING
+    h.output("o2")
+    assert h.released == ["payload-o1", "payload-o2"]
+    assert len(h.registry) == 0 and len(h.d) == 0
+    assert h.registry.stats.protocol_errors == 0 and h.d.counters["protocol_errors"] == 0
+    assert h.registry.stats.orphaned == 0, "the precise fix, not the deadline backstop"
+
+
+def test_failed_compute_done_of_a_call_that_timed_out_is_an_orphan() -> None:
+    h = Harness(compute_timeout=8.0)
+    fut = h.submit("r1")
+    h.output("o1")
+    h.expire(8.0)
+    assert isinstance(exc_of(fut), ComputeTimeout)
+    h.handle(Msg.compute_failed("r1", ("o1",), SEND_FAILED, rank=0))
+    assert h.released == ["payload-o1"] and len(h.registry) == 0
+    assert h.d.counters["orphan_compute_done"] == 1
+
+
+def test_early_output_whose_compute_done_never_comes_is_released_at_its_deadline() -> None:
+    """Defect 3's backstop: every record is bounded.
+
+    A record an early OUTPUT_READY created waits for its COMPUTE_DONE until the
+    compute deadline of every call pending at its arrival (its own call has ended by
+    then), at least ``compute_timeout`` from the arrival; then it is force-released,
+    counted (``stats.orphaned``) and typed (``OutputOrphaned``).  A COMPUTE_DONE that
+    still comes is swallowed by the tombstone.
+    """
+    h = Harness(compute_timeout=8.0)
+    fut = h.submit("r1")  # compute deadline 8
+    h.now = 1.0
+    h.output("o1")  # early: deadline max(1 + 8, 8) = 9
+    assert h.registry.state_of("o1") is S.EARLY_READY
+    h.expire(8.0)
+    assert isinstance(exc_of(fut), ComputeTimeout)
+    assert h.registry.state_of("o1") is S.EARLY_READY and h.released == [], "not before its deadline"
+    assert h.d.next_deadline() == 9.0
+    h.expire(9.0)
+    assert h.released == ["payload-o1"] and len(h.registry) == 0
+    assert h.registry.stats.orphaned == 1 and h.registry.stats.timeouts == 0
+    (orphan,) = h.registry.orphans
+    assert isinstance(orphan, OutputOrphaned) and orphan.output_id == "o1"
+    h.handle(cd("r1", ["o1"]))  # the COMPUTE_DONE after all: expected by the tombstone
+    assert h.registry.stats.protocol_errors == 0 and len(h.registry) == 0 and h.released == ["payload-o1"]
+
+
+def test_early_deadline_waits_for_every_pending_call() -> None:
+    """An early output may belong to any pending call: its deadline is no earlier than theirs."""
+    h = Harness(compute_timeout=8.0)
+    h.submit("r1", timeout=30.0)
+    h.now = 1.0
+    h.output("o1")
+    h.expire(20.0)
+    assert h.registry.state_of("o1") is S.EARLY_READY, "r1 may still announce it"
+    h.handle(cd("r1", ["o1"]))
+    assert h.registry.state_of("o1") is S.READY and h.registry.stats.orphaned == 0
+
+
+def test_no_compute_timeout_means_no_early_deadline() -> None:
+    h = Harness()
+    h.submit("r1")
+    h.output("o1")
+    assert h.d.next_deadline() is None

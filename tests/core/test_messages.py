@@ -83,6 +83,15 @@ def _out(rid: str = "req-0", oid: str | None = None) -> DiffusionOutput:
         ("rpc_result without rpc_id", lambda: AsyncDiffusionOutput(K.RPC_RESULT, result=1)),
         ("rpc_result with result and failure", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", result=1, failure=Failure("E", "m"))),
         ("rpc_result with ids", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_ids=("a",), request_ids=("q",))),
+        ("rpc_result with ids but no failure", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_ids=("a",))),
+        (
+            "compute_failed with request ids",
+            lambda: AsyncDiffusionOutput(
+                K.RPC_RESULT, rpc_id="r", async_output_ids=("a",), request_ids=("q",), failure=Failure("E", "m")
+            ),
+        ),
+        ("compute_failed naming an id twice", lambda: AsyncDiffusionOutput.compute_failed("r", ("a", "a"), Failure("E", "m"))),
+        ("compute_failed with an empty id", lambda: AsyncDiffusionOutput.compute_failed("r", ("",), Failure("E", "m"))),
         ("rpc_result with an output id", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_id="a")),
         ("rpc_result with an output", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", output=_out())),
         ("kind is a string", lambda: AsyncDiffusionOutput("compute_done", rpc_id="r")),  # type: ignore[arg-type]
@@ -167,7 +176,17 @@ def test_named_constructors_set_the_fields() -> None:
     failed = AsyncDiffusionOutput.output_failed("o1", Failure("E", "m"))
     assert failed.kind is K.OUTPUT_READY and failed.output is None and failed.failure == Failure("E", "m")
     res = AsyncDiffusionOutput.rpc_result("rpc-2", {"x": 1}, rank=1)
-    assert res.result == {"x": 1} and res.failure is None
+    assert res.result == {"x": 1} and res.failure is None and not res.names_outputs
+    # The failure that replaces a COMPUTE_DONE that could not be sent (defect 3).
+    cf = AsyncDiffusionOutput.compute_failed("rpc-3", ("o1", "o2"), Failure("E", "m"), rank=1)
+    assert (cf.kind, cf.rank, cf.async_output_ids, cf.request_ids, cf.failure) == (
+        K.RPC_RESULT,
+        1,
+        ("o1", "o2"),
+        (),
+        Failure("E", "m"),
+    )
+    assert cf.names_outputs and cd.names_outputs
     # An output that names no id yet is accepted (the packer fills it in).
     assert AsyncDiffusionOutput.output_ready("o9", _out(oid=None)).output is not None
 

@@ -47,6 +47,7 @@ from omni_async.core.errors import (
     ExecutorShutdown,
     OutputDropped,
     OutputError,
+    OutputOrphaned,
     OutputTimeout,
     RemoteError,
     RpcFailed,
@@ -127,7 +128,8 @@ class Rpc:
     cancelled: bool = False
     forwarded: bool = False
     ids: list[str] = attrs.field(factory=list)
-    answered: dict[int, str] = attrs.field(factory=dict)  # rank -> "ok" | "cd" | "fail"
+    # rank -> "ok" | "cd" | "fail" | "shipped" (a failure naming the ids: compute_failed)
+    answered: dict[int, str] = attrs.field(factory=dict)
 
 
 class ProtocolMachine(RuleBasedStateMachine):
@@ -150,6 +152,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.reg_protocol_errors = 0
         self.d_protocol_errors = 0
         self.timeouts = 0
+        self.orphaned = 0
         self.closed = False
         self.tracer = ListTracer()
         self.initialized = False
@@ -313,15 +316,24 @@ class ProtocolMachine(RuleBasedStateMachine):
         if m.recorded:
             self.settle_record(m)
         elif m.ended is None and not self.closed:
-            m.recorded = True  # early arrival: held until COMPUTE_DONE
+            m.recorded = True  # early arrival: held until COMPUTE_DONE, or its deadline (defect 3)
+            m.deadline = self.early_deadline()
         return msg
+
+    def early_deadline(self) -> float | None:
+        """No earlier than every pending call's compute deadline (Dispatcher._early_deadline)."""
+        if self.compute_timeout is None:
+            return None
+        ds = [r.deadline for r in self.rpcs.values() if r.pending]
+        assert all(d is not None for d in ds)
+        return max([self.now + self.compute_timeout, *(d for d in ds if d is not None)])
 
     def complete_if_answered(self, rpc: Rpc) -> None:
         if not rpc.pending or len(rpc.answered) < self.world_size:
             return
         rpc.pending = False
-        failures = frozenset(r for r, a in rpc.answered.items() if a == "fail")
-        announced = rpc.ids if rpc.answered.get(self.reply_rank) == "cd" else []
+        failures = frozenset(r for r, a in rpc.answered.items() if a in ("fail", "shipped"))
+        announced = rpc.ids if rpc.answered.get(self.reply_rank) in ("cd", "shipped") else []
         if failures or rpc.cancelled:
             if not rpc.cancelled:
                 self.expect[rpc.future] = ("rpc_failed", failures)
@@ -406,6 +418,31 @@ class ProtocolMachine(RuleBasedStateMachine):
             rpc.answered[self.reply_rank] = "fail"
         else:
             rpc.answered[self.reply_rank] = "cd"
+        self.complete_if_answered(rpc)
+
+    @precondition(lambda self: self.on("rank_fails") and bool(self._cd_ready()))
+    @rule(data=st.data())
+    def compute_failed(self, data: st.DataObject) -> None:
+        """The reply rank could not send COMPUTE_DONE after handing its outputs to the packer:
+        its failure names them (defect 3), so they are registered and dropped with the call."""
+        rpc = data.draw(st.sampled_from(self._cd_ready()))
+        was_pending = rpc.pending
+        consumer = rpc.consumer if was_pending else None
+        accepted = [oid for oid in rpc.ids if self.receive_cd(self.outs[oid], consumer)]
+        failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
+        assert self.handle(Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank)) is None
+        if not was_pending:
+            rpc.answered[self.reply_rank] = "shipped"
+            for oid in accepted:  # an orphan: nobody will claim these ids
+                self.drop_model(self.outs[oid])
+            return
+        if len(accepted) != len(rpc.ids):
+            self.d_protocol_errors += 1
+            for oid in accepted:
+                self.drop_model(self.outs[oid])
+            rpc.answered[self.reply_rank] = "fail"
+        else:
+            rpc.answered[self.reply_rank] = "shipped"
         self.complete_if_answered(rpc)
 
     def _slots(self, failing: bool) -> list[tuple[str, int]]:
@@ -544,12 +581,23 @@ class ProtocolMachine(RuleBasedStateMachine):
                 rpc.pending = False
                 if not rpc.cancelled:
                     self.expect[rpc.future] = ("error", ComputeTimeout, None)
-                if rpc.answered.get(self.reply_rank) == "cd":
+                if rpc.answered.get(self.reply_rank) in ("cd", "shipped"):
                     for oid in rpc.ids:
                         self.drop_model(self.outs[oid])
         for m in self.outs.values():
             if m.recorded and m.deadline is not None and m.deadline <= self.now:
                 m.deadline = None
+                if not m.cd:
+                    # An early record whose COMPUTE_DONE never came: its call has ended
+                    # (defect 3's backstop).  Force-released; the tombstone expects the CD.
+                    owner = self.rpcs.get(m.rpc_id)
+                    assert owner is None or not owner.pending
+                    self.orphaned += 1
+                    self.fail_waiter(m, OutputOrphaned)
+                    if m.fate is None:
+                        self.release(m)
+                    self.end(m, "forced")
+                    continue
                 m.expired = True
                 self.timeouts += 1
                 self.fail_waiter(m, OutputTimeout)
@@ -585,7 +633,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.abandon(m)
 
     def _duplicable(self) -> list[tuple[str, str]]:
-        cds = [("cd", r.rpc_id) for r in self.rpcs.values() if r.answered.get(self.reply_rank) == "cd"]
+        cds = [("cd", r.rpc_id) for r in self.rpcs.values() if r.answered.get(self.reply_rank) in ("cd", "shipped")]
         outs = [("out", m.oid) for m in self.outs.values() if m.out is not None]
         return cds + outs
 
@@ -682,6 +730,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert self.registry.stats.protocol_errors == self.reg_protocol_errors
         assert self.d.counters["protocol_errors"] == self.d_protocol_errors
         assert self.registry.stats.timeouts == self.timeouts
+        assert self.registry.stats.orphaned == self.orphaned
         assert self.registry.stats.delivered == self.delivered
         assert {r for r in self.rpcs if self.rpcs[r].pending} == set(self.d._pending)
         assert self.registry.closed == self.closed

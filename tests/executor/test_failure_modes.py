@@ -38,18 +38,19 @@ from omni_async.core.errors import (
     ExecutorShutdown,
     OutputDropped,
     OutputError,
+    OutputOrphaned,
     OutputTimeout,
     RemoteError,
     RpcFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestEvent, RequestState, request_machine
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.pump import ResultPump
 from omni_async.transport.channel import InProcessChannel
-from omni_async.transport.errors import ChannelClosed
+from omni_async.transport.errors import ChannelClosed, ChannelFull
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.worker.packer import Packer
 
@@ -516,6 +517,75 @@ def test_f12_reply_rank_compute_done_does_not_hide_another_ranks_error(executors
     assert "failed on rank 1" in err.failures[1].message
     wait_until(lambda: ex.metrics()["released"] == 2)
     assert quiet(ex) and ex.metrics()["delivered"] == 0
+
+
+# --------------------------------------------------------------------------- defect 3
+
+
+class RefusingChannel(InProcessChannel):
+    """An in-process channel whose put refuses some messages of the workers' main threads.
+
+    ``refuse`` says which: "compute_done" (the COMPUTE_DONE put raises, as a full or
+    broken pipe makes it), or "answers" (so does any failure that would replace it).
+    Every other message travels as usual; the packers' OUTPUT_READY included.
+    """
+
+    def __init__(self, refuse: str) -> None:
+        super().__init__(put_timeout=TIMEOUT)
+        self.refuse = refuse
+        self.refused = 0
+
+    def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
+        failed_answer = msg.kind is AsyncOutputKind.RPC_RESULT and msg.failure is not None
+        if msg.kind is AsyncOutputKind.COMPUTE_DONE or (self.refuse == "answers" and failed_answer):
+            self.refused += 1
+            raise ChannelFull(f"no room for {msg.kind!r} of {msg.rpc_id}", nbytes=0, timeout=timeout)
+        super().put(msg, timeout)
+
+
+def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list[DiffusionExecutor]) -> None:
+    """Defect 3: the worker handed its outputs to the packer, then its COMPUTE_DONE put raised.
+
+    The worker answered the call with a failure naming nothing, so the outputs the packer
+    shipped anyway were held (segments leased) until shutdown, with no counter showing
+    them.  We check the call fails with the send error, both outputs are released in
+    whatever order they and the failure arrive, nothing is held, and the deadline
+    backstop was not needed (tla/buggy/SendFailKeepsShipped.cfg).
+    """
+    released = Releases()
+    channel = RefusingChannel("compute_done")
+    ex = in_process(executors, channel=channel, release_hook=released)
+    err = exc_of(ex.submit_batch([req("r1"), req("r2")]))
+    assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
+    wait_until(lambda: len(released) == 2)
+    wait_until(lambda: quiet(ex))
+    m = ex.metrics()
+    assert m["held_payloads"] == 0 and m["orphaned_outputs"] == 0 and m["protocol_errors"] == 0
+    assert channel.refused == 1
+    ro = ex.collective_rpc("ping")
+    assert ro == [("pong", 0)], "the worker keeps serving"
+
+
+def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors: list[DiffusionExecutor]) -> None:
+    """Defect 3, the backstop: not even the failure could be sent, so no message names the output.
+
+    The call times out (compute deadline); the record the early OUTPUT_READY created gets
+    its own deadline, no earlier than the call's, after which it is released, counted in
+    ``metrics()["orphaned_outputs"]`` and recorded as an ``OutputOrphaned``.
+    """
+    released = Releases()
+    ex = in_process(
+        executors,
+        channel=RefusingChannel("answers"),
+        release_hook=released,
+        deadlines=Deadlines(compute_timeout=0.5, output_timeout=60.0, rpc_timeout=60.0),
+    )
+    assert isinstance(exc_of(ex.submit_request(req("r1"))), ComputeTimeout)
+    wait_until(lambda: len(released) == 1)
+    wait_until(lambda: ex.metrics()["orphaned_outputs"] == 1)
+    assert quiet(ex) and ex.metrics()["held_payloads"] == 0
+    (orphan,) = ex.pump.call(lambda d: list(d.registry.orphans))
+    assert isinstance(orphan, OutputOrphaned)
 
 
 # --------------------------------------------------------------------------- F15

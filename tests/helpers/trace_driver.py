@@ -5,7 +5,8 @@ the way the pump would (one call at a time, futures resolved after each call), a
 returns the recorded trace.  The workers behave like ``WorkerLoop`` and ``Packer``:
 one FIFO per (rank, thread), the reply rank's packer may answer before its main
 thread (early arrival); the harness adds what a real run rarely shows: duplicate
-messages, a COMPUTE_DONE naming another call's id, a cancelled waiter whose done-callback runs late (the F3 race), timeouts,
+messages, a COMPUTE_DONE naming another call's id, a COMPUTE_DONE that could not be sent
+(the failure that replaces it names the ids: ``compute_failed``), a cancelled waiter whose done-callback runs late (the F3 race), timeouts,
 a call the engine cancels before it resolves, a consumer that goes away (through the dispatcher, which also
 fails its pending calls, or the registry alone), a broadcast that fails part-way, a worker death, messages that reach a closed registry.
 
@@ -88,7 +89,12 @@ class _Run:
             named = list(oids)
             if self.ids > len(oids) and rng.random() < 0.05:
                 named.append(f"out{rng.randint(1, self.ids - len(oids))}")  # another call's id: refused
-            self.chans[(0, "main")].append(M.compute_done(rid, tuple(named), tuple(f"req-{o}" for o in named)))
+            if rng.random() < 0.08:
+                # The COMPUTE_DONE put raised after the packer got the outputs (defect 3).
+                failure = Failure("ChannelFull", "cannot send COMPUTE_DONE")
+                self.chans[(0, "main")].append(M.compute_failed(rid, tuple(named), failure, rank=0))
+            else:
+                self.chans[(0, "main")].append(M.compute_done(rid, tuple(named), tuple(f"req-{o}" for o in named)))
         for r in range(1, reached):
             if rng.random() < 0.1:
                 self.chans[(r, "main")].append(M.rpc_failed(rid, Failure("RuntimeError", "rank failed"), rank=r))
@@ -188,6 +194,7 @@ def coverage(traces: Sequence[Sequence[TraceEvent]]) -> Counter[str]:
     seen: Counter[str] = Counter()
     for t in traces:
         tags: set[str] = set()
+        expiring = False
         for n, e in enumerate(t):
             f = e.fields
             if e.action == "WaiterResolve" and f.get("outcome") == "cancelled" and n + 1 < len(t):
@@ -196,6 +203,14 @@ def coverage(traces: Sequence[Sequence[TraceEvent]]) -> Counter[str]:
                     tags.add("claim race")
             if e.action == "Fire" and f.get("dst") in ("EARLY_READY", "EARLY_FAILED"):
                 tags.add("early arrival")
+            if e.action == "PumpRecv" and f.get("kind") == "RPC_RESULT" and f.get("ids"):
+                tags.add("compute failed")
+            if e.action == "Expire":
+                expiring = True
+            elif e.action in ("PumpRecv", "Drop", "Cancel", "WaiterAdd", "FailAll", "ReleaseConsumer", "RpcSubmit"):
+                expiring = False
+            if expiring and e.action == "Fire" and f.get("event") == "FORCE_RELEASE":
+                tags.add("early output orphaned")
             if e.action == "Fire" and f.get("event") == "DROP":
                 tags.add("drop")
             if e.action == "Fire" and f.get("event") == "OUTPUT_FAILED":

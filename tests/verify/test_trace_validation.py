@@ -331,6 +331,8 @@ def test_registry_runs_are_behaviours() -> None:
         "dispatcher drop timeout",
         "dispatcher drop unsent",
         "rpc unsent",
+        "compute failed",
+        "early output orphaned",
     ):
         assert cov[tag] >= 1, f"no trace shows {tag!r}: {dict(cov)}"
     res = check_traces(traces, toolchain=tc)

@@ -8,6 +8,14 @@ Two deadlines, measured from different events, because they bound different thin
   It bounds packing plus the consumer's pick-up; a finished render is never
   thrown away because the forward was slow.
 
+``compute_timeout`` also bounds a record that an output arriving *before* its
+COMPUTE_DONE creates (early arrival): that COMPUTE_DONE answers a call that was
+pending when the output arrived, so it is given up on once every such call's
+compute deadline has passed (and no sooner than ``compute_timeout`` after the
+arrival); the output is then released and counted as orphaned (``OutputOrphaned``,
+``metrics()["orphaned_outputs"]``).  With ``compute_timeout`` off such a record
+waits without a bound, like the call itself.
+
 Environment variables (seconds; ``none`` or ``0`` disables a deadline):
 ``OMNI_ASYNC_COMPUTE_TIMEOUT``, ``OMNI_ASYNC_OUTPUT_TIMEOUT``, ``OMNI_ASYNC_RPC_TIMEOUT``.
 """

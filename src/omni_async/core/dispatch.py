@@ -152,12 +152,25 @@ class Dispatcher:
         match msg.kind:
             case K.OUTPUT_READY:
                 assert msg.async_output_id is not None
-                self.registry.on_output(msg.async_output_id, output=msg.output, failure=msg.failure, rank=msg.rank)
+                self.registry.on_output(
+                    msg.async_output_id,
+                    output=msg.output,
+                    failure=msg.failure,
+                    rank=msg.rank,
+                    early_deadline=self._early_deadline(now),
+                )
                 return None
             case K.COMPUTE_DONE:
                 self._on_compute_done(msg, now)
                 return None
             case K.RPC_RESULT:
+                if msg.names_outputs:
+                    # The failure that replaces a COMPUTE_DONE the worker could not send
+                    # after handing the outputs to its packer (compute_failed): it
+                    # registers the ids it names like a COMPUTE_DONE, then fails the
+                    # call, whose end drops them like any failed call's ids (defect 3).
+                    self._on_compute_done(msg, now)
+                    return None
                 assert msg.rpc_id is not None
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
@@ -248,9 +261,7 @@ class Dispatcher:
         for rpc in gone:
             del self._pending[rpc.rpc_id]
             if rpc.future.set_running_or_notify_cancel():
-                self._outbox.append(
-                    Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away"))
-                )
+                self._outbox.append(Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away")))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
         return len(gone) + self.registry.release_consumer(consumer)
 
@@ -267,11 +278,29 @@ class Dispatcher:
                 self._outbox.append(
                     Resolution(
                         rpc.future,
-                        error=ComputeTimeout(f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} in time"),
+                        error=ComputeTimeout(
+                            f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} in time"
+                        ),
                     )
                 )
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
         self.registry.expire(now)
+
+    def _early_deadline(self, now: float) -> float | None:
+        """The deadline of a record an early OUTPUT_READY creates (defect 3's backstop).
+
+        Its COMPUTE_DONE answers a call that is pending now (or already ended): no later
+        than the compute deadline of every pending call, and ``compute_timeout`` from
+        now.  Once that passes, the COMPUTE_DONE can only be an orphan, so the registry
+        gives up on it and releases the output.  None (unbounded) when compute
+        deadlines are off.
+        """
+        if self._compute_timeout is None:
+            return None
+        ds = [r.deadline for r in self._pending.values()]
+        if any(d is None for d in ds):
+            return None
+        return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
     def next_deadline(self) -> float | None:
         ds = [r.deadline for r in self._pending.values() if r.deadline is not None]

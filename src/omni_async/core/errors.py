@@ -100,6 +100,16 @@ class OutputTimeout(OutputError, TimeoutError):
     """The output was not delivered within its output deadline (measured from COMPUTE_DONE)."""
 
 
+class OutputOrphaned(OutputError):
+    """An output arrived (OUTPUT_READY) but no COMPUTE_DONE named it before its deadline.
+
+    Its call had ended by then (the deadline is no earlier than the compute deadline of
+    every call pending at its arrival), so nobody could ever claim it: the registry
+    released it.  Recorded in ``OutputRegistry.orphans`` and counted in the executor's
+    ``metrics()["orphaned_outputs"]`` (defect 3's backstop).
+    """
+
+
 class ComputeTimeout(OmniAsyncError, TimeoutError):
     """An RPC did not get every rank's answer within its compute deadline."""
 

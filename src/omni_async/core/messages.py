@@ -12,7 +12,10 @@ One request's completion travels as two messages on one channel:
 * ``OUTPUT_READY`` (sent by the packer thread): the output for one id is in shared
   memory, or packing failed and the message carries a typed ``Failure`` (F2).
 
-Every other RPC answer is an ``RPC_RESULT``.
+Every other RPC answer is an ``RPC_RESULT``.  A failed ``RPC_RESULT`` may name output
+ids (``compute_failed``): the reply rank's answer when its COMPUTE_DONE could not be
+sent after it had already handed those outputs to its packer, whose OUTPUT_READY
+will come all the same; the executor registers and drops them (defect 3).
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ class AsyncDiffusionOutput:
     kind: AsyncOutputKind
     rank: int = 0
     rpc_id: str | None = None
-    # COMPUTE_DONE: one id per request, aligned with request_ids.
+    # COMPUTE_DONE: one id per request, aligned with request_ids.  A failed RPC_RESULT
+    # (compute_failed): the ids the worker had handed to its packer, no request ids.
     async_output_ids: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
     # OUTPUT_READY: the one id this message completes.
@@ -137,10 +141,7 @@ class AsyncDiffusionOutput:
                 _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
                 if not self.async_output_ids:
                     raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
-                for oid in self.async_output_ids:
-                    _check_id("COMPUTE_DONE async_output_id", oid)
-                if len(set(self.async_output_ids)) != len(self.async_output_ids):
-                    raise MessageValidationError(f"COMPUTE_DONE names an id twice: {self.async_output_ids}")
+                self._check_output_ids("COMPUTE_DONE")
                 if len(self.request_ids) != len(self.async_output_ids):
                     raise MessageValidationError(
                         f"COMPUTE_DONE needs one request id per output id "
@@ -161,9 +162,18 @@ class AsyncDiffusionOutput:
                 _check_id("RPC_RESULT rpc_id", self.rpc_id)
                 if self.failure is not None and self.result is not None:
                     raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
-                self._forbid("RPC_RESULT", async_output_ids=(), request_ids=(), async_output_id=None, output=None)
+                if self.async_output_ids and self.failure is None:
+                    raise MessageValidationError("only a failed RPC_RESULT names output ids (compute_failed)")
+                self._check_output_ids("RPC_RESULT")
+                self._forbid("RPC_RESULT", request_ids=(), async_output_id=None, output=None)
             case _:
                 assert_never(self.kind)
+
+    def _check_output_ids(self, kind: str) -> None:
+        for oid in self.async_output_ids:
+            _check_id(f"{kind} async_output_id", oid)
+        if len(set(self.async_output_ids)) != len(self.async_output_ids):
+            raise MessageValidationError(f"{kind} names an id twice: {self.async_output_ids}")
 
     def _forbid(self, kind: str, **expected: object) -> None:
         for name, empty in expected.items():
@@ -204,6 +214,26 @@ class AsyncDiffusionOutput:
     def rpc_error(cls, rpc_id: str, exc: BaseException, *, rank: int = 0) -> AsyncDiffusionOutput:
         """The answer of a call that raised ``exc``: ``rpc_failed`` with its typed ``Failure`` (F2)."""
         return cls.rpc_failed(rpc_id, Failure.from_exception(exc), rank=rank)
+
+    @classmethod
+    def compute_failed(
+        cls, rpc_id: str, async_output_ids: tuple[str, ...], failure: Failure, *, rank: int = 0
+    ) -> AsyncDiffusionOutput:
+        """The failed answer that replaces a COMPUTE_DONE that could not be sent: it names
+        the ids already handed to the packer, so the executor drops them (their
+        OUTPUT_READY is released on arrival) instead of holding them for nobody."""
+        return cls(
+            AsyncOutputKind.RPC_RESULT,
+            rank=rank,
+            rpc_id=rpc_id,
+            async_output_ids=tuple(async_output_ids),
+            failure=failure,
+        )
+
+    @property
+    def names_outputs(self) -> bool:
+        """A COMPUTE_DONE, or the failure that replaces one (``compute_failed``)."""
+        return bool(self.async_output_ids)
 
 
 @attrs.frozen

@@ -40,6 +40,7 @@ from omni_async.core.errors import (
     IllegalTransition,
     OutputDropped,
     OutputError,
+    OutputOrphaned,
     OutputTimeout,
     ProtocolError,
     RemoteError,
@@ -110,6 +111,8 @@ class OutputRecord:
     payload: DiffusionOutput | None = None
     failure: Failure | None = None
     # Output-delivery deadline, measured from COMPUTE_DONE (F4); None = no deadline.
+    # Before COMPUTE_DONE (a record an early OUTPUT_READY created): the moment its
+    # COMPUTE_DONE is given up on (``on_output``'s early_deadline, defect 3).
     deadline: float | None = None
     # Futures of acknowledged drops: resolved when the record is removed.
     gone: list[Future[None]] = attrs.field(factory=list)
@@ -131,6 +134,9 @@ class RegistryStats:
     released: int = 0
     protocol_errors: int = 0
     timeouts: int = 0
+    # Records an early OUTPUT_READY created whose COMPUTE_DONE never came in time:
+    # force-released by ``expire`` (their payload released), see ``OutputOrphaned``.
+    orphaned: int = 0
     # Release-hook calls that raised (the payload counts as released; see _release_payload).
     release_errors: int = 0
     terminal: Counter[RequestState] = attrs.field(factory=Counter)
@@ -154,6 +160,8 @@ class OutputRegistry:
         self._closed: Callable[[str | None], OutputError] | None = None
         self.stats = RegistryStats()
         self.errors: deque[ProtocolError] = deque(maxlen=max_error_log)
+        # The typed outcome of each orphaned record (the most recent ones).
+        self.orphans: deque[OutputOrphaned] = deque(maxlen=max_error_log)
         # A record is removed when it ends, so a message for an id that already
         # finished (a repeated COMPUTE_DONE/OUTPUT_READY, or the late one of a
         # force-released id) would otherwise create a fresh record holding a payload
@@ -228,8 +236,8 @@ class OutputRegistry:
             if i < len(rids):
                 rec.request_id = rids[i]
             rec.consumer = consumer
-            if self._output_timeout is not None:
-                rec.deadline = now + self._output_timeout
+            # From here the output deadline (an early record's deadline no longer applies).
+            rec.deadline = None if self._output_timeout is None else now + self._output_timeout
             self._fire(rec, E.COMPUTE_DONE)
             self._after_change(rec)
         return accepted
@@ -241,8 +249,16 @@ class OutputRegistry:
         output: DiffusionOutput | None = None,
         failure: Failure | None = None,
         rank: int | None = None,
+        early_deadline: float | None = None,
     ) -> None:
-        """An OUTPUT_READY arrived: an output, or a failure (exactly one of the two)."""
+        """An OUTPUT_READY arrived: an output, or a failure (exactly one of the two).
+
+        ``early_deadline``: when the message arrives before the id's COMPUTE_DONE (it
+        creates the record), the moment that COMPUTE_DONE is given up on: ``expire``
+        then force-releases the record and counts it as orphaned.  The dispatcher
+        passes one no earlier than every pending call's compute deadline; None: the
+        record waits for its COMPUTE_DONE without a bound.
+        """
         if (output is None) == (failure is None):
             raise ValueError("on_output takes exactly one of output or failure")
         if output is not None:
@@ -253,12 +269,15 @@ class OutputRegistry:
             if output is not None:
                 self._release_payload(output_id, output)
             return
+        created = output_id not in self._records
         rec = self._get_or_create(output_id, rank)
         if rec is None:
             # Closed registry: nobody will ever claim it.
             if output is not None:
                 self._release_payload(output_id, output)
             return
+        if created:
+            rec.deadline = early_deadline
         event = E.OUTPUT_READY if output is not None else E.OUTPUT_FAILED
         if not rec.machine.can(event):
             self._protocol_error(output_id, f"duplicate OUTPUT_READY in state {rec.state}")
@@ -289,7 +308,9 @@ class OutputRegistry:
             return fut
         if rec is None:
             fut.set_exception(
-                OutputError(f"unknown output id {output_id!r} (never announced, or already finished)", output_id=output_id)
+                OutputError(
+                    f"unknown output id {output_id!r} (never announced, or already finished)", output_id=output_id
+                )
             )
             return fut
         if rec.state in (S.DROPPING, S.DROPPING_EARLY):
@@ -345,16 +366,28 @@ class OutputRegistry:
         emit(self._trace, "ReleaseConsumer", consumer=consumer)
         mine = [r for r in self._records.values() if r.consumer == consumer]
         for rec in mine:
-            self._fail_waiter(rec, OutputDropped(f"consumer {consumer!r} went away", output_id=rec.output_id), "dropped")
+            self._fail_waiter(
+                rec, OutputDropped(f"consumer {consumer!r} went away", output_id=rec.output_id), "dropped"
+            )
             self._abandon(rec)
         return len(mine)
 
     def expire(self, now: float) -> int:
-        """Fail or release every record whose output deadline has passed (F4, F11)."""
+        """Fail or release every record whose deadline has passed (F4, F11, defect 3).
+
+        A record whose COMPUTE_DONE arrived is abandoned (its output deadline).  A
+        record still waiting for its COMPUTE_DONE (an early OUTPUT_READY created it)
+        is orphaned: the COMPUTE_DONE is given up on, the record force-released and
+        its tombstone swallows that COMPUTE_DONE should it still come.
+        """
         due = [r for r in self._records.values() if r.deadline is not None and r.deadline <= now]
         if due:
             emit(self._trace, "Expire", count=len(due))
         for rec in due:
+            if rec.state in AWAITING_COMPUTE_DONE:
+                rec.deadline = None
+                self._orphan(rec)
+                continue
             assert rec.deadline is not None and self._output_timeout is not None
             reason = self._expiry_reason(rec, now - (rec.deadline - self._output_timeout))
             rec.deadline = None
@@ -375,6 +408,19 @@ class OutputRegistry:
             f"output {rec.output_id!r}{of} expired {how} after {waited:.1f} s "
             f"(output_timeout={self._output_timeout}){arrived}"
         )
+
+    def _orphan(self, rec: OutputRecord) -> None:
+        self.stats.orphaned += 1
+        err = OutputOrphaned(
+            f"output {rec.output_id!r}: no COMPUTE_DONE named it in time (its call ended); released",
+            output_id=rec.output_id,
+        )
+        self.orphans.append(err)
+        log.warning("registry: %s", err)
+        self._fail_waiter(rec, err, "orphaned")
+        self._fire(rec, E.FORCE_RELEASE)
+        self._discard_payload(rec)
+        self._after_change(rec)
 
     def rearm_deadlines(self, output_ids: Iterable[str], now: float) -> None:
         """Measure the output deadline of these ids from ``now`` (their call resolved)."""
@@ -531,4 +577,3 @@ class OutputRegistry:
         self.stats.protocol_errors += 1
         self.errors.append(ProtocolError(f"output {output_id!r}: {reason}", output_id=output_id))
         emit(self._trace, "ProtocolError", output_id=output_id, reason=reason)
-

@@ -247,9 +247,7 @@ def lifecycle_machine(name: str) -> Machine[LifecycleState, LifecycleEvent]:
     return Machine("lifecycle", name, LIFECYCLE_TABLE, LIFECYCLE_INITIAL, LIFECYCLE_TERMINAL)
 
 
-def reachable(
-    table: Mapping[tuple[StateT, EventT], StateT], start: StateT
-) -> frozenset[StateT]:
+def reachable(table: Mapping[tuple[StateT, EventT], StateT], start: StateT) -> frozenset[StateT]:
     """States reachable from ``start`` through ``table`` (used by tests and the spec generator)."""
     seen = {start}
     frontier = [start]

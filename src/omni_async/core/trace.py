@@ -11,12 +11,14 @@ after a state change), never in the middle of one.
 
 Actions recorded by the executor side (the fields each carries):
 
-* ``PumpRecv``: kind, rank, rpc_id, ids (comma-separated), output_id, ok
+* ``PumpRecv``: kind, rank, rpc_id, ids (comma-separated), output_id, ok (ids: a
+  COMPUTE_DONE's, or those a failed RPC_RESULT names: ``compute_failed``)
 * ``Create``: output_id (a record is created in REGISTRY_INITIAL)
 * ``Fire``: output_id, event, src, dst (one request-machine transition)
 * ``Remove``: output_id, state (the record reached a terminal state)
 * ``WaiterAdd``: output_id
-* ``WaiterResolve``: output_id, outcome (output | failure | dropped | timeout | shutdown | worker_died | cancelled)
+* ``WaiterResolve``: output_id, outcome (output | failure | dropped | timeout | orphaned | shutdown | worker_died
+  | cancelled)
 * ``PayloadDeliver`` / ``PayloadRelease``: output_id
 * ``ProtocolError``: output_id, reason
 * ``Late``: output_id, kind (cd | out), expected (a message of an id that already
@@ -37,7 +39,8 @@ FORCE_RELEASE only inside a fail_all):
 * ``Drop``: output_id (``OutputRegistry.drop``, also for an unknown id)
 * ``Cancel``: output_id (``OutputRegistry.cancel``, also when it finds nothing to do)
 * ``ReleaseConsumer``: consumer (``OutputRegistry.release_consumer``)
-* ``Expire``: count (``OutputRegistry.expire``, only when at least one deadline passed)
+* ``Expire``: count (``OutputRegistry.expire``, only when at least one deadline passed: a
+  record whose COMPUTE_DONE arrived is abandoned, one still waiting for it is force-released)
 * ``FailAll``: outcome, close (``OutputRegistry.fail_all``: worker death, shutdown)
 
 A ``PumpRecv`` opens the handling of a message, a ``WaiterAdd`` a ``wait``.

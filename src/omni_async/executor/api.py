@@ -445,6 +445,9 @@ class DiffusionExecutor(abc.ABC):
                 "delivered": s.delivered,
                 "released": s.released,
                 "timeouts": s.timeouts,
+                # Outputs that arrived but that no COMPUTE_DONE named before their call
+                # ended: released by their deadline (OutputOrphaned, defect 3).
+                "orphaned_outputs": s.orphaned,
                 "protocol_errors": s.protocol_errors + d.counters["protocol_errors"],
                 "compute_timeouts": d.counters["compute_timeouts"],
                 "dispatch_errors": self.pump.dispatch_errors,

@@ -9,7 +9,10 @@
   COMPUTE_DONE naming every id -- then returns to take the next request while
   the packer copies in the background.  Only the reply rank announces outputs;
   the other ranks answer with an empty RPC_RESULT, so the executor resolves the
-  call only once every rank has answered (F12).
+  call only once every rank has answered (F12).  If the COMPUTE_DONE cannot be
+  sent, the failure that answers the call instead names the ids already handed
+  to the packer (``AsyncDiffusionOutput.compute_failed``), so the executor drops
+  them rather than hold what the packer ships for nobody.
 * Everything else (and execute in step mode): the ordinary synchronous answer,
   an RPC_RESULT, packed on the main thread when it carries an output.
 * ``drop_outputs``: cancel packing of outputs that have not started (F15); no answer.
@@ -37,6 +40,7 @@ from omni_async.core.messages import (
     BatchDiffusionOutput,
     DiffusionOutput,
     DiffusionRequest,
+    Failure,
     RpcRequest,
 )
 from omni_async.core.methods import (
@@ -238,12 +242,26 @@ class WorkerLoop:
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
             self._packer.submit(m.key, out, m, event=event, nbytes=_budget_nbytes(out))
-        self._send(
-            AsyncDiffusionOutput.compute_done(
-                req.rpc_id, tuple(m.key for m in machines), tuple(r.request_id for r in requests), rank=self.rank
-            ),
-            req.rpc_id,
-        )
+        ids = tuple(m.key for m in machines)
+        try:
+            self._sender.put(
+                AsyncDiffusionOutput.compute_done(
+                    req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank
+                )
+            )
+        except ChannelClosed as exc:
+            # The executor closed its end (shutdown) or is gone: nobody reads the answer.
+            log.debug("rank %d: no COMPUTE_DONE for %s, the result channel is closed: %s", self.rank, req.rpc_id, exc)
+        except Exception as exc:
+            # The outputs are with the packer already: their OUTPUT_READY will come.  The
+            # failure that answers the call names them, so the executor registers and drops
+            # them (what arrives is released) instead of holding them for nobody (defect 3;
+            # tla/AsyncOutput.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
+            log.warning("rank %d: cannot send COMPUTE_DONE of %s: %s", self.rank, req.rpc_id, exc)
+            self._send(
+                AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
+                req.rpc_id,
+            )
 
     @staticmethod
     def _split(result: Any, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
