@@ -35,6 +35,7 @@ CONSTANTS
     Ranks,          \* the worker ranks, e.g. {0, 1}
     ReplyRank,      \* the rank that announces and ships outputs
     Batch,          \* Batch[k]: the output ids that execute RPC k produces, in request order
+    Consumer,       \* Consumer[k]: the consumer of execute RPC k (NoConsumer: none)
     MaxCrashes,     \* how many workers may crash (0 or 1)
     ForwardFails,   \* BOOLEAN: a rank's forward may fail
     PackFails,      \* BOOLEAN: packing may fail
@@ -55,6 +56,8 @@ Range(s) == {s[n] : n \in DOMAIN s}
 Ids == UNION {Range(Batch[k]) : k \in RpcIds}
 RpcOf(i) == CHOOSE k \in RpcIds : i \in Range(Batch[k])
 NoId == "-"
+NoConsumer == ""
+Consumers == Range(Consumer) \ {NoConsumer}
 
 \* What the engine knows about an output id.
 EngineViews == {"none", "known", "waiting", "holding", "done"}
@@ -64,7 +67,8 @@ WaiterSlots == {"none", "waiting", "cancelled"}
 SegStates == {"none", "leased", "consumer", "released"}
 \* "cancelling": the engine cancelled the call's Future, the dispatcher still
 \* waits for its answers; "gone": its consumer went away.
-RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone"}
+\* "unsent": its broadcast failed part-way (Dispatcher.forget).
+RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone", "unsent"}
 \* "shipped": a failed answer that names the ids the rank had already handed
 \* to its packer (the failure that replaces a COMPUTE_DONE whose put raised).
 Answers == {"none", "ok", "failed", "shipped"}
@@ -86,7 +90,7 @@ Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no rec
         got : Ids \cup {NoId},                  \* history: whose output the engine's future got
         dropped : BOOLEAN,                      \* history: the id was dropped
         gaveUp : BOOLEAN,                       \* history: the engine cancelled its waiter, or its deadline passed
-        late : SUBSET {"cd", "out"}]            \* tombstone: messages still expected after removal
+        late : SUBSET {"fin", "cd", "out"}]     \* tombstone: "fin" once removed, and the messages still expected
 
 VARIABLES
     alive,        \* [Ranks -> BOOLEAN]
@@ -107,7 +111,7 @@ VARIABLES
     answers,      \* [RpcIds -> [Ranks -> Answers]]
     rec,          \* [Ids -> Rec]
     perr,         \* history: the registry refused a message (a protocol error)
-    gone          \* the engine's consumer went away (release_consumer)
+    gone          \* the consumers that went away (release_consumer)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
 channel == <<chan, sent, recvd>>
@@ -133,7 +137,7 @@ TypeOK ==
     /\ answers \in [RpcIds -> [Ranks -> Answers]]
     /\ rec \in [Ids -> Rec]
     /\ perr \in BOOLEAN
-    /\ gone \in BOOLEAN
+    /\ gone \subseteq Consumers
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
           frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, late |-> {}]
@@ -156,7 +160,7 @@ Init ==
     /\ answers = [k \in RpcIds |-> [r \in Ranks |-> "none"]]
     /\ rec = [i \in Ids |-> NoRec]
     /\ perr = FALSE
-    /\ gone = FALSE
+    /\ gone = {}
 
 -----------------------------------------------------------------------------
 (* Registry operators: pure functions on one id's Rec, one per step of     *)
@@ -189,7 +193,10 @@ Deliver(x) ==
 \* A waiter and a result meet, but the Future was cancelled first (F3).
 ClaimFails(x) == x.waiter = "cancelled" /\ x.st \in {"READY", "FAILED"}
 
-Remove(x) == IF x.st \in RequestTerminal THEN [x EXCEPT !.st = "NONE"] ELSE x
+\* The record goes the moment it is terminal; its tombstone ("fin", plus the
+\* messages it has not seen: see ForceRelease) tells a late or repeated
+\* message of a finished id from a new id (OutputRegistry._finished).
+Remove(x) == IF x.st \in RequestTerminal THEN [x EXCEPT !.st = "NONE", !.late = {"fin"}] ELSE x
 
 \* _after_change: deliver if a waiter and a result meet; remove a terminal record.
 AfterChange(x) ==
@@ -212,20 +219,33 @@ Drop(x) ==
 
 Create(x) == IF x.st = "NONE" THEN [x EXCEPT !.st = RegistryInitial] ELSE x
 
-\* on_compute_done for one id.  A duplicate is a protocol error.
-\* A message the tombstone of a finished id expects is swallowed (only after
-\* a force-release without closing: everywhere else an id ends only once
-\* both of its messages have arrived).
-CdLate(x) == x.st = "NONE" /\ "cd" \in x.late
-CdRefused(x) == ~CdLate(x) /\ Create(x).st \notin RequestAwaitingComputeDone
+\* _late_message: a message of a finished id.  The tombstone swallows one it
+\* still expects (after a force-release only: everywhere else an id ends
+\* once both of its messages have arrived); any other is a protocol error.
+\* A closed registry creates no record (_get_or_create): a message of an id
+\* it never saw is skipped.
+Late(x, kind) == x.st = "NONE" /\ kind \in x.late
+Unexpected(x, kind) == x.st = "NONE" /\ "fin" \in x.late /\ kind \notin x.late
+Skipped(x) == x.st = "NONE" /\ "fin" \notin x.late /\ closed
+
+\* on_compute_done for one id: accepted, swallowed (late), skipped (closed),
+\* or refused (a duplicate, or unexpected for a finished id: protocol error).
+CdLate(x) == Late(x, "cd")
+CdAccepted(x) ==
+    /\ ~CdLate(x) /\ ~Unexpected(x, "cd") /\ ~Skipped(x)
+    /\ Create(x).st \in RequestAwaitingComputeDone
+CdRefused(x) == ~CdLate(x) /\ ~Skipped(x) /\ ~CdAccepted(x)
 OnComputeDone(x) ==
     IF CdLate(x) THEN [x EXCEPT !.late = @ \ {"cd"}]
-    ELSE IF CdRefused(x) THEN x ELSE AfterChange(RFire(Create(x), "COMPUTE_DONE"))
+    ELSE IF CdAccepted(x) THEN AfterChange(RFire(Create(x), "COMPUTE_DONE"))
+    ELSE x
 
 \* on_output, before _after_change.
 OutEvent(ok) == IF ok THEN "OUTPUT_READY" ELSE "OUTPUT_FAILED"
-OutLate(x) == x.st = "NONE" /\ "out" \in x.late
-OutRefused(x, ok) == ~OutLate(x) /\ ~RequestCan(Create(x).st, OutEvent(ok))
+OutLate(x) == Late(x, "out")
+OutRefused(x, ok) ==
+    /\ ~OutLate(x) /\ ~Skipped(x)
+    /\ Unexpected(x, "out") \/ ~RequestCan(Create(x).st, OutEvent(ok))
 Arrive(x, ok, out) ==
     LET y == RFire(Create(x), OutEvent(ok)) IN
     IF y.st \in RequestHolding THEN [y EXCEPT !.held = IF ok THEN out ELSE "failure"]
@@ -233,24 +253,36 @@ Arrive(x, ok, out) ==
     ELSE y
 OnOutput(x, ok, out) ==
     IF OutLate(x) THEN (IF ok THEN ReleaseSeg([x EXCEPT !.late = @ \ {"out"}]) ELSE [x EXCEPT !.late = @ \ {"out"}])
-    ELSE IF OutRefused(x, ok) THEN (IF ok THEN ReleaseSeg(x) ELSE x)
+    ELSE IF Skipped(x) \/ OutRefused(x, ok) THEN (IF ok THEN ReleaseSeg(x) ELSE x)
     ELSE AfterChange(Arrive(x, ok, out))
+
+\* The messages a live record has not seen yet (what its tombstone expects).
+Unseen(x) ==
+    (IF x.st \in RequestAwaitingComputeDone THEN {"cd"} ELSE {})
+    \cup (IF x.st \in {"COMPUTE_DONE", "DROPPING", "RELEASING"} THEN {"out"} ELSE {})
+
+\* One record force-released: its waiter fails, its payload goes, its
+\* tombstone expects what it has not seen.
+ForceRelease1(x) ==
+    [AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE"))) EXCEPT !.late = {"fin"} \cup Unseen(x)]
 
 \* fail_all: every waiter fails, every record is force-released.  F16: the
 \* reference failed the waiters but kept the cached outputs.
 ForceRelease(x) ==
     IF x.st = "NONE" THEN x
-    ELSE IF Bug = "DeathKeepsOpen"
-    THEN [AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE"))) EXCEPT
-            !.late = (IF x.st \in RequestAwaitingComputeDone THEN {"cd"} ELSE {})
-                     \cup (IF x.st \in {"COMPUTE_DONE", "DROPPING", "RELEASING"} THEN {"out"} ELSE {})]
     ELSE IF Bug = "F16" THEN FailWaiter(x)
-    ELSE AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE")))
+    ELSE ForceRelease1(x)
 
 \* expire, for a record still waiting for its COMPUTE_DONE (an early
 \* OUTPUT_READY created it): force-released, its tombstone expects the
 \* COMPUTE_DONE (OutputRegistry._orphan).
-ExpireEarly(x) == [AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE"))) EXCEPT !.late = {"cd"}]
+ExpireEarly(x) == ForceRelease1(x)
+
+\* expire, for one record whose deadline passed: abandoned once its
+\* COMPUTE_DONE arrived (the output deadline), else orphaned.
+Expire1(x) ==
+    LET y == IF x.st \in RequestAwaitingComputeDone THEN ExpireEarly(x) ELSE Abandon(FailWaiter(x))
+    IN [y EXCEPT !.gaveUp = TRUE]
 
 -----------------------------------------------------------------------------
 (* Channel helpers. *)
@@ -402,27 +434,29 @@ Pending(k) == rpcs[k] \in {"pending", "cancelling"}
 
 \* Dispatcher._answer / _complete.  F12: the reference resolved the call on
 \* the reply rank's answer, before the other ranks had answered.
-Complete(k, ans, r) ==
-    IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ans[q] # "none"
+Complete(k, ansk, r) ==
+    IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ansk[q] # "none"
 
-\* Record rank r's answer to RPC k (ok; a failure; a failure naming ids);
-\* resolve the RPC once complete: the engine learns the announced ids, or
-\* (any failure, or the engine cancelled the call) they are dropped.  x: rec
-\* after the registry part of the step.
-Dispatch(k, r, ok, named, ids, x) ==
-    LET pend == Pending(k)
-        ans == [answers[k] EXCEPT ![r] = IF ok THEN "ok" ELSE IF named THEN "shipped" ELSE "failed"]
-        done == pend /\ Complete(k, ans, r)
-        fail == \E q \in Ranks : ans[q] \in {"failed", "shipped"}
+\* Dispatcher._answer and _complete: record rank r's answer a ("ok",
+\* "failed", or "shipped": a failure that names the ids the rank shipped) to
+\* pending RPC k, which r has not answered yet; once complete, resolve it:
+\* the engine learns what the reply rank announced, or (any failure, or the
+\* engine cancelled the call) that is dropped.  x: rec after the registry
+\* part of the message.
+Answer(k, r, a, x) ==
+    LET ansk == [answers[k] EXCEPT ![r] = a]
+        done == Complete(k, ansk, r)
+        fail == \E q \in Ranks : ansk[q] \in {"failed", "shipped"}
         cancelled == rpcs[k] = "cancelling"
+        ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
         \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
-        lose == ~pend \/ (done /\ fail) \/ (done /\ cancelled /\ Bug # "CancelKeepsOutputs")
-    IN /\ answers' = IF pend THEN [answers EXCEPT ![k] = ans] ELSE answers
+        lose == done /\ (fail \/ (cancelled /\ Bug # "CancelKeepsOutputs"))
+    IN /\ answers' = [answers EXCEPT ![k] = ansk]
        /\ rpcs' = IF done
                   THEN [rpcs EXCEPT ![k] = IF fail THEN "failed" ELSE IF cancelled THEN "cancelled" ELSE "ok"]
                   ELSE rpcs
        /\ rec' = [i \in Ids |->
-                    IF i \notin ids THEN x[i]
+                    IF i \notin ann THEN x[i]
                     ELSE IF lose THEN Drop(x[i])
                     ELSE IF done /\ ~cancelled THEN [x[i] EXCEPT !.eng = "known"]
                     ELSE x[i]]
@@ -431,23 +465,62 @@ Dispatch(k, r, ok, named, ids, x) ==
 \* replaces one (Dispatcher.handle registers its ids the same way).
 Names(m) == m.ids # {}
 
+\* Dispatcher.handle of message m from rank r: the whole step of the pump,
+\* whatever the message (the model's workers send only what the protocol
+\* allows; trace validation also feeds it what a faulty peer might send).
+\* Defines rec', rpcs', answers', perr'.
+\*
+\* A message that names ids: the registry takes each id (on_compute_done),
+\* then the dispatcher: a call that is not pending any more (an orphan)
+\* drops what the registry accepted; one whose answer is not the reply
+\* rank's first, or names an id the registry refused, drops what it accepted
+\* and counts as a failed answer (a protocol error); otherwise it is the
+\* reply rank's answer, ok or "shipped".
+HandleNamed(r, m) ==
+    LET k == m.rpc
+        x == [i \in Ids |-> IF i \in m.ids THEN OnComputeDone(rec[i]) ELSE rec[i]]
+        acc == {i \in m.ids : CdAccepted(rec[i])}
+        dropAcc == [i \in Ids |-> IF i \in acc THEN Drop(x[i]) ELSE x[i]]
+        answered == r \notin Ranks \/ answers[k][r] # "none"
+        wrong == r # ReplyRank \/ answered \/ acc # m.ids
+    IN /\ perr' = (perr \/ (\E i \in m.ids : CdRefused(rec[i])) \/ (Pending(k) /\ wrong))
+       /\ IF ~Pending(k) THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+          ELSE IF wrong /\ answered THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+          ELSE IF wrong THEN Answer(k, r, "failed", dropAcc)
+          ELSE Answer(k, r, IF m.ok THEN "ok" ELSE "shipped", x)
+
+\* A plain RPC_RESULT: an answer of a call that ended goes to the synchronous
+\* buffer, unread (it drops nothing: the call's end disposed of its ids); a
+\* second answer of a rank is a protocol error; the reply rank answering
+\* without COMPUTE_DONE fails the call.
+HandlePlain(r, m) ==
+    LET k == m.rpc IN
+    IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
+    ELSE IF r \notin Ranks \/ answers[k][r] # "none" THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
+    ELSE Answer(k, r, IF m.ok /\ r # ReplyRank THEN "ok" ELSE "failed", rec) /\ UNCHANGED perr
+
+\* An OUTPUT_READY (on_output).
+HandleOutput(m) ==
+    /\ rec' = [rec EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
+    /\ perr' = (perr \/ OutRefused(rec[m.id], m.ok))
+    /\ UNCHANGED <<rpcs, answers>>
+
+Handle(r, m) ==
+    CASE m.kind = "OUTPUT_READY" -> HandleOutput(m)
+      [] Names(m)                -> HandleNamed(r, m)
+      [] OTHER                   -> HandlePlain(r, m)
+
 PumpRecvComputeDone(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Names(Head(chan[r]))
-    /\ LET m == Head(chan[r])
-           ids == m.ids
-       IN /\ Dispatch(m.rpc, r, m.ok, TRUE, ids, [i \in Ids |-> IF i \in ids THEN OnComputeDone(rec[i]) ELSE rec[i]])
-          /\ perr' = (perr \/ \E i \in ids : CdRefused(rec[i]))
+    /\ HandleNamed(r, Head(chan[r]))
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
 
 PumpRecvRpcResult(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT" /\ ~Names(Head(chan[r]))
-    /\ LET m == Head(chan[r]) IN
-       \* A late answer (the RPC already ended) goes to the synchronous buffer,
-       \* unread; it drops nothing (the call's end already disposed of its ids).
-       Dispatch(m.rpc, r, m.ok, FALSE, IF Pending(m.rpc) THEN Announced(m.rpc) ELSE {}, rec)
+    /\ HandlePlain(r, Head(chan[r]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, perr, gone>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
 
 \* F6: the reference split a batch output by a map registered at COMPUTE_DONE;
 \* an output that arrived first found no map and was thrown away.
@@ -464,82 +537,140 @@ PumpRecvOutputReady(r) ==
                  /\ rec' = [rec EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
                  /\ UNCHANGED perr
             [] OTHER ->
-                 /\ rec' = [rec EXCEPT ![m.id] = OnOutput(x, m.ok, m.out)]
-                 /\ perr' = (perr \/ OutRefused(x, m.ok))
+                 /\ HandleOutput(m)
                  /\ UNCHANGED pump
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone>>
 
-\* Dispatcher.expire: the compute deadline of a pending RPC passed.
-PumpExpireRpc(k) ==
-    /\ EngineAborts /\ pump = "RUNNING" /\ Pending(k)
+\* Dispatcher.expire: the compute deadline of a pending RPC passed; what its
+\* reply rank announced is dropped.
+ExpireRpc(k) ==
+    /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "timeout"]
     /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone>>
 
-\* OutputRegistry.expire: the output deadline (armed at COMPUTE_DONE) passed:
-\* the record is abandoned.  Or the deadline of a record that an early
-\* OUTPUT_READY created passed (armed at its arrival, no earlier than the
-\* compute deadline of every call pending then, so its call has ended): its
-\* COMPUTE_DONE is given up on, the record force-released (its tombstone
-\* swallows a COMPUTE_DONE still to come), counted as orphaned.
+PumpExpireRpc(k) ==
+    /\ EngineAborts /\ pump = "RUNNING"
+    /\ ExpireRpc(k)
+    /\ UNCHANGED <<worker, channel>>
+
+\* A record whose deadline can pass: the output deadline is armed at
+\* COMPUTE_DONE (ABANDON changes nothing in DROPPING and RELEASING); a record
+\* that an early OUTPUT_READY created has the deadline Dispatcher._early_deadline
+\* armed at its arrival, no earlier than the compute deadline of every call
+\* pending then, so its call has ended.
+Expirable(i) ==
+    \/ rec[i].st \in {"COMPUTE_DONE", "READY", "FAILED", "DROPPING", "RELEASING"}
+    \/ rec[i].st \in RequestAwaitingComputeDone /\ ~Pending(RpcOf(i))
+
+\* OutputRegistry.expire: the deadlines of the records S passed.  Each is
+\* abandoned (its output deadline), or, still waiting for its COMPUTE_DONE,
+\* force-released (its tombstone swallows a COMPUTE_DONE still to come) and
+\* counted as orphaned.
+ExpireOutputs(S) ==
+    /\ \A i \in S : Expirable(i)
+    /\ rec' = [i \in Ids |-> IF i \in S THEN Expire1(rec[i]) ELSE rec[i]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+
 PumpExpireOutput(i) ==
     /\ EngineAborts /\ pump = "RUNNING"
-    /\ \/ /\ rec[i].st \in {"COMPUTE_DONE", "READY", "FAILED"}
-          /\ rec' = [rec EXCEPT ![i] = [Abandon(FailWaiter(@)) EXCEPT !.gaveUp = TRUE]]
-       \/ /\ rec[i].st \in RequestAwaitingComputeDone /\ ~Pending(RpcOf(i))
-          /\ rec' = [rec EXCEPT ![i] = [ExpireEarly(@) EXCEPT !.gaveUp = TRUE]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ ExpireOutputs({i})
+    /\ UNCHANGED <<worker, channel>>
+
+\* Dispatcher.forget: the broadcast of pending call k failed part-way; what
+\* its reply rank announced is dropped.  (The model's broadcast is atomic, so
+\* no step of Next does this; trace validation holds recorded forgets to it.)
+Forget(k) ==
+    /\ Pending(k)
+    /\ rpcs' = [rpcs EXCEPT ![k] = "unsent"]
+    /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
-(* Engine actions: omni_async.executor.api.DiffusionExecutor.             *)
+(* Engine actions: omni_async.executor.api.DiffusionExecutor.  Each is   *)
+(* the engine's choice (its guard) and the executor's step (the registry  *)
+(* or dispatcher call it makes, an operator of its own that trace         *)
+(* validation holds recorded calls to).                                   *)
 
-\* (the model's one consumer submits nothing once it went away)
+\* Dispatcher.submit of execute call k.
+Submit(k) ==
+    /\ rpcs[k] = "idle"
+    /\ submitted' = k
+    /\ rpcs' = [rpcs EXCEPT ![k] = "pending"]
+    /\ UNCHANGED <<pump, closed, dead, answers, rec, perr, gone>>
+
+\* (the model's engine submits the calls in order; a consumer submits nothing
+\* once it went away)
 EngineSubmitRpc ==
-    /\ ~closed /\ ~dead /\ ~gone /\ pump = "RUNNING" /\ \A r \in Ranks : alive[r]
+    /\ ~closed /\ ~dead /\ pump = "RUNNING" /\ \A r \in Ranks : alive[r]
     /\ submitted < NumRpcs
-    /\ submitted' = submitted + 1
-    /\ rpcs' = [rpcs EXCEPT ![submitted + 1] = "pending"]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, answers, rec, perr, gone>>
+    /\ Consumer[submitted + 1] \notin gone
+    /\ Submit(submitted + 1)
+    /\ UNCHANGED <<worker, channel>>
 
 \* The engine cancels the Future of an execute call before it resolves: the
 \* dispatcher keeps waiting for the answers, then drops what the call
 \* announced (Dispatcher._complete: the claim of the cancelled Future fails).
-EngineCancelRpc(k) ==
-    /\ EngineAborts /\ rpcs[k] = "pending"
+CancelRpc(k) ==
+    /\ rpcs[k] = "pending"
     /\ rpcs' = [rpcs EXCEPT ![k] = "cancelling"]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, rec, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, rec, perr, gone>>
 
-\* The consumer goes away without aborting (F11), Dispatcher.release_consumer:
-\* it will claim none of the ids it learned; its pending calls fail ("consumer
-\* gone"; what they announce later is an orphan, dropped on arrival) and every
-\* record it owns is abandoned: those whose COMPUTE_DONE arrived while their
-\* call was pending (a record in another state has no consumer yet, or ABANDON
-\* changes nothing there).  F11: the reference kept them cached.
-EngineReleaseConsumer ==
-    /\ EngineAborts /\ ~closed /\ ~gone
-    /\ gone' = TRUE
-    /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "gone" ELSE rpcs[k]]
+EngineCancelRpc(k) ==
+    /\ EngineAborts
+    /\ CancelRpc(k)
+    /\ UNCHANGED <<worker, channel>>
+
+\* The consumer c goes away without aborting (F11): Dispatcher.release_consumer
+\* (disp) fails its pending calls ("consumer gone"; what they announce later
+\* is an orphan, dropped on arrival), then OutputRegistry.release_consumer
+\* abandons every record it owns: those whose COMPUTE_DONE arrived while
+\* their call was pending (a record in another state has no consumer yet, or
+\* ABANDON changes nothing there).  F11: the reference kept them cached.
+ReleaseConsumer(c, disp) ==
+    /\ gone' = gone \cup {c}
+    /\ rpcs' = IF disp THEN [k \in RpcIds |-> IF Pending(k) /\ Consumer[k] = c THEN "gone" ELSE rpcs[k]]
+               ELSE rpcs
     /\ rec' = [i \in Ids |->
-                 LET y == IF Bug # "F11" /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
+                 LET mine == Consumer[RpcOf(i)] = c
+                     y == IF Bug # "F11" /\ mine /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
                           THEN Abandon(FailWaiter(rec[i])) ELSE rec[i]
-                 IN [y EXCEPT !.eng = IF @ = "known" THEN "done" ELSE @]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, answers, perr>>
+                 IN [y EXCEPT !.eng = IF @ = "known" /\ mine THEN "done" ELSE @]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr>>
 
-\* wait_output_ready: an id that is gone or unwanted fails at once.
+EngineReleaseConsumer ==
+    /\ EngineAborts /\ ~closed
+    /\ \E c \in Consumers \ gone : ReleaseConsumer(c, TRUE)
+    /\ UNCHANGED <<worker, channel>>
+
+\* OutputRegistry.wait: a live record that is still wanted gets a waiter.
+Wanted(i) == rec[i].st \notin {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING", "RELEASING_EARLY"}
+RegistryWait(i) ==
+    /\ ~closed /\ Wanted(i) /\ rec[i].waiter = "none"
+    /\ rec' = [rec EXCEPT ![i] = AfterChange([@ EXCEPT !.waiter = "waiting", !.eng = "waiting"])]
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+
+\* wait_output_ready for an id the engine learned: one that is gone or
+\* unwanted fails at once.
 EngineWaitOutput(i) ==
     /\ ~closed /\ rec[i].eng = "known"
-    /\ rec' = [rec EXCEPT ![i] =
-                 IF @.st \in {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING", "RELEASING_EARLY"}
-                 THEN [@ EXCEPT !.eng = "done", !.nres = @ + 1]
-                 ELSE AfterChange([@ EXCEPT !.waiter = "waiting", !.eng = "waiting"])]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ \/ RegistryWait(i)
+       \/ /\ ~Wanted(i)
+          /\ rec' = [rec EXCEPT ![i] = [@ EXCEPT !.eng = "done", !.nres = @ + 1]]
+          /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<worker, channel>>
 
 \* The engine cancels its Future; the registry hears of it in the done-callback.
-EngineCancelWait(i) ==
-    /\ EngineAborts /\ rec[i].waiter = "waiting"
+CancelWait(i) ==
+    /\ rec[i].waiter = "waiting"
     /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1, ![i].gaveUp = TRUE]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+
+EngineCancelWait(i) ==
+    /\ EngineAborts
+    /\ CancelWait(i)
+    /\ UNCHANGED <<worker, channel>>
 
 \* The done-callback of a cancelled Future: OutputRegistry.cancel.
 RegistryCancelWaiter(i) ==
@@ -547,11 +678,15 @@ RegistryCancelWaiter(i) ==
     /\ rec' = [rec EXCEPT ![i] = Abandon([@ EXCEPT !.waiter = "none"])]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
-\* drop_output (abort), valid in every state (F10).
+\* OutputRegistry.drop (drop_output, abort), valid in every state (F10).
+DropOutput(i) ==
+    /\ rec' = [rec EXCEPT ![i] = [Drop(@) EXCEPT !.eng = "done", !.dropped = TRUE]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+
 EngineDropOutput(i) ==
     /\ EngineAborts /\ ~closed /\ rec[i].eng \in {"known", "waiting"}
-    /\ rec' = [rec EXCEPT ![i] = [Drop(@) EXCEPT !.eng = "done", !.dropped = TRUE]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ DropOutput(i)
+    /\ UNCHANGED <<worker, channel>>
 
 \* The consumer is done with a delivered output and gives its segment back.
 EngineReleaseOutput(i) ==
@@ -559,19 +694,34 @@ EngineReleaseOutput(i) ==
     /\ rec' = [rec EXCEPT ![i] = [(IF @.seg = "consumer" THEN ReleaseSeg(@) ELSE @) EXCEPT !.eng = "done"]]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
+\* fail_all's parts: every pending call fails, every record is force-released
+\* (the engine hears of each), close stops the pump.
+FailRpcs == [k \in RpcIds |-> IF Pending(k) THEN "shutdown" ELSE rpcs[k]]
+FailRec(x) == [ForceRelease(x) EXCEPT !.eng = IF @ = "known" THEN "done" ELSE @]
+StopPump == IF LifecycleCan(pump, "DRAIN") THEN LifecycleNext(LifecycleNext(pump, "DRAIN"), "STOPPED") ELSE pump
+
+\* Dispatcher.fail_all (disp) or OutputRegistry.fail_all alone: nothing more
+\* will arrive; with close the registry also refuses new work (F16).
+FailAll(close, disp) ==
+    /\ closed' = (closed \/ close)
+    /\ pump' = IF close THEN StopPump ELSE pump
+    /\ rpcs' = IF disp THEN FailRpcs ELSE rpcs
+    /\ rec' = [i \in Ids |-> FailRec(rec[i])]
+    /\ UNCHANGED <<dead, submitted, answers, perr, gone>>
+
 \* Close the registry (fail every waiter and RPC, release every record), stop
 \* the workers; the pool unlinks every segment still leased (in a packer or
-\* in an unread message).  The shared part of shutdown and of a worker's death.
+\* in an unread message).  The shared part of shutdown and of a worker's death:
+\* FailAll(TRUE, TRUE) and the segment pool.
 \* reclaim: ReclaimShipped, see MonitorDetectDeath.
 CloseAll(reclaim) ==
     /\ closed' = TRUE
-    /\ pump' = IF LifecycleCan(pump, "DRAIN") THEN LifecycleNext(LifecycleNext(pump, "DRAIN"), "STOPPED") ELSE pump
-    /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "shutdown" ELSE rpcs[k]]
+    /\ pump' = StopPump
+    /\ rpcs' = FailRpcs
     /\ rec' = [i \in Ids |->
                  LET r0 == IF reclaim /\ rec[i].seg \in {"leased", "consumer"} THEN ReleaseSeg(rec[i]) ELSE rec[i]
-                     y == ForceRelease(r0)
-                     z == IF y.seg = "leased" THEN ReleaseSeg(y) ELSE y
-                 IN [z EXCEPT !.eng = IF @ = "known" THEN "done" ELSE @]]
+                     y == FailRec(r0)
+                 IN IF y.seg = "leased" THEN ReleaseSeg(y) ELSE y]
     /\ alive' = [r \in Ranks |-> FALSE]
     /\ chan' = [r \in Ranks |-> <<>>]
     /\ recvd' = sent
@@ -591,11 +741,10 @@ MonitorDetectDeath ==
     /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
     /\ dead' = TRUE
     /\ IF Bug = "DeathKeepsOpen"
-       THEN /\ rpcs' = [k \in RpcIds |-> IF Pending(k) THEN "shutdown" ELSE rpcs[k]]
+       THEN /\ rpcs' = FailRpcs
             /\ rec' = [i \in Ids |->
-                         LET y == ForceRelease(rec[i])
-                             z == IF packing = i /\ ~alive[ReplyRank] THEN ReleaseSeg(y) ELSE y
-                         IN [z EXCEPT !.eng = IF @ = "known" THEN "done" ELSE @]]
+                         LET y == FailRec(rec[i])
+                         IN IF packing = i /\ ~alive[ReplyRank] THEN ReleaseSeg(y) ELSE y]
             /\ packing' = IF alive[ReplyRank] THEN packing ELSE NoId
             /\ UNCHANGED <<alive, chan, recvd, packQ, closed, pump>>
        \* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
@@ -733,7 +882,7 @@ QuiescentClean ==
 ExcusedOtherwise(i) ==
     LET k == RpcOf(i) IN
     \/ failedRanks[k] # {} \/ rpcs[k] \in {"cancelling", "cancelled", "timeout"}
-    \/ ws[i] = "FAILED" \/ rec[i].dropped \/ crashes > 0 \/ closed \/ gone
+    \/ ws[i] = "FAILED" \/ rec[i].dropped \/ crashes > 0 \/ closed \/ Consumer[RpcOf(i)] \in gone
 
 \* Nothing touched i: its call was submitted, nothing above excuses a failure,
 \* and the engine did not give up on it (cancel its waiter; its deadline).
@@ -762,8 +911,11 @@ NoProtocolError == ~perr
 \* the same futures and the same verdicts.  Without it, a deadline or a cancel
 \* on an output that a later drop, timeout or shutdown would have excused
 \* anyway splits the state space for nothing (half again as many states).
+\* And the tombstones of a closed registry: the pump has stopped, nothing
+\* reads them again.
 View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone,
-          [i \in Ids |-> IF ExcusedOtherwise(i) THEN [rec[i] EXCEPT !.gaveUp = FALSE] ELSE rec[i]]>>
+          [i \in Ids |-> LET x == IF ExcusedOtherwise(i) THEN [rec[i] EXCEPT !.gaveUp = FALSE] ELSE rec[i]
+                         IN IF closed THEN [x EXCEPT !.late = {}] ELSE x]>>
 
 -----------------------------------------------------------------------------
 (* Properties (FairSpec). *)

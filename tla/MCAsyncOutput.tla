@@ -1,6 +1,6 @@
 --------------------------- MODULE MCAsyncOutput ---------------------------
 (* Model values for AsyncOutput: the batches of each model (a .cfg file    *)
-(* picks one with  Batch <- ...).                                          *)
+(* picks one with  Batch <- ...), and their consumer.                      *)
 EXTENDS AsyncOutput
 
 \* One batched RPC of two requests.
@@ -14,4 +14,7 @@ TwoSingles == << <<"a">>, <<"b">> >>
 
 \* One single-request RPC.
 OneRequest == << <<"a">> >>
+
+\* The model's engine is one consumer: every call is its.
+OneConsumer == [k \in DOMAIN Batch |-> "c"]
 =============================================================================

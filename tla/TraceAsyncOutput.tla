@@ -1,44 +1,78 @@
 -------------------------- MODULE TraceAsyncOutput --------------------------
 (***************************************************************************)
 (* Trace validation: TLC replays traces recorded by the implementation     *)
-(* (omni_async.core.trace, through ListTracer) against the executor half of     *)
-(* AsyncOutput, one recorded event per step.                               *)
+(* (omni_async.core.trace, through ListTracer) against AsyncOutput, the    *)
+(* model-checked spec itself, one recorded event per step.                 *)
 (*                                                                         *)
-(* omni_async.verify.tracecheck writes the module TraceData next to this one:     *)
+(* omni_async.verify.tracecheck writes the module TraceData next to this   *)
+(* one:                                                                    *)
 (*   TraceLog  the events of every trace, one after the other, each trace  *)
 (*             closed by an "End" event (many traces, one TLC run);        *)
 (*   NumIds, NumRpcs, MaxRank  the sizes of the id, RPC and rank domains   *)
-(*             (ids and RPCs are numbered per trace, from 1).              *)
+(*             (ids and RPCs are numbered per trace, from 1);              *)
+(*   NumTraces, TBatch, TCons, TRanks, TReply, TNumIds  per trace, the     *)
+(*             constants of its INSTANCE of AsyncOutput (AO(t) below).     *)
 (* Every event is a record [a: action, o: output id (0: none), e: event,   *)
 (* s: source state, d: target state, x: kind, outcome, reason or consumer, *)
 (* k: RPC (0: none), n: a count, r: rank (-1: none; RpcSubmit: the reply   *)
 (* rank), ok: BOOLEAN (Late: expected; FailAll: close), ids: a set of      *)
-(* output ids, rk: a set of ranks].                                        *)
+(* output ids, rk: a set of ranks] and, on the first event of a registry   *)
+(* or dispatcher call, the step of AsyncOutput that call is [g: its kind,  *)
+(* gs: the records an expiry ends, cw / cr: the waiters and calls whose    *)
+(* Future the engine cancelled first, gx: consumer or outcome, gv: the     *)
+(* dispatcher's call, gc: a fail_all that closes] (tracecheck._steps).     *)
 (*                                                                         *)
-(* Call boundaries (PumpRecv, WaiterAdd, Drop, Cancel, ReleaseConsumer,    *)
-(* Expire, FailAll, and the dispatcher's DispatchDrop and RpcResolve of a  *)
-(* fail_all or release_consumer) open a call; every DROP, ABANDON and      *)
-(* FORCE_RELEASE, every waiter failed with an error, must belong to the    *)
-(* call that is open, and a call must have done all it owes (every record  *)
-(* of a fail_all force-released, every record of the consumer abandoned,   *)
-(* exactly `count` records expired) before the next one opens.             *)
+(* Two layers check every trace:                                           *)
 (*                                                                         *)
-(* The behaviour is deterministic: step i consumes TraceLog[i] if, and     *)
-(* only if, it is a step of the protocol from the current state.  Every    *)
-(* request-state change must be an entry of the generated RequestTable.    *)
-(* TLC runs with deadlock checking on: when no step matches, TLC reports a *)
-(* deadlock and the last state's i names the event that was refused.       *)
-(* Done, at the end of the log, stutters so a full replay is no deadlock.  *)
+(* 1. AsyncOutput.  The state of the executor half of AsyncOutput (its     *)
+(*    variables pump, closed, dead, submitted, rpcs, answers, rec, perr,   *)
+(*    gone) is part of this spec's state.  Each call the implementation    *)
+(*    records (a message the pump handled, a submit, a wait, a cancel, a   *)
+(*    drop, an expiry, a compute timeout, a forget, a consumer's release,  *)
+(*    a fail_all) is one step of AsyncOutput (AOStep), taken when its      *)
+(*    first event is: the step must be enabled, and when the next call     *)
+(*    begins (or the trace ends) AsyncOutput's state must agree with what  *)
+(*    the recorded events did (Agrees: every record's state, waiter,       *)
+(*    payload and tombstone, every call pending or resolved the same way,  *)
+(*    protocol errors, the registry closed or not).  Steps of AsyncOutput  *)
+(*    that nothing records, the engine cancelling a waiter's or a call's   *)
+(*    Future, are taken silently right before the call that shows them     *)
+(*    (CancelWait, CancelRpc).  The worker half of AsyncOutput is not      *)
+(*    recorded by the executor: its variables are mapped to constants (the *)
+(*    executor's steps leave them unchanged), and the pump's step is       *)
+(*    AsyncOutput's Handle of the recorded message, whatever the workers   *)
+(*    sent (a faulty peer included).  Change AsyncOutput's executor half   *)
+(*    and recorded runs are held to the change.                            *)
+(*                                                                         *)
+(* 2. The events inside each step.  Every request-state change must be an  *)
+(*    entry of the generated RequestTable from the record's current state  *)
+(*    and justified by the call it belongs to (call boundaries: PumpRecv,  *)
+(*    WaiterAdd, Drop, Cancel, ReleaseConsumer, Expire, FailAll, and the   *)
+(*    dispatcher's DispatchDrop and RpcResolve of a fail_all or            *)
+(*    release_consumer open a call; every DROP, ABANDON and FORCE_RELEASE, *)
+(*    every waiter failed with an error, must belong to the call that is   *)
+(*    open, and a call must have done all it owes (every record of a       *)
+(*    fail_all force-released, every record of the consumer abandoned,     *)
+(*    exactly `count` records expired) before the next one opens); a      *)
+(*    payload is stored or released once; worker events (WorkerFire)       *)
+(*    follow the table.  This layer points at the very event that went     *)
+(*    wrong; the first one says the call as a whole is AsyncOutput's.      *)
+(*                                                                         *)
+(* The behaviour is deterministic: step l consumes TraceLog[l] if, and     *)
+(* only if, it is a step of the protocol from the current state.  TLC runs *)
+(* with deadlock checking on: when no step matches, TLC reports a deadlock *)
+(* and the last state's l names the event that was refused.  Done, at the  *)
+(* end of the log, stutters so a full replay is no deadlock.               *)
 (***************************************************************************)
-EXTENDS Integers, FiniteSets, Sequences, RequestTable, TraceData
+EXTENDS Integers, FiniteSets, Sequences, TLC, RequestTable, TraceData
 
 Oids == 1..NumIds
 Rpcs == 1..NumRpcs
-Ranks == 0..MaxRank
+AllRanks == 0..MaxRank
 NoEvents == {}
 
 VARIABLES
-    i,            \* events consumed
+    l,            \* events consumed
     st,           \* [Oids -> RequestStates \cup {"NONE"}]: registry record state
     waiter,       \* [Oids -> BOOLEAN]: a waiter is registered
     held,         \* [Oids -> {"none", "output", "failure", "delivered"}]: the record's payload
@@ -57,16 +91,24 @@ VARIABLES
     msgPayload,   \* that OUTPUT_READY's output has not been stored or released yet
     call,         \* the registry call that is open (see CallDone)
     rpc,          \* [Rpcs -> {"none", "pending", "done"}]
-    rranks,       \* [Rpcs -> SUBSET Ranks]: the ranks an RPC went to
-    rrep,         \* [Rpcs -> Ranks \cup {-1}]: its reply rank
+    rranks,       \* [Rpcs -> SUBSET AllRanks]: the ranks an RPC went to
+    rrep,         \* [Rpcs -> AllRanks \cup {-1}]: its reply rank
     rcons,        \* [Rpcs -> STRING]: its consumer ("": none)
-    ans,          \* [Rpcs -> [Ranks -> {"none", "ok", "failed"}]]
-    cdRank,       \* [Rpcs -> Ranks \cup {-1}]: the rank whose COMPUTE_DONE answered it
+    rans,          \* [Rpcs -> [AllRanks -> {"none", "ok", "failed"}]]
+    cdRank,       \* [Rpcs -> AllRanks \cup {-1}]: the rank whose COMPUTE_DONE answered it
     announced,    \* [Rpcs -> SUBSET Oids]: the ids its COMPUTE_DONE named
-    closed        \* the registry is closed
+    shut,         \* the registry is closed (its Shutdown event)
+    errs,         \* a ProtocolError was recorded in this trace
+    rout,         \* [Rpcs -> STRING]: how each call resolved ("": not yet)
+    \* AsyncOutput's executor half, for the trace being replayed:
+    pump, closed, dead, submitted, rpcs, answers, rec, perr, gone,
+    tr            \* the trace being replayed (1..NumTraces)
 
-vars == <<i, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst, msg, mx,
-          cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+\* The event layer's variables, l included; AsyncOutput's.
+fine == <<l, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst, msg, mx,
+          cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
+vars == <<fine, errs, rout, ao, tr>>
 
 NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}]
 
@@ -88,7 +130,7 @@ Call(c, o, x, n, cl, pend) == [c |-> c, o |-> o, x |-> x, n |-> n, cl |-> cl, pe
 NoCall == Call("none", 0, "", 0, FALSE, {})
 
 TypeOK ==
-    /\ i \in 0..Len(TraceLog)
+    /\ l \in 0..Len(TraceLog)
     /\ st \in [Oids -> RequestStates \cup {"NONE"}]
     /\ waiter \in [Oids -> BOOLEAN]
     /\ held \in [Oids -> {"none", "output", "failure", "delivered"}]
@@ -103,14 +145,14 @@ TypeOK ==
     /\ cdPending \subseteq Oids /\ outPending \in BOOLEAN /\ msgPayload \in BOOLEAN
     /\ call.c \in CallKinds /\ call.o \in Oids \cup {0} /\ call.n \in Nat /\ call.pend \subseteq Oids
     /\ rpc \in [Rpcs -> {"none", "pending", "done"}]
-    /\ rranks \in [Rpcs -> SUBSET Ranks]
-    /\ rrep \in [Rpcs -> Ranks \cup {-1}]
-    /\ ans \in [Rpcs -> [Ranks -> {"none", "ok", "failed"}]]
-    /\ cdRank \in [Rpcs -> Ranks \cup {-1}]
+    /\ rranks \in [Rpcs -> SUBSET AllRanks]
+    /\ rrep \in [Rpcs -> AllRanks \cup {-1}]
+    /\ rans \in [Rpcs -> [AllRanks -> {"none", "ok", "failed"}]]
+    /\ cdRank \in [Rpcs -> AllRanks \cup {-1}]
     /\ announced \in [Rpcs -> SUBSET Oids]
-    /\ closed \in BOOLEAN
+    /\ shut \in BOOLEAN
 
-\* The state at the start of every trace (everything but i).
+\* The state at the start of every trace (everything but l).
 NoneSt == [o \in Oids |-> "NONE"]
 NoWaiter == [o \in Oids |-> FALSE]
 NoHeld == [o \in Oids |-> "none"]
@@ -120,7 +162,7 @@ NoOwner == [o \in Oids |-> ""]
 NoRpc == [k \in Rpcs |-> "none"]
 NoRanks == [k \in Rpcs |-> {}]
 NoCons == [k \in Rpcs |-> ""]
-NoAnswers == [k \in Rpcs |-> [r \in Ranks |-> "none"]]
+NoAnswers == [k \in Rpcs |-> [r \in AllRanks |-> "none"]]
 NoCdRank == [k \in Rpcs |-> -1]
 Fresh ==
     /\ st = NoneSt /\ waiter = NoWaiter /\ held = NoHeld /\ dropped = NoWaiter
@@ -129,7 +171,7 @@ Fresh ==
     /\ wst = NoneSt /\ msg = NoMsg /\ mx = NoMx
     /\ cdPending = {} /\ outPending = FALSE /\ msgPayload = FALSE /\ call = NoCall
     /\ rpc = NoRpc /\ rranks = NoRanks /\ rrep = NoCdRank /\ rcons = NoCons
-    /\ ans = NoAnswers /\ cdRank = NoCdRank /\ announced = NoRanks /\ closed = FALSE
+    /\ rans = NoAnswers /\ cdRank = NoCdRank /\ announced = NoRanks /\ shut = FALSE
 
 \* The same, for the next state (TLC cannot assign through a primed definition).
 FreshNext ==
@@ -139,13 +181,12 @@ FreshNext ==
     /\ wst' = NoneSt /\ msg' = NoMsg /\ mx' = NoMx
     /\ cdPending' = {} /\ outPending' = FALSE /\ msgPayload' = FALSE /\ call' = NoCall
     /\ rpc' = NoRpc /\ rranks' = NoRanks /\ rrep' = NoCdRank /\ rcons' = NoCons
-    /\ ans' = NoAnswers /\ cdRank' = NoCdRank /\ announced' = NoRanks /\ closed' = FALSE
+    /\ rans' = NoAnswers /\ cdRank' = NoCdRank /\ announced' = NoRanks /\ shut' = FALSE
 
-Init == i = 0 /\ Fresh
 
-Ev == TraceLog[i + 1]
-Is(action) == i < Len(TraceLog) /\ Ev.a = action
-Step == i' = i + 1
+Ev == TraceLog[l + 1]
+Is(action) == l < Len(TraceLog) /\ Ev.a = action
+Step == l' = l + 1
 
 \* A state predicate used as a guard.  Compared with TRUE so that TLC evaluates it
 \* as a value: inside an action TLC would unfold a quantifier into one nested
@@ -154,8 +195,8 @@ Holds(p) == p = TRUE
 
 \* The message is fully handled and no record is left half-way.
 MsgDone ==
-    /\ cdPending = {} \/ closed
-    /\ ~outPending \/ closed
+    /\ cdPending = {} \/ shut
+    /\ ~outPending \/ shut
     /\ ~msgPayload
     /\ mx.lateErr = 0
     /\ \A o \in Oids :
@@ -169,7 +210,7 @@ CallDone ==
     /\ MsgDone
     /\ call.c \notin {"ddrop", "rpcfail", "rpcgone"}
     /\ call.n = 0 /\ call.pend = {}
-    /\ call.c = "failall" /\ call.cl => closed
+    /\ call.c = "failall" /\ call.cl => shut
 
 \* ... and a COMPUTE_DONE that announced nothing to its call (an orphan, a
 \* rank that is not the reply rank, a second answer, an id refused) had every
@@ -194,7 +235,7 @@ TracePumpRecv ==
           wst[Ev.o] \in {"NONE", "PACKING", "READY", "FAILED", "DROPPING", "DROPPED"}
     \* a message that names ids: a COMPUTE_DONE, or the failure that replaces one
     /\ LET good == /\ Ev.ids # {} /\ Ev.k \in Rpcs /\ rpc[Ev.k] = "pending"
-                   /\ Ev.r = rrep[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
+                   /\ Ev.r = rrep[Ev.k] /\ rans[Ev.k][Ev.r] = "none"
        IN /\ mx' = [NoMx EXCEPT !.good = good]
           \* what the registry accepts of it (refused ids are taken out below)
           /\ announced' = IF good THEN [announced EXCEPT ![Ev.k] = Ev.ids] ELSE announced
@@ -205,7 +246,7 @@ TracePumpRecv ==
     /\ call' = Call("recv", 0, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst,
-                   rpc, rranks, rrep, rcons, ans, cdRank, closed>>
+                   rpc, rranks, rrep, rcons, rans, cdRank, shut>>
 
 \* _late_message: a message of an id that already finished.  Expected only if
 \* its tombstone still expects that message (a force-released id's message
@@ -226,11 +267,11 @@ TraceLate ==
             /\ UNCHANGED <<expect, cdPending, outPending, announced>>
     /\ Step
     /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, ans, cdRank, closed>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
 
 \* _get_or_create: only for an id the current message names, never when closed.
 TraceCreate ==
-    /\ Is("Create") /\ ~closed
+    /\ Is("Create") /\ ~shut
     /\ st[Ev.o] = "NONE" /\ ~finished[Ev.o]
     /\ Ev.o \in cdPending \/ (outPending /\ msg.o = Ev.o)
     /\ st' = [st EXCEPT ![Ev.o] = RegistryInitial]
@@ -241,7 +282,7 @@ TraceCreate ==
     /\ owner' = [owner EXCEPT ![Ev.o] = ""]
     /\ Step
     /\ UNCHANGED <<dropped, mustFire, finished, expect, wst, msg, mx, cdPending, outPending, msgPayload,
-                   call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* The event that the open call may make o take, besides arriving messages
 \* and deliveries: a drop of o DROPs it; a cancel of o, an expiry (of a record
@@ -312,7 +353,7 @@ TraceFire ==
           /\ expired' = IF e \in {"ABANDON", "FORCE_RELEASE"} /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
           /\ call' = CallAfter(o, e)
     /\ Step
-    /\ UNCHANGED <<waiter, finished, expect, wst, msg, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+    /\ UNCHANGED <<waiter, finished, expect, wst, msg, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* The record is removed the moment it is terminal, with nothing left in it;
 \* its tombstone expects the messages it has not seen.
@@ -325,18 +366,18 @@ TraceRemove ==
     /\ expect' = [expect EXCEPT ![Ev.o] = {"cd", "out"} \ seen[Ev.o]]
     /\ Step
     /\ UNCHANGED <<waiter, held, dropped, mustFire, seen, expired, owner, wst, msg, mx, cdPending, outPending,
-                   msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* wait: a live record that is still wanted gets one waiter (opens the call).
 TraceWaiterAdd ==
-    /\ Is("WaiterAdd") /\ ~closed /\ Holds(CallDone)
+    /\ Is("WaiterAdd") /\ ~shut /\ Holds(CallDone)
     /\ st[Ev.o] \notin {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING", "RELEASING_EARLY"}
     /\ ~waiter[Ev.o]
     /\ waiter' = [waiter EXCEPT ![Ev.o] = TRUE]
     /\ call' = Call("wait", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* A waiter is resolved once: with the output it was delivered, with the
 \* failure the record held, or with an error by the open call, after which
@@ -365,7 +406,7 @@ TraceWaiterResolve ==
               /\ UNCHANGED held
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, dropped, wst, msg, mx, cdPending, outPending,
-                   msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* The delivered output goes to the waiter; never after a drop.
 TracePayloadDeliver ==
@@ -374,7 +415,7 @@ TracePayloadDeliver ==
     /\ held' = [held EXCEPT ![Ev.o] = "delivered"]
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* A payload is released once: the one a record held (it left a holding
 \* state), or the one the current message brought when nobody may have it
@@ -386,13 +427,13 @@ TracePayloadRelease ==
        THEN /\ held' = [held EXCEPT ![Ev.o] = "none"]
             /\ UNCHANGED <<msgPayload, outPending>>
        ELSE /\ msgPayload /\ msg.o = Ev.o
-            /\ ~outPending \/ (closed /\ st[Ev.o] = "NONE" /\ ~finished[Ev.o])
+            /\ ~outPending \/ (shut /\ st[Ev.o] = "NONE" /\ ~finished[Ev.o])
             /\ msgPayload' = FALSE
             /\ outPending' = FALSE
             /\ UNCHANGED held
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
-                   cdPending, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* A message the table does not allow is refused, and the state stays.  A
 \* finished id's message is refused only after its Late event said so.
@@ -416,7 +457,7 @@ TraceProtocolError ==
                   /\ UNCHANGED <<cdPending, announced>>
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, ans, cdRank, closed>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
 
 -----------------------------------------------------------------------------
 (* Call boundaries of the registry. *)
@@ -428,7 +469,7 @@ TraceDrop ==
     /\ call' = Call("drop", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* cancel: the done-callback of a cancelled waiter.
 TraceCancel ==
@@ -436,7 +477,7 @@ TraceCancel ==
     /\ call' = Call("cancel", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* release_consumer: every record the consumer owns now must be abandoned
 \* (after the dispatcher failed the consumer's pending calls, if it did).
@@ -446,7 +487,7 @@ TraceReleaseConsumer ==
     /\ call' = Call("release", 0, Ev.x, 0, FALSE, {o \in Oids : st[o] # "NONE" /\ owner[o] = Ev.x})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* expire: exactly `count` records with an armed deadline are abandoned.
 TraceExpire ==
@@ -454,7 +495,7 @@ TraceExpire ==
     /\ call' = Call("expire", 0, "", Ev.n, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* fail_all (worker death; with close, shutdown): every record that exists
 \* now must be force-released, its waiter failed with this outcome; the
@@ -465,16 +506,16 @@ TraceFailAll ==
     /\ call' = Call("failall", 0, Ev.x, 0, Ev.ok, {o \in Oids : st[o] # "NONE"})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* fail_all(close=True) closes the registry first: nothing is created afterwards.
 \* Idempotent: a repeated shutdown changes nothing.
 TraceShutdown ==
     /\ Is("Shutdown") /\ call.c = "failall" /\ call.cl
-    /\ closed' = TRUE
+    /\ shut' = TRUE
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced>>
 
 -----------------------------------------------------------------------------
 (* RPC events: Dispatcher (F12). *)
@@ -488,24 +529,24 @@ TraceRpcSubmit ==
     /\ rcons' = [rcons EXCEPT ![Ev.k] = Ev.x]
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, call, rans, cdRank, announced, shut>>
 
 \* One answer per rank, from the message being handled.  A COMPUTE_DONE
 \* answers well only if it is the reply rank's first answer and the registry
 \* accepted every id it names; otherwise it is turned into a failure.
 TraceRpcAnswer ==
     /\ Is("RpcAnswer")
-    /\ rpc[Ev.k] = "pending" /\ Ev.r \in rranks[Ev.k] /\ ans[Ev.k][Ev.r] = "none"
+    /\ rpc[Ev.k] = "pending" /\ Ev.r \in rranks[Ev.k] /\ rans[Ev.k][Ev.r] = "none"
     /\ msg.k = Ev.k /\ msg.r = Ev.r /\ msg.kind \in {"COMPUTE_DONE", "RPC_RESULT"}
     /\ Ev.ok = IF msg.ids # {} THEN msg.ok /\ mx.good /\ ~mx.refused ELSE msg.ok
-    /\ ans' = [ans EXCEPT ![Ev.k][Ev.r] = IF Ev.ok THEN "ok" ELSE "failed"]
+    /\ rans' = [rans EXCEPT ![Ev.k][Ev.r] = IF Ev.ok THEN "ok" ELSE "failed"]
     /\ cdRank' = IF msg.ids # {} /\ mx.good /\ ~mx.refused THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, closed>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, shut>>
 
-AllAnswered(k) == \A r \in rranks[k] : ans[k][r] # "none"
-AnyFailed(k) == \E r \in rranks[k] : ans[k][r] = "failed"
+AllAnswered(k) == \A r \in rranks[k] : rans[k][r] # "none"
+AnyFailed(k) == \E r \in rranks[k] : rans[k][r] = "failed"
 
 \* Why the dispatcher may drop an id: what the call's reply rank announced,
 \* when the call fails, is cancelled or times out (F12); every id the
@@ -533,14 +574,14 @@ TraceDispatchDrop ==
     /\ call' = Call("ddrop", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 \* An RPC resolves as success only when every rank answered, none failed and
 \* the reply rank's COMPUTE_DONE answered it (F12), and every id it announced
 \* has been registered; otherwise what it announced has been dropped.
 ResolveAllowed(k, outcome) ==
     CASE outcome = "ok" ->
-              /\ AllAnswered(k) /\ \A r \in rranks[k] : ans[k][r] = "ok"
+              /\ AllAnswered(k) /\ \A r \in rranks[k] : rans[k][r] = "ok"
               /\ cdRank[k] = rrep[k]
               \* registered before the call resolves (ended already only if abandoned,
               \* e.g. by release_consumer while the call was pending)
@@ -570,7 +611,7 @@ TraceRpcResolve ==
                /\ call' = Call(c, 0, x, 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 -----------------------------------------------------------------------------
 (* Worker-side events: WorkerLoop._fire and Packer._fire. *)
@@ -584,23 +625,137 @@ TraceWorkerFire ==
     /\ wst' = [wst EXCEPT ![Ev.o] = Ev.d]
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, ans, cdRank, announced, closed>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+
+-----------------------------------------------------------------------------
+(* AsyncOutput, the model-checked spec: one instance per trace.            *)
+
+\* The ids of trace t, as AsyncOutput names them (strings, like the model's).
+Id(o) == ToString(o)
+AOIds(t) == {Id(o) : o \in 1..TNumIds[t]}
+AORpcs(t) == 1..Len(TBatch[t])
+
+\* The worker half is not recorded: its variables are mapped to constants
+\* (no executor step changes them).  The executor half is this spec's.
+AO(t) == INSTANCE AsyncOutput WITH
+    Ranks <- TRanks[t], ReplyRank <- TReply[t], Batch <- TBatch[t], Consumer <- TCons[t],
+    MaxCrashes <- 0, ForwardFails <- TRUE, PackFails <- TRUE, SendFails <- TRUE,
+    EngineAborts <- TRUE, MaxQueue <- 0, Bug <- "none",
+    alive <- [r \in TRanks[t] |-> TRUE], mainPc <- [r \in TRanks[t] |-> "idle"],
+    mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
+    ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",
+    chan <- [r \in TRanks[t] |-> <<>>], sent <- [r \in TRanks[t] |-> 0],
+    recvd <- [r \in TRanks[t] |-> 0], crashes <- 0
+
+\* AsyncOutput's Init, executor half, for trace t (and primed, for the next trace:
+\* TLC cannot assign through a primed definition).
+AOInit(t) ==
+    /\ pump = "RUNNING" /\ closed = FALSE /\ dead = FALSE /\ submitted = 0
+    /\ rpcs = [k \in AORpcs(t) |-> "idle"]
+    /\ answers = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
+    /\ rec = [o \in AOIds(t) |-> AO(t)!NoRec]
+    /\ perr = FALSE /\ gone = {}
+AOInitNext(t) ==
+    /\ pump' = "RUNNING" /\ closed' = FALSE /\ dead' = FALSE /\ submitted' = 0
+    /\ rpcs' = [k \in AORpcs(t) |-> "idle"]
+    /\ answers' = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
+    /\ rec' = [o \in AOIds(t) |-> AO(t)!NoRec]
+    /\ perr' = FALSE /\ gone' = {}
+
+Init == l = 0 /\ Fresh /\ errs = FALSE /\ rout = [k \in Rpcs |-> ""] /\ tr = 1 /\ AOInit(1)
+
+\* What every recorded event adds to errs and rout.
+Outcomes ==
+    /\ errs' = (errs \/ Ev.a = "ProtocolError")
+    /\ rout' = IF Ev.a = "RpcResolve" THEN [rout EXCEPT ![Ev.k] = Ev.x] ELSE rout
+
+\* The message a PumpRecv event records, as AsyncOutput's Msg.
+MsgOf(ev) ==
+    [kind |-> ev.x, rpc |-> ev.k, id |-> IF ev.o = 0 THEN "-" ELSE Id(ev.o), ok |-> ev.ok,
+     out |-> IF ev.x = "OUTPUT_READY" /\ ev.ok THEN Id(ev.o) ELSE "-", w |-> "main",
+     ids |-> {Id(o) : o \in ev.ids}]
+
+\* The step of AsyncOutput that the call opening at Ev makes.  A cancel finds
+\* a waiter to abandon only if the engine cancelled it; otherwise it changes
+\* nothing.
+AOStep(t) ==
+    CASE Ev.g = "submit"    -> AO(t)!Submit(Ev.k)
+      [] Ev.g = "recv"      -> /\ AO(t)!Handle(Ev.r, MsgOf(Ev))
+                               /\ UNCHANGED <<pump, closed, dead, submitted, gone>>
+      [] Ev.g = "wait"      -> AO(t)!RegistryWait(Id(Ev.o))
+      [] Ev.g = "cancel"    -> IF rec[Id(Ev.o)].waiter = "cancelled"
+                               THEN AO(t)!RegistryCancelWaiter(Id(Ev.o))
+                               ELSE UNCHANGED ao
+      [] Ev.g = "drop"      -> AO(t)!DropOutput(Id(Ev.o))
+      [] Ev.g = "expire"    -> AO(t)!ExpireOutputs({Id(o) : o \in Ev.gs})
+      [] Ev.g = "rpcexpire" -> AO(t)!ExpireRpc(Ev.k)
+      [] Ev.g = "unsent"    -> AO(t)!Forget(Ev.k)
+      [] Ev.g = "release"   -> AO(t)!ReleaseConsumer(Ev.gx, Ev.gv)
+      [] Ev.g = "failall"   -> AO(t)!FailAll(Ev.gc, Ev.gv)
+
+\* What the recorded events did agrees with AsyncOutput's state: checked when
+\* the next call opens, and at the end of the trace.
+HeldAs(h) == IF h = "-" THEN "none" ELSE IF h = "failure" THEN "failure" ELSE "output"
+\* How a call AsyncOutput resolved is recorded: "gone" as consumer_gone, and a
+\* fail_all's calls with the fail_all's own outcome (shutdown, worker_died, ...).
+ResolvedAs(s, out) ==
+    CASE s \in {"idle", "pending", "cancelling"} -> out = ""
+      [] s = "gone"                              -> out = "consumer_gone"
+      [] s = "shutdown"                          ->
+            out \notin {"", "ok", "failed", "cancelled", "timeout", "unsent", "consumer_gone"}
+      [] OTHER                                   -> out = s
+Agrees(t) ==
+    /\ closed = shut
+    /\ perr = errs
+    /\ \A o \in 1..TNumIds[t] :
+          LET x == rec[Id(o)] IN
+          /\ x.st = st[o]
+          /\ (x.waiter # "none") = waiter[o]
+          /\ HeldAs(x.held) = held[o]
+          /\ ("fin" \in x.late) = finished[o]
+          /\ x.late \ {"fin"} = expect[o]
+    /\ \A k \in AORpcs(t) : AO(t)!Pending(k) = (k \in Rpcs /\ rpc[k] = "pending")
+    /\ \A k \in AORpcs(t) : ResolvedAs(rpcs[k], rout[k])
+
+\* The engine cancelled a waiter's or a call's Future, which nothing records:
+\* AsyncOutput's CancelWait / CancelRpc, right before the call that shows it
+\* (a waiter resolved "cancelled", a call resolved "cancelled"), one at a time.
+WaitersToCancel == {o \in Ev.cw : rec[Id(o)].waiter = "waiting"}
+CallsToCancel == {k \in Ev.cr : rpcs[k] = "pending"}
+SilentCancel ==
+    /\ l < Len(TraceLog) /\ Ev.g # ""
+    /\ \E t \in {tr} :
+          IF WaitersToCancel # {}
+          THEN AO(t)!CancelWait(Id(CHOOSE o \in WaitersToCancel : TRUE))
+          ELSE CallsToCancel # {} /\ AO(t)!CancelRpc(CHOOSE k \in CallsToCancel : TRUE)
+    /\ UNCHANGED <<fine, errs, rout, tr>>
+
+\* One recorded event: the event layer's step, and AsyncOutput's when it opens a call.
+AOEvent ==
+    IF Ev.g = "" THEN UNCHANGED <<ao, tr>>
+    ELSE /\ WaitersToCancel = {} /\ CallsToCancel = {}
+         /\ \E t \in {tr} : Holds(Agrees(t)) /\ AOStep(t)
+         /\ UNCHANGED tr
 
 -----------------------------------------------------------------------------
 (* Trace boundaries. *)
 
 \* The end of one trace: everything settled; after a shutdown nothing is
-\* left: no record, no waiter, no pending RPC.  Then the next trace starts fresh.
+\* left: no record, no waiter, no pending RPC; AsyncOutput agrees.  Then the
+\* next trace starts fresh.
 TraceEnd ==
     /\ Is("End") /\ Holds(Settled)
-    /\ Holds(closed => /\ \A o \in Oids : st[o] = "NONE" /\ ~waiter[o]
+    /\ Holds(shut => /\ \A o \in Oids : st[o] = "NONE" /\ ~waiter[o]
                       /\ \A k \in Rpcs : rpc[k] # "pending")
+    /\ \E t \in {tr} : Holds(Agrees(t))
     /\ Step
     /\ FreshNext
+    /\ errs' = FALSE /\ rout' = [k \in Rpcs |-> ""]
+    /\ IF tr < NumTraces THEN tr' = tr + 1 /\ AOInitNext(tr + 1) ELSE UNCHANGED <<ao, tr>>
 
-Done == i = Len(TraceLog) /\ UNCHANGED vars
+Done == l = Len(TraceLog) /\ UNCHANGED vars
 
-Next ==
+TraceEvent ==
     \/ TracePumpRecv
     \/ TraceLate
     \/ TraceCreate
@@ -622,6 +777,10 @@ Next ==
     \/ TraceDispatchDrop
     \/ TraceRpcResolve
     \/ TraceWorkerFire
+
+Next ==
+    \/ TraceEvent /\ Outcomes /\ AOEvent
+    \/ SilentCancel
     \/ TraceEnd
     \/ Done
 

@@ -5,12 +5,20 @@ The implementation records protocol actions through ``omni_async.core.trace`` (a
 one TLA+ module, ``TraceData``: the events of every trace one after the other,
 each trace closed by an ``End`` event, as a sequence literal (this TLC has no
 JSON module).  ``tla/TraceAsyncOutput.tla`` replays that log one event per step
-from a fresh state per trace; every request-state change must be an entry of the
-generated ``RequestTable`` and every event must be justified by the protocol (see
-the spec).  One JVM start checks them all.
+from a fresh state per trace, against the model-checked ``tla/AsyncOutput.tla``
+itself (an ``INSTANCE`` per trace): every registry or dispatcher call recorded
+(a message handled, a wait, a drop, an expiry, ...) must be the matching step of
+AsyncOutput from the current state, and the events inside it must say what that
+step did (every request-state change an entry of the generated ``RequestTable``,
+every event justified; see the spec).  One JVM start checks them all.
 
-Output ids and RPC ids are renumbered per trace (1, 2, ...) in order of first
-appearance, so TLC's state stays small and traces cannot interfere.
+Output ids are renumbered per trace (1, 2, ...) in order of first appearance;
+RPCs too, the submitted calls first, in submit order (AsyncOutput's engine
+submits call ``submitted + 1``), so TLC's state stays small and traces cannot
+interfere.  For each trace the encoder also works out what AsyncOutput needs as
+constants (``Batch``: the ids each call announced; ``Consumer``; the ranks and
+the reply rank) and marks the first event of each call with the step it opens
+(see ``_steps``).
 
 When an event is not a step of the spec, TLC reports a deadlock; the last state
 of its error trace says how many events were consumed, and the result names the
@@ -111,6 +119,9 @@ class EncodedTraces:
     module: str  # the text of TraceData.tla
     # For each position of TraceLog (0-based): (trace index, event index or None for End).
     positions: tuple[tuple[int, int | None], ...]
+    # Steps of AsyncOutput that no event records, which the replay takes itself: the
+    # engine cancelling a waiter's or a call's Future (one TLC state each).
+    silent_steps: int = 0
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -125,9 +136,14 @@ def _set(values: Iterable[int]) -> str:
 
 
 class _Numbering:
-    def __init__(self) -> None:
+    def __init__(self, trace: Sequence[TraceEvent] = ()) -> None:
         self.ids: dict[str, int] = {}
         self.rpcs: dict[str, int] = {}
+        # The submitted calls first, in submit order: AsyncOutput's engine submits
+        # call ``submitted + 1``.
+        for ev in trace:
+            if ev.action == "RpcSubmit" and ev.fields.get("rpc_id") is not None:
+                self.rpc(ev.fields.get("rpc_id"))
 
     def oid(self, value: FieldValue) -> int:
         if value is None:
@@ -174,7 +190,180 @@ def _csv(value: FieldValue) -> list[str]:
     return [v for v in str(value).split(",") if v]
 
 
-def _encode_event(ev: TraceEvent, num: _Numbering) -> tuple[str, int]:
+@attrs.define
+class _Step:
+    """The step of AsyncOutput a call makes: marked on the call's first event.
+
+    kind: submit | recv | wait | cancel | drop | expire | rpcexpire | unsent | release
+    | failall.  ids: the records an expiry ends; cw / cr: the waiters (ids) and calls
+    (rpc numbers) whose Future the engine cancelled before the call (the replay takes
+    AsyncOutput's CancelWait / CancelRpc for them first); key: the consumer of a
+    release, the outcome of a fail_all; via: the dispatcher's call (not the
+    registry's alone); close: a fail_all that closes.
+    """
+
+    kind: str
+    key: str = ""
+    ids: set[int] = attrs.field(factory=set)
+    cw: set[int] = attrs.field(factory=set)
+    cr: set[int] = attrs.field(factory=set)
+    via: bool = False
+    close: bool = False
+    saw_registry: bool = False  # the registry's part (ReleaseConsumer / FailAll) began
+
+
+_INSIDE_CALL = frozenset({"ok", "failed", "cancelled"})
+
+
+def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
+    """Split a trace into the calls of the registry and the dispatcher, each one step of
+    AsyncOutput: {index of the call's first event: its step}.
+
+    The boundaries are those the implementation records (tla/TraceAsyncOutput.tla):
+    a handled message (PumpRecv), a submit, a wait, a cancel, a drop (the engine's: the
+    dispatcher's own drops follow its DispatchDrop inside a call), an expiry, each
+    call a compute deadline fails or a forget drops, a consumer's release and a
+    fail_all (the dispatcher's part, its RpcResolve events, comes first).
+    Worker events (WorkerFire) belong to no call.
+    """
+    consumer_of: dict[int, str] = {}
+    for ev in trace:
+        if ev.action == "RpcSubmit":
+            consumer_of[num.rpc(ev.fields.get("rpc_id"))] = _consumer(ev.fields.get("consumer"))
+    steps: dict[int, _Step] = {}
+    cur: _Step | None = None
+    prev: TraceEvent | None = None
+    for n, ev in enumerate(trace):
+        a, f = ev.action, ev.fields
+        if a == "WorkerFire":
+            continue
+        new: _Step | None = None
+        if a == "PumpRecv":
+            new = _Step("recv")
+        elif a == "RpcSubmit":
+            new = _Step("submit")
+        elif a == "WaiterAdd":
+            new = _Step("wait")
+        elif a == "Cancel":
+            new = _Step("cancel")
+        elif a == "Expire":
+            new = _Step("expire")
+        elif a == "Drop":
+            after_dispatch = (
+                prev is not None and prev.action == "DispatchDrop" and prev.fields.get("output_id") == f.get("output_id")
+            )
+            if not after_dispatch:
+                new = _Step("drop")
+        elif a in ("DispatchDrop", "RpcResolve"):
+            why = str(f.get("reason") if a == "DispatchDrop" else f.get("outcome"))
+            key = str(num.rpc(f.get("rpc_id")))
+            if why in ("timeout", "unsent"):
+                kind = "rpcexpire" if why == "timeout" else "unsent"
+                if cur is None or cur.kind != kind or cur.key != key:
+                    new = _Step(kind, key)
+            elif a == "RpcResolve" and why == "consumer_gone":
+                c = consumer_of.get(num.rpc(f.get("rpc_id")), "")
+                if cur is None or cur.kind != "release" or cur.key != c or cur.saw_registry:
+                    new = _Step("release", c, via=True)
+            elif a == "RpcResolve" and why not in _INSIDE_CALL:
+                if cur is None or cur.kind != "failall" or cur.key != why or cur.saw_registry:
+                    new = _Step("failall", why, via=True)
+        elif a == "ReleaseConsumer":
+            c = _consumer(f.get("consumer"))
+            if cur is None or cur.kind != "release" or cur.key != c or cur.saw_registry:
+                new = _Step("release", c)
+        elif a == "FailAll":
+            why = str(f.get("outcome"))
+            if cur is None or cur.kind != "failall" or cur.key != why or cur.saw_registry:
+                new = _Step("failall", why)
+        if new is not None:
+            cur = new
+            steps[n] = cur
+        prev = ev
+        if cur is None:
+            continue
+        if a in ("ReleaseConsumer", "FailAll"):
+            cur.saw_registry = True
+            if a == "FailAll":
+                cur.close = bool(f.get("close"))
+        elif a == "WaiterResolve" and f.get("outcome") == "cancelled":
+            cur.cw.add(num.oid(f.get("output_id")))
+        elif a == "RpcResolve" and f.get("outcome") == "cancelled":
+            cur.cr.add(num.rpc(f.get("rpc_id")))
+        elif a == "Fire" and cur.kind == "expire" and f.get("event") in ("ABANDON", "FORCE_RELEASE"):
+            cur.ids.add(num.oid(f.get("output_id")))
+    return steps
+
+
+@attrs.frozen
+class _TraceConstants:
+    """What one trace's INSTANCE of AsyncOutput takes as constants."""
+
+    batch: tuple[tuple[int, ...], ...]  # per rpc number: the ids it announced, in request order
+    consumer: tuple[str, ...]  # per rpc number
+    ranks: frozenset[int]
+    reply_rank: int
+    num_ids: int
+
+
+def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceConstants:
+    """Batch: each id belongs to the call whose COMPUTE_DONE (or the failure naming it)
+    the registry accepted it from; an id no such message named goes to the first call
+    that named it, or to a call of its own that was never submitted (an output nobody
+    announced); ids are numbered 1..num_ids, rpcs 1..len(batch)."""
+    batch: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    named_by: dict[int, int] = {}
+    ranks: set[int] = set()
+    reply: int | None = None
+    msg_rpc: int | None = None
+    seen_rank = 0
+    for ev in trace:
+        f = ev.fields
+        if ev.action == "RpcSubmit":
+            if reply is None:
+                reply = _int(ev, "reply_rank", 0)
+            ranks.update(int(v) for v in _csv(f.get("ranks")))
+        elif ev.action == "PumpRecv":
+            seen_rank = max(seen_rank, _int(ev, "rank", 0))
+            ids = [num.oid(v) for v in _csv(f.get("ids"))]
+            msg_rpc = num.rpc(f.get("rpc_id")) if ids else None
+            for o in ids:
+                named_by.setdefault(o, num.rpc(f.get("rpc_id")))
+        elif ev.action == "Fire" and f.get("event") == "COMPUTE_DONE" and msg_rpc is not None:
+            o = num.oid(f.get("output_id"))
+            if o not in owner:
+                owner[o] = msg_rpc
+                batch.setdefault(msg_rpc, []).append(o)
+    num_rpcs = len(num.rpcs)
+    for o in range(1, len(num.ids) + 1):
+        if o in owner:
+            continue
+        if o in named_by:
+            owner[o] = named_by[o]
+        else:
+            num_rpcs += 1
+            owner[o] = num_rpcs
+        batch.setdefault(owner[o], []).append(o)
+    num_rpcs = max([num_rpcs, len(num.rpcs), *batch.keys()] or [0])
+    consumer = ["" for _ in range(num_rpcs)]
+    for ev in trace:
+        if ev.action == "RpcSubmit":
+            k = num.rpc(ev.fields.get("rpc_id"))
+            if k <= num_rpcs:
+                consumer[k - 1] = _consumer(ev.fields.get("consumer"))
+    if not ranks:
+        ranks = set(range(seen_rank + 1))
+    return _TraceConstants(
+        tuple(tuple(batch.get(k, ())) for k in range(1, num_rpcs + 1)),
+        tuple(consumer),
+        frozenset(ranks),
+        0 if reply is None else reply,
+        len(num.ids),
+    )
+
+
+def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) -> tuple[str, int]:
     """One event as a TLA+ record, and the largest rank it mentions."""
     need = ACTIONS.get(ev.action)
     if need is None:
@@ -232,36 +421,73 @@ def _encode_event(ev: TraceEvent, num: _Numbering) -> tuple[str, int]:
         case _:
             pass
     top = max([r, *ranks, 0])
+    st = step if step is not None else _Step("")
     rec = (
         f"[a |-> {_s(ev.action)}, o |-> {o}, e |-> {_s(e)}, s |-> {_s(s)}, d |-> {_s(d)}, x |-> {_s(x)}, "
-        f"k |-> {k}, n |-> {n}, r |-> {r}, ok |-> {'TRUE' if ok else 'FALSE'}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}]"
+        f"k |-> {k}, n |-> {n}, r |-> {r}, ok |-> {_b(ok)}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}, "
+        f"g |-> {_s(st.kind)}, gs |-> {_set(st.ids)}, cw |-> {_set(st.cw)}, cr |-> {_set(st.cr)}, "
+        f"gx |-> {_s(st.key)}, gv |-> {_b(st.via)}, gc |-> {_b(st.close)}]"
     )
     return rec, top
 
 
+def _b(value: bool) -> str:
+    return "TRUE" if value else "FALSE"
+
+
 _END_RECORD = (
     f'[a |-> "{END}", o |-> 0, e |-> "", s |-> "", d |-> "", x |-> "", '
-    "k |-> 0, n |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}]"
+    "k |-> 0, n |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}, "
+    'g |-> "", gs |-> {}, cw |-> {}, cr |-> {}, gx |-> "", gv |-> FALSE, gc |-> FALSE]'
 )
+
+
+def _seq(values: Iterable[str]) -> str:
+    return "<<" + ", ".join(values) + ">>"
+
+
+def _constants_module(consts: Sequence[_TraceConstants]) -> str:
+    """The per-trace constants of AsyncOutput, as functions of the trace number."""
+    if not consts:  # no trace: one empty one, so that the replay's definitions stay total
+        consts = [_TraceConstants((), (), frozenset({0}), 0, 0)]
+    batches = _seq(_seq(_seq(_s(str(o)) for o in b) for b in c.batch) for c in consts)
+    cons = _seq(_seq(_s(x) for x in c.consumer) for c in consts)
+    ranks = _seq(_set(c.ranks) for c in consts)
+    reply = _seq(str(c.reply_rank) for c in consts)
+    nids = _seq(str(c.num_ids) for c in consts)
+    return (
+        f"NumTraces == {len(consts)}\n"
+        f"TBatch == {batches}\n"
+        f"TCons == {cons}\n"
+        f"TRanks == {ranks}\n"
+        f"TReply == {reply}\n"
+        f"TNumIds == {nids}\n"
+    )
 
 
 def encode_traces(traces: Sequence[Sequence[TraceEvent]]) -> EncodedTraces:
     """The TraceData module for ``traces`` (see tla/TraceAsyncOutput.tla for its shape)."""
     records: list[str] = []
     positions: list[tuple[int, int | None]] = []
+    consts: list[_TraceConstants] = []
     num_ids = num_rpcs = 1
     max_rank = 0
+    silent = 0
     for t, trace in enumerate(traces):
-        num = _Numbering()
+        num = _Numbering(trace)
+        steps = _steps(trace, num)
         for n, ev in enumerate(trace):
-            rec, top = _encode_event(ev, num)
+            rec, top = _encode_event(ev, num, steps.get(n))
             records.append(rec)
             positions.append((t, n))
             max_rank = max(max_rank, top)
         records.append(_END_RECORD)
         positions.append((t, None))
+        c = _trace_constants(trace, num)
+        consts.append(c)
+        silent += sum(len(s.cw) + len(s.cr) for s in steps.values())
         num_ids = max(num_ids, len(num.ids))
-        num_rpcs = max(num_rpcs, len(num.rpcs))
+        num_rpcs = max(num_rpcs, len(num.rpcs), len(c.batch))
     body = ",\n    ".join(records)
     module = (
         "------------------------------ MODULE TraceData ------------------------------\n"
@@ -270,10 +496,11 @@ def encode_traces(traces: Sequence[Sequence[TraceEvent]]) -> EncodedTraces:
         f"NumIds == {num_ids}\n"
         f"NumRpcs == {num_rpcs}\n"
         f"MaxRank == {max_rank}\n"
-        f"TraceLog == <<\n    {body}\n  >>\n"
+        + _constants_module(consts)
+        + f"TraceLog == <<\n    {body}\n  >>\n"
         "=============================================================================\n"
     )
-    return EncodedTraces(module, tuple(positions))
+    return EncodedTraces(module, tuple(positions), silent)
 
 
 # ----------------------------------------------------------------------------- checking
@@ -287,7 +514,7 @@ INVARIANT TypeOK
 def _failure(res: TlcResult, traces: Sequence[Sequence[TraceEvent]], enc: EncodedTraces) -> TraceFailure:
     consumed: int | None = None
     if res.trace:
-        raw = res.trace[-1].variables.get("i")
+        raw = res.trace[-1].variables.get("l")
         if raw is not None and raw.strip().isdigit():
             consumed = int(raw.strip())
     detail = "; ".join(res.errors) or f"TLC exited with {res.returncode}"
@@ -318,7 +545,7 @@ def check_traces(
     with tempfile.TemporaryDirectory(prefix="omni-tracecheck-") as tmp:
         work = keep_dir if keep_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for name in (TRACE_SPEC, "RequestTable.tla"):
+        for name in (TRACE_SPEC, "AsyncOutput.tla", "RequestTable.tla"):
             shutil.copyfile(tla_dir() / name, work / name)
         (work / "TraceData.tla").write_text(enc.module, encoding="utf-8")
         cfg = work / "TraceAsyncOutput.cfg"

@@ -1,0 +1,124 @@
+"""Trace validation holds real runs to the model-checked spec itself (tla/AsyncOutput.tla).
+
+tla/TraceAsyncOutput.tla instances AsyncOutput and takes one of its steps per recorded
+registry or dispatcher call.  So a change to AsyncOutput's executor half must change
+what trace validation accepts: we flip a guard of a pump or registry step in a copy of
+AsyncOutput.tla, point ``OMNI_ASYNC_TLA_DIR`` at the copy, and check that the same real
+traces that the unchanged copy accepts are now refused.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.executor_harness import RELAXED, make_toy, req
+from helpers.tlc import require_tlc
+
+from omni_async.core.dispatch import Dispatcher
+from omni_async.core.errors import ExecutorShutdown
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.core.registry import OutputRegistry, apply_resolutions
+from omni_async.core.trace import TraceEvent
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.verify.locate import tla_dir
+from omni_async.verify.recorder import ListTracer
+from omni_async.verify.tracecheck import check_traces
+
+# (what the mutation breaks, text of AsyncOutput.tla, its replacement): each text occurs once.
+MUTATIONS = [
+    (
+        "wait adds a waiter only where one is already",
+        '/\\ ~closed /\\ Wanted(i) /\\ rec[i].waiter = "none"',
+        '/\\ ~closed /\\ Wanted(i) /\\ rec[i].waiter # "none"',
+    ),
+    (
+        "COMPUTE_DONE accepted only where it is not awaited",
+        "    /\\ Create(x).st \\in RequestAwaitingComputeDone\n",
+        "    /\\ Create(x).st \\notin RequestAwaitingComputeDone\n",
+    ),
+    (
+        "a call completes on the first answer",
+        '\\A q \\in Ranks : ansk[q] # "none"',
+        '\\E q \\in Ranks : ansk[q] # "none"',
+    ),
+    (
+        "an early output is orphaned only while its call is pending",
+        "rec[i].st \\in RequestAwaitingComputeDone /\\ ~Pending(RpcOf(i))",
+        "rec[i].st \\in RequestAwaitingComputeDone /\\ Pending(RpcOf(i))",
+    ),
+]
+
+
+def _executor_run() -> list[TraceEvent]:
+    """A real run of the in-process executor: a batch on two ranks, both outputs waited for."""
+    tracer = ListTracer()
+    ex = InProcessExecutor(make_toy, world_size=2, deadlines=RELAXED, tracer=tracer)
+    try:
+        outs = ex.submit_batch([req("q1"), req("q2")]).result(10)
+        for ro in outs:
+            assert ro.async_output_id is not None
+            ex.wait_output_ready(ro.async_output_id).result(10)
+    finally:
+        ex.shutdown()
+    return tracer.snapshot()
+
+
+def _orphan_run() -> list[TraceEvent]:
+    """A real run of the dispatcher and the registry: an output arrives before a COMPUTE_DONE
+    that never comes; its call times out, then the record's own deadline releases it."""
+    tracer = ListTracer()
+    reg = OutputRegistry(output_timeout=5.0, tracer=tracer)
+    disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer)
+    disp.submit("r1", "execute_model", now=0.0)
+    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("q1")), now=1.0)
+    for now in (8.0, 9.0):
+        disp.expire(now)
+    assert reg.stats.orphaned == 1
+    disp.fail_all(lambda oid: ExecutorShutdown("shut down", output_id=oid), close=True)
+    apply_resolutions(disp.take_resolutions())
+    return tracer.snapshot()
+
+
+@pytest.fixture(scope="module")
+def real_traces() -> list[list[TraceEvent]]:
+    return [_executor_run(), _orphan_run()]
+
+
+@pytest.fixture
+def tla_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    copy = tmp_path / "tla"
+    shutil.copytree(tla_dir(), copy)
+    monkeypatch.setenv("OMNI_ASYNC_TLA_DIR", str(copy))
+    tla_dir.cache_clear()
+    try:
+        yield copy
+    finally:
+        monkeypatch.delenv("OMNI_ASYNC_TLA_DIR")
+        tla_dir.cache_clear()
+
+
+@pytest.mark.tlc
+def test_the_copy_accepts_the_real_traces(tla_copy: Path, real_traces: list[list[TraceEvent]]) -> None:
+    assert tla_dir() == tla_copy
+    res = check_traces(real_traces, toolchain=require_tlc())
+    assert res.ok, res.summary()
+
+
+@pytest.mark.tlc
+@pytest.mark.parametrize(("name", "text", "mutant"), MUTATIONS, ids=[m[0] for m in MUTATIONS])
+def test_a_mutated_model_refuses_the_real_traces(
+    tla_copy: Path, real_traces: list[list[TraceEvent]], name: str, text: str, mutant: str
+) -> None:
+    spec = tla_copy / "AsyncOutput.tla"
+    source = spec.read_text(encoding="utf-8")
+    assert source.count(text) == 1, f"{name}: the guard to flip is not in AsyncOutput.tla (once)"
+    spec.write_text(source.replace(text, mutant), encoding="utf-8")
+    res = check_traces(real_traces, toolchain=require_tlc())
+    assert not res.ok, f"{name}: trace validation accepted the real traces against the mutated AsyncOutput"
+    # Refused as a step that is not the spec's (a deadlock of the replay), not a TLC error.
+    assert res.tlc is not None and res.tlc.deadlock, res.summary()
+    assert res.failure is not None and res.failure.trace >= 0, res.summary()
+    print(f"\n{name}: {res.failure}")
