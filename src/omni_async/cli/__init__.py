@@ -1,6 +1,6 @@
 """``omni-async``: the command line.
 
-One module per command (``demo``), each registering its own options; ``options`` holds
+One module per command (``demo``, ``soak``), each registering its own options; ``options`` holds
 the option types they share.  ``omni-async --help`` lists the commands.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from omni_async.cli import demo
+from omni_async.cli import demo, soak
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (demo,)
+_COMMANDS = (demo, soak)
 
 
 def build_parser() -> argparse.ArgumentParser:
