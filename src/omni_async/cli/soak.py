@@ -169,17 +169,12 @@ class Plan:
         return f"soak-{self.index}"
 
     def request(self) -> DiffusionRequest:
-        return DiffusionRequest(
-            self.request_id,
-            {
-                "seed": self.index,
-                "height": self.height,
-                "steps": self.steps,
-                "keep_trajectory": self.keep_trajectory,
-                "raise": self.fault == "raise",
-                "unpackable": self.fault == "unpackable",
-            },
-        )
+        params: dict[str, object] = {"seed": self.index, "height": self.height, "steps": self.steps}
+        if self.keep_trajectory:
+            params["keep_trajectory"] = True
+        if self.fault in ("raise", "unpackable"):  # the model's switches, only where they are on
+            params[self.fault] = True
+        return DiffusionRequest(self.request_id, params)
 
 
 def plan_request(seed: int, fault_rate: float, index: int) -> Plan:
