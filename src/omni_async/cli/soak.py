@@ -301,6 +301,7 @@ class Life:
         self.pids = [p.pid for p in self.ex.procs if p.pid is not None]
         self.rss_start = {pid: _rss_kib(pid) for pid in self.pids}
         self.rss_warm: dict[int, tuple[int, int] | None] | None = None
+        self.rss_last: dict[int, tuple[int, int] | None] = {}  # a killed worker's, just before the kill
         self.dispatched = 0
         self.failed = threading.Event()  # a worker died: no new request goes to this executor
         self._kill_lock = threading.Lock()
@@ -317,8 +318,10 @@ class Life:
             if self.failed.is_set():
                 return
             self.failed.set()
+            victim = rng.choice(self.pids)
+            self.rss_last[victim] = _rss_kib(victim)  # its life's end, for the RSS check
             try:
-                os.kill(rng.choice(self.pids), signal.SIGKILL)
+                os.kill(victim, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -335,7 +338,7 @@ class Life:
             time.sleep(0.02)
         growth, anon = 0, None
         for pid, start in self.rss_start.items():
-            end = _rss_kib(pid)
+            end = self.rss_last[pid] if pid in self.rss_last else _rss_kib(pid)
             if start is None or end is None:
                 continue
             growth = max(growth, end[0] - start[0])
