@@ -522,18 +522,25 @@ def _early_pair_of_no_call(rig: Rig) -> None:
     _until(lambda: rig.delta(before).get("released") == 1, what="the stray output released")
 
 
+def refused(rig: Rig, before: Mapping[str, float]) -> None:
+    """The pump refused one frame: counted as a dispatch error, logged as a ``ProtocolError``.
+
+    (It counts before it logs: wait for both.)
+    """
+    _until(lambda: rig.delta(before) == {"dispatch_errors": 1} and bool(rig.logged_errors()), what="the refusal")
+    assert rig.logged_errors() == [ProtocolError]
+
+
 def _undecodable_frame(rig: Rig) -> None:
     before = rig.counts()
     rig.write(b"\x80\x05garbage that is not a pickle")
-    _until(lambda: rig.delta(before) == {"dispatch_errors": 1}, what=f"{rig.delta(before)}")
-    assert rig.logged_errors() == [ProtocolError]
+    refused(rig, before)
 
 
 def _not_a_message(rig: Rig) -> None:
     before = rig.counts()
     rig.write(pickle.dumps({"kind": "output_ready", "async_output_id": "x"}))
-    _until(lambda: rig.delta(before) == {"dispatch_errors": 1}, what=f"{rig.delta(before)}")
-    assert rig.logged_errors() == [ProtocolError]
+    refused(rig, before)
 
 
 def _invalid(msg: Msg, **fields: object) -> bytes:
@@ -546,8 +553,7 @@ def _invalid(msg: Msg, **fields: object) -> bytes:
 def _kind_out_of_the_enum(rig: Rig) -> None:
     before = rig.counts()
     rig.write(_invalid(Msg.rpc_result("k", None), kind="bogus"))
-    _until(lambda: rig.delta(before) == {"dispatch_errors": 1}, what=f"{rig.delta(before)}")
-    assert rig.logged_errors() == [ProtocolError]
+    refused(rig, before)
 
 
 def _output_that_is_not_an_output(rig: Rig) -> None:
@@ -556,8 +562,7 @@ def _output_that_is_not_an_output(rig: Rig) -> None:
     waiter = rig.ex.wait_output_ready(_oid(call.result(timeout=WAIT)))
     before = rig.counts()
     rig.write(_invalid(Msg.output_ready("not-an-output-forged", DiffusionOutput("x")), output={"image": 1}))
-    _until(lambda: rig.delta(before) == {"dispatch_errors": 1}, what=f"{rig.delta(before)}")
-    assert rig.logged_errors() == [ProtocolError]
+    refused(rig, before)
     # The refused message never reached the waiter; the id's next OUTPUT_READY does.
     rig.put(Msg.output_failed("not-an-output-forged", Failure("E", "the real failure")))
     err = waiter.exception(timeout=5)
