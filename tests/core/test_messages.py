@@ -80,6 +80,8 @@ def _out(rid: str = "req-0", oid: str | None = None) -> DiffusionOutput:
             lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), request_ids=("r",)),
         ),
         ("output_ready with a result", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output=_out(), result=3)),
+        ("output_ready carrying no DiffusionOutput", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", output={"x": 1})),  # type: ignore[arg-type]
+        ("output_ready failure not a Failure", lambda: AsyncDiffusionOutput(K.OUTPUT_READY, async_output_id="a", failure="boom")),  # type: ignore[arg-type]
         ("rpc_result without rpc_id", lambda: AsyncDiffusionOutput(K.RPC_RESULT, result=1)),
         ("rpc_result with result and failure", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", result=1, failure=Failure("E", "m"))),
         ("rpc_result with ids", lambda: AsyncDiffusionOutput(K.RPC_RESULT, rpc_id="r", async_output_ids=("a",), request_ids=("q",))),

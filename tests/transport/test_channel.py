@@ -150,6 +150,29 @@ def test_undecodable_payload_is_a_protocol_error() -> None:
     assert loads_message(dumps_message(msg(7), None)).result == 7
 
 
+def test_a_message_built_by_hand_is_a_protocol_error_at_the_receiver() -> None:
+    """Unpickling skips the constructor: a peer's message its constructor would refuse
+    must not reach the dispatcher (found by the fault matrix: an OUTPUT_READY carrying a
+    dict for an awaited id left its waiter claimed forever and crashed the pump at
+    shutdown; a kind outside the enum failed in the dispatcher untyped)."""
+    import pickle
+
+    def by_hand(m: AsyncDiffusionOutput, **fields: object) -> bytes:
+        for name, value in fields.items():
+            object.__setattr__(m, name, value)
+        return pickle.dumps(m)
+
+    bad = [
+        by_hand(msg(1), kind="bogus"),
+        by_hand(AsyncDiffusionOutput.output_ready("a", DiffusionOutput("r")), output={"image": 1}),
+        by_hand(AsyncDiffusionOutput.output_ready("a", DiffusionOutput("r")), async_output_id=None),
+        by_hand(msg(1), rank=-1),
+    ]
+    for data in bad:
+        with pytest.raises(ProtocolError, match="invalid message"):
+            loads_message(data)
+
+
 def test_many_threads_one_process_inproc() -> None:
     ch = InProcessChannel(maxsize=16)
     threads, per = 8, 200

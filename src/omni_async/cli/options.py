@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["device", "image_side", "positive_int", "seconds"]
+__all__ = ["device", "image_side", "non_negative_int", "positive_int", "probability", "seconds"]
 
 
 def positive_int(text: str) -> int:
@@ -21,6 +21,27 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A probability: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, got {text!r}")
     return value
 
 

@@ -136,6 +136,10 @@ class AsyncDiffusionOutput:
             raise MessageValidationError(f"kind must be an AsyncOutputKind, got {self.kind!r}")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
             raise MessageValidationError(f"rank must be a non-negative int, got {self.rank!r}")
+        if self.output is not None and not isinstance(self.output, DiffusionOutput):
+            raise MessageValidationError(f"output must be a DiffusionOutput, got {type(self.output).__qualname__}")
+        if self.failure is not None and not isinstance(self.failure, Failure):
+            raise MessageValidationError(f"failure must be a Failure, got {type(self.failure).__qualname__}")
         match self.kind:
             case AsyncOutputKind.COMPUTE_DONE:
                 _check_id("COMPUTE_DONE rpc_id", self.rpc_id)

@@ -129,7 +129,16 @@ class TinyDiffusionWorker:
             "latents": trajectory,
             "info": {"steps": steps, "shape": (height, width), "dtype": str(self.dtype)},
         }
+        if p.get("unpackable"):
+            # A value no packer can carry: with worker processes, packing this output
+            # fails (UnsupportedOutputType) and its waiter gets RemoteError.
+            output["unpackable"] = Unpackable()
         return DiffusionOutput(request_id=request.request_id, output=output)
+
+
+class Unpackable:
+    """What ``TinyDiffusionWorker`` puts in an output asked for with ``unpackable``: not a
+    tensor, array, bytes, plain value or container, so the packer refuses it."""
 
 
 def image_digest(t: torch.Tensor) -> torch.Tensor:

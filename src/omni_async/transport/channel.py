@@ -16,8 +16,9 @@ Contract (the ``ResultChannel`` protocol, every implementation here keeps it):
   ``timeout`` passed with nothing to read.  After ``close()``, ``put`` raises
   ``ChannelClosed`` and ``get`` raises ``ChannelClosed`` (close is shutdown: messages
   still unread are discarded; their shared-memory segments are unlinked by the pool).
-  A payload that does not unpickle to an ``AsyncDiffusionOutput`` raises
-  ``ProtocolError`` from ``get`` (the pump counts it and carries on).
+  A payload that does not unpickle to a valid ``AsyncDiffusionOutput`` (one its
+  constructor accepts) raises ``ProtocolError`` from ``get`` (the pump counts it and
+  carries on).
 
 Two implementations:
 
@@ -54,6 +55,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+
+import attrs
 
 from omni_async.core.errors import ProtocolError, UsageError
 from omni_async.core.messages import AsyncDiffusionOutput
@@ -126,13 +129,21 @@ def dumps_message(msg: AsyncDiffusionOutput, max_bytes: int | None) -> bytes:
 
 
 def loads_message(data: bytes) -> AsyncDiffusionOutput:
+    """Unpickle and validate one message; anything else is the peer's ``ProtocolError``."""
     try:
         msg = pickle.loads(data)
     except Exception as exc:
         raise ProtocolError(f"undecodable message on the result channel: {type(exc).__name__}: {exc}") from exc
     if not isinstance(msg, AsyncDiffusionOutput):
         raise ProtocolError(f"the result channel carried a {type(msg).__qualname__}, not an AsyncDiffusionOutput")
-    return msg
+    # Unpickling skips the constructor and with it the validation, so a message a peer
+    # built by hand (a kind outside the enum, an OUTPUT_READY carrying no DiffusionOutput)
+    # would reach the dispatcher and fail there untyped, or half-way through a delivery.
+    # Construct it again: it is refused here, typed, like an undecodable one.
+    try:
+        return attrs.evolve(msg)
+    except Exception as exc:
+        raise ProtocolError(f"invalid message on the result channel: {type(exc).__name__}: {exc}") from exc
 
 
 def _resolve_timeout(timeout: float | None, default: float | None) -> float | None:

@@ -1,0 +1,617 @@
+"""``omni-async soak``: the whole stack under random load and faults, every request accounted for.
+
+The soak drives ``MultiprocDiffusionExecutor`` over ``TinyDiffusionWorker`` from
+``--concurrency`` engine threads, each running one request at a time from submit to
+its end, so that many requests are in flight at once.  Every request gets random
+sizes (inline images of up to 64 KiB and shared-memory ones of up to 1 MiB, some with
+their trajectory) and, with probability ``--fault-rate``, one fault (``FAULTS``): a
+forward that raises, an output the packer refuses, an abort (``drop_output``), a
+cancelled call or wait (``Future.cancel``), the consumer going away
+(``release_consumer``), the engine's own tight deadline, a claim after the output
+deadline, or a SIGKILL of one worker.
+
+Every request ends in exactly one recorded outcome: a result (its bytes checked against
+the digest the worker took), a typed error (by class), aborted, or cancelled.  The
+executor cannot recover from a dead worker (``WorkerDied`` is final), so after a kill
+the soak lets the requests in flight end, checks and shuts the executor down, and
+starts a new one: each executor's life is checked on its own (registry empty, no lease
+outstanding, no file left in /dev/shm, and the growth of its workers' own memory,
+``RssAnon`` in ``/proc/<pid>/status``, from the end of the life's warm-up to its end).
+
+Memory: per request only a byte of state (``Accounting``) and counters; the plan of a
+request is drawn from ``(seed, index)`` when it starts, so ``--requests 100000`` costs
+the driver 100 KB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import attrs
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from omni_async.cli import options
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import OmniAsyncError, OutputDropped, OutputError, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.tiny import image_digest
+from omni_async.transport.shm.files import entries
+
+__all__ = ["FAULTS", "Accounting", "Plan", "Row", "add_parser", "build_rows", "plan_request", "run"]
+
+# The faults a faulty request gets, with their weights.  Kills are rarer: each costs an
+# executor restart (a few seconds on a small machine).
+FAULTS: Mapping[str, float] = {
+    "raise": 1.0,  # the forward raises: RpcFailed
+    "unpackable": 1.0,  # the packer refuses the output: RemoteError (UnsupportedOutputType)
+    "abort": 1.0,  # drop_output, before or after the output arrived
+    "cancel-call": 1.0,  # cancel the future of submit_request
+    "cancel-wait": 1.0,  # cancel the future of wait_output_ready
+    "consumer-gone": 0.5,  # release_consumer, before or after the call resolved
+    "tight-wait": 1.0,  # the engine's own deadline of 0-5 ms, then cancel (the guide's fetch)
+    "expire": 0.25,  # claimed only after the output deadline: OutputTimeout
+    "kill": 0.25,  # SIGKILL of one worker: WorkerDied, then a new executor
+}
+WIDTH = 64  # the model's width: an image of height h is h * 256 bytes
+INLINE_HEIGHTS = (8, 32, 64, 128, 256)  # up to 64 KiB: inside the message
+SHM_HEIGHTS = (512, 1024, 2048, 4096)  # 128 KiB to 1 MiB: a pooled segment
+WAIT_S = 120.0  # a wait that runs out is a hang: an untyped TimeoutError, which fails the soak
+SETTLE_S = 15.0  # how long an executor may take to release what ended requests left in flight
+# Worker memory grows over the first forwards of each shape (torch's allocator and
+# kernels, the packer's buffers) and then stays flat; the RSS check starts after these.
+WARMUP_REQUESTS = 50
+
+RESULT = "result"
+CHANGED = "result with changed bytes"
+CANCELLED = "cancelled"
+ABORTED = "aborted"
+CONSUMER_GONE = "aborted (consumer gone)"
+TYPED = "typed error: "
+UNTYPED = "untyped error: "
+
+
+# ------------------------------------------------------------------------------ options
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``omni-async soak``."""
+    d = sub.add_parser(
+        "soak",
+        help="run many requests with random faults and account for every one",
+        description=(
+            "Drive a MultiprocDiffusionExecutor over TinyDiffusionWorker with random output sizes and, "
+            "with probability --fault-rate per request, one fault: a forward that raises, an output the "
+            "packer refuses, an abort, a cancelled call or wait, the consumer going away, a tight engine "
+            "deadline, a claim after the output deadline, or a SIGKILL of a worker.  A dead worker ends "
+            "its executor (WorkerDied is final): the soak lets the requests in flight end, checks and "
+            "shuts that executor down and starts a new one.  At the end it prints every request's "
+            "outcome and the checks: no request unaccounted, no changed bytes, no untyped error, every "
+            "executor's registry empty and pool complete, nothing left in /dev/shm, worker RSS growth "
+            "under --rss-bound-mib.  Exit status 0: every check passed; 1: one failed; 2: bad arguments."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument("--requests", type=options.positive_int, default=1000, help="number of requests")
+    d.add_argument(
+        "--fault-rate", type=options.probability, default=0.1, help="probability that a request gets a fault"
+    )
+    d.add_argument("--seed", type=options.non_negative_int, default=0, help="seed of every random choice")
+    d.add_argument(
+        "--concurrency", type=options.positive_int, default=8, help="requests in flight at once (engine threads)"
+    )
+    d.add_argument("--world-size", type=options.positive_int, default=1, help="worker ranks per executor")
+    d.add_argument(
+        "--max-held-outputs",
+        type=options.positive_int,
+        default=16,
+        help="the executors' budget of outputs held in shared memory",
+    )
+    d.add_argument(
+        "--output-timeout",
+        type=options.seconds,
+        default=2.0,
+        help="the executors' output deadline in seconds (the 'expire' fault claims just after it)",
+    )
+    d.add_argument(
+        "--rss-bound-mib",
+        type=options.positive_int,
+        default=64,
+        help=(
+            "most a worker's own memory (RssAnon: heap and stacks) may grow from the end of its executor's "
+            f"warm-up (its first {WARMUP_REQUESTS} requests) to the end of its life"
+        ),
+    )
+    d.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the table to PATH as JSON")
+    d.set_defaults(subparser=d, check=_check, run=run)
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.output_timeout is None:
+        args.subparser.error("argument --output-timeout: the soak needs an output deadline (the 'expire' fault)")
+    if args.json is not None and not args.json.parent.is_dir():
+        args.subparser.error(f"argument --json: no directory {str(args.json.parent)!r}")
+
+
+# ------------------------------------------------------------------------------ plans
+
+
+@attrs.frozen
+class Plan:
+    """What request ``index`` does: its size and its fault (None: none)."""
+
+    index: int
+    fault: str | None
+    height: int
+    steps: int
+    keep_trajectory: bool
+    delay: float  # seconds before a cancel or a late abort; the engine's deadline for 'tight-wait'
+    early: bool  # abort or release the consumer before the output arrives (or the call resolves)
+
+    @property
+    def request_id(self) -> str:
+        return f"soak-{self.index}"
+
+    def request(self) -> DiffusionRequest:
+        params: dict[str, object] = {"seed": self.index, "height": self.height, "steps": self.steps}
+        if self.keep_trajectory:
+            params["keep_trajectory"] = True
+        if self.fault in ("raise", "unpackable"):  # the model's switches, only where they are on
+            params[self.fault] = True
+        return DiffusionRequest(self.request_id, params)
+
+
+def plan_request(seed: int, fault_rate: float, index: int) -> Plan:
+    """Request ``index``'s plan: the same for the same seed, whatever ran before it."""
+    rng = random.Random(f"omni-async-soak:{seed}:{index}")
+    fault = None
+    if rng.random() < fault_rate:
+        fault = rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+    return Plan(
+        index=index,
+        fault=fault,
+        height=rng.choice(INLINE_HEIGHTS if rng.random() < 0.5 else SHM_HEIGHTS),
+        steps=rng.randint(1, 3),
+        keep_trajectory=rng.random() < 0.2,
+        delay=rng.uniform(0.0, 0.005),
+        early=rng.random() < 0.5,
+    )
+
+
+# ------------------------------------------------------------------------------ accounting
+
+
+class Accounting:
+    """Every request's one outcome, in counters and one byte of state per request.
+
+    ``start(i)`` when request ``i`` is handed to an engine thread, ``end(i, outcome)``
+    when it ended; a request started or ended twice is counted in ``twice``, one that
+    never ends is ``unaccounted``.
+    """
+
+    _NEW, _RUNNING, _ENDED = 0, 1, 2
+
+    def __init__(self, requests: int) -> None:
+        self.requests = requests
+        self._state = bytearray(requests)
+        self._lock = threading.Lock()
+        self.outcomes: Counter[str] = Counter()
+        self.twice = 0
+
+    def start(self, index: int) -> None:
+        with self._lock:
+            if self._state[index] != self._NEW:
+                self.twice += 1
+                return
+            self._state[index] = self._RUNNING
+
+    def end(self, index: int, outcome: str) -> None:
+        with self._lock:
+            if self._state[index] != self._RUNNING:
+                self.twice += 1
+                return
+            self._state[index] = self._ENDED
+            self.outcomes[outcome] += 1
+
+    @property
+    def ended(self) -> int:
+        with self._lock:
+            return sum(self.outcomes.values())
+
+    @property
+    def unaccounted(self) -> int:
+        """Requests without an outcome: started and never ended, or never run."""
+        return self.requests - self.ended
+
+
+def classify(exc: BaseException) -> str:
+    """A request's outcome when it ended with ``exc``: a typed error by class, or untyped."""
+    if isinstance(exc, RemoteError):
+        return f"{TYPED}RemoteError ({exc.failure.type_name})"
+    if isinstance(exc, RpcFailed):
+        kinds = sorted({f.type_name for f in exc.failures.values()})
+        return f"{TYPED}RpcFailed ({', '.join(kinds)})"
+    if isinstance(exc, OmniAsyncError):
+        return f"{TYPED}{type(exc).__name__}"
+    return f"{UNTYPED}{type(exc).__name__}"
+
+
+# ------------------------------------------------------------------------------ executors
+
+
+def _rss_kib(pid: int) -> tuple[int, int] | None:
+    """(VmRSS, RssAnon) of a process in KiB, or None when it is gone.
+
+    VmRSS also counts the pages of shared libraries the process has touched (torch's are
+    large, and a forward of a new shape touches more of them) and of the shared-memory
+    segments it wrote into (bounded by the budget of held outputs); RssAnon is the
+    process's own heap and stacks, where a leak would show.
+    """
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return None
+    try:
+        return int(fields["VmRSS"].split()[0]), int(fields["RssAnon"].split()[0])
+    except (KeyError, ValueError, IndexError):
+        return None
+
+
+@attrs.frozen
+class LifeReport:
+    """How one executor's life ended."""
+
+    killed: bool
+    registry_empty: bool
+    leases_outstanding: int
+    files_left: int
+    rss_growth_kib: int  # VmRSS from the start, the largest growth among the workers alive at the end
+    anon_growth_kib: int | None  # RssAnon from the end of the warm-up, likewise: the check (None: no warm-up)
+
+
+class Life:
+    """One executor, from its start to its checked shutdown."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.ex = MultiprocDiffusionExecutor(
+            WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": WIDTH, "steps": 2}),
+            world_size=args.world_size,
+            deadlines=Deadlines(compute_timeout=60.0, output_timeout=args.output_timeout, rpc_timeout=60.0),
+            options=WorkerOptions(lease_timeout=30.0),
+            max_held_outputs=args.max_held_outputs,
+        )
+        self.prefix = self.ex.pool.prefix
+        self.pids = [p.pid for p in self.ex.procs if p.pid is not None]
+        self.rss_start = {pid: _rss_kib(pid) for pid in self.pids}
+        self.rss_warm: dict[int, tuple[int, int] | None] | None = None
+        self.rss_last: dict[int, tuple[int, int] | None] = {}  # a killed worker's, just before the kill
+        self.dispatched = 0
+        self.failed = threading.Event()  # a worker died: no new request goes to this executor
+        self._kill_lock = threading.Lock()
+
+    def dispatch(self) -> None:
+        """One more request goes to this executor (main thread)."""
+        self.dispatched += 1
+        if self.dispatched == WARMUP_REQUESTS + 1:
+            self.rss_warm = {pid: _rss_kib(pid) for pid in self.pids}
+
+    def kill_one(self, rng: random.Random) -> None:
+        """SIGKILL one worker of this executor (once per life: the executor is finished after it)."""
+        with self._kill_lock:
+            if self.failed.is_set():
+                return
+            self.failed.set()
+            victim = rng.choice(self.pids)
+            self.rss_last[victim] = _rss_kib(victim)  # its life's end, for the RSS check
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def end(self) -> LifeReport:
+        """Check what the ended requests left, shut down, and check what the shutdown left."""
+        ex = self.ex
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            m = ex.metrics()
+            leases = ex.pool.stats().outstanding
+            empty = m["pending_outputs"] == 0 and m["held_payloads"] == 0
+            if (empty and leases == 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        growth, anon = 0, None
+        for pid, start in self.rss_start.items():
+            end = self.rss_last[pid] if pid in self.rss_last else _rss_kib(pid)
+            if start is None or end is None:
+                continue
+            growth = max(growth, end[0] - start[0])
+            warm = None if self.rss_warm is None else self.rss_warm.get(pid)
+            if warm is not None:
+                anon = max(anon or 0, end[1] - warm[1])
+        ex.shutdown("the soak ended this executor")
+        return LifeReport(
+            killed=self.failed.is_set(),
+            registry_empty=empty,
+            leases_outstanding=leases,
+            files_left=len(entries(self.prefix)),
+            rss_growth_kib=growth,
+            anon_growth_kib=anon,
+        )
+
+
+# ------------------------------------------------------------------------------ one request
+
+
+def _intact(out: DiffusionOutput, plan: Plan) -> bool:
+    image = out.output["image"]
+    return bool(
+        out.request_id == plan.request_id
+        and tuple(image.shape) == (plan.height, WIDTH)
+        and int(image_digest(image)) == int(out.output["digest"])
+        and len(out.output["latents"]) == (plan.steps if plan.keep_trajectory else 0)
+    )
+
+
+def _consume(life: Life, out: DiffusionOutput, plan: Plan) -> str:
+    intact = _intact(out, plan)
+    life.ex.release_output(out)
+    return RESULT if intact else CHANGED
+
+
+def _request(plan: Plan, life: Life, output_timeout: float) -> str:
+    """Run one request as its plan says; returns its outcome (raises what ended it otherwise)."""
+    ex, fault = life.ex, plan.fault
+    consumer = f"soak-consumer-{plan.index}" if fault == "consumer-gone" else None
+    call = ex.submit_request(plan.request(), consumer=consumer)
+    if fault == "kill":
+        life.kill_one(random.Random(plan.index))
+    if fault == "cancel-call":
+        time.sleep(plan.delay)
+        if call.cancel():
+            return CANCELLED
+    if consumer is not None:
+        if plan.early:
+            ex.release_consumer(consumer)
+        try:
+            oid = call.result(timeout=WAIT_S).async_output_id
+        except OutputDropped:
+            return CONSUMER_GONE  # gone before the call resolved
+        ex.release_consumer(consumer)
+        assert oid is not None
+        try:
+            ex.release_output(ex.wait_output_ready(oid).result(timeout=WAIT_S))
+        except OutputError as exc:
+            if isinstance(exc, OutputDropped) or type(exc) is OutputError:  # abandoned, or released already
+                return CONSUMER_GONE
+            raise
+        raise AssertionError(f"{plan.request_id}: delivered after its consumer was released")  # untyped: fails
+    oid = call.result(timeout=WAIT_S).async_output_id
+    assert oid is not None
+    if fault == "abort" and plan.early:
+        ex.drop_output(oid).result(timeout=WAIT_S)
+        return ABORTED
+    if fault == "expire":
+        time.sleep(output_timeout + 0.25)
+    waiter = ex.wait_output_ready(oid)
+    if fault == "cancel-wait":
+        time.sleep(plan.delay)
+        if waiter.cancel():
+            return CANCELLED
+    elif fault == "tight-wait":
+        try:
+            return _consume(life, waiter.result(timeout=plan.delay), plan)
+        except TimeoutError as exc:
+            if isinstance(exc, OmniAsyncError):  # OutputTimeout: the executor's deadline, an outcome
+                raise
+            if waiter.cancel():  # abandoned: the executor releases it on arrival
+                return CANCELLED
+    elif fault == "abort":
+        time.sleep(plan.delay)
+        ex.drop_output(oid).result(timeout=WAIT_S)
+        err = waiter.exception(timeout=WAIT_S)
+        if isinstance(err, OutputDropped):
+            return ABORTED
+        if err is not None:
+            raise err
+        return _consume(life, waiter.result(), plan)  # delivered before the drop
+    return _consume(life, waiter.result(timeout=WAIT_S), plan)
+
+
+def _task(plan: Plan, life: Life, acc: Accounting, output_timeout: float) -> None:
+    """An engine thread's job: one request, exactly one outcome, whatever happens."""
+    try:
+        outcome = _request(plan, life, output_timeout)
+    except BaseException as exc:  # noqa: BLE001  # every ending is an outcome, the unexpected ones too
+        outcome = classify(exc)
+        if isinstance(exc, WorkerDied):
+            life.failed.set()
+    acc.end(plan.index, outcome)
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+@attrs.frozen
+class Row:
+    """One line of the table: a name, its value, and whether it passed (None: not a check)."""
+
+    name: str
+    value: str
+    ok: bool | None = None
+
+
+def build_rows(
+    acc: Accounting,
+    lives: Sequence[LifeReport],
+    faults: Mapping[str, int],
+    *,
+    elapsed_s: float,
+    rss_bound_mib: int,
+    driver_rss_kib: Sequence[int],
+) -> list[Row]:
+    """The table the soak prints (and writes as JSON): outcomes, faults, then the checks.
+
+    ``driver_rss_kib``: this process's VmRSS at the start, after a tenth of the requests
+    and at the end (the driver keeps counters only: the last two should agree).
+    """
+    rows = [Row("requests", str(acc.requests))]
+    rows += [Row(f"  {outcome}", str(n)) for outcome, n in sorted(acc.outcomes.items())]
+    rows += [Row(f"  fault injected: {fault}", str(n)) for fault, n in sorted(faults.items())]
+    changed = acc.outcomes[CHANGED]
+    untyped = sum(n for o, n in acc.outcomes.items() if o.startswith(UNTYPED))
+    not_empty = sum(1 for life in lives if not life.registry_empty)
+    incomplete = sum(1 for life in lives if life.leases_outstanding)
+    files = sum(life.files_left for life in lives)
+    growth = max((life.rss_growth_kib for life in lives), default=0)
+    warm = [life.anon_growth_kib for life in lives if life.anon_growth_kib is not None]
+    anon = max(warm, default=0)
+    n = len(lives)
+    rows += [
+        Row("requests unaccounted", str(acc.unaccounted), acc.unaccounted == 0),
+        Row("requests recorded twice", str(acc.twice), acc.twice == 0),
+        Row("results with changed bytes", str(changed), changed == 0),
+        Row("untyped errors", str(untyped), untyped == 0),
+        Row("registry empty", f"{n - not_empty} of {n} executors", not_empty == 0),
+        Row("pool complete (no lease out)", f"{n - incomplete} of {n} executors", incomplete == 0),
+        Row("segments left in /dev/shm", str(files), files == 0),
+        Row(
+            "worker RSS growth (RssAnon)",
+            f"{anon / 1024:.1f} MiB, bound {rss_bound_mib} ({len(warm)} of {n})",
+            anon < rss_bound_mib * 1024,
+        ),
+        Row("worker RSS growth (VmRSS)", f"{growth / 1024:.1f} MiB"),
+        Row("driver RSS (start, 10%, end)", " -> ".join(f"{k / 1024:.0f}" for k in driver_rss_kib) + " MiB"),
+        Row("executors started", f"{n} ({sum(1 for life in lives if life.killed)} ended by a kill)"),
+        Row("elapsed", f"{elapsed_s:.1f} s"),
+        Row("requests/s", f"{acc.ended / elapsed_s:.1f}" if elapsed_s > 0 else "-"),
+    ]
+    return rows
+
+
+def render(rows: Sequence[Row]) -> Table:
+    table = Table(title="omni-async soak")
+    table.add_column("")
+    table.add_column("value", justify="right")
+    table.add_column("check")
+    for row in rows:
+        table.add_row(row.name, row.value, "" if row.ok is None else ("ok" if row.ok else "FAIL"))
+    return table
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    # The executors log each killed worker: above the progress bar, not through it.
+    handler = RichHandler(console=console, show_path=False, level=logging.WARNING)
+    package_log = logging.getLogger("omni_async")
+    package_log.addHandler(handler)
+    try:
+        return _run(args, console)
+    finally:
+        package_log.removeHandler(handler)
+
+
+def _run(args: argparse.Namespace, console: Console) -> int:
+    acc = Accounting(args.requests)
+    faults: Counter[str] = Counter()
+    lives: list[LifeReport] = []
+    driver_rss = [(_rss_kib(os.getpid()) or (0, 0))[0]]
+    tenth = max(1, args.requests // 10)
+    t0 = time.monotonic()
+    life = Life(args)
+    pending: set[Future[None]] = set()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with ThreadPoolExecutor(args.concurrency, thread_name_prefix="soak-engine") as engines, Progress(
+        *columns, console=console
+    ) as progress:
+        bar = progress.add_task("soak", total=args.requests)
+
+        def collect(block: Callable[[set[Future[None]]], tuple[set[Future[None]], set[Future[None]]]]) -> None:
+            nonlocal pending
+            done, pending = block(pending)
+            for f in done:
+                f.result()  # _task never raises; a bug in it must not pass silently
+            results = acc.outcomes[RESULT]
+            progress.update(
+                bar, completed=acc.ended, description=f"executor {len(lives) + 1}, {results} results"
+            )
+
+        for i in range(args.requests):
+            while len(pending) >= args.concurrency:
+                collect(_done_first)
+            if life.failed.is_set():
+                collect(_done_all)
+                lives.append(life.end())
+                life = Life(args)
+            if i == tenth:
+                driver_rss.append((_rss_kib(os.getpid()) or (0, 0))[0])
+            plan = plan_request(args.seed, args.fault_rate, i)
+            faults[plan.fault or "none"] += 1
+            acc.start(i)
+            life.dispatch()
+            pending.add(engines.submit(_task, plan, life, acc, args.output_timeout))
+        collect(_done_all)
+        lives.append(life.end())
+    elapsed = time.monotonic() - t0
+    driver_rss.append((_rss_kib(os.getpid()) or (0, 0))[0])
+    rows = build_rows(
+        acc,
+        lives,
+        {k: v for k, v in faults.items() if k != "none"},
+        elapsed_s=elapsed,
+        rss_bound_mib=args.rss_bound_mib,
+        driver_rss_kib=driver_rss,
+    )
+    ok = all(row.ok is not False for row in rows)
+    console.print(render(rows))
+    console.print(f"soak {'passed' if ok else 'FAILED'}: {acc.requests} requests, {len(lives)} executors")
+    if args.json is not None:
+        args.json.write_text(json.dumps(_as_json(args, rows, acc, faults, ok), indent=2) + "\n", encoding="utf-8")
+    return 0 if ok else 1
+
+
+def _done_first(pending: set[Future[None]]) -> tuple[set[Future[None]], set[Future[None]]]:
+    done, rest = wait(pending, return_when=FIRST_COMPLETED)
+    return set(done), set(rest)
+
+
+def _done_all(pending: set[Future[None]]) -> tuple[set[Future[None]], set[Future[None]]]:
+    done, rest = wait(pending)
+    return set(done), set(rest)
+
+
+def _as_json(
+    args: argparse.Namespace, rows: Sequence[Row], acc: Accounting, faults: Mapping[str, int], ok: bool
+) -> dict[str, object]:
+    argv = ["omni-async", *sys.argv[1:]] if sys.argv[1:2] == ["soak"] else ["omni-async", "soak"]
+    return {
+        "command": shlex.join(argv),
+        "ok": ok,
+        "rows": [{"name": r.name.strip(), "value": r.value, "check": None if r.ok is None else r.ok} for r in rows],
+        "outcomes": dict(sorted(acc.outcomes.items())),
+        "faults": dict(sorted(faults.items())),
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in sorted(vars(args).items())
+            if k not in ("subparser", "check", "run")
+        },
+    }

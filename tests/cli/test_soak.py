@@ -1,0 +1,138 @@
+"""``omni-async soak``: a short soak as a user runs it, and the accounting that judges it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_async import cli
+from omni_async.cli import soak
+
+
+def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["name"]: row for row in report["rows"]}
+
+
+def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> None:
+    """300 requests, a tenth of them faulty (two worker kills among them with seed 1), in about
+    20 s: exit status 0, and the table says every request ended in one outcome, every
+    executor was left clean, and nothing is left in /dev/shm."""
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "-m", "omni_async.cli", "soak", "--requests", "300", "--fault-rate", "0.1", "--seed", "1"]
+    done = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for line in ("requests unaccounted", "segments left in /dev/shm", "registry empty", "soak passed: 300 requests"):
+        assert line in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["command"].startswith("omni-async soak --requests 300")
+    rows = _rows(report)
+    assert rows["requests unaccounted"]["value"] == "0" and rows["requests unaccounted"]["check"] is True
+    assert rows["segments left in /dev/shm"]["value"] == "0"
+    checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
+    assert len(checks) == 8 and all(checks.values()), checks
+    assert sum(report["outcomes"].values()) == 300
+    assert report["outcomes"]["result"] > 200
+    # A kill ends its executor; a second kill drawn before the soak noticed finds it ended.
+    executors = int(rows["executors started"]["value"].split()[0])
+    assert 2 <= executors <= report["faults"]["kill"] + 1
+    typed = {o for o in report["outcomes"] if o.startswith("typed error")}
+    assert "typed error: WorkerDied" in typed and "typed error: RpcFailed (RuntimeError)" in typed
+
+
+def _lost(requests: int, lost: int) -> soak.Accounting:
+    acc = soak.Accounting(requests)
+    for i in range(requests):
+        acc.start(i)
+        if i != lost:
+            acc.end(i, soak.RESULT)
+    return acc
+
+
+def _checks(acc: soak.Accounting) -> dict[str, bool | None]:
+    rows = soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64, driver_rss_kib=[1024, 1024])
+    return {row.name: row.ok for row in rows}
+
+
+def test_the_accounting_catches_a_request_that_vanishes() -> None:
+    acc = _lost(5, lost=3)
+    assert acc.unaccounted == 1 and acc.ended == 4
+    assert _checks(acc)["requests unaccounted"] is False
+    assert _checks(_lost(5, lost=-1))["requests unaccounted"] is True
+
+
+def test_the_accounting_catches_a_request_recorded_twice() -> None:
+    acc = _lost(3, lost=-1)
+    acc.end(1, soak.CANCELLED)  # a second outcome for one request
+    assert acc.twice == 1 and acc.outcomes == {soak.RESULT: 3}
+    assert _checks(acc)["requests recorded twice"] is False
+
+
+def test_a_soak_that_loses_a_request_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The real run, with one request whose ending is never recorded: exit status 1."""
+    real = soak._task
+
+    def loses_request_3(plan: soak.Plan, life: soak.Life, acc: soak.Accounting, output_timeout: float) -> None:
+        if plan.index == 3:
+            return  # ran nowhere, recorded nowhere: the request vanished
+        real(plan, life, acc, output_timeout)
+
+    monkeypatch.setattr(soak, "_task", loses_request_3)
+    out = tmp_path / "lost.json"
+    assert cli.main(["soak", "--requests", "8", "--fault-rate", "0", "--json", str(out)]) == 1
+    assert "soak FAILED" in capsys.readouterr().out
+    rows = _rows(json.loads(out.read_text()))
+    assert rows["requests unaccounted"] == {"name": "requests unaccounted", "value": "1", "check": False}
+    assert rows["segments left in /dev/shm"]["check"] is True  # only the accounting failed
+
+
+def test_plans_are_a_function_of_seed_and_index() -> None:
+    a = [soak.plan_request(7, 0.3, i) for i in range(2000)]
+    assert a == [soak.plan_request(7, 0.3, i) for i in range(2000)]
+    assert a != [soak.plan_request(8, 0.3, i) for i in range(2000)]
+    faulty = [p for p in a if p.fault is not None]
+    assert 0.25 < len(faulty) / len(a) < 0.35
+    assert {p.fault for p in faulty} == set(soak.FAULTS)
+    assert {p.height * soak.WIDTH * 4 <= 64 << 10 for p in a} == {True, False}  # inline and shared memory
+    assert not any(p.fault for p in (soak.plan_request(7, 0.0, i) for i in range(500)))
+
+
+BAD = [
+    (["--fault-rate", "1.5"], "--fault-rate"),
+    (["--fault-rate", "nan"], "--fault-rate"),
+    (["--seed", "-1"], "--seed"),
+    (["--concurrency", "0"], "--concurrency"),
+    (["--requests", "0"], "--requests"),
+    (["--output-timeout", "0"], "--output-timeout"),
+    (["--json", "/no/such/dir/x.json"], "--json"),
+]
+
+
+@pytest.mark.parametrize(("argv", "option"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_bad_value_is_one_error_line_before_anything_starts(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def must_not_run(args: argparse.Namespace) -> int:
+        raise AssertionError(f"the soak started with {args}")
+
+    monkeypatch.setattr(soak, "run", must_not_run)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["soak", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(f"omni-async soak: error: argument {option}: "), err
+
+
+def test_the_help_says_what_happens_after_a_kill() -> None:
+    soak_parser: argparse.ArgumentParser = cli.build_parser().parse_args(["soak"]).subparser
+    text = " ".join(soak_parser.format_help().split())
+    assert "WorkerDied is final" in text and "starts a new one" in text
+    assert "--rss-bound-mib" in text and "RssAnon" in text
