@@ -37,6 +37,7 @@ _PARAMS: dict[str, tuple[type, int | None]] = {
     "seed": (int, None),
     "raise": (bool, None),
     "keep_trajectory": (bool, None),
+    "unpackable": (bool, None),
 }
 
 
