@@ -28,15 +28,15 @@ health and neighbour checks: ``test_multiproc.py::test_exception_in_forward_fail
 Hostile messages written into the executor's result channel as a broken worker would
 (its own pipe, real frames): ``test_a_hostile_message_is_harmless`` (duplicates, wrong
 kinds, ids of no call, undecodable and invalid frames); the gaps found:
-``test_every_hostile_message_is_counted``, ``test_an_oversize_frame_is_refused``,
-``test_a_truncated_frame_does_not_stall_the_pump``,
-``test_records_of_unknown_ids_are_bounded`` (xfail).
+``test_every_hostile_message_is_counted``, ``test_records_of_unknown_ids_are_bounded``
+(xfail); fixed: ``test_an_oversize_frame_is_refused``,
+``test_a_truncated_frame_does_not_stall_the_pump``.
 
 Load: ``test_a_slow_consumer_holds_shared_memory_under_the_budget``,
 ``test_cancel_and_abort_storm_under_heavy_traffic``,
 ``test_deadlines_expire_mid_forward_and_mid_pack``,
 ``test_shutdown_with_hundreds_of_outputs_in_flight``,
-``test_shutdown_with_a_pack_waiting_for_room_is_prompt`` (xfail),
+``test_shutdown_with_a_pack_waiting_for_room_is_prompt``,
 ``test_sleep_waits_for_the_copies_in_flight_f8``.  The full budget's warning and error:
 ``test_held_budget.py``; outputs expiring unclaimed while their pack waits:
 ``test_held_budget.py::test_outputs_submitted_beyond_the_budget_expire_saying_so``.
@@ -625,11 +625,6 @@ def test_every_hostile_message_is_counted(rig: Rig, case: str) -> None:
         settle(rig.ex)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect found by the matrix: the receiving end does not bound frames (PipeChannel.get reads any "
-    "length; the byte budget is only checked by well-behaved senders)",
-)
 def test_an_oversize_frame_is_refused(rig: Rig) -> None:
     """A frame larger than the channel's message limit is refused at the pump, typed and counted."""
     before = rig.counts()
@@ -648,11 +643,6 @@ def test_an_oversize_frame_is_refused(rig: Rig) -> None:
         healthy_after(rig.ex, "oversize")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect found by the matrix: a frame whose body never comes blocks the pump in recv_bytes: every "
-    "worker's results stall while check_health stays green (until the sender closes its end)",
-)
 def test_a_truncated_frame_does_not_stall_the_pump(rig: Rig) -> None:
     """A live sender writes a frame header announcing 1000 bytes and 10 bytes of it."""
     os.write(rig.hostile._conn.fileno(), struct.pack("!i", 1000) + b"0123456789")
@@ -660,7 +650,13 @@ def test_a_truncated_frame_does_not_stall_the_pump(rig: Rig) -> None:
     call = rig.ex.submit_request(_req("behind-a-torn-frame", **INLINE))
     try:
         assert call.exception(timeout=2.0) is None
+        # The other ranks are served, but the torn sender is visible: health fails, naming it.
+        rig.ex.torn_frame_bound = 0.1
+        time.sleep(0.2)
+        with pytest.raises(ProtocolError, match="worker hostile: a message on its result channel has been incomplete"):
+            rig.ex.check_health()
     finally:
+        rig.ex.torn_frame_bound = MultiprocDiffusionExecutor.torn_frame_bound
         rig.hostile.close()  # EOF: the pump gets out of the read and drops the pipe
         rig.ex.drop_output(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
         settle(rig.ex)
@@ -883,11 +879,6 @@ def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect found by the matrix (F16): a pack waiting for room in the budget of held outputs keeps "
-    "its worker from exiting; shutdown waits out the 5 s join and then terminates it (exit code -15)",
-)
 def test_shutdown_with_a_pack_waiting_for_room_is_prompt(tight: Shared) -> None:
     ex = tight.get()
     settle(ex)
@@ -953,7 +944,7 @@ def test_shutdown_with_hundreds_of_outputs_in_flight(shared: Shared) -> None:
     stopping = threading.Thread(target=ex.shutdown, args=("shut down with 301 outputs in flight",))
     stopping.start()
     # As the engine goes, it gives back what it held: the stuck pack gets its room, and the
-    # worker can exit at once (while a pack still waits, shutdown is slow: the xfail above).
+    # worker can exit at once (a pack that still waits is abandoned: the test above).
     _until(lambda: all(w.done() for w in waiters), what="every waiter failed")
     for out in held:
         with contextlib.suppress(PoolClosed):  # shutdown was quicker: the segments are unlinked anyway

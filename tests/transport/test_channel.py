@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import struct
 import threading
 import time
 from collections import defaultdict
@@ -171,6 +172,66 @@ def test_a_message_built_by_hand_is_a_protocol_error_at_the_receiver() -> None:
     for data in bad:
         with pytest.raises(ProtocolError, match="invalid message"):
             loads_message(data)
+
+
+def test_the_receiver_refuses_an_oversize_frame_and_reads_on() -> None:
+    """M4: a frame above the message limit, written raw (no sender check, no credits), is
+    refused at the receiver, typed, its bytes discarded; the next message arrives."""
+    ch = PipeChannel(capacity_bytes=16 * CREDIT_BYTES, max_message_bytes=4 * CREDIT_BYTES)
+    try:
+        s = ch.new_sender("raw")
+        huge = dumps_message(msg(1, b"x" * (8 * CREDIT_BYTES)), None)
+
+        def write() -> None:
+            s._conn.send_bytes(huge)
+            s.put(msg(2))
+
+        writer = threading.Thread(target=write, daemon=True)
+        writer.start()
+        with pytest.raises(ProtocolError, match=r"raw: a frame of \d+ bytes exceeds the limit"):
+            ch.get(5.0)
+        got = ch.get(5.0)
+        assert got is not None and got.result == 2
+        writer.join(5)
+        assert s._credits.get_value() == 16 and ch.senders == ["raw"]
+    finally:
+        ch.close()
+
+
+def test_raw_writes_do_not_inflate_the_credit_budget() -> None:
+    """M4: frames a writer sent without taking credits give none back beyond the budget."""
+    ch = PipeChannel(capacity_bytes=4 * CREDIT_BYTES)
+    try:
+        s = ch.new_sender("raw")
+        for i in range(10):
+            s._conn.send_bytes(dumps_message(msg(i), None))
+        got = [ch.get(2.0) for _ in range(10)]
+        assert [m.result for m in got if m is not None] == list(range(10))
+        assert s._credits.get_value() == 4
+    finally:
+        ch.close()
+
+
+def test_a_torn_frame_holds_only_its_own_sender() -> None:
+    """M5: a sender stopped half-way through a frame does not block the reader; it shows in
+    ``torn_senders``, and the frame is whole once the rest comes."""
+    ch = PipeChannel(capacity_bytes=4 * CREDIT_BYTES)
+    try:
+        a, b = ch.new_sender("a"), ch.new_sender("b")
+        frame = dumps_message(msg(4), None)
+        head = struct.pack("!i", len(frame)) + frame[:10]
+        os.write(a._conn.fileno(), head)
+        b.put(msg(3))
+        got = ch.get(2.0)
+        assert got is not None and got.result == 3
+        assert ch.get(0.1) is None
+        assert list(ch.torn_senders(0.0)) == ["a"] and ch.torn_senders(60.0) == {}
+        os.write(a._conn.fileno(), frame[10:])
+        got = ch.get(2.0)
+        assert got is not None and got.result == 4
+        assert ch.torn_senders(0.0) == {}
+    finally:
+        ch.close()
 
 
 def test_many_threads_one_process_inproc() -> None:

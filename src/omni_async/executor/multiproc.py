@@ -72,6 +72,7 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
+    ProtocolError,
     UsageError,
     WorkerDied,
     WorkerStartupFailed,
@@ -345,7 +346,8 @@ def _worker_main(
             raise
         sys.exit(1)
     finally:
-        packer.stop(timeout=10.0)
+        # Exiting: a pack still waiting for room must not hold the exit (F16).
+        packer.stop(timeout=10.0, abandon=True)
         sender.close()
 
 
@@ -393,6 +395,7 @@ def _build_worker(
         make_stream=make_stream,
         max_outputs=opts.max_outputs_in_flight,
         max_bytes=opts.max_bytes_in_flight,
+        interrupt=pool.cancel_waits,
     )
     loop = WorkerLoop(
         rank,
@@ -639,8 +642,22 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 except (BrokenPipeError, OSError) as exc:
                     raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
 
+    # A worker's frame incomplete this long (a live sender stopped mid-write, M5) fails
+    # ``check_health``: the reader serves the other ranks meanwhile, but this rank's
+    # results stall behind the torn frame.
+    torn_frame_bound: float = 5.0
+
     def _worker_failure(self) -> OmniAsyncError | None:
-        return self._failure
+        if self._failure is not None:
+            return self._failure
+        torn = self._channel.torn_senders(self.torn_frame_bound)
+        if torn:
+            label, age = max(torn.items(), key=lambda kv: kv[1])
+            return ProtocolError(
+                f"worker {label}: a message on its result channel has been incomplete for {age:.1f} s "
+                f"(the worker stopped mid-write); its results stall behind it"
+            )
+        return None
 
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
         """The unpacked output, delivered to exactly one waiter (see ``DiffusionExecutor``).

@@ -18,7 +18,8 @@ Contract (the ``ResultChannel`` protocol, every implementation here keeps it):
   still unread are discarded; their shared-memory segments are unlinked by the pool).
   A payload that does not unpickle to a valid ``AsyncDiffusionOutput`` (one its
   constructor accepts) raises ``ProtocolError`` from ``get`` (the pump counts it and
-  carries on).
+  carries on); so does, on ``PipeChannel``, a frame longer than the message limit,
+  whatever its sender checked (its bytes are discarded unread; the pipe reads on).
 
 Two implementations:
 
@@ -41,16 +42,22 @@ one) before writing an ``n``-byte message; the reader gives them back after read
 A semaphore, not a lock plus counter, because the reader only ever posts to it, so a
 sender killed at any instant cannot leave the pump blocked.  The pipe's kernel buffer
 is enlarged towards the byte budget where the OS allows, so a write that holds its
-credits does not block on the reader.
+credits does not block on the reader.  The reader trusts no sender: it gives credits
+back only up to the budget (a raw write took none), and it reads the pipes
+non-blocking, assembling each frame as its bytes come, so a sender stopped half-way
+through a frame stalls its own pipe only (``torn_senders`` reports it).
 """
 
 from __future__ import annotations
 
 import collections
 import fcntl
+import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import pickle
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +68,8 @@ import attrs
 from omni_async.core.errors import ProtocolError, UsageError
 from omni_async.core.messages import AsyncDiffusionOutput
 from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
@@ -389,6 +398,111 @@ class PipeSender:
                 self._conn.close()
 
 
+class _FrameReader:
+    """The executor's reading end of one sender's pipe: frames read without ever blocking.
+
+    The bytes of a ``Connection.send_bytes`` frame (a 4-byte big-endian length, or -1
+    and an 8-byte length, then the body) are read from a non-blocking descriptor as they
+    come, so a sender that stops half-way through a frame (a live worker stuck mid-write,
+    M5) holds only its own pipe: the reader serves the other pipes meanwhile, and
+    ``partial_since`` says since when this one is torn.  A frame whose header announces
+    more than ``max_frame`` bytes is refused (``ProtocolError``) and its body is read and
+    discarded, never held (M4).  Credits go back only up to the sender's budget, so a
+    writer that took none (it wrote raw bytes) cannot inflate it.
+    """
+
+    _CHUNK: Final = 1 << 20
+
+    def __init__(
+        self, conn: multiprocessing.connection.Connection, label: str, credits: Any, budget: int, max_frame: int
+    ) -> None:
+        self.conn = conn
+        self.label = label
+        self.credits = credits
+        self._budget = budget
+        self._max_frame = max_frame
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self._buf = bytearray()
+        self._size: int | None = None  # the body length of the frame being read
+        self._skip = 0  # bytes of a refused frame still to discard
+        self.partial_since: float | None = None
+        self.refused = 0
+
+    def _give_back(self, nbytes: int) -> None:
+        n = _credits_for(nbytes)
+        try:
+            # Only the reader posts, senders only take: the room seen here cannot shrink
+            # before the posts, so the budget never grows beyond its capacity.
+            n = min(n, self._budget - int(self.credits.get_value()))
+        except NotImplementedError:  # macOS has no sem_getvalue
+            pass
+        for _ in range(max(0, n)):
+            self.credits.release()
+
+    def read(self) -> tuple[list[bytes | ProtocolError], str | None]:
+        """What one read of the pipe completes: frames and refusals, and why the pipe is done (or None).
+
+        Raises nothing: EOF, a torn last frame and an unreadable length end the pipe.
+        """
+        out: list[bytes | ProtocolError] = []
+        try:
+            want = self._skip or (self._size - len(self._buf) if self._size is not None else 0)
+            chunk = os.read(self._fd, min(max(want, CREDIT_BYTES), self._CHUNK))
+        except BlockingIOError:
+            return out, None
+        except OSError as exc:
+            return out, f"unreadable ({exc})"
+        if not chunk:
+            torn = self._size is not None or self._buf or self._skip
+            return out, "closed mid-frame (a torn message)" if torn else "closed"
+        self._buf += chunk
+        while True:
+            if self._skip:
+                n = min(self._skip, len(self._buf))
+                del self._buf[:n]
+                self._skip -= n
+                if self._skip:
+                    break
+            if self._size is None:
+                if len(self._buf) < 4:
+                    break
+                (size,) = struct.unpack("!i", self._buf[:4])
+                head = 4
+                if size == -1:
+                    if len(self._buf) < 12:
+                        break
+                    (size,) = struct.unpack("!Q", self._buf[4:12])
+                    head = 12
+                del self._buf[:head]
+                if size < 0:
+                    out.append(ProtocolError(f"result channel {self.label}: a frame of negative length {size}"))
+                    return out, "its frames cannot be parsed any more"
+                if size > self._max_frame:
+                    self.refused += 1
+                    self._skip = size
+                    out.append(
+                        ProtocolError(
+                            f"result channel {self.label}: a frame of {size} bytes exceeds the limit of "
+                            f"{self._max_frame} bytes; refused (its bytes are discarded)"
+                        )
+                    )
+                    continue
+                self._size = size
+            if len(self._buf) < self._size:
+                break
+            frame = bytes(self._buf[: self._size])
+            del self._buf[: self._size]
+            self._size = None
+            self._give_back(len(frame))
+            out.append(frame)
+        if not self._buf and self._size is None and not self._skip:
+            self.partial_since = None  # at a frame boundary
+        elif out or self.partial_since is None:
+            self.partial_since = time.monotonic()  # a frame begun since the last boundary
+        return out, None
+
+
 class PipeChannel:
     """The executor's end: one pipe per sender, one reader (the pump).
 
@@ -417,8 +531,9 @@ class PipeChannel:
         self._put_timeout = put_timeout
         self._on_sender_gone = on_sender_gone
         self._lock = threading.Lock()  # guards the receiver table (new_sender vs. get)
-        self._receivers: dict[multiprocessing.connection.Connection, tuple[str, Any]] = {}
+        self._receivers: dict[multiprocessing.connection.Connection, _FrameReader] = {}
         self._ready: collections.deque[multiprocessing.connection.Connection] = collections.deque()
+        self._frames: collections.deque[bytes | ProtocolError] = collections.deque()
         self._local: PipeSender | None = None
         self._closed = False
         self._n = 0
@@ -435,8 +550,9 @@ class PipeChannel:
             label = name or f"sender-{self._n}"
             recv, send = self._ctx.Pipe(duplex=False)
             self.pipe_buffer_bytes = _enlarge_pipe(send, self._capacity)
-            credits = self._ctx.Semaphore(self._capacity // CREDIT_BYTES)
-            self._receivers[recv] = (label, credits)
+            budget = self._capacity // CREDIT_BYTES
+            credits = self._ctx.Semaphore(budget)
+            self._receivers[recv] = _FrameReader(recv, label, credits, budget, self._max_message_bytes)
         return PipeSender(
             send, credits, name=label, max_message_bytes=self._max_message_bytes, put_timeout=self._put_timeout
         )
@@ -461,29 +577,34 @@ class PipeChannel:
             entry = self._receivers.pop(conn, None)
         conn.close()
         if entry is not None and self._on_sender_gone is not None:
-            self._on_sender_gone(entry[0])
+            self._on_sender_gone(entry.label)
 
     def get(self, timeout: float) -> AsyncDiffusionOutput | None:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            while self._ready:
+            if self._frames:
+                item = self._frames.popleft()
+                if isinstance(item, ProtocolError):
+                    raise item
+                self.received += 1
+                self.bytes_received += len(item)
+                return loads_message(item)
+            while self._ready and not self._frames:
                 conn = self._ready.popleft()
                 with self._lock:
-                    entry = self._receivers.get(conn)
-                if entry is None:
+                    reader = self._receivers.get(conn)
+                if reader is None:
                     continue
-                try:
-                    data = conn.recv_bytes()
-                except (EOFError, OSError):
+                frames, gone = reader.read()
+                self._frames.extend(frames)
+                if gone is not None:
                     # Every copy of the writing end is closed (the worker exited or was
                     # killed), or the worker died mid-write and the message is torn.
+                    if gone != "closed":
+                        log.warning("result channel %s: %s; dropped", reader.label, gone)
                     self._drop(conn)
-                    continue
-                for _ in range(_credits_for(len(data))):
-                    entry[1].release()
-                self.received += 1
-                self.bytes_received += len(data)
-                return loads_message(data)
+            if self._frames:
+                continue
             with self._lock:
                 if self._closed:
                     raise ChannelClosed("get on a closed channel")
@@ -499,10 +620,26 @@ class PipeChannel:
                 return None
             self._ready.extend(c for c in ready if isinstance(c, multiprocessing.connection.Connection))
 
+    def torn_senders(self, older_than: float) -> dict[str, float]:
+        """Senders whose frame has been incomplete for more than ``older_than`` seconds, and for how long.
+
+        A live sender stuck half-way through a frame does not block the reader (the
+        other senders are served), but its own messages stall behind it: this is how
+        the executor's health check sees it.
+        """
+        now = time.monotonic()
+        with self._lock:
+            readers = list(self._receivers.values())
+        return {
+            r.label: now - r.partial_since
+            for r in readers
+            if r.partial_since is not None and now - r.partial_since > older_than
+        }
+
     @property
     def senders(self) -> list[str]:
         with self._lock:
-            return [label for label, _ in self._receivers.values()]
+            return [r.label for r in self._receivers.values()]
 
     def close(self) -> None:
         """Idempotent.  Closes every reading end: senders then get ``ChannelClosed``."""
@@ -514,6 +651,7 @@ class PipeChannel:
             self._receivers.clear()
             local, self._local = self._local, None
         self._ready.clear()
+        self._frames.clear()
         if local is not None:
             local.close()
         for c in conns:

@@ -99,6 +99,7 @@ class Packer:
         max_outputs: int = 4,
         max_bytes: int | None = None,
         tracer: Tracer | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         if max_outputs < 1:
             raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
@@ -110,6 +111,7 @@ class Packer:
         self._max_outputs = max_outputs
         self._max_bytes = max_bytes
         self._trace = tracer
+        self._interrupt = interrupt
         self._cond = threading.Condition()
         self._jobs: collections.deque[PackJob] = collections.deque()
         self._cancelled: set[str] = set()
@@ -192,8 +194,21 @@ class Packer:
                 self._cond.wait(remaining)
             return True
 
-    def stop(self, timeout: float | None = 5.0) -> bool:
-        """Finish what is queued, then stop. True if the thread ended in time."""
+    def stop(self, timeout: float | None = 5.0, *, abandon: bool = False) -> bool:
+        """Finish what is queued, then stop. True if the thread ended in time.
+
+        ``abandon=True`` (the worker exits: nobody waits for its outputs any more) first
+        calls the ``interrupt`` given at construction, which makes a pack waiting for
+        room in the budget of held outputs fail at once (and the queued ones after it),
+        instead of holding the thread, and with it the worker's exit, for up to the
+        lease timeout (F16).  Each such output is reported failed, as far as the
+        channel still takes it.
+        """
+        if abandon and self._interrupt is not None:
+            try:
+                self._interrupt()
+            except Exception:
+                log.exception("packer %d: interrupting its packs failed", self.rank)
         with self._cond:
             if self._machine.can(LifecycleEvent.DRAIN):
                 self._machine.fire(LifecycleEvent.DRAIN)

@@ -247,6 +247,7 @@ class SegmentPool:
         self._slots = flat[: self._max_segments * _NF].reshape(self._max_segments, _NF)
         self._ctr = flat[self._max_segments * _NF :]
         self._local_closed = False
+        self._waits_cancelled = threading.Event()
 
     def _open_lock_file(self, *, create: bool) -> None:
         # One descriptor per pool object: flock excludes across descriptors, also
@@ -383,6 +384,15 @@ class SegmentPool:
         if self.closed:
             raise PoolClosed(f"segment pool {self._prefix} is closed")
 
+    def cancel_waits(self) -> None:
+        """This process is shutting down: every lease of this pool object, waiting or to come, raises ``PoolClosed``.
+
+        Local to this object (the shared table is untouched, other processes lease on):
+        a worker's packer thread waiting for room in the budget wakes within one poll
+        instead of waiting out ``lease_timeout`` and holding the worker's exit (F16).
+        """
+        self._waits_cancelled.set()
+
     # -- lease / release -----------------------------------------------------------------
 
     def lease(self, nbytes: int, timeout: float | None = None) -> Lease:
@@ -398,6 +408,8 @@ class SegmentPool:
         waited_since = 0
         while True:
             self._check_open()
+            if self._waits_cancelled.is_set():
+                raise PoolClosed(f"segment pool {self._prefix}: leases cancelled, this process is shutting down")
             got = self._try_lease(size, nbytes)
             if got is not None:
                 lease, create = got
@@ -415,7 +427,7 @@ class SegmentPool:
                     nbytes=nbytes,
                     timeout=t,
                 )
-            time.sleep(min(delay, deadline - now))
+            self._waits_cancelled.wait(min(delay, deadline - now))
             delay = min(delay * 2, 0.02)
         if create:
             try:
