@@ -76,6 +76,7 @@ from omni_async.core.errors import (
     OutputDropped,
     OutputError,
     OutputTimeout,
+    OutputUnpackFailed,
     ProtocolError,
     RemoteError,
     RpcFailed,
@@ -453,17 +454,14 @@ def test_an_exception_fails_only_its_own_request(rig: Rig, kind: str) -> None:
     healthy_after(ex, kind)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect found by the matrix: an unpacking failure reaches the waiter as a bare FileNotFoundError, "
-    "TransportError or UsageError, not an OutputError naming the output (guide section 6)",
-)
 @pytest.mark.parametrize("kind", list(CORRUPT))
 def test_an_unpack_failure_reaches_its_waiter_as_an_output_error(rig: Rig, kind: str) -> None:
     try:
         err = _start_fault(rig, kind, f"typed-{kind}").exception(timeout=WAIT)
-        assert isinstance(err, OutputError), f"{type(err).__name__}: {err}"
-        assert f"typed-{kind}-forged" in str(err)
+        assert isinstance(err, OutputUnpackFailed), f"{type(err).__name__}: {err}"
+        assert isinstance(err, OutputError) and err.output_id == f"typed-{kind}-forged"
+        assert f"typed-{kind}-forged" in str(err) and f"typed-{kind}" == err.request_id
+        assert err.__cause__ is err.cause and type(err.cause).__name__ in str(err)
     finally:
         settle(rig.ex)
 
