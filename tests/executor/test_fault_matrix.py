@@ -480,12 +480,12 @@ def _duplicate_output_ready(rig: Rig) -> None:
 
 
 def _duplicate_compute_done(rig: Rig) -> None:
-    """COMPUTE_DONE naming an output that already finished."""
+    """COMPUTE_DONE naming an output that already finished, of a call never made: two violations."""
     ro = rig.ex.execute_request(_req("dup-cd", **INLINE))
     rig.ex.release_output(rig.ex.wait_output_ready(_oid(ro)).result(timeout=WAIT))
     before = rig.counts()
     rig.put(Msg.compute_done("no-such-call", (_oid(ro),), ("dup-cd",)))
-    _until(lambda: rig.delta(before) == {"protocol_errors": 1}, what=f"{rig.delta(before)}")
+    _until(lambda: rig.delta(before) == {"protocol_errors": 2}, what=f"{rig.delta(before)}")
     assert isinstance(rig.ex.registry.errors[-1], ProtocolError)
 
 
@@ -605,12 +605,6 @@ COUNTED: dict[str, Callable[[Rig], None]] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect found by the matrix: these protocol violations are not counted in metrics() "
-    "(an answer without COMPUTE_DONE fails its call uncounted; Dispatcher.counters['orphan_compute_done'] "
-    "and DiffusionExecutor.stale_sync_answers are not exported)",
-)
 @pytest.mark.parametrize("case", list(COUNTED))
 def test_every_hostile_message_is_counted(rig: Rig, case: str) -> None:
     before = rig.counts()
@@ -619,6 +613,12 @@ def test_every_hostile_message_is_counted(rig: Rig, case: str) -> None:
         rig.ex.collective_rpc("pid")  # a barrier through the worker; it also reads a stale answer
         d = rig.delta(before)
         assert d.get("protocol_errors", 0) + d.get("dispatch_errors", 0) >= 1, d
+        key = {
+            "answer-without-compute-done": "answers_without_compute_done",
+            "compute-done-of-no-call": "unknown_call_compute_done",
+            "rpc-result-of-no-call": "unknown_call_rpc_result",
+        }[case]
+        assert rig.ex.metrics()[key] >= 1
     finally:
         settle(rig.ex)
 
@@ -852,12 +852,6 @@ def test_deadlines_expire_mid_forward_and_mid_pack(tight: Shared) -> None:
     healthy_after(ex, "deadlines")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect 3 (pending merge: issue8-spec, registry deadlines for records an early OUTPUT_READY "
-    "created), and the same for a COMPUTE_DONE of no call whose OUTPUT_READY never comes: such records "
-    "are held until shutdown",
-)
 def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
     """A lone OUTPUT_READY (with a segment) and a lone COMPUTE_DONE, for ids of no call: both
     records end within the deadlines, and the segment goes back."""
@@ -872,6 +866,8 @@ def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
         hostile.put(Msg.compute_done("no-such-call-5", ("lone-2",), ("lone",)))
         _until(lambda: ex.metrics()["pending_outputs"] == 2, what="both records")
         _until(lambda: _settled(ex), 2 * (1.5 + 1.0), "the records of unknown ids to end")
+        m = ex.metrics()
+        assert m["orphaned_outputs"] >= 1 and m["orphan_drops_expired"] >= 1, m
     finally:
         # The messages each record still waits for end them (late ones are released quietly).
         hostile.put(Msg.compute_done("no-such-call-6", ("lone-1",), ("lone",)))
