@@ -884,7 +884,11 @@ def test_shutdown_with_a_pack_waiting_for_room_is_prompt(tight: Shared) -> None:
     elapsed = time.monotonic() - t0
     assert isinstance(waiter.exception(timeout=1), ExecutorShutdown)
     del kept
-    assert elapsed < 2.0 and [p.exitcode for p in ex.procs] == [0], (elapsed, [p.exitcode for p in ex.procs])
+    # The defect: the worker never exited by itself; shutdown waited out its 5 s join and
+    # terminated it (exit code -15).  Exit code 0 is the proof; the time bound stays well
+    # under that join so a loaded machine does not make it flaky.
+    assert [p.exitcode for p in ex.procs] == [0], [p.exitcode for p in ex.procs]
+    assert elapsed < 4.0, elapsed
 
 
 def test_sleep_waits_for_the_copies_in_flight_f8(shared: Shared) -> None:
