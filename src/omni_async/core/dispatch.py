@@ -19,7 +19,7 @@ arrive for an id the registry has not seen.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import assert_never
@@ -63,11 +63,7 @@ class Dispatcher:
         reply_rank: int = 0,
         compute_timeout: float | None = None,
         tracer: Tracer | None = None,
-        known_call: Callable[[str], bool] | None = None,
     ) -> None:
-        """``known_call``: whether an rpc id is one the executor issued (any path); an
-        RPC_RESULT of any other call is then counted as a protocol error and discarded
-        here, not put in the synchronous buffer (M3).  None: every one is buffered."""
         if not 0 <= reply_rank < world_size:
             raise ValueError(f"reply_rank {reply_rank} outside world of {world_size}")
         self.registry = registry
@@ -75,17 +71,10 @@ class Dispatcher:
         self.reply_rank = reply_rank
         self._compute_timeout = compute_timeout
         self._trace = tracer
-        self._known_call = known_call
         self._pending: dict[str, PendingRpc] = {}
         self._outbox: list[Resolution] = []
         self._worker_drops: list[str] = []
         self.counters: Counter[str] = Counter()
-        # The calls that ended (resolved, failed, timed out, unsent, their consumer gone),
-        # the most recent ones: a COMPUTE_DONE of one of them is late (the worker
-        # answered after the call ended), one of any other call is a protocol error
-        # (a call never made, M3), whose DROPPING records are bounded (M6).
-        self._ended: OrderedDict[str, None] = OrderedDict()
-        self._max_ended = 4096
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -109,7 +98,6 @@ class Dispatcher:
             # After fail_all(close=True) nothing would ever resolve a new entry: a submit
             # that raced a pump stop (check_health passed just before) fails at once.
             fut.set_exception(ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down"))
-            self._remember_ended(rpc_id)
             return fut
         self._pending[rpc_id] = PendingRpc(
             rpc_id,
@@ -141,7 +129,6 @@ class Dispatcher:
         rpc = self._pending.pop(rpc_id, None)
         if rpc is None:
             return
-        self._remember_ended(rpc_id)
         for a in rpc.answers.values():
             self._drop_all(a.async_output_ids, rpc_id, "unsent")
         if rpc.future.set_running_or_notify_cancel():
@@ -187,10 +174,6 @@ class Dispatcher:
                 assert msg.rpc_id is not None
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
-                    if self._known_call is not None and not self._known_call(msg.rpc_id):
-                        self.counters["unknown_call_rpc_result"] += 1
-                        self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
-                        return None
                     return msg
                 self._answer(rpc, msg, now)
                 return None
@@ -211,13 +194,6 @@ class Dispatcher:
             # Late (the call timed out or was cancelled): nobody will claim these ids.
             self.counters["orphan_compute_done"] += 1
             self._drop_all(announced, msg.rpc_id, "orphan")
-            if msg.rpc_id not in self._ended:
-                # A call never made (or ended longer ago than remembered): a protocol
-                # error (M3).  No worker is packing for it, so its OUTPUT_READY may never
-                # come: its DROPPING records are given up at a deadline (M6).
-                self.counters["unknown_call_compute_done"] += 1
-                self._protocol_error(f"COMPUTE_DONE of rpc {msg.rpc_id}, a call that is not pending or known")
-                self.registry.give_up_dropping(announced, self._orphan_deadline(now))
             return
         rejected = len(announced) != len(msg.async_output_ids)
         if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
@@ -248,7 +224,6 @@ class Dispatcher:
 
     def _complete(self, rpc: PendingRpc, now: float) -> None:
         del self._pending[rpc.rpc_id]
-        self._remember_ended(rpc.rpc_id)
         reply = rpc.answers[rpc.reply_rank]
         announced = reply.async_output_ids
         failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
@@ -256,10 +231,7 @@ class Dispatcher:
         if failures:
             error = RpcFailed(rpc.rpc_id, rpc.method, failures)
         elif reply.kind is not K.COMPUTE_DONE:
-            reason = f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE"
-            self.counters["answers_without_compute_done"] += 1
-            self._protocol_error(reason)
-            error = ProtocolError(reason)
+            error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
             result = tuple(
                 RunnerOutput(request_id=rid, finished=True, result=None, async_output_id=oid)
@@ -288,7 +260,6 @@ class Dispatcher:
         gone = [r for r in self._pending.values() if r.consumer == consumer]
         for rpc in gone:
             del self._pending[rpc.rpc_id]
-            self._remember_ended(rpc.rpc_id)
             if rpc.future.set_running_or_notify_cancel():
                 self._outbox.append(Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away")))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
@@ -299,7 +270,6 @@ class Dispatcher:
     def expire(self, now: float) -> None:
         for rpc in [r for r in self._pending.values() if r.deadline is not None and r.deadline <= now]:
             del self._pending[rpc.rpc_id]
-            self._remember_ended(rpc.rpc_id)
             self.counters["compute_timeouts"] += 1
             missing = sorted(rpc.ranks - rpc.answers.keys())
             for a in rpc.answers.values():
@@ -332,12 +302,6 @@ class Dispatcher:
             return None
         return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
-    def _orphan_deadline(self, now: float) -> float | None:
-        """When the DROPPING records of a COMPUTE_DONE of an unknown call are given up on:
-        ``compute_timeout`` from now (no worker computes for that call), else the
-        output deadline (None: kept until its OUTPUT_READY or shutdown)."""
-        return None if self._compute_timeout is None else now + self._compute_timeout
-
     def next_deadline(self) -> float | None:
         ds = [r.deadline for r in self._pending.values() if r.deadline is not None]
         reg = self.registry.next_deadline()
@@ -353,7 +317,6 @@ class Dispatcher:
         """Fail every pending RPC and every output (shutdown, pump stop, worker death)."""
         for rpc in list(self._pending.values()):
             del self._pending[rpc.rpc_id]
-            self._remember_ended(rpc.rpc_id)
             if rpc.future.set_running_or_notify_cancel():
                 self._outbox.append(Resolution(rpc.future, error=make_error(None)))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
@@ -379,11 +342,6 @@ class Dispatcher:
         """Ids this dispatcher dropped whose output a worker may still be packing."""
         out, self._worker_drops = self._worker_drops, []
         return out
-
-    def _remember_ended(self, rpc_id: str) -> None:
-        self._ended[rpc_id] = None
-        while len(self._ended) > self._max_ended:
-            self._ended.popitem(last=False)
 
     def _protocol_error(self, reason: str) -> None:
         self.counters["protocol_errors"] += 1
