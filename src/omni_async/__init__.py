@@ -84,6 +84,13 @@ from omni_async.transport.platform import CopyStream, DeviceEvent, record_device
 from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
 from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
 from omni_async.worker.packer import Packer
+from omni_async.worker.postprocess import (
+    PostProcess,
+    UnknownPostProcess,
+    get_postprocess,
+    register_postprocess,
+    registered_postprocesses,
+)
 
 __all__ = [
     "LIFECYCLE_TABLE",
@@ -126,6 +133,7 @@ __all__ = [
     "PoolClosed",
     "PoolExhausted",
     "PoolStats",
+    "PostProcess",
     "ProtocolError",
     "RemoteError",
     "RequestEvent",
@@ -138,6 +146,7 @@ __all__ = [
     "SyntheticVideoWorker",
     "TinyDiffusionWorker",
     "TransportError",
+    "UnknownPostProcess",
     "UnknownSegment",
     "UnpicklableMessage",
     "UnsupportedOutputType",
@@ -147,10 +156,13 @@ __all__ = [
     "WorkerOptions",
     "WorkerSpec",
     "WorkerStartupFailed",
+    "get_postprocess",
     "list_segments",
     "pack_diffusion_output_shm",
     "packed_nbytes",
     "record_device_event",
+    "register_postprocess",
+    "registered_postprocesses",
     "release_packed_output",
     "release_unpacked_output",
     "sweep_dead_executors",
