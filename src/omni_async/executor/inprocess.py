@@ -10,7 +10,7 @@ from typing import Any
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError
-from omni_async.core.messages import DiffusionRequest, RpcRequest
+from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
@@ -109,6 +109,13 @@ class InProcessExecutor(DiffusionExecutor):
             raise ExecutorShutdown("the executor is shut down")
         for inbox in self._inboxes:
             inbox.put(req)
+
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        # The "control channel" in process: straight into each loop's cancel table,
+        # which its worker thread reads between steps (thread safe, never blocks).
+        for loop in self.loops:
+            for msg in cancels:
+                loop.cancel(msg)
 
     def _worker_failure(self) -> OmniAsyncError | None:
         for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):

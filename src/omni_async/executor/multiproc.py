@@ -16,6 +16,13 @@ Processes and threads, and who owns what:
   marks the executor failed: ``check_health`` raises from then on.  Twice a
   second it also looks at the pool, and logs a warning when the budget of held
   outputs is full (see below).
+* Each worker has a control pipe from the executor, read by a thread of its own
+  (``omni-cancel-<rank>``), because its main thread may be busy in a forward for
+  minutes: ``CancelMessage``s travel there, written by the executor's
+  ``omni-cancel`` thread (so neither ``cancel_requests`` nor the pump, which cancels
+  the forward of a call whose compute deadline expired, ever blocks on a pipe), and
+  land in the worker loop's cancel table, which the model reads between steps
+  (``omni_async.worker.cancel_requested``).
 * Each worker has a status pipe to the executor: it reports that its model is
   built, or the exception that stopped it (type, message, traceback) before it
   exits.  A start-up failure makes the constructor raise ``WorkerStartupFailed``
@@ -52,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import queue
 import inspect
 import logging
 import multiprocessing
@@ -77,7 +85,7 @@ from omni_async.core.errors import (
     WorkerDied,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import DiffusionOutput, DiffusionRequest, Failure, RpcRequest
+from omni_async.core.messages import CancelMessage, DiffusionOutput, DiffusionRequest, Failure, RpcRequest
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
@@ -311,6 +319,7 @@ def _worker_main(
     rpc_conn: multiprocessing.connection.Connection,
     status: multiprocessing.connection.Connection,
     lifeline: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
     # Ctrl-C reaches the whole process group; the executor stops its workers in order.
@@ -329,6 +338,7 @@ def _worker_main(
         sys.exit(1)
     _report(status, None)
     packer.start()
+    threading.Thread(target=_read_control, args=(loop, control), name=f"omni-cancel-{rank}", daemon=True).start()
     try:
         while True:
             try:
@@ -349,6 +359,60 @@ def _worker_main(
         # Exiting: a pack still waiting for room must not hold the exit (F16).
         packer.stop(timeout=10.0, abandon=True)
         sender.close()
+
+
+def _read_control(loop: WorkerLoop, control: multiprocessing.connection.Connection) -> None:
+    """Worker side of the control pipe: cancel messages into the loop's table, until EOF."""
+    while True:
+        try:
+            msg = control.recv()
+        except (EOFError, OSError):
+            return  # the executor closed it (shutdown) or is gone (the watch handles that)
+        if msg is None:
+            return
+        if isinstance(msg, CancelMessage):
+            loop.cancel(msg)
+        else:
+            log.warning("omni-cancel-%d: ignoring a control message of type %s", loop.rank, type(msg).__name__)
+
+
+class _CancelSender:
+    """Executor side of the control pipes: one thread writes every cancel to every rank.
+
+    ``put`` never blocks (a queue), so the pump thread can cancel the forward of a call
+    whose deadline expired; a write to a dead worker's pipe is skipped (its death is
+    the monitor's business).
+    """
+
+    def __init__(self, conns: list[multiprocessing.connection.Connection]) -> None:
+        self._conns = conns
+        self._queue: queue.SimpleQueue[list[CancelMessage] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="omni-cancel", daemon=True)
+        self.sent = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, cancels: list[CancelMessage]) -> None:
+        self._queue.put(cancels)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for conn in self._conns:
+            conn.close()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            for rank, conn in enumerate(self._conns):
+                for msg in batch:
+                    try:
+                        conn.send(msg)
+                    except (OSError, ValueError) as exc:
+                        log.debug("cannot send %s to worker rank %d: %s", msg, rank, exc)
+                        break
+            self.sent += len(batch)
 
 
 def _build_worker(
@@ -546,6 +610,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
+        self._control_conns: list[multiprocessing.connection.Connection] = []
+        self._cancel_sender = _CancelSender(self._control_conns)
         self._status_conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._failure: WorkerDied | None = None
@@ -559,9 +625,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 sender = self._channel.new_sender(f"rank{rank}")
                 rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
                 status_r, status_w = self._ctx.Pipe(duplex=False)
+                control_r, control_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=_worker_main,
-                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r),
+                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r, control_r),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
@@ -571,11 +638,14 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 sender.close()
                 rpc_r.close()
                 status_w.close()
+                control_r.close()
+                self._control_conns.append(control_w)
                 self._rpc_conns.append(rpc_w)
                 self._status_conns.append(status_r)
                 self.procs.append(proc)
             lifeline_r.close()
             self._await_models(deadline, start_timeout)
+            self._cancel_sender.start()
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
             self._monitor.start()
@@ -641,6 +711,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                     conn.send(req)
                 except (BrokenPipeError, OSError) as exc:
                     raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
+
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        self._cancel_sender.put(cancels)
 
     # A worker's frame incomplete this long (a live sender stopped mid-write, M5) fails
     # ``check_health``: the reader serves the other ranks meanwhile, but this rank's
@@ -801,6 +874,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         # Nobody reads the result pipes any more: close them so a worker's put fails
         # at once instead of waiting for room.
         self._channel.close()
+        self._cancel_sender.stop()
         with self._rpc_lock:
             for conn in self._rpc_conns:
                 try:

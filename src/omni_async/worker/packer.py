@@ -162,12 +162,19 @@ class Packer:
         *,
         event: DeviceEvent | None = None,
         nbytes: int = 0,
+        cancelled: bool = False,
     ) -> None:
-        """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``."""
+        """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``.
+
+        ``cancelled``: its request was cancelled meanwhile: it is not packed, but reported
+        cancelled in its turn, exactly as if it had been dropped before packing (F15).
+        """
         with self._cond:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
             self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic()))
+            if cancelled:
+                self._cancelled.add(output_id)
             self.metrics.in_flight_outputs += 1
             self.metrics.in_flight_bytes += nbytes
             self._cond.notify_all()
