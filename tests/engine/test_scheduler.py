@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from omni_async.core.errors import UsageError
 from omni_async.engine.errors import EngineOverloaded
-from omni_async.engine.scheduler import Phase, Scheduler, size_class
+from omni_async.engine.scheduler import SchedulerPhase, Scheduler, size_class
 
 
 def test_fifo_and_running_slots_free_at_compute_done() -> None:
@@ -20,7 +20,7 @@ def test_fifo_and_running_slots_free_at_compute_done() -> None:
     assert s.schedule(0.0) == ["a", "b"]
     assert s.schedule(0.0) == []
     s.compute_done("a")  # a's output is still pending: its running slot is free all the same
-    assert s.phase("a") is Phase.HOLDING
+    assert s.phase("a") is SchedulerPhase.HOLDING
     assert s.schedule(0.0) == ["c"]
     s.remove("b")  # b failed before COMPUTE_DONE
     assert s.schedule(0.0) == ["d"]
@@ -141,13 +141,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted({*self.waiting, *self.running, *self.holding})))
         phase = self.s.remove(rid)
         if rid in self.waiting:
-            assert phase is Phase.WAITING
+            assert phase is SchedulerPhase.WAITING
             self.waiting.remove(rid)
         elif rid in self.running:
-            assert phase is Phase.RUNNING
+            assert phase is SchedulerPhase.RUNNING
             self.running.discard(rid)
         else:
-            assert phase is Phase.HOLDING
+            assert phase is SchedulerPhase.HOLDING
             self.holding.discard(rid)
         assert self.s.remove(rid) is None  # gone, once
 

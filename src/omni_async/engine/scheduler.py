@@ -43,10 +43,10 @@ import attrs
 from omni_async.core.errors import UsageError
 from omni_async.engine.errors import EngineOverloaded
 
-__all__ = ["Phase", "Scheduler", "SchedulerStats", "size_class"]
+__all__ = ["SchedulerPhase", "Scheduler", "SchedulerStats", "size_class"]
 
 
-class Phase(enum.Enum):
+class SchedulerPhase(enum.Enum):
     """Where an accepted request is, for the scheduler."""
 
     WAITING = "waiting"
@@ -114,13 +114,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queries
 
-    def phase(self, request_id: str) -> Phase | None:
+    def phase(self, request_id: str) -> SchedulerPhase | None:
         if request_id in self._waiting:
-            return Phase.WAITING
+            return SchedulerPhase.WAITING
         if request_id in self._running:
-            return Phase.RUNNING
+            return SchedulerPhase.RUNNING
         if request_id in self._holding:
-            return Phase.HOLDING
+            return SchedulerPhase.HOLDING
         return None
 
     def __contains__(self, request_id: object) -> bool:
@@ -222,14 +222,14 @@ class Scheduler:
         if nbytes > self._largest_output:
             self._largest_output = nbytes
 
-    def remove(self, request_id: str) -> Phase | None:
+    def remove(self, request_id: str) -> SchedulerPhase | None:
         """The request ended (finished, failed, aborted, and everything of it is released):
         it gives back whatever it held.  Returns the phase it was in (None: unknown)."""
         phase = self.phase(request_id)
-        if phase is Phase.WAITING:
+        if phase is SchedulerPhase.WAITING:
             del self._waiting[request_id]
-        elif phase is Phase.RUNNING:
+        elif phase is SchedulerPhase.RUNNING:
             self._running.discard(request_id)
-        elif phase is Phase.HOLDING:
+        elif phase is SchedulerPhase.HOLDING:
             self._holding.discard(request_id)
         return phase
