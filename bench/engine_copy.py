@@ -32,7 +32,9 @@ async def measure(size_mb: float, requests: int, device: str) -> dict[str, float
     )
     async with engine:
         await engine.generate(DiffusionRequest("warm-up", {"height": rows}))
-        results = [await engine.generate(DiffusionRequest(f"r{i}", {"height": rows, "seed": i})) for i in range(requests)]
+        results = [
+            await engine.generate(DiffusionRequest(f"r{i}", {"height": rows, "seed": i})) for i in range(requests)
+        ]
     nbytes = results[0].metrics["pack_shm_bytes"]
     med = {
         stage: statistics.median(getattr(r.timings, stage) or 0.0 for r in results)

@@ -433,7 +433,9 @@ class AsyncDiffusionEngine:
         executor's typed error (``RpcFailed``, ``ComputeTimeout``, ``OutputTimeout``,
         ``RemoteError``, ``WorkerDied``, ...).  ``deadlines``: this request's compute and
         output deadlines instead of the executor's.  Cancelling the calling task aborts
-        the request and releases everything of it.
+        the request and releases everything of it.  Request ids are unique among the
+        requests in the engine (``UsageError`` otherwise); an aborted request's id is free
+        again once ``abort(..., wait=True)`` returned.
         """
         if not isinstance(request, DiffusionRequest):
             raise UsageError(f"generate: request must be a DiffusionRequest, got {type(request).__name__}")

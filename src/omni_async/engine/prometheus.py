@@ -63,7 +63,9 @@ class EngineCollector(Collector):
             buckets.append(("+Inf", float(h.count)))
             latency.add_metric([stage], buckets, h.sum)
         yield latency
-        states = GaugeMetricFamily(f"{_P}engine_active_requests", "Requests in the engine now, by state", labels=["state"])
+        states = GaugeMetricFamily(
+            f"{_P}engine_active_requests", "Requests in the engine now, by state", labels=["state"]
+        )
         for state, n in (
             ("waiting", m.waiting),
             ("running", m.running),
@@ -83,8 +85,12 @@ class EngineCollector(Collector):
             f"{_P}engine_budget_wait_seconds", "Time requests waited for the budget of held outputs",
             value=m.budget_wait_s,
         )  # fmt: skip
-        yield CounterMetricFamily(f"{_P}engine_pack_seconds", "Workers' copy time of finished requests", value=m.pack_s_total)
-        yield CounterMetricFamily(f"{_P}engine_pack_bytes", "Bytes copied for finished requests", value=m.pack_bytes_total)
+        yield CounterMetricFamily(
+            f"{_P}engine_pack_seconds", "Workers' copy time of finished requests", value=m.pack_s_total
+        )
+        yield CounterMetricFamily(
+            f"{_P}engine_pack_bytes", "Bytes copied for finished requests", value=m.pack_bytes_total
+        )
         ex = m.executor
         for name, key, doc in (
             ("executor_outputs_held", "held_outputs", "Outputs held in shared memory (packed, not released)"),
