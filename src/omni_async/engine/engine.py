@@ -662,6 +662,8 @@ class AsyncDiffusionEngine:
             return
         finally:
             self._postprocessing -= 1
+        if rec.drop is not None:  # an abort raced the output's arrival: its drop found nothing left
+            await self._await_drop(rec)
         if rec.ended() or rec.result.done():
             return
         finished = time.monotonic()
