@@ -78,6 +78,8 @@ class PendingRpc:
     compute_timeout: float | None = None
     # Streaming: the feed of each request that asked for its chunks.
     streams: dict[str, ChunkFeed] = attrs.field(factory=dict)
+    # Chunks dropped on arrival while the call was pending (an abort waits for them too).
+    unwanted: list[str] = attrs.field(factory=list)
     # A step of step mode (final-step async): the reply rank's plain answer is an
     # intermediate step, not a missing COMPUTE_DONE.
     step: bool = False
@@ -355,6 +357,7 @@ class Dispatcher:
         if feed.closed or rid in rpc.cancelled or rpc.future.cancelled():
             # Nobody wants it any more: released the moment it arrives (F9, F10).
             feed.dropped += 1
+            rpc.unwanted.extend(accepted)
             self._drop_all(accepted, rpc.rpc_id, "unwanted")
             return
         feed.announced.append(ChunkRef(msg.seq, msg.async_output_id))
@@ -490,7 +493,7 @@ class Dispatcher:
         left in the registry: then nothing of the call remains on a worker or here.
         """
         self._drop_all(announced, rpc.rpc_id, "aborted")
-        chunks = tuple(ref.output_id for feed in rpc.streams.values() for ref in feed.announced)
+        chunks = tuple(rpc.unwanted) + tuple(ref.output_id for feed in rpc.streams.values() for ref in feed.announced)
         cause = next(iter(rpc.cancelled.values()))
         self._end_streams(rpc, self._stream_error(rpc, "aborted"), "aborted")
         emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="aborted")

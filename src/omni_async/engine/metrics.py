@@ -16,6 +16,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     "STAGES",
     "EngineMetrics",
+    "GenerationChunk",
     "GenerationResult",
     "HistogramSnapshot",
     "LatencyHistogram",
@@ -84,6 +85,24 @@ class GenerationResult:
     timings: RequestTimings
     metrics: Mapping[str, float] = attrs.field(factory=dict)
     pipeline: str | None = None
+
+
+@attrs.frozen
+class GenerationChunk:
+    """One intermediate output of a streaming request (``generate_stream``): the ``seq``-th
+    chunk the model emitted (a preview, a chunk of video), post-processed as the final
+    result is -- the pipeline's host stage, or owned copies -- so it holds no shared
+    memory.  ``metrics``: the chunk's own (``pack_s``, ``pack_shm_bytes``, ...);
+    ``arrived_at``: when its output was ready in the engine (``time.monotonic()``);
+    ``postprocess``: the host stage's (or the copy's) seconds."""
+
+    request_id: str
+    seq: int
+    output: Any
+    metrics: Mapping[str, float] = attrs.field(factory=dict)
+    pipeline: str | None = None
+    arrived_at: float = 0.0
+    postprocess: float = 0.0
 
 
 @attrs.frozen
