@@ -73,7 +73,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -160,14 +160,18 @@ class _Request:
     compute_done_at: float = 0.0
     output_ready_at: float = 0.0
     # Streaming (generate_stream): the executor's stream once sent; ``changed`` wakes the
-    # consumer (a chunk, the stream's end, the request's end); ``consumed`` says the
-    # consumer is done with the stream (taken every chunk, or closed it), which the
-    # driver awaits before it forgets the request; ``close``: the stream's close, on the
-    # I/O thread (its result: the drops' acknowledgement).
+    # consumer (a chunk, the stream's end, the request's end); ``consumed``: the consumer
+    # is done with the stream (took every chunk, or went away); ``taking``: chunks the
+    # consumer took and has not yet post-processed (each holds an output); ``close``: the
+    # stream's close, on the I/O thread (its result: the drops' acknowledgement).  The
+    # driver forgets the request once the consumer is done, or the stream is closed and
+    # the consumer holds no chunk (``poke`` wakes it when either may have happened).
     streaming: bool = False
     stream: RequestStream | None = None
     changed: asyncio.Event = attrs.field(factory=asyncio.Event)
-    consumed: asyncio.Event = attrs.field(factory=asyncio.Event)
+    consumed: bool = False
+    taking: int = 0
+    poke: asyncio.Event = attrs.field(factory=asyncio.Event)
     close: asyncio.Future[Future[None]] | None = None
 
     @property
@@ -500,7 +504,7 @@ class AsyncDiffusionEngine:
 
     async def generate_stream(
         self, request: DiffusionRequest, *, deadlines: Deadlines | None = None
-    ) -> AsyncIterator[GenerationChunk | GenerationResult]:
+    ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
         """Run ``request`` as a stream: yield a ``GenerationChunk`` per intermediate output
         its model emits (``omni_async.worker.emit_chunk``; ``TinyDiffusionWorker``:
         ``preview_every``), in order, then its ``GenerationResult``.
@@ -524,7 +528,7 @@ class AsyncDiffusionEngine:
                     await rec.changed.wait()
             while (chunk := await self._next_chunk(rec)) is not None:
                 yield await self._chunk_item(rec, chunk)
-            rec.consumed.set()
+            self._consumed(rec)
             result = await asyncio.shield(rec.result)
             done = True
             yield result
@@ -546,13 +550,17 @@ class AsyncDiffusionEngine:
                 self._stop_stream(rec)
             raise
         finally:
-            rec.consumed.set()
+            self._consumed(rec)
+
+    def _consumed(self, rec: _Request) -> None:
+        rec.consumed = True
+        rec.poke.set()
 
     def _stop_stream(self, rec: _Request) -> None:
         """The consumer of ``rec``'s stream went away (or failed): abort what is left."""
         self._end_early(rec, _Outcome.CANCELLED)
         self._close_stream(rec)
-        rec.consumed.set()
+        self._consumed(rec)
 
     async def _next_chunk(self, rec: _Request) -> OutputChunk | None:
         """The next chunk of ``rec``'s stream, claimed; None at its end (or the request's)."""
@@ -562,6 +570,7 @@ class AsyncDiffusionEngine:
             # A short look under the executor's lock (as wait_output_ready), not a wait.
             chunk = stream.poll()
             if chunk is not None:
+                rec.taking += 1
                 return chunk
             if stream.finished:
                 return None
@@ -571,21 +580,25 @@ class AsyncDiffusionEngine:
     async def _chunk_item(self, rec: _Request, chunk: OutputChunk) -> GenerationChunk:
         """``chunk``'s output, awaited and post-processed (then released), as a ``GenerationChunk``."""
         try:
-            output = await asyncio.wrap_future(chunk.output)
-        except asyncio.CancelledError:
-            self._discard_chunk(chunk)
-            raise
-        arrived = time.monotonic()
-        assert self._post is not None and self._loop is not None
-        self._postprocessing += 1
-        try:
-            metrics = dict(output.metrics)
-            value, post_s = await self._loop.run_in_executor(
-                self._post, functools.partial(self._postprocess, rec.request_id, output, self._host, True)
-            )
+            try:
+                output = await asyncio.wrap_future(chunk.output)
+            except asyncio.CancelledError:
+                self._discard_chunk(chunk)
+                raise
+            arrived = time.monotonic()
+            assert self._post is not None and self._loop is not None
+            self._postprocessing += 1
+            try:
+                metrics = dict(output.metrics)
+                value, post_s = await self._loop.run_in_executor(
+                    self._post, functools.partial(self._postprocess, rec.request_id, output, self._host, True)
+                )
+            finally:
+                self._postprocessing -= 1
+                del output
         finally:
-            self._postprocessing -= 1
-            del output
+            rec.taking -= 1
+            rec.poke.set()
         self._chunks += 1
         return GenerationChunk(rec.request_id, chunk.seq, value, metrics, self.pipeline, arrived, post_s)
 
@@ -604,13 +617,17 @@ class AsyncDiffusionEngine:
         assert self._loop is not None and self._io is not None
         rec.close = self._loop.run_in_executor(self._io, rec.stream.close)
         rec.changed.set()
+        rec.poke.set()
 
     async def _finish_stream(self, rec: _Request) -> None:
         """Before the driver forgets a streaming request: its consumer is done with the
-        stream, and what a close dropped is gone."""
+        stream (or the stream is closed and the consumer holds no chunk of it), and what
+        a close dropped is gone."""
         if rec.stream is None:
             return
-        await rec.consumed.wait()
+        while not rec.consumed and not (rec.close is not None and rec.taking == 0):
+            rec.poke.clear()
+            await rec.poke.wait()
         if rec.close is not None:
             try:
                 ack = await rec.close
