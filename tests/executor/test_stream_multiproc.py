@@ -217,6 +217,7 @@ NUMEL = 8 << 20  # 32 MiB of float32 per output
 
 
 def _run_steps(ex: MultiprocDiffusionExecutor, n: int, *, final_async: bool) -> tuple[list[DiffusionOutput], float]:
+    # Request ids repeat across runs: each run ends every request it starts.
     """``n`` requests, each run to its end step by step, back to back; the outputs and the time."""
     outputs: list[DiffusionOutput] = []
     t0 = time.perf_counter()
@@ -241,6 +242,11 @@ def test_final_step_async_gives_the_synchronous_result_and_overlaps_the_copy() -
     ex = MultiprocDiffusionExecutor(STEPWISE, step_mode=True, deadlines=DEADLINES)
     try:
         n = 4
+        for warm in (False, True):  # segments made and paged in once, for both paths
+            outs, _ = _run_steps(ex, 2, final_async=warm)
+            for o in outs:
+                ex.release_output(o)
+            del outs
         sync, sync_s = _run_steps(ex, n, final_async=False)
         got, async_s = _run_steps(ex, n, final_async=True)
         for i, (a, b) in enumerate(zip(sync, got, strict=True)):
