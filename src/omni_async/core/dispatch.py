@@ -363,11 +363,14 @@ class Dispatcher:
             self._drop_all(accepted, rpc.rpc_id, "rejected")
             return
         feed.next_seq += 1
-        if feed.closed or rid in rpc.cancelled or rpc.future.cancelled():
-            # Nobody wants it any more: released the moment it arrives (F9, F10).
+        cancelled = rpc.future.cancelled()
+        if feed.closed or rid in rpc.cancelled or cancelled:
+            # Nobody wants it any more: released the moment it arrives (F9, F10).  The
+            # reason says why, for the trace: the caller cancelled the call's future
+            # (which nothing else records), or the stream was closed / the call aborted.
             feed.dropped += 1
             rpc.unwanted.extend(accepted)
-            self._drop_all(accepted, rpc.rpc_id, "unwanted")
+            self._drop_all(accepted, rpc.rpc_id, "cancelled" if cancelled else "unwanted")
             return
         feed.announced.append(ChunkRef(msg.seq, msg.async_output_id))
         self._wake(feed)
@@ -382,14 +385,12 @@ class Dispatcher:
     def close_stream(self, feed: ChunkFeed) -> list[Future[None]]:
         """The consumer closed ``feed``: drop what it did not take; later chunks are dropped on
         arrival.  Returns the acknowledgements of the drops (see ``OutputRegistry.drop``)."""
+        emit(self._trace, "StreamClose", rpc_id=feed.rpc_id, request_id=feed.request_id)
         feed.closed = True
-        done: list[Future[None]] = []
-        while feed.announced:
-            ref = feed.announced.popleft()
-            feed.dropped += 1
-            done.append(self.registry.drop(ref.output_id))
-            if ref.output_id in self.registry:
-                self._worker_drops.append(ref.output_id)
+        ids = [ref.output_id for ref in feed.announced]
+        feed.announced.clear()
+        feed.dropped += len(ids)
+        done = self._drop_all(ids, feed.rpc_id or "", "closed")
         self._wake(feed)
         return done
 
@@ -475,11 +476,14 @@ class Dispatcher:
                 outputs = [RunnerOutput(rid, finished=False, aborted=rid in rpc.cancelled) for rid in rpc.request_ids]
             for rid, feed in rpc.streams.items():
                 # The feed of a request cancelled while its batch went on ends like the
-                # request: what it did not take is dropped.
+                # request: what it did not take is dropped below, with its output.
                 if rid in rpc.cancelled:
-                    self._end_streams_of(rpc, [feed], self._stream_error(rpc, "aborted"), "aborted")
+                    unwanted.extend(ref.output_id for ref in feed.announced)
+                    feed.dropped += len(feed.announced)
+                    feed.announced.clear()
+                    self._end_feed(feed, self._stream_error(rpc, "aborted"))
                 else:
-                    self._end_streams_of(rpc, [feed], None, None)
+                    self._end_feed(feed, None)
             self._outbox.append(Resolution(rpc.future, output=tuple(outputs)))
             # The engine learns the ids only now: with several ranks the reply rank's
             # COMPUTE_DONE can precede the last answer, so the delivery deadline is
@@ -690,14 +694,17 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- internals
 
-    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> None:
+    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> list[Future[None]]:
+        """Drop these ids; their acknowledgements (see ``OutputRegistry.drop``)."""
         # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
+        done: list[Future[None]] = []
         for oid in output_ids:
             emit(self._trace, "DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
-            self.registry.drop(oid)
+            done.append(self.registry.drop(oid))
             if oid in self.registry:
                 # Still expected from the worker: tell its packer, which can skip it (F15).
                 self._worker_drops.append(oid)
+        return done
 
     def take_worker_drops(self) -> list[str]:
         """Ids this dispatcher dropped whose output a worker may still be packing."""
