@@ -11,6 +11,15 @@ Two paths, as in the RFC:
   message to the caller (the pump), which puts it in the synchronous buffer
   that ``collective_rpc`` reads.
 
+Aborting a call in flight (``cancel``, and ``expire`` for a compute deadline): the
+dispatcher marks the call's cancelled requests and queues a ``CancelMessage`` per call
+(``take_cancels``) for the caller to send on the workers' control channel; it never
+ends the call itself.  A fully cancelled call ends by its ranks' answers: it fails
+with ``RequestAborted`` once the ids it announced anyway (the forward finished before
+the cancel arrived) are gone from the registry.  A call ended by its compute deadline
+stays *overdue* until every rank answered; ``stuck`` names a rank that has not within
+a grace period.
+
 The dispatcher registers COMPUTE_DONE's ids in the registry *before* it resolves
 the RPC future: the engine learns an id only from that future, so every
 ``wait_output_ready`` finds its record.  Swapping the two would let a waiter
@@ -308,13 +317,15 @@ class Dispatcher:
         elif reply.kind is not K.COMPUTE_DONE:
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
-            # A request cancelled while the rest of its batch went on: its output is
-            # dropped here (released on arrival), and its RunnerOutput says aborted.
+            # A request cancelled while the rest of its batch went on: its RunnerOutput
+            # says aborted, and its output is dropped as the engine would drop it
+            # (a drop after the call resolved; released on arrival).
             outputs: list[RunnerOutput] = []
             kept: list[str] = []
+            unwanted: list[str] = []
             for rid, oid in zip(reply.request_ids, announced, strict=True):
                 if rid in rpc.cancelled:
-                    self._drop_all([oid], rpc.rpc_id, "aborted")
+                    unwanted.append(oid)
                     outputs.append(RunnerOutput(request_id=rid, finished=True, aborted=True))
                 else:
                     kept.append(oid)
@@ -325,6 +336,10 @@ class Dispatcher:
             # measured from here (F4).
             self.registry.rearm_deadlines(kept, now)
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
+            for oid in unwanted:
+                self.registry.drop(oid)
+                if oid in self.registry:
+                    self._worker_drops.append(oid)  # its packer may skip it (F15)
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
         self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
@@ -382,6 +397,10 @@ class Dispatcher:
             for r in hit:
                 rpc.cancelled[r] = cause
             self._cancels.append(CancelMessage(rpc.rpc_id, hit, cause))
+            if rpc.fully_cancelled:
+                # The call as a whole is aborted now (AsyncOutput's AbortRpc); a part of
+                # a batch is not a step of its own (its drops follow the call's end).
+                emit(self._trace, "RpcCancel", rpc_id=rpc.rpc_id, cause=cause.value)
         return found
 
     def take_cancels(self) -> list[CancelMessage]:

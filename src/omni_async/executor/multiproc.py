@@ -102,6 +102,7 @@ from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
+from omni_async.worker.postprocess import DeviceStage, get_postprocess
 
 if TYPE_CHECKING:
     import torch
@@ -135,12 +136,20 @@ class WorkerSpec:
     a factory function, such an attribute -- gets it called by the executor on every
     request before sending it (``request_validator``): a bad request fails in the
     caller's thread, and no worker sees it.
+
+    ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
+    stage the worker's packer runs on every output before the copy (see
+    ``omni_async.worker.postprocess``).  The worker looks it up after building the
+    model (the factory's module, imported there, registers it); with ``check_import``
+    the constructor looks it up here too, so an unknown name fails now
+    (``UnknownPostProcess``), not as a worker that cannot start.
     """
 
     factory: str
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     pass_rank: bool = False
     check_import: bool = attrs.field(default=True, kw_only=True)
+    postprocess: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -162,8 +171,20 @@ class WorkerSpec:
         for field in ("pass_rank", "check_import"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.postprocess is not None and (not isinstance(self.postprocess, str) or not self.postprocess):
+            raise UsageError(
+                f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
+            )
         if self.check_import:
             self.resolve()
+            self.device_stage()
+
+    def device_stage(self) -> DeviceStage | None:
+        """The device stage of ``postprocess`` in this process (None without one);
+        ``UnknownPostProcess`` when no post-process is registered under the name."""
+        if self.postprocess is None:
+            return None
+        return get_postprocess(self.postprocess).device
 
     def resolve(self) -> Callable[..., object]:
         """Import the factory in this process; ``UsageError`` when it cannot be found."""
@@ -451,6 +472,8 @@ def _build_worker(
         release_packed_output(packed, pool=pool)
 
     worker = spec.build(rank)
+    # After the build: importing the factory's module registers its post-processes here.
+    stage = spec.device_stage()
     packer = Packer(
         rank,
         sender,
@@ -460,6 +483,7 @@ def _build_worker(
         max_outputs=opts.max_outputs_in_flight,
         max_bytes=opts.max_bytes_in_flight,
         interrupt=pool.cancel_waits,
+        device_stage=stage,
     )
     loop = WorkerLoop(
         rank,
@@ -470,6 +494,7 @@ def _build_worker(
         pack_sync=pack,
         record_event=lambda: record_device_event(dev),
         backpressure_timeout=opts.backpressure_timeout,
+        device_stage=stage,
     )
     return packer, loop
 

@@ -22,15 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import time
 
+import attrs
 import torch
 
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.worker.cancel import raise_if_cancelled
+from omni_async.worker.postprocess import PostProcess, register_postprocess
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # The parameters ``TinyDiffusionWorker`` reads: name -> (kind, smallest value).
 _PARAMS: dict[str, tuple[type, int | None]] = {
@@ -214,3 +219,30 @@ class SyntheticVideoWorker:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+# -- post-processing of TinyDiffusionWorker's outputs: pipeline "tiny" --------------------------
+
+
+def tiny_to_uint8(output: DiffusionOutput) -> DiffusionOutput:
+    """The device stage: the float image (0..255) becomes uint8 on the worker's device, before
+    the copy -- four times fewer bytes than float32; the trajectory is not shipped.  The
+    ``digest`` is taken again, of the uint8 bytes, so the engine can still check them."""
+    out = dict(output.output)
+    image = out["image"].round().clamp(0, 255).to(torch.uint8)
+    out.update(image=image, digest=image_digest(image), latents=[])
+    return attrs.evolve(output, output=out)
+
+
+def tiny_to_pil(output: DiffusionOutput) -> Image.Image:
+    """The host stage: the uint8 image as a grayscale ``PIL.Image`` that owns its pixels."""
+    from PIL import Image
+
+    image = output.output["image"]
+    if image.dtype != torch.uint8:  # the device stage did not run (step mode without it, say)
+        image = image.round().clamp(0, 255).to(torch.uint8)
+    return Image.fromarray(image.cpu().numpy().copy())  # 2-D uint8: mode "L"
+
+
+# ``WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="tiny")``
+TINY_POSTPROCESS = register_postprocess(PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8))

@@ -63,10 +63,10 @@ from omni_async.core.states import Machine, RequestEvent, RequestState, request_
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
 from omni_async.transport.errors import ChannelClosed
-from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
-from omni_async.worker.packer import Packer, PackFn, fire_traced
+from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
+from omni_async.worker.postprocess import DeviceStage, run_device_stage
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +85,6 @@ def _no_event() -> DeviceEvent | None:
     return None
 
 
-def _budget_nbytes(output: DiffusionOutput) -> int:
-    """What ``output`` counts against the packer's byte budget: the bytes packing copies.
-
-    0 for an output the packer will refuse: its pack fails the same way at once, copies
-    nothing, and the packer reports the failure (F2); sizing must not fail the call.
-    """
-    try:
-        return packed_nbytes(output)
-    except Exception:  # noqa: BLE001  # the packer's walk raises it again, and reports it
-        return 0
-
-
 class WorkerLoop:
     def __init__(
         self,
@@ -110,7 +98,11 @@ class WorkerLoop:
         record_event: Callable[[], DeviceEvent | None] = _no_event,
         backpressure_timeout: float | None = None,
         tracer: Tracer | None = None,
+        device_stage: DeviceStage | None = None,
     ) -> None:
+        """``device_stage``: a post-process's device stage, run on step mode's outputs
+        before ``pack_sync`` (request mode's run in the packer, which has its own)."""
+        self._device_stage = device_stage
         self.rank = rank
         self.worker = worker
         self._sender = sender
@@ -213,13 +205,20 @@ class WorkerLoop:
         if not self.is_reply_rank:
             return None
         pack = self._pack_sync
-        if pack is None:
+        stage = self._device_stage
+        if pack is None and stage is None:
             return result
         event = self._record_event()
+
+        def ship(o: DiffusionOutput) -> DiffusionOutput:
+            if stage is not None:
+                o = run_device_stage(stage, o, None, event)
+            return o if pack is None else pack(o, None, event)
+
         if isinstance(result, BatchDiffusionOutput):
-            return BatchDiffusionOutput(tuple(pack(o, None, event) for o in result.per_request()))
+            return BatchDiffusionOutput(tuple(ship(o) for o in result.per_request()))
         if isinstance(result, DiffusionOutput):
-            return pack(result, None, event)
+            return ship(result)
         return result
 
     def _execute_async(self, req: RpcRequest) -> None:
@@ -287,7 +286,7 @@ class WorkerLoop:
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
             skip = out.request_id in cancelled
-            self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else _budget_nbytes(out), cancelled=skip)
+            self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
         ids = tuple(m.key for m in machines)
         try:
             self._sender.put(
