@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, eventually, run
@@ -351,5 +352,29 @@ def test_close_with_work_in_flight_fails_it_and_leaves_nothing() -> None:
         await closing
         assert ex._closed and len(ex.registry) == 0 and len(engine) == 0
         assert engine.metrics().requests["closed"] == 3
+
+    run(body())
+
+
+def test_the_tiny_pipeline_converts_on_the_worker_and_builds_images_in_the_engine() -> None:
+    """pipeline "tiny": the device stage ships uint8 (a quarter of the bytes), the host
+    stage returns a PIL image that owns its pixels."""
+    spec = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": WIDTH, "steps": 2}, postprocess="tiny")
+    reference = TinyDiffusionWorker(width=WIDTH, steps=2)
+
+    async def body() -> None:
+        engine = AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="tiny"
+        )
+        async with engine:
+            results = await asyncio.gather(*(engine.generate(r(f"i{i}", height=1024, seed=i)) for i in range(3)))
+            await assert_quiescent(engine)
+        for i, res in enumerate(results):
+            image = res.output
+            assert (image.mode, image.size) == ("L", (WIDTH, 1024))
+            assert res.metrics["pack_shm_bytes"] == 1024 * WIDTH  # uint8 crossed, not float32
+            expected = reference.execute_model(r("x", height=1024, seed=i)).output["image"]
+            got = torch.from_numpy(np.array(image)).to(torch.float32)
+            assert float((got - expected.round()).abs().max()) <= 1.0
 
     run(body())
