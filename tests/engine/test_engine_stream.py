@@ -19,6 +19,7 @@ import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, executor_quiet, run
 from helpers.leaks import LONG_LIVED, with_prefix
+from prometheus_client import generate_latest
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RemoteError, RequestAborted, RpcFailed
@@ -73,6 +74,9 @@ def test_chunks_come_in_order_post_processed_then_the_result(shared: MultiprocDi
                 assert int(image_digest(c.output["image"])) == int(c.output["digest"])  # owned, bit-exact
             assert torch.equal(chunks[-1].output["image"], result.output["image"])
             assert result.timings.forward > 0 and engine.metrics().requests["finished"] == 1
+            assert engine.metrics().chunks == 3 and engine.metrics().as_dict()["chunks"] == 3
+            text = generate_latest(engine.prometheus_registry()).decode()
+            assert "omni_async_engine_chunks_total 3.0" in text
 
     run(body())
 

@@ -1014,6 +1014,7 @@ class AsyncDiffusionEngine:
             pump_alive=pump_alive,
             executor_healthy=executor_healthy,
             executor=executor,
+            chunks=self._chunks,
         )
 
     def prometheus_registry(self) -> CollectorRegistry:

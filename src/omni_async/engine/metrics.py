@@ -154,7 +154,8 @@ class EngineMetrics:
     ``RequestTimings`` (finished requests); ``loop_alive``: the engine's scheduling
     task runs; ``pump_alive``: the executor's result pump runs; ``executor_healthy``:
     the executor's ``check_health`` passes (every worker alive); ``executor``: the
-    executor's own ``metrics()``.
+    executor's own ``metrics()``; ``chunks``: intermediate outputs of streams delivered
+    to their callers (``generate_stream``).
     """
 
     requests: Mapping[str, int]
@@ -173,6 +174,7 @@ class EngineMetrics:
     pump_alive: bool
     executor_healthy: bool
     executor: Mapping[str, float]
+    chunks: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers: ``requests_<outcome>``, the depths and counters, and
@@ -192,6 +194,7 @@ class EngineMetrics:
             loop_alive=float(self.loop_alive),
             pump_alive=float(self.pump_alive),
             executor_healthy=float(self.executor_healthy),
+            chunks=float(self.chunks),
         )
         out.update({f"executor_{k}": v for k, v in self.executor.items()})
         return out
