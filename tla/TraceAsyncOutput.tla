@@ -271,10 +271,10 @@ TraceLate ==
             /\ announced' = IF Ev.x = "cd" /\ mx.good THEN [announced EXCEPT ![msg.k] = @ \ {Ev.o}] ELSE announced
             /\ mx' = [mx EXCEPT !.refused = @ \/ Ev.x = "cd"]
        ELSE /\ mx' = [mx EXCEPT !.lateErr = Ev.o]
-            /\ UNCHANGED <<expect, cdPending, outPending, announced, chunked>>
+            /\ UNCHANGED <<expect, cdPending, outPending, announced>>
     /\ Step
     /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 \* _get_or_create: only for an id the current message names, never when closed.
 TraceCreate ==
@@ -451,7 +451,7 @@ TraceProtocolError ==
     /\ Is("ProtocolError")
     /\ msg # NoMsg
     /\ IF Ev.o = 0
-       THEN UNCHANGED <<cdPending, outPending, announced, chunked, mx>>  \* the dispatcher's (wrong rank, duplicate answer)
+       THEN UNCHANGED <<cdPending, outPending, announced, mx>>  \* the dispatcher's (wrong rank, duplicate answer)
        ELSE /\ mx.lateErr = (IF st[Ev.o] = "NONE" THEN Ev.o ELSE 0)
             /\ \/ /\ Ev.o \in cdPending /\ (msg.ids # {} \/ msg.kind = "CHUNK")
                   /\ st[Ev.o] \notin RequestAwaitingComputeDone
@@ -464,10 +464,10 @@ TraceProtocolError ==
                   /\ st[Ev.o] # "NONE" => ~RequestCan(st[Ev.o], IF msg.ok THEN "OUTPUT_READY" ELSE "OUTPUT_FAILED")
                   /\ outPending' = FALSE
                   /\ mx' = [mx EXCEPT !.lateErr = 0]
-                  /\ UNCHANGED <<cdPending, announced, chunked>>
+                  /\ UNCHANGED <<cdPending, announced>>
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 -----------------------------------------------------------------------------
 (* Call boundaries of the registry. *)
