@@ -53,8 +53,11 @@ ASSUME ReplyRank \in Ranks
 NumRpcs == Len(Batch)
 RpcIds == 1..NumRpcs
 Range(s) == {s[n] : n \in DOMAIN s}
-Ids == UNION {Range(Batch[k]) : k \in RpcIds}
-RpcOf(i) == CHOOSE k \in RpcIds : i \in Range(Batch[k])
+\* The ids of each call, and the call of each id (constants: TLC computes them once).
+BatchIds == [k \in RpcIds |-> Range(Batch[k])]
+Ids == UNION {BatchIds[k] : k \in RpcIds}
+CallOf == [i \in Ids |-> CHOOSE k \in RpcIds : i \in BatchIds[k]]
+RpcOf(i) == CallOf[i]
 NoId == "-"
 NoConsumer == ""
 Consumers == Range(Consumer) \ {NoConsumer}
@@ -314,7 +317,7 @@ MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 WorkerMainForward(r) ==
     /\ alive[r] /\ mainPc[r] = "idle" /\ mainRpc[r] < submitted
     /\ LET k == mainRpc[r] + 1
-           ids == Range(Batch[k])
+           ids == BatchIds[k]
        IN /\ mainRpc' = [mainRpc EXCEPT ![r] = k]
           /\ \/ /\ mainPc' = [mainPc EXCEPT ![r] = "sendOk"]
                 /\ IF r = ReplyRank
@@ -338,7 +341,7 @@ WorkerMainForward(r) ==
 WorkerMainSendComputeDone(r) ==
     /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
     /\ Send(r, [kind |-> "COMPUTE_DONE", rpc |-> mainRpc[r], id |-> NoId, ok |-> TRUE,
-                out |-> NoId, w |-> "main", ids |-> Range(Batch[mainRpc[r]])])
+                out |-> NoId, w |-> "main", ids |-> BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, failedRanks, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -356,7 +359,7 @@ WorkerMainComputeDoneFails(r) ==
     /\ failedRanks' = [failedRanks EXCEPT ![mainRpc[r]] = @ \cup {r}]
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> FALSE,
                 out |-> NoId, w |-> "main",
-                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE Range(Batch[mainRpc[r]])])
+                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -427,7 +430,7 @@ WorkerCrash(r) ==
 
 \* The ids the reply rank announced for RPC k (its COMPUTE_DONE, or the failure
 \* naming what it shipped, was received).
-Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
+Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
 
 \* The dispatcher still waits for RPC k's answers (its Future may be cancelled).
 Pending(k) == rpcs[k] \in {"pending", "cancelling"}
@@ -448,7 +451,7 @@ Answer(k, r, a, x) ==
         done == Complete(k, ansk, r)
         fail == \E q \in Ranks : ansk[q] \in {"failed", "shipped"}
         cancelled == rpcs[k] = "cancelling"
-        ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
+        ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
         \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
         lose == done /\ (fail \/ (cancelled /\ Bug # "CancelKeepsOutputs"))
     IN /\ answers' = [answers EXCEPT ![k] = ansk]
@@ -931,7 +934,7 @@ Settled(i) ==
 
 \* Every submitted request reaches a terminal state and leaves nothing behind,
 \* also when a worker crashes.
-RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in Range(Batch[k]) : Settled(i)
+RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in BatchIds[k] : Settled(i)
 
 \* Every waiter is eventually resolved.
 WaitersResolve == \A i \in Ids : rec[i].waiter = "waiting" ~> rec[i].waiter # "waiting"
