@@ -56,6 +56,7 @@ from omni_async.core.states import (
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.dit import DiTPipelineWorker
 from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
 from omni_async.transport.errors import (
     ChannelClosed,
@@ -105,6 +106,7 @@ __all__ = [
     "Deadlines",
     "DeviceEvent",
     "DeviceSyncUnavailable",
+    "DiTPipelineWorker",
     "DiffusionExecutor",
     "DiffusionOutput",
     "DiffusionRequest",
