@@ -17,7 +17,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import RpcFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.inprocess import InProcessExecutor
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.dit import POSTPROCESS, device_stage, host_stage, make_worker, pixels_to_uint8
 from omni_async.models.tiny import image_digest
 
@@ -297,7 +297,8 @@ def test_in_process_executor_end_to_end() -> None:
 
 @pytest.fixture
 def multiproc() -> Iterator[MultiprocDiffusionExecutor]:
-    spec = WorkerSpec("omni_async.models.dit:make_worker", {**SMALL, "dtype": "float32"})
+    # The reference forwards run on the CPU: noise is drawn on the model's device.
+    spec = WorkerSpec("omni_async.models.dit:make_worker", {**SMALL, "device": "cpu", "dtype": "float32"})
     ex = MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)
     try:
         yield ex
@@ -367,3 +368,25 @@ def test_cuda_bf16_large_image_and_video() -> None:
     a = m.execute_model(_req("a", height=256, width=256, seed=1)).output["image"]
     b = m.execute_model(_req("b", height=256, width=256, seed=1)).output["image"]
     assert torch.equal(a, b)  # deterministic on one device
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_worker_process_bf16() -> None:
+    spec = WorkerSpec("omni_async.models.dit:make_worker", {"dtype": "bfloat16"})
+    reference = make_worker(dtype="bfloat16")
+    reqs = [_req(f"g{i}", seed=i, height=512, width=512, digest=True) for i in range(3)]
+    reqs.append(_req("gv", seed=3, num_frames=5, height=256, width=384, digest=True))
+    with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device="cuda")) as ex:
+        for r, ro in zip(reqs, ex.execute_batch(reqs), strict=True):
+            assert ro.async_output_id is not None
+            out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+            got = _pixels(out)
+            assert got.device.type == "cpu" and got.dtype == torch.bfloat16
+            assert int(out.output["digest"]) == int(image_digest(got))  # the bytes arrived exactly
+            expected = _pixels(reference.execute_model(r)).cpu()
+            torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=2e-2)
+            result = host_stage(out)
+            del got
+            ex.release_output(out)
+            assert ("image" in result) == (r.request_id != "gv")
+        assert ex.pool.stats().outstanding == 0
