@@ -6,13 +6,16 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from omni_async import cli
 from omni_async.cli import soak
+from omni_async.transport.shm.files import entries
 
 
 def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -35,14 +38,83 @@ def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> 
     assert rows["requests unaccounted"]["value"] == "0" and rows["requests unaccounted"]["check"] is True
     assert rows["segments left in /dev/shm"]["value"] == "0"
     checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
-    assert len(checks) == 8 and all(checks.values()), checks
+    assert len(checks) == 9 and all(checks.values()), checks
     assert sum(report["outcomes"].values()) == 300
     assert report["outcomes"]["result"] > 200
     # A kill ends its executor; a second kill drawn before the soak noticed finds it ended.
+    # With one slot every spare is used: one is built only while a planned kill lies ahead.
     executors = int(rows["executors started"]["value"].split()[0])
     assert 2 <= executors <= report["faults"]["kill"] + 1
+    assert all(life["used"] for life in report["lives"])
+    assert executors == 1 + sum(1 for life in report["lives"] if life["killed"])
     typed = {o for o in report["outcomes"] if o.startswith("typed error")}
     assert "typed error: WorkerDied" in typed and "typed error: RpcFailed (RuntimeError)" in typed
+
+
+def _gone(life: dict[str, Any]) -> None:
+    """The executor of this life left nothing: no name under /dev/shm, no worker process."""
+    assert life["prefix"] and not entries(life["prefix"]), life
+    for pid in life["pids"]:
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} of {life['prefix']} still runs"
+
+
+def test_two_executors_side_by_side_a_kill_served_by_the_spare_and_an_unused_spare_shut_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--executors 2 over the seed's own plans (faults at a rate of 0.1), except one kill,
+    at request 80, and no other kill or expired claim (they only add time).  The first
+    requests wait until the two spares have been built (so that the test does not depend on
+    how fast this machine starts executors).  Then: every check passes; the killed slot
+    goes on with its spare, whose construction ended before the worker died (a soak that
+    builds the replacement after the death fails here); and the other slot's spare, never
+    used, was checked and shut down like the lives: registry empty, no lease out, nothing
+    in /dev/shm, workers gone."""
+    real_plan = soak.plan_request
+
+    def one_kill(seed: int, fault_rate: float, index: int) -> soak.Plan:
+        plan = real_plan(seed, fault_rate, index)
+        if index == 80:
+            return attrs.evolve(plan, fault="kill")
+        return attrs.evolve(plan, fault=None) if plan.fault in ("kill", "expire") else plan
+
+    built: list[soak.Life] = []
+    real_init, real_dispatch = soak.Life.__init__, soak.Life.dispatch
+
+    def init(self: soak.Life, args: argparse.Namespace, **kw: Any) -> None:
+        real_init(self, args, **kw)
+        built.append(self)
+
+    def dispatch_once_spares_built(self: soak.Life) -> None:
+        if self.serial <= 2 and self.dispatched == 0:  # the first request of each slot
+            deadline = time.monotonic() + 60.0  # a spare takes seconds; without one, go on and fail below
+            while len(built) < 4 and time.monotonic() < deadline:  # two lives, two spares
+                time.sleep(0.01)
+        real_dispatch(self)
+
+    monkeypatch.setattr(soak, "plan_request", one_kill)
+    monkeypatch.setattr(soak.Life, "__init__", init)
+    monkeypatch.setattr(soak.Life, "dispatch", dispatch_once_spares_built)
+    out = tmp_path / "two.json"
+    argv = ["soak", "--requests", "160", "--fault-rate", "0.1", "--seed", "3", "--executors", "2"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    assert report["ok"] is True and sum(report["outcomes"].values()) == 160
+    assert all(row["check"] for row in report["rows"] if row["check"] is not None)
+    assert report["faults"]["kill"] == 1 and len(report["faults"]) > 3
+    assert rows["executors started"]["value"] == "4 on 2 slots (1 killed, 1 spares unused)"
+    lives = report["lives"]  # by the order their construction began
+    assert sum(life["requests"] for life in lives) == 160
+    (dead,) = [life for life in lives if life["killed"]]
+    (spare,) = [life for life in lives if not life["used"]]
+    (replacement,) = [life for life in lives if life["serial"] > 2 and life["used"]]
+    assert replacement["slot"] == dead["slot"] != spare["slot"] and dead["requests"] >= 1
+    assert replacement["built_s"] <= dead["failed_s"] <= replacement["live_s"], "replacement built after the death"
+    assert replacement["spare_ready"] is True and rows["spares ready when a worker died"]["value"] == "1 of 1"
+    assert spare["requests"] == 0 and spare["live_s"] is None and spare["anon_growth_kib"] is None
+    assert spare["registry_empty"] and spare["leases_outstanding"] == 0 and spare["files_left"] == 0
+    for life in lives:
+        _gone(life)
 
 
 def _lost(requests: int, lost: int) -> soak.Accounting:
@@ -109,6 +181,7 @@ BAD = [
     (["--fault-rate", "nan"], "--fault-rate"),
     (["--seed", "-1"], "--seed"),
     (["--concurrency", "0"], "--concurrency"),
+    (["--executors", "0"], "--executors"),
     (["--requests", "0"], "--requests"),
     (["--output-timeout", "0"], "--output-timeout"),
     (["--json", "/no/such/dir/x.json"], "--json"),
@@ -134,5 +207,5 @@ def test_a_bad_value_is_one_error_line_before_anything_starts(
 def test_the_help_says_what_happens_after_a_kill() -> None:
     soak_parser: argparse.ArgumentParser = cli.build_parser().parse_args(["soak"]).subparser
     text = " ".join(soak_parser.format_help().split())
-    assert "WorkerDied is final" in text and "starts a new one" in text
+    assert "WorkerDied is final" in text and "starts a new one" in text and "warm spare" in text
     assert "--rss-bound-mib" in text and "RssAnon" in text
