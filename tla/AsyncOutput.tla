@@ -9,8 +9,9 @@
 (*     other ranks with an empty RPC_RESULT; a failed forward with a       *)
 (*     failed RPC_RESULT);                                                 *)
 (*   - the reply rank's packer: waits for the forward's event, copies the  *)
-(*     output into a leased shared-memory segment, sends OUTPUT_READY      *)
-(*     (or OUTPUT_READY carrying a failure);                               *)
+(*     output into a leased shared-memory segment, hands the lease off     *)
+(*     (SegmentPool.hand_off: it is "shipped"), sends OUTPUT_READY (or     *)
+(*     OUTPUT_READY carrying a failure);                                   *)
 (*   - the result channel: one FIFO per rank, in put order.  The main      *)
 (*     thread and the packer of a rank put independently, so OUTPUT_READY *)
 (*     can overtake its COMPUTE_DONE; the pump reads the ranks' FIFOs in   *)
@@ -21,7 +22,9 @@
 (*   - the engine: submits RPCs, cancels them, waits for outputs, cancels  *)
 (*     or times out its waiters, drops outputs, releases what it consumed, *)
 (*     goes away (its consumer is released), shuts down;                   *)
-(*   - the monitor: notices a dead worker.                                 *)
+(*   - the monitor: notices a dead worker; the pump reads the dead         *)
+(*     worker's pipe to its end, then what it shipped and never sent is    *)
+(*     reclaimed.                                                          *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
 (* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  The    *)
@@ -45,7 +48,7 @@ CONSTANTS
     Bug             \* "none", or the failure mode to reintroduce (see BugModes)
 
 BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
-             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped"}
+             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
@@ -67,7 +70,11 @@ EngineViews == {"none", "known", "waiting", "holding", "done"}
 \* The registry's waiter slot: "cancelled" = the Future was cancelled, the
 \* done-callback that tells the registry has not run yet.
 WaiterSlots == {"none", "waiting", "cancelled"}
-SegStates == {"none", "leased", "consumer", "released"}
+\* The id's segment, as the pool's table says: "leased" by the packer (not
+\* handed off yet) or, once its OUTPUT_READY was read, by the executor;
+\* "shipped": handed off by the packer, its message not read yet (the table's
+\* owner -pid); "consumer": delivered to the engine.
+SegStates == {"none", "leased", "shipped", "consumer", "released"}
 \* "cancelling": the engine cancelled the call's Future, the dispatcher still
 \* waits for its answers; "gone": its consumer went away.
 \* "unsent": its broadcast failed part-way (Dispatcher.forget).
@@ -105,6 +112,7 @@ VARIABLES
     packing,      \* the id the packer is copying, or NoId
     chan,         \* [Ranks -> Seq(Msg)]: the result channel
     sent, recvd,  \* history: messages put / taken per rank
+    eof,          \* the dead ranks whose pipe the pump read to its end (PumpReachEof)
     crashes,      \* workers crashed so far
     pump,         \* the pump's lifecycle state (LifecycleTable)
     closed,       \* the registry is closed (shutdown)
@@ -117,7 +125,7 @@ VARIABLES
     gone          \* the consumers that went away (release_consumer)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
-channel == <<chan, sent, recvd>>
+channel == <<chan, sent, recvd, eof>>
 executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
 vars == <<worker, channel, executor>>
 
@@ -132,6 +140,7 @@ TypeOK ==
     /\ packing \in Ids \cup {NoId}
     /\ chan \in [Ranks -> Seq(Msg)]
     /\ sent \in [Ranks -> Nat] /\ recvd \in [Ranks -> Nat]
+    /\ eof \subseteq Ranks
     /\ crashes \in 0..MaxCrashes
     /\ pump \in LifecycleStates
     /\ closed \in BOOLEAN /\ dead \in BOOLEAN
@@ -155,6 +164,7 @@ Init ==
     /\ packing = NoId
     /\ chan = [r \in Ranks |-> <<>>]
     /\ sent = [r \in Ranks |-> 0] /\ recvd = [r \in Ranks |-> 0]
+    /\ eof = {}
     /\ crashes = 0
     /\ pump = LifecycleNext(LifecycleInitial, "STARTED")
     /\ closed = FALSE /\ dead = FALSE
@@ -295,6 +305,7 @@ Expire1(x) ==
 \* overwrote the other thread's message.
 Send(r, m) ==
     /\ sent' = [sent EXCEPT ![r] = @ + 1]
+    /\ UNCHANGED eof
     /\ \/ chan' = [chan EXCEPT ![r] = Append(@, m)]
        \/ /\ Bug = "F7"
           /\ chan[r] # <<>>
@@ -304,6 +315,7 @@ Send(r, m) ==
 Recv(r) ==
     /\ chan' = [chan EXCEPT ![r] = Tail(@)]
     /\ recvd' = [recvd EXCEPT ![r] = @ + 1]
+    /\ UNCHANGED eof
 
 MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 
@@ -384,15 +396,26 @@ PackerPackOutput ==
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
                    submitted, rpcs, answers, perr, gone>>
 
+\* The copy is done: the lease is handed off (SegmentPool.hand_off, at the end
+\* of pack_diffusion_output_shm), right before the message is put.  From here
+\* the dead worker's reclaim_owner spares it (its message may be in the pipe,
+\* ReclaimShipped); a crash between this step and the send leaves it shipped
+\* with no message: PumpReachEof reclaims it.
+PackerHandOff ==
+    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "leased"
+    /\ rec' = [rec EXCEPT ![packing].seg = "shipped"]
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+
 PackerSendOutputReady ==
-    /\ alive[ReplyRank] /\ packing # NoId
+    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "shipped"
     /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_READY")]
     /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> TRUE,
                         out |-> packing, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd, executor>>
 
-\* Packing failed: the segment goes back, the failure travels typed (F2).
+\* Packing failed (or, after the hand-off, the put of OUTPUT_READY raised): the
+\* segment goes back, the failure travels typed (F2).
 PackerSendOutputFailed ==
     /\ PackFails
     /\ alive[ReplyRank] /\ packing # NoId
@@ -502,11 +525,18 @@ HandlePlain(r, m) ==
     ELSE IF r \notin Ranks \/ answers[k][r] # "none" THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
     ELSE Answer(k, r, IF m.ok /\ r # ReplyRank THEN "ok" ELSE "failed", rec) /\ UNCHANGED perr
 
-\* An OUTPUT_READY (on_output).
-HandleOutput(m) ==
-    /\ rec' = [rec EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
-    /\ perr' = (perr \/ OutRefused(rec[m.id], m.ok))
+\* An OUTPUT_READY (on_output), on the records x.
+HandleOutputIn(x, m) ==
+    /\ rec' = [x EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
+    /\ perr' = (perr \/ OutRefused(x[m.id], m.ok))
     /\ UNCHANGED <<rpcs, answers>>
+
+HandleOutput(m) == HandleOutputIn(rec, m)
+
+\* The pump read a message carrying the segment of out: the executor marks the
+\* lease received (SegmentPool.receive, in the executor's _ReceivingEnd), before
+\* the dispatcher sees the message.
+Received(x, out) == [i \in Ids |-> IF i = out /\ x[i].seg = "shipped" THEN [x[i] EXCEPT !.seg = "leased"] ELSE x[i]]
 
 Handle(r, m) ==
     CASE m.kind = "OUTPUT_READY" -> HandleOutput(m)
@@ -532,15 +562,17 @@ PumpRecvRpcResult(r) ==
 PumpRecvOutputReady(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "OUTPUT_READY"
     /\ LET m == Head(chan[r])
-           x == rec[m.id]
+           got == Received(rec, m.out)
+           x == got[m.id]
        IN CASE Bug = "F6" /\ x.st = "NONE" ->
-                 UNCHANGED <<pump, rec, perr, gone>>
+                 /\ rec' = got
+                 /\ UNCHANGED <<pump, perr, gone>>
             [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
                  /\ pump' = LifecycleNext(pump, "CRASH")
-                 /\ rec' = [rec EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
+                 /\ rec' = [got EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
                  /\ UNCHANGED perr
             [] OTHER ->
-                 /\ HandleOutput(m)
+                 /\ HandleOutputIn(got, m)
                  /\ UNCHANGED pump
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone>>
@@ -712,50 +744,67 @@ FailAll(close, disp) ==
     /\ rec' = [i \in Ids |-> FailRec(rec[i])]
     /\ UNCHANGED <<dead, submitted, answers, perr, gone>>
 
-\* Close the registry (fail every waiter and RPC, release every record), stop
-\* the workers; the pool unlinks every segment still leased (in a packer or
-\* in an unread message).  The shared part of shutdown and of a worker's death:
-\* FailAll(TRUE, TRUE) and the segment pool.
-\* reclaim: ReclaimShipped, see MonitorDetectDeath.
-CloseAll(reclaim) ==
+\* Shutdown: close the registry (fail every waiter and RPC, release every
+\* record), stop the workers; the pool's close unlinks every segment still out
+\* (in a packer, shipped, in an unread message).
+CloseAll ==
     /\ closed' = TRUE
     /\ pump' = StopPump
     /\ rpcs' = FailRpcs
-    /\ rec' = [i \in Ids |->
-                 LET r0 == IF reclaim /\ rec[i].seg \in {"leased", "consumer"} THEN ReleaseSeg(rec[i]) ELSE rec[i]
-                     y == FailRec(r0)
-                 IN IF y.seg = "leased" THEN ReleaseSeg(y) ELSE y]
+    /\ rec' = [i \in Ids |-> LET y == FailRec(rec[i]) IN IF y.seg \in {"leased", "shipped"} THEN ReleaseSeg(y) ELSE y]
     /\ alive' = [r \in Ranks |-> FALSE]
     /\ chan' = [r \in Ranks |-> <<>>]
     /\ recvd' = sent
     /\ packQ' = <<>>
     /\ packing' = NoId
+    /\ UNCHANGED eof
 
 EngineShutdown ==
     /\ EngineAborts /\ ~closed
-    /\ CloseAll(FALSE)
+    /\ CloseAll
     /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone>>
 
-\* The monitor sees a dead worker.  We shut the executor down (nothing can
-\* complete any more).  DeathKeepsOpen: ResultPump.fail_all without closing:
-\* every record is force-released (leaving a tombstone that swallows its late
-\* messages, as OutputRegistry._finished does) but the pump keeps reading.
+\* The monitor sees a dead worker (MultiprocDiffusionExecutor._on_worker_death):
+\* SegmentPool.reclaim_owner(pid) frees the segment the dead packer had leased
+\* and not handed off, then ResultPump.fail_all(..., close=True) fails every
+\* waiter and call and closes the registry.  The pump keeps reading: what the
+\* dead worker (or a live one) sent is released on arrival; the other workers
+\* live on.  A segment the dead packer had shipped is spared: its message may
+\* still be in the pipe (PumpReachEof takes the rest).
+\* DeathKeepsOpen: fail_all without closing: every record is force-released
+\* (leaving a tombstone that swallows its late messages, as
+\* OutputRegistry._finished does), and the registry stays open.
+\* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
+\* process had shipped (as if hand_off did not exist) before fail_all discards
+\* what the registry holds.
 MonitorDetectDeath ==
     /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
     /\ dead' = TRUE
-    /\ IF Bug = "DeathKeepsOpen"
-       THEN /\ rpcs' = FailRpcs
-            /\ rec' = [i \in Ids |->
-                         LET y == FailRec(rec[i])
-                         IN IF packing = i /\ ~alive[ReplyRank] THEN ReleaseSeg(y) ELSE y]
-            /\ packing' = IF alive[ReplyRank] THEN packing ELSE NoId
-            /\ UNCHANGED <<alive, chan, recvd, packQ, closed, pump>>
-       \* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
-       \* process had shipped (the implementation hands each lease off before the
-       \* message is sent, so reclaim spares it) before fail_all discards what the
-       \* registry holds.
-       ELSE CloseAll(Bug = "ReclaimShipped" /\ ~alive[ReplyRank])
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, submitted, answers, perr, gone>>
+    /\ closed' = (Bug # "DeathKeepsOpen")
+    /\ rpcs' = FailRpcs
+    /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
+           stolen(i) == Bug = "ReclaimShipped" /\ ~alive[ReplyRank] /\ rec[i].seg \in {"leased", "shipped", "consumer"}
+       IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
+          /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
+                   perr, gone>>
+
+\* The pump reads a dead rank's pipe to its end (PipeChannel's on_sender_gone:
+\* every message the rank wrote was handled, its leases marked received) and
+\* the monitor has handled the death: whichever comes second
+\* (MultiprocDiffusionExecutor._reclaim_shipped) frees what the rank shipped
+\* and no message carried, SegmentPool.reclaim_shipped(pid): the packer was
+\* killed between the hand-off and the send.  ReclaimSparesShipped: nothing
+\* does (the long soak's lease left out until shutdown).
+PumpReachEof(r) ==
+    /\ pump = "RUNNING" /\ dead /\ ~alive[r] /\ chan[r] = <<>> /\ r \notin eof
+    /\ eof' = eof \cup {r}
+    /\ IF r = ReplyRank /\ Bug # "ReclaimSparesShipped"
+       THEN /\ rec' = [i \in Ids |-> IF rec[i].seg = "shipped" THEN ReleaseSeg(rec[i]) ELSE rec[i]]
+            /\ packing' = NoId
+       ELSE UNCHANGED <<rec, packing>>
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, chan, sent, recvd,
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone>>
 
 -----------------------------------------------------------------------------
 PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r)
@@ -765,6 +814,7 @@ Next ==
     \/ EngineShutdown
     \/ MonitorDetectDeath
     \/ PackerPackOutput
+    \/ PackerHandOff
     \/ PackerSendOutputReady
     \/ PackerSendOutputFailed
     \/ PackerCancelOutput
@@ -775,6 +825,7 @@ Next ==
           \/ WorkerMainSendRpcResult(r)
           \/ WorkerCrash(r)
           \/ PumpRecv(r)
+          \/ PumpReachEof(r)
     \/ EngineReleaseConsumer
     \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k)
     \/ \E i \in Ids :
@@ -797,7 +848,9 @@ SystemNext ==
           \/ WorkerMainSendComputeDone(r)
           \/ WorkerMainSendRpcResult(r)
           \/ PumpRecv(r)
+          \/ PumpReachEof(r)
     \/ PackerPackOutput
+    \/ PackerHandOff
     \/ PackerSendOutputReady
     \/ PackerSendOutputFailed
     \/ MonitorDetectDeath
@@ -822,11 +875,11 @@ StateConstraint == \A r \in Ranks : Len(chan[r]) <= MaxQueue
 \* The channel never loses a message (F5, F7).
 ChannelLossless == \A r \in Ranks : sent[r] = recvd[r] + Len(chan[r])
 
-\* A leased segment always has an owner: the packer, an unread OUTPUT_READY,
-\* or a registry record; one the consumer holds was delivered to it.
+\* A leased (or shipped) segment always has an owner: the packer, an unread
+\* OUTPUT_READY, or a registry record; one the consumer holds was delivered to it.
 NoSegmentLeak ==
     \A i \in Ids :
-        /\ rec[i].seg = "leased" =>
+        /\ rec[i].seg \in {"leased", "shipped"} =>
               \/ packing = i
               \/ \E r \in Ranks : \E m \in MsgsOf(r) : m.kind = "OUTPUT_READY" /\ m.out = i
               \/ \E j \in Ids : rec[j].held = i
@@ -866,16 +919,19 @@ Claimable(i) ==
 NoOrphanPayload == \A i \in Ids : rec[i].st \in RequestHolding => Claimable(i)
 
 \* Nothing is in flight: no message, no work in a live worker, no pending
-\* RPC, no claim by the engine, no dead worker the monitor has not seen.
+\* RPC, no claim by the engine, no dead worker whose pipe the running pump has
+\* not read to its end (after the monitor saw the death: PumpReachEof).
 Idle ==
     /\ \A r \in Ranks : chan[r] = <<>>
     /\ \A r \in Ranks : alive[r] => mainPc[r] = "idle" /\ mainRpc[r] = submitted
     /\ alive[ReplyRank] => packQ = <<>> /\ packing = NoId
     /\ \A k \in RpcIds : ~Pending(k)
     /\ \A i \in Ids : rec[i].eng \in {"none", "done"} /\ rec[i].waiter = "none"
-    /\ \A r \in Ranks : ~alive[r] => dead \/ closed
+    /\ \A r \in Ranks : ~alive[r] => r \in eof \/ pump # "RUNNING"
 
-\* The registry and the segment pool are empty whenever nothing is in flight.
+\* The registry and the segment pool are empty whenever nothing is in flight:
+\* also after a worker's death, before the engine shuts down
+\* (ReclaimSparesShipped).
 QuiescentClean ==
     Idle => \A i \in Ids : rec[i].st = "NONE" /\ rec[i].seg \in {"none", "released"}
 
@@ -930,7 +986,7 @@ Settled(i) ==
     /\ ws[i] \in RequestTerminal \cup {"READY", "FAILED"} \/ ~alive[ReplyRank]
     /\ packing # i /\ ~CdToCome(i)
     /\ ~\E r \in Ranks : \E m \in MsgsOf(r) : m.id = i
-    /\ rec[i].st = "NONE" /\ rec[i].eng \in {"none", "done"} /\ rec[i].seg # "leased"
+    /\ rec[i].st = "NONE" /\ rec[i].eng \in {"none", "done"} /\ rec[i].seg \notin {"leased", "shipped"}
 
 \* Every submitted request reaches a terminal state and leaves nothing behind,
 \* also when a worker crashes.

@@ -645,7 +645,7 @@ AO(t) == INSTANCE AsyncOutput WITH
     mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
     ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",
     chan <- [r \in TRanks[t] |-> <<>>], sent <- [r \in TRanks[t] |-> 0],
-    recvd <- [r \in TRanks[t] |-> 0], crashes <- 0
+    recvd <- [r \in TRanks[t] |-> 0], eof <- {}, crashes <- 0
 
 \* AsyncOutput's Init, executor half, for trace t (and primed, for the next trace:
 \* TLC cannot assign through a primed definition).

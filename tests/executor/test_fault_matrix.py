@@ -14,6 +14,8 @@ every affected waiter; no process and nothing in /dev/shm left after shutdown):
   ``::test_worker_killed_mid_pack_fails_the_output_waiter``; a message of the dead worker
   read after its death: ``::test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held``.
 * of the executor's own process: defect 4, on the crash-cleanup branch (issue8-crash).
+* after the packer handed its segment off and before its OUTPUT_READY was sent (the long
+  soak's lease left out): ``test_a_worker_killed_between_hand_off_and_send_leaks_no_lease``.
 
 Exceptions (the right request fails typed; pump and workers stay healthy; the next
 request succeeds): ``test_an_exception_fails_only_its_own_request`` for the forward, a
@@ -288,6 +290,45 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(world_size: in
         assert _intact(kept, kept_params)
         assert ex.release_output(kept) == 1
         _until(lambda: ex.pool.stats().outstanding == 0, what="every lease back")
+    finally:
+        finish(ex)
+
+
+def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest.LogCaptureFixture) -> None:
+    """The long soak's open finding: a worker SIGKILLed after ``SegmentPool.hand_off`` and
+    before its OUTPUT_READY reached the pipe left that lease out until shutdown (6 of 281
+    killed lives).  ``reclaim_owner`` spares handed-off leases (their messages may still
+    be in the pipe, TLC's ``ReclaimShipped``); nobody freed one whose message never came.
+
+    A batch of three: the packer ships the first two, hands the third off and dies
+    pickling its message (``KillOnSend``, deterministic).  The first two may be read
+    before or after the death is handled; each goes back exactly once (no
+    ``LeaseAlreadyReleased``), and the third is reclaimed once the dead worker's pipe
+    is read to its end: every lease is back before shutdown.
+    """
+    caplog.set_level(logging.WARNING, logger="omni_async")
+    ex = MultiprocDiffusionExecutor(
+        SPEC, deadlines=RELAXED, options=WorkerOptions(lease_timeout=60), max_held_outputs=4
+    )
+    try:
+        batch = [_req("sent-1", seed=1, **SHM), _req("sent-2", seed=2, **SHM), _req("doomed", die_in_send=True, **SHM)]
+        call = ex.submit_batch(batch)
+        victim = ex.procs[0]
+        victim.join(WAIT)
+        assert victim.exitcode == -signal.SIGKILL
+        call.exception(timeout=WAIT)  # WorkerDied, or (COMPUTE_DONE came first) the outputs' ids
+        _until(lambda: ex._failure is not None, what="the death to be handled")
+        st = ex.pool.stats()
+        assert st.created == 3, st  # the doomed output was packed into its own segment before the kill
+        try:
+            _until(lambda: ex.pool.stats().outstanding == 0, 10.0, "every lease back")
+        except AssertionError:
+            raise AssertionError(f"a lease of the dead worker is still out: {ex.pool.outstanding()}") from None
+        assert ex.pool.stats().reclaimed == 1  # the doomed one; the shipped two were released
+        broken = [r for r in caplog.records if r.exc_info is not None]
+        assert not broken, [r.getMessage() for r in broken]
+        with pytest.raises(WorkerDied):
+            ex.check_health()
     finally:
         finish(ex)
 
