@@ -24,7 +24,13 @@
 (*     goes away (its consumer is released), shuts down;                   *)
 (*   - the monitor: notices a dead worker; the pump reads the dead         *)
 (*     worker's pipe to its end, then what it shipped and never sent is    *)
-(*     reclaimed.                                                          *)
+(*     reclaimed;                                                          *)
+(*   - the control channel: the executor cancels the forward of a call in  *)
+(*     flight (cancel_requests, or its compute deadline); a worker-side    *)
+(*     thread hears it while the main thread may be in the forward.  The   *)
+(*     worker then never starts that forward, or stops it and answers with *)
+(*     an aborted failure, or (the cancel came too late) finishes anyway,  *)
+(*     and the executor drops the ids it announced on arrival.             *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
 (* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  The    *)
@@ -44,11 +50,13 @@ CONSTANTS
     PackFails,      \* BOOLEAN: packing may fail
     SendFails,      \* BOOLEAN: the reply rank's put of COMPUTE_DONE may raise
     EngineAborts,   \* BOOLEAN: the engine may cancel, drop, time out and shut down
+    CancelsForward, \* BOOLEAN: the engine may abort a call in flight (cancel_requests)
     MaxQueue,       \* state constraint: messages per rank FIFO
     Bug             \* "none", or the failure mode to reintroduce (see BugModes)
 
 BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
-             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped"}
+             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped",
+             "AbortKeepsFinished"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
@@ -78,7 +86,9 @@ SegStates == {"none", "leased", "shipped", "consumer", "released"}
 \* "cancelling": the engine cancelled the call's Future, the dispatcher still
 \* waits for its answers; "gone": its consumer went away.
 \* "unsent": its broadcast failed part-way (Dispatcher.forget).
-RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone", "unsent"}
+\* "aborted": the engine aborted it (cancel_requests) and every rank answered.
+RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "timeout", "shutdown", "gone", "unsent",
+              "aborted"}
 \* "shipped": a failed answer that names the ids the rank had already handed
 \* to its packer (the failure that replaces a COMPUTE_DONE whose put raised).
 Answers == {"none", "ok", "failed", "shipped"}
@@ -104,7 +114,7 @@ Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no rec
 
 VARIABLES
     alive,        \* [Ranks -> BOOLEAN]
-    mainPc,       \* [Ranks -> {"idle", "sendOk", "sendFail"}]: after a forward, before its answer
+    mainPc,       \* [Ranks -> {"idle", "sendOk", "sendFail", "sendAborted"}]: after a forward, before its answer
     mainRpc,      \* [Ranks -> 0..NumRpcs]: the last RPC the main thread took
     failedRanks,  \* history: [RpcIds -> SUBSET Ranks], ranks whose forward (or COMPUTE_DONE put) failed
     ws,           \* [Ids -> RequestStates]: the worker's machine of each id (reply rank)
@@ -122,17 +132,18 @@ VARIABLES
     answers,      \* [RpcIds -> [Ranks -> Answers]]
     rec,          \* [Ids -> Rec]
     perr,         \* history: the registry refused a message (a protocol error)
-    gone          \* the consumers that went away (release_consumer)
+    gone,         \* the consumers that went away (release_consumer)
+    abortSent     \* the calls the executor cancelled on the workers (cancel_requests, compute deadline)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
 channel == <<chan, sent, recvd, eof>>
-executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
+executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent>>
 vars == <<worker, channel, executor>>
 
 -----------------------------------------------------------------------------
 TypeOK ==
     /\ alive \in [Ranks -> BOOLEAN]
-    /\ mainPc \in [Ranks -> {"idle", "sendOk", "sendFail"}]
+    /\ mainPc \in [Ranks -> {"idle", "sendOk", "sendFail", "sendAborted"}]
     /\ mainRpc \in [Ranks -> 0..NumRpcs]
     /\ failedRanks \in [RpcIds -> SUBSET Ranks]
     /\ ws \in [Ids -> RequestStates]
@@ -150,6 +161,7 @@ TypeOK ==
     /\ rec \in [Ids -> Rec]
     /\ perr \in BOOLEAN
     /\ gone \subseteq Consumers
+    /\ abortSent \subseteq RpcIds
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
           frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, late |-> {}]
@@ -174,6 +186,7 @@ Init ==
     /\ rec = [i \in Ids |-> NoRec]
     /\ perr = FALSE
     /\ gone = {}
+    /\ abortSent = {}
 
 -----------------------------------------------------------------------------
 (* Registry operators: pure functions on one id's Rec, one per step of     *)
@@ -326,12 +339,29 @@ MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 \* Take the next execute RPC and run the forward.  The reply rank's machines
 \* go QUEUED -> COMPUTING -> COMPUTE_DONE and its outputs go to the packer
 \* before COMPUTE_DONE is sent, so the packer can answer first.
+\* A call the executor cancelled before the forward ended is aborted
+\* (WorkerLoop._abort_call): it never starts, or its forward stops at a
+\* cancellation check, or it runs to the end and its outputs are discarded;
+\* either way nothing goes to the packer and the answer is an aborted failure.
+\* The control channel (a pipe read by the rank's omni-cancel thread) is
+\* modelled as instantaneous: the worker reads abortSent.  A cancel still in
+\* transit when the forward ends is the same, to every other actor, as one
+\* sent after it (the worker finishes anyway), which the model has.
 WorkerMainForward(r) ==
     /\ alive[r] /\ mainPc[r] = "idle" /\ mainRpc[r] < submitted
     /\ LET k == mainRpc[r] + 1
            ids == BatchIds[k]
        IN /\ mainRpc' = [mainRpc EXCEPT ![r] = k]
-          /\ \/ /\ mainPc' = [mainPc EXCEPT ![r] = "sendOk"]
+          /\ \/ /\ k \in abortSent
+                /\ mainPc' = [mainPc EXCEPT ![r] = "sendAborted"]
+                /\ IF r = ReplyRank
+                   THEN ws' = [i \in Ids |-> IF i \in ids
+                                   THEN RequestNext(RequestNext(ws[i], "FORWARD"), "FORCE_RELEASE")
+                                   ELSE ws[i]]
+                   ELSE UNCHANGED ws
+                /\ UNCHANGED <<packQ, failedRanks>>
+             \/ /\ k \notin abortSent
+                /\ mainPc' = [mainPc EXCEPT ![r] = "sendOk"]
                 /\ IF r = ReplyRank
                    THEN /\ ws' = [i \in Ids |-> IF i \in ids
                                       THEN RequestNext(RequestNext(ws[i], "FORWARD"), "COMPUTE_DONE")
@@ -339,7 +369,7 @@ WorkerMainForward(r) ==
                         /\ packQ' = packQ \o Batch[k]
                    ELSE UNCHANGED <<ws, packQ>>
                 /\ UNCHANGED failedRanks
-             \/ /\ ForwardFails
+             \/ /\ ForwardFails /\ k \notin abortSent
                 /\ mainPc' = [mainPc EXCEPT ![r] = "sendFail"]
                 /\ failedRanks' = [failedRanks EXCEPT ![k] = @ \cup {r}]
                 /\ IF r = ReplyRank
@@ -375,9 +405,10 @@ WorkerMainComputeDoneFails(r) ==
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
+\* A failed or aborted forward (any rank), or a non-reply rank's empty result.
 WorkerMainSendRpcResult(r) ==
     /\ alive[r]
-    /\ \/ mainPc[r] = "sendFail"
+    /\ \/ mainPc[r] \in {"sendFail", "sendAborted"}
        \/ mainPc[r] = "sendOk" /\ r # ReplyRank
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> mainPc[r] = "sendOk",
                 out |-> NoId, w |-> "main", ids |-> {}])
@@ -394,7 +425,7 @@ PackerPackOutput ==
        /\ packing' = i
        /\ packQ' = Tail(packQ)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
-                   submitted, rpcs, answers, perr, gone>>
+                   submitted, rpcs, answers, perr, gone, abortSent>>
 
 \* The copy is done: the lease is handed off (SegmentPool.hand_off, at the end
 \* of pack_diffusion_output_shm), right before the message is put.  From here
@@ -404,7 +435,7 @@ PackerPackOutput ==
 PackerHandOff ==
     /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "leased"
     /\ rec' = [rec EXCEPT ![packing].seg = "shipped"]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 PackerSendOutputReady ==
     /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "shipped"
@@ -425,7 +456,7 @@ PackerSendOutputFailed ==
                         out |-> NoId, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd,
-                   pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 \* F15: the engine dropped the output before packing started; the drop reached
 \* the packer (Packer.drop), which sends a "Cancelled" failure instead.
@@ -474,17 +505,22 @@ Answer(k, r, a, x) ==
         done == Complete(k, ansk, r)
         fail == \E q \in Ranks : ansk[q] \in {"failed", "shipped"}
         cancelled == rpcs[k] = "cancelling"
+        \* The engine aborted the call (cancel_requests): Dispatcher._complete_aborted.
+        aborted == k \in abortSent
         ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
         \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
-        lose == done /\ (fail \/ (cancelled /\ Bug # "CancelKeepsOutputs"))
+        \* AbortKeepsFinished: an aborted call whose forward finished anyway
+        \* fails with RequestAborted, but what it announced is not dropped.
+        lose == done /\ (fail \/ (cancelled /\ Bug # "CancelKeepsOutputs") \/ (aborted /\ Bug # "AbortKeepsFinished"))
     IN /\ answers' = [answers EXCEPT ![k] = ansk]
        /\ rpcs' = IF done
-                  THEN [rpcs EXCEPT ![k] = IF fail THEN "failed" ELSE IF cancelled THEN "cancelled" ELSE "ok"]
+                  THEN [rpcs EXCEPT ![k] = IF aborted THEN "aborted" ELSE IF fail THEN "failed"
+                                          ELSE IF cancelled THEN "cancelled" ELSE "ok"]
                   ELSE rpcs
        /\ rec' = [i \in Ids |->
                     IF i \notin ann THEN x[i]
                     ELSE IF lose THEN Drop(x[i])
-                    ELSE IF done /\ ~cancelled THEN [x[i] EXCEPT !.eng = "known"]
+                    ELSE IF done /\ ~cancelled /\ ~aborted THEN [x[i] EXCEPT !.eng = "known"]
                     ELSE x[i]]
 
 \* A message that names output ids: a COMPUTE_DONE, or the failure that
@@ -547,13 +583,13 @@ PumpRecvComputeDone(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Names(Head(chan[r]))
     /\ HandleNamed(r, Head(chan[r]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent>>
 
 PumpRecvRpcResult(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT" /\ ~Names(Head(chan[r]))
     /\ HandlePlain(r, Head(chan[r]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent>>
 
 \* F6: the reference split a batch output by a map registered at COMPUTE_DONE;
 \* an output that arrived first found no map and was thrown away.
@@ -566,7 +602,7 @@ PumpRecvOutputReady(r) ==
            x == got[m.id]
        IN CASE Bug = "F6" /\ x.st = "NONE" ->
                  /\ rec' = got
-                 /\ UNCHANGED <<pump, perr, gone>>
+                 /\ UNCHANGED <<pump, perr, gone, abortSent>>
             [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
                  /\ pump' = LifecycleNext(pump, "CRASH")
                  /\ rec' = [got EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
@@ -575,14 +611,16 @@ PumpRecvOutputReady(r) ==
                  /\ HandleOutputIn(got, m)
                  /\ UNCHANGED pump
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone>>
+    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone, abortSent>>
 
 \* Dispatcher.expire: the compute deadline of a pending RPC passed; what its
-\* reply rank announced is dropped.
+\* reply rank announced is dropped, and its forward is cancelled on the
+\* workers (what they answer later is an orphan, dropped on arrival).
 ExpireRpc(k) ==
     /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "timeout"]
     /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
+    /\ abortSent' = abortSent \cup {k}
     /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone>>
 
 PumpExpireRpc(k) ==
@@ -606,7 +644,7 @@ Expirable(i) ==
 ExpireOutputs(S) ==
     /\ \A i \in S : Expirable(i)
     /\ rec' = [i \in Ids |-> IF i \in S THEN Expire1(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 PumpExpireOutput(i) ==
     /\ EngineAborts /\ pump = "RUNNING"
@@ -620,7 +658,7 @@ Forget(k) ==
     /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "unsent"]
     /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone, abortSent>>
 
 -----------------------------------------------------------------------------
 (* Engine actions: omni_async.executor.api.DiffusionExecutor.  Each is   *)
@@ -633,7 +671,7 @@ Submit(k) ==
     /\ rpcs[k] = "idle"
     /\ submitted' = k
     /\ rpcs' = [rpcs EXCEPT ![k] = "pending"]
-    /\ UNCHANGED <<pump, closed, dead, answers, rec, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, answers, rec, perr, gone, abortSent>>
 
 \* (the model's engine submits the calls in order; a consumer submits nothing
 \* once it went away)
@@ -650,11 +688,24 @@ EngineSubmitRpc ==
 CancelRpc(k) ==
     /\ rpcs[k] = "pending"
     /\ rpcs' = [rpcs EXCEPT ![k] = "cancelling"]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, rec, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, rec, perr, gone, abortSent>>
 
 EngineCancelRpc(k) ==
     /\ EngineAborts
     /\ CancelRpc(k)
+    /\ UNCHANGED <<worker, channel>>
+
+\* Dispatcher.cancel: the engine aborts call k in flight (cancel_requests of
+\* all its requests): the call is marked and a cancel goes to every rank's
+\* control channel.  The call still ends by its ranks' answers.
+AbortRpc(k) ==
+    /\ Pending(k) /\ k \notin abortSent
+    /\ abortSent' = abortSent \cup {k}
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
+
+EngineAbortRpc(k) ==
+    /\ CancelsForward
+    /\ AbortRpc(k)
     /\ UNCHANGED <<worker, channel>>
 
 \* The consumer c goes away without aborting (F11): Dispatcher.release_consumer
@@ -672,7 +723,7 @@ ReleaseConsumer(c, disp) ==
                      y == IF Bug # "F11" /\ mine /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
                           THEN Abandon(FailWaiter(rec[i])) ELSE rec[i]
                  IN [y EXCEPT !.eng = IF @ = "known" /\ mine THEN "done" ELSE @]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, abortSent>>
 
 EngineReleaseConsumer ==
     /\ EngineAborts /\ ~closed
@@ -684,7 +735,7 @@ Wanted(i) == rec[i].st \notin {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING"
 RegistryWait(i) ==
     /\ ~closed /\ Wanted(i) /\ rec[i].waiter = "none"
     /\ rec' = [rec EXCEPT ![i] = AfterChange([@ EXCEPT !.waiter = "waiting", !.eng = "waiting"])]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 \* wait_output_ready for an id the engine learned: one that is gone or
 \* unwanted fails at once.
@@ -693,14 +744,14 @@ EngineWaitOutput(i) ==
     /\ \/ RegistryWait(i)
        \/ /\ ~Wanted(i)
           /\ rec' = [rec EXCEPT ![i] = [@ EXCEPT !.eng = "done", !.nres = @ + 1]]
-          /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+          /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
     /\ UNCHANGED <<worker, channel>>
 
 \* The engine cancels its Future; the registry hears of it in the done-callback.
 CancelWait(i) ==
     /\ rec[i].waiter = "waiting"
     /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1, ![i].gaveUp = TRUE]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 EngineCancelWait(i) ==
     /\ EngineAborts
@@ -711,12 +762,12 @@ EngineCancelWait(i) ==
 RegistryCancelWaiter(i) ==
     /\ rec[i].waiter = "cancelled"
     /\ rec' = [rec EXCEPT ![i] = Abandon([@ EXCEPT !.waiter = "none"])]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 \* OutputRegistry.drop (drop_output, abort), valid in every state (F10).
 DropOutput(i) ==
     /\ rec' = [rec EXCEPT ![i] = [Drop(@) EXCEPT !.eng = "done", !.dropped = TRUE]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 EngineDropOutput(i) ==
     /\ EngineAborts /\ ~closed /\ rec[i].eng \in {"known", "waiting"}
@@ -727,7 +778,7 @@ EngineDropOutput(i) ==
 EngineReleaseOutput(i) ==
     /\ rec[i].eng = "holding"
     /\ rec' = [rec EXCEPT ![i] = [(IF @.seg = "consumer" THEN ReleaseSeg(@) ELSE @) EXCEPT !.eng = "done"]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 \* fail_all's parts: every pending call fails, every record is force-released
 \* (the engine hears of each), close stops the pump.
@@ -742,7 +793,7 @@ FailAll(close, disp) ==
     /\ pump' = IF close THEN StopPump ELSE pump
     /\ rpcs' = IF disp THEN FailRpcs ELSE rpcs
     /\ rec' = [i \in Ids |-> FailRec(rec[i])]
-    /\ UNCHANGED <<dead, submitted, answers, perr, gone>>
+    /\ UNCHANGED <<dead, submitted, answers, perr, gone, abortSent>>
 
 \* Shutdown: close the registry (fail every waiter and RPC, release every
 \* record), stop the workers; the pool's close unlinks every segment still out
@@ -762,7 +813,7 @@ CloseAll ==
 EngineShutdown ==
     /\ EngineAborts /\ ~closed
     /\ CloseAll
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone>>
+    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone, abortSent>>
 
 \* The monitor sees a dead worker (MultiprocDiffusionExecutor._on_worker_death):
 \* SegmentPool.reclaim_owner(pid) frees the segment the dead packer had leased
@@ -787,7 +838,7 @@ MonitorDetectDeath ==
        IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
           /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
-                   perr, gone>>
+                   perr, gone, abortSent>>
 
 \* The pump reads a dead rank's pipe to its end (PipeChannel's on_sender_gone:
 \* every message the rank wrote was handled, its leases marked received) and
@@ -804,7 +855,7 @@ PumpReachEof(r) ==
             /\ packing' = NoId
        ELSE UNCHANGED <<rec, packing>>
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, chan, sent, recvd,
-                   pump, closed, dead, submitted, rpcs, answers, perr, gone>>
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
 
 -----------------------------------------------------------------------------
 PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r)
@@ -827,7 +878,7 @@ Next ==
           \/ PumpRecv(r)
           \/ PumpReachEof(r)
     \/ EngineReleaseConsumer
-    \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k)
+    \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k) \/ EngineAbortRpc(k)
     \/ \E i \in Ids :
           \/ EngineWaitOutput(i)
           \/ EngineCancelWait(i)
@@ -940,7 +991,7 @@ QuiescentClean ==
 \* or dropped the output, the call timed out, the consumer went away, shutdown.
 ExcusedOtherwise(i) ==
     LET k == RpcOf(i) IN
-    \/ failedRanks[k] # {} \/ rpcs[k] \in {"cancelling", "cancelled", "timeout"}
+    \/ failedRanks[k] # {} \/ rpcs[k] \in {"cancelling", "cancelled", "timeout"} \/ k \in abortSent
     \/ ws[i] = "FAILED" \/ rec[i].dropped \/ crashes > 0 \/ closed \/ Consumer[RpcOf(i)] \in gone
 
 \* Nothing touched i: its call was submitted, nothing above excuses a failure,
@@ -972,7 +1023,7 @@ NoProtocolError == ~perr
 \* anyway splits the state space for nothing (half again as many states).
 \* And the tombstones of a closed registry: the pump has stopped, nothing
 \* reads them again.
-View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone,
+View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent,
           [i \in Ids |-> LET x == IF ExcusedOtherwise(i) THEN [rec[i] EXCEPT !.gaveUp = FALSE] ELSE rec[i]
                          IN IF closed THEN [x EXCEPT !.late = {}] ELSE x]>>
 

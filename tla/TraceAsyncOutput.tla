@@ -27,7 +27,8 @@
 (* 1. AsyncOutput.  The state of the executor half of AsyncOutput (its     *)
 (*    variables pump, closed, dead, submitted, rpcs, answers, rec, perr,   *)
 (*    gone) is part of this spec's state.  Each call the implementation    *)
-(*    records (a message the pump handled, a submit, a wait, a cancel, a   *)
+(*    records (a message the pump handled, a submit, an abort of a call    *)
+(*    in flight (RpcCancel: AbortRpc), a wait, a cancel, a                 *)
 (*    drop, an expiry, a compute timeout, a forget, a consumer's release,  *)
 (*    a fail_all) is one step of AsyncOutput (AOStep), taken when its      *)
 (*    first event is: the step must be enabled, and when the next call     *)
@@ -101,13 +102,13 @@ VARIABLES
     errs,         \* a ProtocolError was recorded in this trace
     rout,         \* [Rpcs -> STRING]: how each call resolved ("": not yet)
     \* AsyncOutput's executor half, for the trace being replayed:
-    pump, closed, dead, submitted, rpcs, answers, rec, perr, gone,
+    pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent,
     tr            \* the trace being replayed (1..NumTraces)
 
 \* The event layer's variables, l included; AsyncOutput's.
 fine == <<l, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst, msg, mx,
           cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
-ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
+ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent>>
 vars == <<fine, errs, rout, ao, tr>>
 
 NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}]
@@ -520,6 +521,16 @@ TraceShutdown ==
 -----------------------------------------------------------------------------
 (* RPC events: Dispatcher (F12). *)
 
+\* Dispatcher.cancel: the engine aborted every request of a pending call
+\* (cancel_requests); AsyncOutput's AbortRpc is the step.  Nothing changes
+\* here until the call's answers come.
+TraceRpcCancel ==
+    /\ Is("RpcCancel") /\ rpc[Ev.k] = "pending"
+    /\ Holds(CallDone)
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+
 TraceRpcSubmit ==
     /\ Is("RpcSubmit") /\ rpc[Ev.k] = "none" /\ Ev.rk # {} /\ Ev.r \in Ev.rk
     /\ Holds(CallDone)
@@ -562,6 +573,10 @@ DispatchDropAllowed(o, k, reason) ==
       [] reason \in {"failed", "cancelled"} ->
               /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
               /\ AnyFailed(k) = (reason = "failed")
+      \* an aborted call (cancel_requests) that finished anyway: what it announced
+      [] reason = "aborted" ->
+              /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+              /\ k \in abortSent
       \* a compute timeout, or a broadcast that failed part-way (Dispatcher.forget)
       [] reason \in {"timeout", "unsent"} ->
               /\ rpc[k] = "pending" /\ ~AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
@@ -593,6 +608,11 @@ ResolveAllowed(k, outcome) ==
               /\ \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
       [] outcome \in {"timeout", "unsent"} ->
               \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
+      \* the engine aborted the call (its RpcCancel), every rank answered, what it
+      \* announced (it finished anyway) has been dropped
+      [] outcome = "aborted" ->
+              /\ AllAnswered(k) /\ k \in abortSent
+              /\ \A o \in announced[k] : st[o] \in {"NONE", "DROPPING", "DROPPING_EARLY"}
       \* release_consumer and fail_all: checked by the registry's part that follows
       [] OTHER -> TRUE
 
@@ -603,7 +623,7 @@ TraceRpcResolve ==
     /\ Is("RpcResolve") /\ rpc[Ev.k] = "pending"
     /\ Holds(ResolveAllowed(Ev.k, Ev.x))
     /\ rpc' = [rpc EXCEPT ![Ev.k] = "done"]
-    /\ IF Ev.x \in {"ok", "failed", "cancelled", "timeout", "unsent"}
+    /\ IF Ev.x \in {"ok", "failed", "cancelled", "timeout", "unsent", "aborted"}
        THEN UNCHANGED call
        ELSE LET c == IF Ev.x = "consumer_gone" THEN "rpcgone" ELSE "rpcfail"
                 x == IF Ev.x = "consumer_gone" THEN rcons[Ev.k] ELSE Ev.x
@@ -640,7 +660,7 @@ AORpcs(t) == 1..Len(TBatch[t])
 AO(t) == INSTANCE AsyncOutput WITH
     Ranks <- TRanks[t], ReplyRank <- TReply[t], Batch <- TBatch[t], Consumer <- TCons[t],
     MaxCrashes <- 0, ForwardFails <- TRUE, PackFails <- TRUE, SendFails <- TRUE,
-    EngineAborts <- TRUE, MaxQueue <- 0, Bug <- "none",
+    EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0, Bug <- "none",
     alive <- [r \in TRanks[t] |-> TRUE], mainPc <- [r \in TRanks[t] |-> "idle"],
     mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
     ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",
@@ -654,13 +674,13 @@ AOInit(t) ==
     /\ rpcs = [k \in AORpcs(t) |-> "idle"]
     /\ answers = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
     /\ rec = [o \in AOIds(t) |-> AO(t)!NoRec]
-    /\ perr = FALSE /\ gone = {}
+    /\ perr = FALSE /\ gone = {} /\ abortSent = {}
 AOInitNext(t) ==
     /\ pump' = "RUNNING" /\ closed' = FALSE /\ dead' = FALSE /\ submitted' = 0
     /\ rpcs' = [k \in AORpcs(t) |-> "idle"]
     /\ answers' = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
     /\ rec' = [o \in AOIds(t) |-> AO(t)!NoRec]
-    /\ perr' = FALSE /\ gone' = {}
+    /\ perr' = FALSE /\ gone' = {} /\ abortSent' = {}
 
 Init == l = 0 /\ Fresh /\ errs = FALSE /\ rout = [k \in Rpcs |-> ""] /\ tr = 1 /\ AOInit(1)
 
@@ -680,8 +700,9 @@ MsgOf(ev) ==
 \* nothing.
 AOStep(t) ==
     CASE Ev.g = "submit"    -> AO(t)!Submit(Ev.k)
+      [] Ev.g = "abort"     -> AO(t)!AbortRpc(Ev.k)
       [] Ev.g = "recv"      -> /\ AO(t)!Handle(Ev.r, MsgOf(Ev))
-                               /\ UNCHANGED <<pump, closed, dead, submitted, gone>>
+                               /\ UNCHANGED <<pump, closed, dead, submitted, gone, abortSent>>
       [] Ev.g = "wait"      -> AO(t)!RegistryWait(Id(Ev.o))
       [] Ev.g = "cancel"    -> IF rec[Id(Ev.o)].waiter = "cancelled"
                                THEN AO(t)!RegistryCancelWaiter(Id(Ev.o))
@@ -702,7 +723,7 @@ ResolvedAs(s, out) ==
     CASE s \in {"idle", "pending", "cancelling"} -> out = ""
       [] s = "gone"                              -> out = "consumer_gone"
       [] s = "shutdown"                          ->
-            out \notin {"", "ok", "failed", "cancelled", "timeout", "unsent", "consumer_gone"}
+            out \notin {"", "ok", "failed", "cancelled", "timeout", "unsent", "consumer_gone", "aborted"}
       [] OTHER                                   -> out = s
 Agrees(t) ==
     /\ closed = shut
@@ -773,6 +794,7 @@ TraceEvent ==
     \/ TraceFailAll
     \/ TraceShutdown
     \/ TraceRpcSubmit
+    \/ TraceRpcCancel
     \/ TraceRpcAnswer
     \/ TraceDispatchDrop
     \/ TraceRpcResolve

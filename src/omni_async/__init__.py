@@ -30,15 +30,19 @@ from omni_async.core.errors import (
     OutputTimeout,
     ProtocolError,
     RemoteError,
+    RequestAborted,
     RpcFailed,
     UsageError,
     WorkerDied,
     WorkerStartupFailed,
+    WorkerStuck,
 )
 from omni_async.core.messages import (
+    AbortCause,
     AsyncDiffusionOutput,
     AsyncOutputKind,
     BatchDiffusionOutput,
+    CancelMessage,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
@@ -83,6 +87,7 @@ from omni_async.transport.packing import (
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
 from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
+from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
 from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
 from omni_async.worker.packer import Packer
 from omni_async.worker.postprocess import (
@@ -96,9 +101,11 @@ from omni_async.worker.postprocess import (
 __all__ = [
     "LIFECYCLE_TABLE",
     "REQUEST_TABLE",
+    "AbortCause",
     "AsyncDiffusionOutput",
     "AsyncOutputKind",
     "BatchDiffusionOutput",
+    "CancelMessage",
     "ChannelClosed",
     "ChannelFull",
     "ComputeTimeout",
@@ -138,6 +145,7 @@ __all__ = [
     "PostProcess",
     "ProtocolError",
     "RemoteError",
+    "RequestAborted",
     "RequestEvent",
     "RequestState",
     "RpcFailed",
@@ -158,10 +166,13 @@ __all__ = [
     "WorkerOptions",
     "WorkerSpec",
     "WorkerStartupFailed",
+    "WorkerStuck",
+    "cancel_requested",
     "get_postprocess",
     "list_segments",
     "pack_diffusion_output_shm",
     "packed_nbytes",
+    "raise_if_cancelled",
     "record_device_event",
     "register_postprocess",
     "registered_postprocesses",

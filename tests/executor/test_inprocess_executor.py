@@ -433,8 +433,12 @@ def test_compute_deadline_fails_a_slow_forward(make_executor: Callable[..., InPr
     assert isinstance(err, ComputeTimeout) and "[0]" in str(err)
     assert 0.2 <= time.monotonic() - t0 < 5.0
     assert ex.metrics()["compute_timeouts"] == 1
-    GATES.open(gate)  # the forward finishes late: its COMPUTE_DONE is an orphan, its output released
-    wait_until(lambda: ex.metrics()["released"] == 1)
+    assert ex.metrics()["overdue_calls"] == 1  # the deadline cancelled the forward; the worker has not answered
+    # The forward (which never checks for cancellation) finishes late: the worker sees
+    # its call cancelled and discards the output instead of announcing and packing it.
+    GATES.open(gate)
+    wait_until(lambda: ex.metrics()["overdue_calls"] == 0)
+    assert ex.metrics()["released"] == 0 and ex.metrics()["orphaned_outputs"] == 0
     assert quiet(ex)
 
 

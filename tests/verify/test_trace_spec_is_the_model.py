@@ -49,6 +49,11 @@ MUTATIONS = [
         "rec[i].st \\in RequestAwaitingComputeDone /\\ ~Pending(RpcOf(i))",
         "rec[i].st \\in RequestAwaitingComputeDone /\\ Pending(RpcOf(i))",
     ),
+    (
+        "an aborted call that finished anyway keeps what it announced",
+        ' \\/ (aborted /\\ Bug # "AbortKeepsFinished"))',
+        ")",
+    ),
 ]
 
 
@@ -82,9 +87,24 @@ def _orphan_run() -> list[TraceEvent]:
     return tracer.snapshot()
 
 
+def _abort_run() -> list[TraceEvent]:
+    """A real run of the dispatcher and the registry: a call aborted (cancel_requests) after
+    its forward ended; its COMPUTE_DONE's id is dropped, its output released on arrival."""
+    tracer = ListTracer()
+    reg = OutputRegistry(output_timeout=5.0, tracer=tracer)
+    disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer)
+    fut = disp.submit("r1", "execute_model", now=0.0, request_ids=("q1",))
+    disp.cancel(["q1"])
+    disp.handle(AsyncDiffusionOutput.compute_done("r1", ("o1",), ("q1",)), now=1.0)
+    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("q1")), now=2.0)
+    apply_resolutions(disp.take_resolutions())
+    assert fut.exception(0) is not None and len(reg) == 0
+    return tracer.snapshot()
+
+
 @pytest.fixture(scope="module")
 def real_traces() -> list[list[TraceEvent]]:
-    return [_executor_run(), _orphan_run()]
+    return [_executor_run(), _orphan_run(), _abort_run()]
 
 
 @pytest.fixture

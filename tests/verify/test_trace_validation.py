@@ -29,11 +29,21 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from omni_async.core.config import Deadlines
-from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+from omni_async.core.dispatch import Dispatcher
+from omni_async.core.errors import ComputeTimeout, RequestAborted
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    BatchDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+    RunnerOutput,
+)
+from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import FieldValue, TraceEvent
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.verify.recorder import ListTracer
 from omni_async.verify.tracecheck import TraceFormatError, check_traces, encode_traces
+from omni_async.worker.cancel import raise_if_cancelled
 
 HYPOTHESIS_TRACES = 300
 
@@ -408,6 +418,93 @@ def test_in_process_executor_runs_are_behaviours() -> None:
     res = check_traces(traces, toolchain=tc)
     assert res.ok, res.summary()
     print(f"\nin-process executor runs ({time.monotonic() - t0:.1f}s with the runs): {res.summary()}")
+
+
+class _StepModel:
+    """A worker model with denoising steps of 10 ms that honours cancellation between them."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        for _ in range(int(request.params.get("steps", 1))):
+            raise_if_cancelled()
+            time.sleep(0.01)
+        return DiffusionOutput(request.request_id, output={"pixels": [self.rank, 7]})
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        return BatchDiffusionOutput(tuple(self.execute_model(r) for r in requests))
+
+
+def _abort_runs() -> list[list[TraceEvent]]:
+    """Recorded runs of every way a call in flight is aborted (cancel_requests, a compute deadline)."""
+
+    def rq(rid: str, steps: int) -> DiffusionRequest:
+        return DiffusionRequest(rid, {"steps": steps})
+
+    def consume(ex: InProcessExecutor, ro: RunnerOutput) -> None:
+        assert ro.async_output_id is not None
+        ex.wait_output_ready(ro.async_output_id).result(10)
+
+    traces: list[list[TraceEvent]] = []
+    for world in (1, 2):
+        tracer = ListTracer()
+        ex = InProcessExecutor(_StepModel, world_size=world, deadlines=Deadlines(30.0, 30.0, 30.0), tracer=tracer)
+        try:
+            # Stopped while computing.
+            running = ex.submit_request(rq("run", 300))
+            time.sleep(0.1)
+            ex.cancel_requests(["run"])
+            assert isinstance(running.exception(10), RequestAborted)
+            # Never started: cancelled while queued behind another call.
+            first = ex.submit_request(rq("first", 300))
+            queued = ex.submit_request(rq("queued", 1))
+            time.sleep(0.05)
+            ex.cancel_requests(["queued"])
+            ex.cancel_requests(["first"])
+            assert isinstance(first.exception(10), RequestAborted)
+            assert isinstance(queued.exception(10), RequestAborted)
+            # One request of a batch: the rest goes on, its output is dropped.
+            batch = ex.submit_batch([rq("b1", 30), rq("b2", 1)])
+            time.sleep(0.05)
+            ex.cancel_requests(["b1"])
+            outs = batch.result(10)
+            assert outs[0].aborted
+            consume(ex, outs[1])
+            # A compute deadline cancels the forward; the late answer is an orphan.
+            late = ex.submit_request(rq("late", 300), deadlines=Deadlines(compute_timeout=0.1))
+            assert isinstance(late.exception(10), ComputeTimeout)
+            deadline = time.monotonic() + 10
+            while ex.metrics()["overdue_calls"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            consume(ex, ex.execute_request(rq("after", 1)))
+        finally:
+            ex.shutdown()
+        traces.append(tracer.snapshot())
+    # The forward finished before the cancel reached the worker (sans-IO: the order is ours).
+    tracer = ListTracer()
+    registry = OutputRegistry(output_timeout=30.0, tracer=tracer)
+    disp = Dispatcher(registry, compute_timeout=30.0, tracer=tracer)
+    fut = disp.submit("c1", "execute_model", now=0.0, request_ids=("a",))
+    assert disp.cancel(["a"]) == 1
+    disp.handle(AsyncDiffusionOutput.compute_done("c1", ("o1",), ("a",)), now=0.1)
+    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("a", "x")), now=0.2)
+    apply_resolutions(disp.take_resolutions())
+    assert isinstance(fut.exception(0), RequestAborted) and len(registry) == 0
+    traces.append(tracer.snapshot())
+    return traces
+
+
+@pytest.mark.tlc
+def test_aborted_calls_are_behaviours() -> None:
+    tc = require_tlc()
+    traces = _abort_runs()
+    actions = {e.action for t in traces for e in t}
+    outcomes = {e.fields.get("outcome") for t in traces for e in t if e.action == "RpcResolve"}
+    assert "RpcCancel" in actions and {"aborted", "timeout", "ok"} <= outcomes, (actions, outcomes)
+    res = check_traces(traces, toolchain=tc)
+    assert res.ok, res.summary()
+    print(f"\naborted calls: {res.summary()}")
 
 
 def _collected() -> dict[str, list[list[TraceEvent]]]:

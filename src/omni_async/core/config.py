@@ -16,8 +16,18 @@ arrival); the output is then released and counted as orphaned (``OutputOrphaned`
 ``metrics()["orphaned_outputs"]``).  With ``compute_timeout`` off such a record
 waits without a bound, like the call itself.
 
+When an execute call's compute deadline expires, the executor also cancels its
+forward on every rank (the model stops at its next cancellation check).  A rank that
+still has not answered ``cancel_grace`` seconds later is reported stuck by
+``check_health`` (``WorkerStuck``).
+
+Per call: ``submit_request``/``submit_batch``/``execute_request``/``execute_batch``
+take ``deadlines=``; its ``compute_timeout`` and ``output_timeout`` replace the
+executor's for that call (``rpc_timeout`` and ``cancel_grace`` are the executor's).
+
 Environment variables (seconds; ``none`` or ``0`` disables a deadline):
-``OMNI_ASYNC_COMPUTE_TIMEOUT``, ``OMNI_ASYNC_OUTPUT_TIMEOUT``, ``OMNI_ASYNC_RPC_TIMEOUT``.
+``OMNI_ASYNC_COMPUTE_TIMEOUT``, ``OMNI_ASYNC_OUTPUT_TIMEOUT``, ``OMNI_ASYNC_RPC_TIMEOUT``,
+``OMNI_ASYNC_CANCEL_GRACE``.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from omni_async.core.errors import UsageError
 ENV_COMPUTE_TIMEOUT = "OMNI_ASYNC_COMPUTE_TIMEOUT"
 ENV_OUTPUT_TIMEOUT = "OMNI_ASYNC_OUTPUT_TIMEOUT"
 ENV_RPC_TIMEOUT = "OMNI_ASYNC_RPC_TIMEOUT"
+ENV_CANCEL_GRACE = "OMNI_ASYNC_CANCEL_GRACE"
 
 
 @attrs.frozen
@@ -40,9 +51,12 @@ class Deadlines:
     output_timeout: float | None = 300.0
     # Every other RPC (path 2): from broadcast to every rank's RPC_RESULT.
     rpc_timeout: float | None = 300.0
+    # How long a worker may go on after its compute deadline cancelled its forward
+    # before check_health reports it stuck (WorkerStuck); None: never.
+    cancel_grace: float | None = 30.0
 
     def __attrs_post_init__(self) -> None:
-        for name in ("compute_timeout", "output_timeout", "rpc_timeout"):
+        for name in ("compute_timeout", "output_timeout", "rpc_timeout", "cancel_grace"):
             value = getattr(self, name)
             if value is None:
                 continue
@@ -58,6 +72,7 @@ class Deadlines:
             ("compute_timeout", ENV_COMPUTE_TIMEOUT),
             ("output_timeout", ENV_OUTPUT_TIMEOUT),
             ("rpc_timeout", ENV_RPC_TIMEOUT),
+            ("cancel_grace", ENV_CANCEL_GRACE),
         ):
             raw = source.get(var)
             if raw is not None:

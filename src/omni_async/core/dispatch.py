@@ -11,6 +11,15 @@ Two paths, as in the RFC:
   message to the caller (the pump), which puts it in the synchronous buffer
   that ``collective_rpc`` reads.
 
+Aborting a call in flight (``cancel``, and ``expire`` for a compute deadline): the
+dispatcher marks the call's cancelled requests and queues a ``CancelMessage`` per call
+(``take_cancels``) for the caller to send on the workers' control channel; it never
+ends the call itself.  A fully cancelled call ends by its ranks' answers: it fails
+with ``RequestAborted`` once the ids it announced anyway (the forward finished before
+the cancel arrived) are gone from the registry.  A call ended by its compute deadline
+stays *overdue* until every rank answered; ``stuck`` names a rank that has not within
+a grace period.
+
 The dispatcher registers COMPUTE_DONE's ids in the registry *before* it resolves
 the RPC future: the engine learns an id only from that future, so every
 ``wait_output_ready`` finds its record.  Swapping the two would let a waiter
@@ -26,17 +35,27 @@ from typing import assert_never
 
 import attrs
 
+from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OutputDropped,
     OutputError,
     ProtocolError,
+    RequestAborted,
     RpcFailed,
+    WorkerStuck,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AbortCause,
+    AsyncDiffusionOutput,
+    AsyncOutputKind,
+    CancelMessage,
+    Failure,
+    RunnerOutput,
+)
 from omni_async.core.methods import ASYNC_METHODS
-from omni_async.core.registry import OutputRegistry, Resolution
+from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution
 from omni_async.core.trace import Tracer, emit
 
 K = AsyncOutputKind
@@ -52,6 +71,41 @@ class PendingRpc:
     deadline: float | None
     consumer: str | None
     answers: dict[int, AsyncDiffusionOutput] = attrs.field(factory=dict)
+    # The call's requests, in order (empty when the caller did not say).
+    request_ids: tuple[str, ...] = ()
+    # The output deadline of the ids it announces (its own, or the registry's).
+    output_timeout: float | None = None
+    # Requests of this call that cancel() reached, and why.
+    cancelled: dict[str, AbortCause] = attrs.field(factory=dict)
+    compute_timeout: float | None = None
+
+    @property
+    def fully_cancelled(self) -> bool:
+        return bool(self.request_ids) and all(r in self.cancelled for r in self.request_ids)
+
+
+@attrs.define(eq=False)
+class OverdueRpc:
+    """An execute call that ended by its compute deadline, and the ranks yet to answer it.
+
+    Its forward was cancelled; each missing rank's late answer removes it.  A rank still
+    missing ``cancel_grace`` after the deadline is stuck (``Dispatcher.stuck``).
+    """
+
+    rpc_id: str
+    request_ids: tuple[str, ...]
+    expired_at: float
+    missing: set[int]
+
+
+@attrs.define(eq=False)
+class _Aborting:
+    """A fully cancelled call whose dropped outputs are not gone yet: its future fails
+    with ``error`` once none of ``output_ids`` is in the registry any more."""
+
+    future: Future[tuple[RunnerOutput, ...]]
+    error: RequestAborted
+    output_ids: tuple[str, ...]
 
 
 class Dispatcher:
@@ -74,6 +128,9 @@ class Dispatcher:
         self._pending: dict[str, PendingRpc] = {}
         self._outbox: list[Resolution] = []
         self._worker_drops: list[str] = []
+        self._cancels: list[CancelMessage] = []
+        self._overdue: dict[str, OverdueRpc] = {}
+        self._aborting: list[_Aborting] = []
         self.counters: Counter[str] = Counter()
 
     def __len__(self) -> int:
@@ -85,14 +142,32 @@ class Dispatcher:
     # ------------------------------------------------------------------ path 1
 
     def submit(
-        self, rpc_id: str, method: str, *, now: float, consumer: str | None = None, timeout: float | None = None
+        self,
+        rpc_id: str,
+        method: str,
+        *,
+        now: float,
+        consumer: str | None = None,
+        timeout: float | None = None,
+        request_ids: tuple[str, ...] = (),
+        deadlines: Deadlines | None = None,
     ) -> Future[tuple[RunnerOutput, ...]]:
-        """Register an execute RPC before it is broadcast; its future resolves on COMPUTE_DONE."""
+        """Register an execute RPC before it is broadcast; its future resolves on COMPUTE_DONE.
+
+        ``request_ids``: the call's requests (what ``cancel`` finds it by).  ``deadlines``:
+        this call's compute and output timeouts, replacing the executor's (None in them
+        means no deadline); ``timeout`` is the older way to set the compute timeout alone.
+        """
         if method not in ASYNC_METHODS:
             raise ValueError(f"{method!r} does not take the async path")
         if rpc_id in self._pending:
             raise ValueError(f"rpc id {rpc_id!r} is already pending")
-        limit = self._compute_timeout if timeout is None else timeout
+        if deadlines is not None:
+            limit = deadlines.compute_timeout
+            output_timeout = deadlines.output_timeout
+        else:
+            limit = self._compute_timeout if timeout is None else timeout
+            output_timeout = self.registry.output_timeout
         fut: Future[tuple[RunnerOutput, ...]] = Future()
         if self.registry.closed:
             # After fail_all(close=True) nothing would ever resolve a new entry: a submit
@@ -107,6 +182,9 @@ class Dispatcher:
             fut,
             None if limit is None else now + limit,
             consumer,
+            request_ids=tuple(request_ids),
+            output_timeout=output_timeout,
+            compute_timeout=limit,
         )
         emit(
             self._trace,
@@ -164,6 +242,7 @@ class Dispatcher:
                 self._on_compute_done(msg, now)
                 return None
             case K.RPC_RESULT:
+                self._answered_overdue(msg)
                 if msg.names_outputs:
                     # The failure that replaces a COMPUTE_DONE the worker could not send
                     # after handing the outputs to its packer (compute_failed): it
@@ -182,6 +261,7 @@ class Dispatcher:
 
     def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float) -> None:
         assert msg.rpc_id is not None
+        self._answered_overdue(msg)
         rpc = self._pending.get(msg.rpc_id)
         announced = self.registry.on_compute_done(
             msg.async_output_ids,
@@ -189,6 +269,7 @@ class Dispatcher:
             rank=msg.rank,
             request_ids=msg.request_ids,
             consumer=None if rpc is None else rpc.consumer,
+            output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
         )
         if rpc is None:
             # Late (the call timed out or was cancelled): nobody will claim these ids.
@@ -226,6 +307,9 @@ class Dispatcher:
         del self._pending[rpc.rpc_id]
         reply = rpc.answers[rpc.reply_rank]
         announced = reply.async_output_ids
+        if rpc.fully_cancelled:
+            self._complete_aborted(rpc, announced)
+            return
         failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
         error: BaseException | None = None
         if failures:
@@ -233,22 +317,117 @@ class Dispatcher:
         elif reply.kind is not K.COMPUTE_DONE:
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
-            result = tuple(
-                RunnerOutput(request_id=rid, finished=True, result=None, async_output_id=oid)
-                for rid, oid in zip(reply.request_ids, announced, strict=True)
-            )
-            self._outbox.append(Resolution(rpc.future, output=result))
+            # A request cancelled while the rest of its batch went on: its RunnerOutput
+            # says aborted, and its output is dropped as the engine would drop it
+            # (a drop after the call resolved; released on arrival).
+            outputs: list[RunnerOutput] = []
+            kept: list[str] = []
+            unwanted: list[str] = []
+            for rid, oid in zip(reply.request_ids, announced, strict=True):
+                if rid in rpc.cancelled:
+                    unwanted.append(oid)
+                    outputs.append(RunnerOutput(request_id=rid, finished=True, aborted=True))
+                else:
+                    kept.append(oid)
+                    outputs.append(RunnerOutput(request_id=rid, finished=True, result=None, async_output_id=oid))
+            self._outbox.append(Resolution(rpc.future, output=tuple(outputs)))
             # The engine learns the ids only now: with several ranks the reply rank's
             # COMPUTE_DONE can precede the last answer, so the delivery deadline is
             # measured from here (F4).
-            self.registry.rearm_deadlines(announced, now)
+            self.registry.rearm_deadlines(kept, now)
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="ok")
+            for oid in unwanted:
+                self.registry.drop(oid)
+                if oid in self.registry:
+                    self._worker_drops.append(oid)  # its packer may skip it (F15)
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
         self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
         if error is not None and rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
         emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
+
+    def _complete_aborted(self, rpc: PendingRpc, announced: tuple[str, ...]) -> None:
+        """Every request of ``rpc`` was cancelled and every rank has answered.
+
+        The ranks stopped (a ``RequestAborted`` failure), or finished anyway and the
+        reply rank announced ids: those are dropped now, released when their output
+        arrives.  The call's future fails with ``RequestAborted`` once none of them is
+        left in the registry: then nothing of the call remains on a worker or here.
+        """
+        self._drop_all(announced, rpc.rpc_id, "aborted")
+        emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="aborted")
+        if not rpc.future.set_running_or_notify_cancel():
+            return
+        cause = next(iter(rpc.cancelled.values()))
+        stages = sorted(
+            {f"rank {r}: {a.failure.message}" for r, a in rpc.answers.items() if a.failure is not None}
+        )
+        if announced:
+            stages.append("the forward finished before it saw the cancel; its outputs were dropped")
+        err = RequestAborted(
+            rpc.request_ids[0],
+            by=cause.value,
+            detail="; ".join(stages),
+            request_ids=rpc.request_ids,
+            rpc_id=rpc.rpc_id,
+        )
+        self._aborting.append(_Aborting(rpc.future, err, tuple(announced)))
+
+    # ------------------------------------------------------------------ cancel
+
+    def cancel(self, request_ids: Iterable[str], *, cause: AbortCause = AbortCause.ABORT) -> int:
+        """Cancel these requests in every pending call that holds them; returns how many were found.
+
+        Each call they belong to is marked, and a ``CancelMessage`` per call waits in
+        ``take_cancels`` for the caller to send on the control channel (the worker stops
+        the forward at its next cancellation check, or never starts it).  The call still
+        ends by its ranks' answers: fully cancelled, it fails with ``RequestAborted``;
+        partly (some requests of a batch), its cancelled requests' outputs are dropped.
+        A request not in a pending call (unknown, or its call already resolved) is
+        ignored: drop its output instead.
+        """
+        wanted = set(request_ids)
+        found = 0
+        for rpc in self._pending.values():
+            hit = tuple(r for r in rpc.request_ids if r in wanted and r not in rpc.cancelled)
+            if not hit:
+                continue
+            found += len(hit)
+            for r in hit:
+                rpc.cancelled[r] = cause
+            self._cancels.append(CancelMessage(rpc.rpc_id, hit, cause))
+            if rpc.fully_cancelled:
+                # The call as a whole is aborted now (AsyncOutput's AbortRpc); a part of
+                # a batch is not a step of its own (its drops follow the call's end).
+                emit(self._trace, "RpcCancel", rpc_id=rpc.rpc_id, cause=cause.value)
+        return found
+
+    def take_cancels(self) -> list[CancelMessage]:
+        """Cancel messages to send to every worker (control channel), oldest first."""
+        out, self._cancels = self._cancels, []
+        return out
+
+    def _answered_overdue(self, msg: AsyncDiffusionOutput) -> None:
+        late = self._overdue.get(msg.rpc_id) if msg.rpc_id is not None else None
+        if late is None:
+            return
+        late.missing.discard(msg.rank)
+        if not late.missing:
+            del self._overdue[late.rpc_id]
+
+    def stuck(self, now: float, grace: float | None) -> WorkerStuck | None:
+        """A rank still computing a call ``grace`` seconds after its compute deadline cancelled it."""
+        if grace is None:
+            return None
+        for late in self._overdue.values():
+            if late.missing and now - late.expired_at >= grace:
+                return WorkerStuck(min(late.missing), late.rpc_id, late.request_ids, now - late.expired_at)
+        return None
+
+    def overdue_calls(self) -> int:
+        """Calls that ended by their compute deadline and that some rank has not answered yet."""
+        return len(self._overdue)
 
     def release_consumer(self, consumer: str) -> int:
         """The consumer went away (F11): fail its pending calls, abandon its outputs.
@@ -274,12 +453,21 @@ class Dispatcher:
             missing = sorted(rpc.ranks - rpc.answers.keys())
             for a in rpc.answers.values():
                 self._drop_all(a.async_output_ids, rpc.rpc_id, "timeout")
+            stopping = ""
+            if rpc.request_ids:
+                # Stop the forward on the ranks still computing it (or never start it).
+                hit = tuple(r for r in rpc.request_ids if r not in rpc.cancelled)
+                if hit:
+                    self._cancels.append(CancelMessage(rpc.rpc_id, hit, AbortCause.DEADLINE))
+                self._overdue[rpc.rpc_id] = OverdueRpc(rpc.rpc_id, rpc.request_ids, now, set(missing))
+                stopping = f"; its forward of request(s) {list(rpc.request_ids)} was cancelled on the workers"
             if rpc.future.set_running_or_notify_cancel():
                 self._outbox.append(
                     Resolution(
                         rpc.future,
                         error=ComputeTimeout(
-                            f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} in time"
+                            f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} within its "
+                            f"compute deadline (compute_timeout={rpc.compute_timeout} s){stopping}"
                         ),
                     )
                 )
@@ -295,11 +483,13 @@ class Dispatcher:
         gives up on it and releases the output.  None (unbounded) when compute
         deadlines are off.
         """
-        if self._compute_timeout is None:
-            return None
         ds = [r.deadline for r in self._pending.values()]
         if any(d is None for d in ds):
             return None
+        if self._compute_timeout is None:
+            # Only calls with their own deadline are pending: their COMPUTE_DONE is due by
+            # the last of those; with none pending the record waits without a bound.
+            return max((d for d in ds if d is not None), default=None)
         return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
     def next_deadline(self) -> float | None:
@@ -321,9 +511,19 @@ class Dispatcher:
                 self._outbox.append(Resolution(rpc.future, error=make_error(None)))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
         self.registry.fail_all(make_error, outcome=outcome, close=close)
+        # Nothing more will come from the workers: no call is overdue any more.
+        self._overdue.clear()
 
     def take_resolutions(self) -> list[Resolution]:
         out, self._outbox = self._outbox, []
+        if self._aborting:
+            still: list[_Aborting] = []
+            for a in self._aborting:
+                if any(oid in self.registry for oid in a.output_ids):
+                    still.append(a)
+                else:
+                    out.append(Resolution(a.future, error=a.error))
+            self._aborting = still
         out.extend(self.registry.take_resolutions())
         return out
 

@@ -111,7 +111,64 @@ class OutputOrphaned(OutputError):
 
 
 class ComputeTimeout(OmniAsyncError, TimeoutError):
-    """An RPC did not get every rank's answer within its compute deadline."""
+    """An RPC did not get every rank's answer within its compute deadline.
+
+    For an execute call the executor also cancels the forward on every rank (it stops
+    at the model's next cancellation check, see ``RequestAborted``).
+    """
+
+
+class RequestAborted(OutputError):
+    """A request of an execute call was aborted: its forward never ran, or stopped, and
+    nothing of it is kept (no output id is handed out).
+
+    ``by`` says what aborted it: ``"abort"`` (``DiffusionExecutor.cancel_requests``) or
+    ``"deadline"`` (its call's compute deadline).  ``request_id`` is the first request of
+    the call, ``request_ids`` all of them (a batch fails with this error only when every
+    request of it was cancelled), ``rpc_id`` the call.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        *,
+        by: str = "abort",
+        detail: str = "",
+        request_ids: tuple[str, ...] = (),
+        rpc_id: str | None = None,
+    ) -> None:
+        ids = tuple(request_ids) or (request_id,)
+        what = f"request {request_id!r}" if len(ids) == 1 else f"requests {list(ids)}"
+        who = "by cancel_requests()" if by == "abort" else "by its compute deadline"
+        call = f" (call {rpc_id})" if rpc_id is not None else ""
+        super().__init__(
+            f"{what}{call} aborted {who}" + (f": {detail}" if detail else "") + "; nothing of it is kept"
+        )
+        self.request_id = request_id
+        self.request_ids = ids
+        self.by = by
+        self.rpc_id = rpc_id
+
+
+class WorkerStuck(OmniAsyncError):
+    """A worker has not answered an execute call whose compute deadline expired and
+    whose forward the executor then cancelled, for longer than the grace period
+    (``Deadlines.cancel_grace``): its forward ignores the cancellation check, or the
+    worker hangs.  Raised by ``check_health``; names the rank, the call and its requests.
+    Restart the executor (``shutdown`` stops the worker) or make the model call
+    ``cancel_requested`` between its steps.
+    """
+
+    def __init__(self, rank: int, rpc_id: str, request_ids: tuple[str, ...], overdue_s: float) -> None:
+        super().__init__(
+            f"worker rank {rank} is stuck: its forward of request(s) {list(request_ids)} (call {rpc_id}) "
+            f"is still running {overdue_s:.1f} s after its compute deadline cancelled it; the model does not "
+            "stop at cancel_requested() or the worker hangs -- shut the executor down to stop it"
+        )
+        self.rank = rank
+        self.rpc_id = rpc_id
+        self.request_ids = request_ids
+        self.overdue_s = overdue_s
 
 
 class ExecutorShutdown(OutputError):

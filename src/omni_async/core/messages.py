@@ -30,9 +30,11 @@ from omni_async.core.errors import MessageValidationError
 from omni_async.core.failure import Failure
 
 __all__ = [
+    "AbortCause",
     "AsyncDiffusionOutput",
     "AsyncOutputKind",
     "BatchDiffusionOutput",
+    "CancelMessage",
     "DiffusionOutput",
     "DiffusionRequest",
     "Failure",
@@ -92,16 +94,21 @@ class RunnerOutput:
 
     In request mode ``result`` is None and ``async_output_id`` is the claim token for
     ``wait_output_ready``; in step mode ``result`` carries the output directly.
+    ``aborted``: the request was cancelled (``cancel_requests``) while the rest of its
+    batch went on; it has no output (neither ``result`` nor ``async_output_id``).
     """
 
     request_id: str
     finished: bool = True
     result: DiffusionOutput | None = None
     async_output_id: str | None = None
+    aborted: bool = False
 
     def __attrs_post_init__(self) -> None:
         if self.result is not None and self.async_output_id is not None:
             raise MessageValidationError("a RunnerOutput carries either a result or an async_output_id, not both")
+        if self.aborted and (self.result is not None or self.async_output_id is not None):
+            raise MessageValidationError("an aborted RunnerOutput carries no result and no async_output_id")
 
 
 def _check_id(name: str, value: str | None) -> None:
@@ -276,3 +283,42 @@ class RpcRequest:
     def __attrs_post_init__(self) -> None:
         _check_id("rpc_id", self.rpc_id)
         _check_id("method", self.method)
+
+
+class AbortCause(enum.Enum):
+    """Why the executor cancelled requests of a call in flight."""
+
+    ABORT = "abort"  # the engine called cancel_requests()
+    DEADLINE = "deadline"  # the call's compute deadline expired
+
+    def __repr__(self) -> str:
+        return self.name
+
+    @property
+    def phrase(self) -> str:
+        """How an error message names the cause: "by cancel_requests()" / "by its compute deadline"."""
+        return "by cancel_requests()" if self is AbortCause.ABORT else "by its compute deadline"
+
+
+@attrs.frozen
+class CancelMessage:
+    """Executor -> worker, on the control channel (not the RPC channel): stop these requests.
+
+    Names the execute call (``rpc_id``) and which of its requests are cancelled, and why.
+    The worker's cancel table marks them; the model sees it through
+    ``omni_async.worker.cancel_requested`` between denoising steps, and the worker loop
+    never starts a forward whose requests are all cancelled (see ``spec/PROTOCOL.md``).
+    """
+
+    rpc_id: str
+    request_ids: tuple[str, ...]
+    cause: AbortCause = AbortCause.ABORT
+
+    def __attrs_post_init__(self) -> None:
+        _check_id("CancelMessage rpc_id", self.rpc_id)
+        if not self.request_ids:
+            raise MessageValidationError("a CancelMessage names at least one request id")
+        for rid in self.request_ids:
+            _check_id("CancelMessage request_id", rid)
+        if not isinstance(self.cause, AbortCause):
+            raise MessageValidationError(f"cause must be an AbortCause, got {self.cause!r}")

@@ -75,6 +75,15 @@ class IdMessage(enum.Enum):
     OUTPUT_READY = "out"
 
 
+class _Default(enum.Enum):
+    """The type of ``DEFAULT``: "the registry's own setting" where None means "none"."""
+
+    DEFAULT = "default"
+
+
+DEFAULT = _Default.DEFAULT
+
+
 def no_release(_: DiffusionOutput) -> None:
     """The default release hook: nothing to give back (no shared memory behind outputs)."""
     return None
@@ -114,6 +123,8 @@ class OutputRecord:
     # Before COMPUTE_DONE (a record an early OUTPUT_READY created): the moment its
     # COMPUTE_DONE is given up on (``on_output``'s early_deadline, defect 3).
     deadline: float | None = None
+    # The output timeout its deadline is measured with (its call's, or the registry's).
+    output_timeout: float | None = None
     # Futures of acknowledged drops: resolved when the record is removed.
     gone: list[Future[None]] = attrs.field(factory=list)
     # Which of the id's two messages the registry has seen (see ``_finished``).
@@ -190,6 +201,11 @@ class OutputRegistry:
         return None if rec is None else rec.state
 
     @property
+    def output_timeout(self) -> float | None:
+        """The output deadline of ids whose call sets none of its own."""
+        return self._output_timeout
+
+    @property
     def closed(self) -> bool:
         return self._closed is not None
 
@@ -213,13 +229,16 @@ class OutputRegistry:
         rank: int | None = None,
         request_ids: Iterable[str] | None = None,
         consumer: str | None = None,
+        output_timeout: float | None | _Default = DEFAULT,
     ) -> list[str]:
         """The reply rank's COMPUTE_DONE named these ids (one per request).
 
         Returns the ids it announced for the first time; a duplicate is counted as a
         protocol error and left out, so a caller that drops the returned ids never
-        drops an output that an earlier COMPUTE_DONE announced.
+        drops an output that an earlier COMPUTE_DONE announced.  ``output_timeout``:
+        their call's output deadline (None: none), instead of the registry's.
         """
+        timeout = self._output_timeout if isinstance(output_timeout, _Default) else output_timeout
         rids: list[str | None] = list(request_ids) if request_ids is not None else []
         accepted: list[str] = []
         for i, oid in enumerate(output_ids):
@@ -237,7 +256,8 @@ class OutputRegistry:
                 rec.request_id = rids[i]
             rec.consumer = consumer
             # From here the output deadline (an early record's deadline no longer applies).
-            rec.deadline = None if self._output_timeout is None else now + self._output_timeout
+            rec.output_timeout = timeout
+            rec.deadline = None if timeout is None else now + timeout
             self._fire(rec, E.COMPUTE_DONE)
             self._after_change(rec)
         return accepted
@@ -388,8 +408,8 @@ class OutputRegistry:
                 rec.deadline = None
                 self._orphan(rec)
                 continue
-            assert rec.deadline is not None and self._output_timeout is not None
-            reason = self._expiry_reason(rec, now - (rec.deadline - self._output_timeout))
+            assert rec.deadline is not None and rec.output_timeout is not None
+            reason = self._expiry_reason(rec, now - (rec.deadline - rec.output_timeout))
             rec.deadline = None
             self.stats.timeouts += 1
             self._expired[rec.output_id] = reason
@@ -406,7 +426,7 @@ class OutputRegistry:
         arrived = "" if rec.state in HOLDING else "; it had not arrived from the worker (still packing)"
         return (
             f"output {rec.output_id!r}{of} expired {how} after {waited:.1f} s "
-            f"(output_timeout={self._output_timeout}){arrived}"
+            f"(output_timeout={rec.output_timeout}){arrived}"
         )
 
     def _orphan(self, rec: OutputRecord) -> None:
@@ -424,12 +444,10 @@ class OutputRegistry:
 
     def rearm_deadlines(self, output_ids: Iterable[str], now: float) -> None:
         """Measure the output deadline of these ids from ``now`` (their call resolved)."""
-        if self._output_timeout is None:
-            return
         for oid in output_ids:
             rec = self._records.get(oid)
-            if rec is not None and rec.deadline is not None:
-                rec.deadline = now + self._output_timeout
+            if rec is not None and rec.deadline is not None and rec.output_timeout is not None:
+                rec.deadline = now + rec.output_timeout
 
     def next_deadline(self) -> float | None:
         deadlines = [r.deadline for r in self._records.values() if r.deadline is not None]

@@ -34,6 +34,7 @@ from omni_async.core.errors import (
 )
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
+    CancelMessage,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
@@ -83,7 +84,7 @@ class DiffusionExecutor(abc.ABC):
             compute_timeout=self.deadlines.compute_timeout,
             tracer=tracer,
         )
-        self.pump = ResultPump(receiver, self.dispatcher)
+        self.pump = ResultPump(receiver, self.dispatcher, on_cancel=self._deliver_cancels)
         self.token = uuid.uuid4().hex[:8]
         self._rpc_seq = itertools.count()
         # Path-2 answers come through one shared FIFO buffer, so at most one such RPC
@@ -129,43 +130,122 @@ class DiffusionExecutor(abc.ABC):
     def _stop_workers(self) -> None:
         """Stop the workers (after the pump stopped). Must be idempotent."""
 
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        """Send ``cancels`` to every rank on the control channel; must not block.
+
+        Called from any thread (the pump's, for a compute deadline).  A transport
+        without a control channel leaves this as it is: its workers then finish the
+        forward, and the executor drops the cancelled requests' outputs on arrival.
+        """
+        log.debug("%s cannot reach a running forward; %d cancel(s) not sent", type(self).__name__, len(cancels))
+
     # --------------------------------------------------------------- execute
 
     def next_rpc_id(self) -> str:
         return f"{self.token}-{next(self._rpc_seq)}"
 
     def submit_batch(
-        self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
+        self,
+        requests: Sequence[DiffusionRequest],
+        *,
+        consumer: str | None = None,
+        deadlines: Deadlines | None = None,
     ) -> Future[list[RunnerOutput]]:
-        """Start a batched forward; the future resolves on COMPUTE_DONE (request mode)."""
+        """Start a batched forward; the future resolves on COMPUTE_DONE (request mode).
+
+        ``deadlines``: this call's ``compute_timeout`` and ``output_timeout`` instead of
+        the executor's (its ``rpc_timeout`` and ``cancel_grace`` are not used).  A request
+        cancelled (``cancel_requests``) while the rest of the batch goes on comes back as
+        ``RunnerOutput(aborted=True)``; with every request cancelled the future fails with
+        ``RequestAborted``.
+        """
         reqs = self._check_batch(requests, "submit_batch")
         self._check_consumer(consumer)
-        return self._submit("execute_model_batch", (reqs,), consumer)
+        self._check_deadlines(deadlines, "submit_batch")
+        return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines)
 
-    def submit_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> Future[RunnerOutput]:
+    def submit_request(
+        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+    ) -> Future[RunnerOutput]:
+        """Start a forward; the future resolves on COMPUTE_DONE (request mode), or fails
+        with ``RequestAborted`` once ``cancel_requests`` stopped it (``deadlines``: see
+        ``submit_batch``)."""
         self._check_request(request, "submit_request")
         self._check_consumer(consumer)
-        return self._submit_one(request, consumer)
+        self._check_deadlines(deadlines, "submit_request")
+        return self._submit_one(request, consumer, deadlines)
 
-    def _submit_one(self, request: DiffusionRequest, consumer: str | None) -> Future[RunnerOutput]:
-        inner = self._submit("execute_model", (request,), consumer)
+    def _submit_one(
+        self, request: DiffusionRequest, consumer: str | None, deadlines: Deadlines | None
+    ) -> Future[RunnerOutput]:
+        inner = self._submit("execute_model", (request,), consumer, [request], deadlines)
         return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
 
-    def execute_request(self, request: DiffusionRequest, *, consumer: str | None = None) -> RunnerOutput:
+    def execute_request(
+        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+    ) -> RunnerOutput:
+        """``submit_request(...).result()``; in step mode the synchronous answer, which
+        ``deadlines`` does not bound (step mode's calls are bounded by ``rpc_timeout``)."""
         self._check_request(request, "execute_request")
         self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "execute_request")
         if self.step_mode:
             return self._execute_sync("execute_model", (request,))[0]
-        return self._submit_one(request, consumer).result()
+        return self._submit_one(request, consumer, deadlines).result()
 
     def execute_batch(
-        self, requests: Sequence[DiffusionRequest], *, consumer: str | None = None
+        self,
+        requests: Sequence[DiffusionRequest],
+        *,
+        consumer: str | None = None,
+        deadlines: Deadlines | None = None,
     ) -> list[RunnerOutput]:
+        """``submit_batch(...).result()``; step mode as ``execute_request``."""
         reqs = self._check_batch(requests, "execute_batch")
         self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "execute_batch")
         if self.step_mode:
             return self._execute_sync("execute_model_batch", (reqs,))
-        return self._submit("execute_model_batch", (reqs,), consumer).result()
+        return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines).result()
+
+    def cancel_requests(self, request_ids: Iterable[str]) -> None:
+        """Abort the forwards of these requests, wherever they are; returns at once.
+
+        Reaches every request-mode execute call still in flight that holds one of them
+        (queued on the workers, or computing): a worker whose main thread is in the
+        forward hears of it on a control channel, and the model stops at its next
+        cancellation check (``omni_async.worker.cancel_requested``); a call not started
+        yet never runs.  Such a call then fails with ``RequestAborted`` (``by="abort"``),
+        once nothing of it remains on any worker or in the executor; no output id is
+        handed out.  A model that ignores the check finishes its forward; its outputs
+        are discarded all the same (not packed, or released on arrival).
+
+        A batch stops only when all its requests are cancelled; with some cancelled it
+        goes on, and those come back as ``RunnerOutput(aborted=True)`` without an output.
+        An id not in a call in flight -- unknown, or its call already resolved -- is
+        ignored: drop its output (``drop_output``) instead.  Idempotent; a no-op after
+        shutdown.  Raises ``UsageError`` for anything but an iterable of non-empty str.
+        """
+        if isinstance(request_ids, (str, bytes, Mapping)) or not isinstance(request_ids, Iterable):
+            raise UsageError(
+                f"cancel_requests: request_ids must be an iterable of request ids (str), got "
+                f"{type(request_ids).__name__} {request_ids!r:.80}"
+                + (" (wrap one id in a list)" if isinstance(request_ids, str) else "")
+            )
+        ids = list(request_ids)
+        bad = [r for r in ids if not isinstance(r, str) or not r]
+        if bad:
+            raise UsageError(f"cancel_requests: request ids must be non-empty str, got {bad!r:.80}")
+        if not ids or self._closed:
+            return
+        self.pump.call(lambda d: d.cancel(ids))
+
+    @staticmethod
+    def _check_deadlines(deadlines: object, method: str) -> None:
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise UsageError(
+                f"{method}: deadlines must be a Deadlines or None, got {type(deadlines).__name__} {deadlines!r:.80}"
+            )
 
     # Argument checks: API misuse fails here, at once, with a UsageError naming the
     # argument -- never after a round trip to a worker.
@@ -217,13 +297,23 @@ class DiffusionExecutor(abc.ABC):
                 f"got {type(output).__name__} {output!r:.80}"
             )
 
-    def _submit(self, method: str, args: tuple[Any, ...], consumer: str | None) -> Future[list[RunnerOutput]]:
+    def _submit(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        consumer: str | None,
+        requests: Sequence[DiffusionRequest] = (),
+        deadlines: Deadlines | None = None,
+    ) -> Future[list[RunnerOutput]]:
         if self.step_mode:
             raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
         self.check_health()
         rpc_id = self.next_rpc_id()
         now = self.pump.now()
-        inner = self.pump.call(lambda d: d.submit(rpc_id, method, now=now, consumer=consumer))
+        rids = tuple(r.request_id for r in requests)
+        inner = self.pump.call(
+            lambda d: d.submit(rpc_id, method, now=now, consumer=consumer, request_ids=rids, deadlines=deadlines)
+        )
         try:
             self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True))
         except BaseException as exc:
@@ -270,7 +360,7 @@ class DiffusionExecutor(abc.ABC):
         return ``RunnerOutput``s (one per request) from the reply rank.
         """
         if method in ASYNC_METHODS and not self.step_mode:
-            fut = self._submit(method, args, None)
+            fut = self._submit(method, args, None, _requests_in(method, args))
             return list(fut.result())
         if method == DROP_OUTPUTS:
             # The workers never answer this control message: waiting for an answer
@@ -415,7 +505,9 @@ class DiffusionExecutor(abc.ABC):
     # ----------------------------------------------------------------- health
 
     def check_health(self) -> None:
-        """Raise if the executor cannot make progress (shut down, pump dead, worker dead)."""
+        """Raise if the executor cannot make progress (shut down, pump dead, worker dead,
+        or a worker stuck: ``WorkerStuck``, still computing a call ``Deadlines.cancel_grace``
+        seconds after its compute deadline cancelled it)."""
         if self._closed:
             raise ExecutorShutdown("the executor is shut down")
         failure = self._worker_failure()
@@ -423,6 +515,11 @@ class DiffusionExecutor(abc.ABC):
             raise failure
         if not self.pump.healthy():
             raise ExecutorShutdown(f"the result pump is not running ({self.pump.state})")
+        now = self.pump.now()
+        grace = self.deadlines.cancel_grace
+        stuck = self.pump.call(lambda d: d.stuck(now, grace))
+        if stuck is not None:
+            raise stuck
 
     def metrics(self) -> dict[str, float]:
         """Counters of the executor side; ``output_waits``/``output_wait_s_total``/
@@ -450,6 +547,9 @@ class DiffusionExecutor(abc.ABC):
                 "orphaned_outputs": s.orphaned,
                 "protocol_errors": s.protocol_errors + d.counters["protocol_errors"],
                 "compute_timeouts": d.counters["compute_timeouts"],
+                # Calls ended by their compute deadline that a rank has not answered yet
+                # (their forward was cancelled; see check_health's WorkerStuck).
+                "overdue_calls": d.overdue_calls(),
                 "dispatch_errors": self.pump.dispatch_errors,
                 "messages": self.pump.messages,
                 **waits,
@@ -478,6 +578,15 @@ class DiffusionExecutor(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:
+    """The requests of an execute call made through ``collective_rpc`` (what cancel finds it by)."""
+    try:
+        found = list(args[0]) if method == "execute_model_batch" else list(args[:1])
+    except (IndexError, TypeError):
+        return []  # malformed: the worker fails the call with a typed error
+    return [r for r in found if isinstance(r, DiffusionRequest)]
 
 
 __all__ = ["DiffusionExecutor"]

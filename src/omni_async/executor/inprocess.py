@@ -9,14 +9,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, OmniAsyncError
-from omni_async.core.messages import DiffusionRequest, RpcRequest
+from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError
+from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
+from omni_async.worker.postprocess import get_postprocess
 
 __all__ = ["InProcessExecutor"]
 
@@ -45,12 +46,19 @@ class InProcessExecutor(DiffusionExecutor):
         loop_options: Mapping[str, Any] | None = None,
         release_hook: ReleaseHook = no_release,
         validate_request: Callable[[DiffusionRequest], None] | None = None,
+        postprocess: str | None = None,
     ) -> None:
         """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
         caller build the worker side itself, e.g. a packer with its own pack function.
+        ``postprocess``: a registered pipeline name whose device stage the packers run on
+        every output before it travels (as ``WorkerSpec.postprocess``; ignored by a
+        packer from ``make_packer``, which chooses its own).
         ``validate_request``: checked on every request in the caller's thread before it is
         sent; by default the model's own ``validate_request`` (rank 0's), as with worker
         processes, so a bad request fails at the call on both executors."""
+        if postprocess is not None and (not isinstance(postprocess, str) or not postprocess):
+            raise UsageError(f"postprocess must be a registered pipeline name (str) or None, got {postprocess!r}")
+        stage = get_postprocess(postprocess).device if postprocess is not None else None
         self.channel = channel if channel is not None else InProcessChannel()
         super().__init__(
             self.channel,
@@ -71,7 +79,7 @@ class InProcessExecutor(DiffusionExecutor):
             packer = (
                 make_packer(rank, sender)
                 if make_packer is not None
-                else Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer)
+                else Packer(rank, sender, max_outputs=max_outputs_in_flight, tracer=tracer, device_stage=stage)
             )
             loop = WorkerLoop(
                 rank,
@@ -80,7 +88,7 @@ class InProcessExecutor(DiffusionExecutor):
                 reply_rank=reply_rank,
                 packer=packer,
                 tracer=tracer,
-                **dict(loop_options or {}),
+                **{"device_stage": stage, **dict(loop_options or {})},
             )
             inbox: queue.Queue[RpcRequest | None] = queue.Queue()
             t = threading.Thread(target=self._serve, args=(loop, inbox), name=f"omni-worker-{rank}", daemon=True)
@@ -109,6 +117,13 @@ class InProcessExecutor(DiffusionExecutor):
             raise ExecutorShutdown("the executor is shut down")
         for inbox in self._inboxes:
             inbox.put(req)
+
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        # The "control channel" in process: straight into each loop's cancel table,
+        # which its worker thread reads between steps (thread safe, never blocks).
+        for loop in self.loops:
+            for msg in cancels:
+                loop.cancel(msg)
 
     def _worker_failure(self) -> OmniAsyncError | None:
         for rank, (t, p) in enumerate(zip(self._threads, self.packers, strict=True)):

@@ -25,6 +25,13 @@ Processes and threads, and who owns what:
   handled the death, whichever comes second reclaims what the worker shipped that
   no message carried (``SegmentPool.reclaim_shipped``): it was killed after the
   hand-off and before (or while) writing the message.
+* Each worker has a control pipe from the executor, read by a thread of its own
+  (``omni-cancel-<rank>``), because its main thread may be busy in a forward for
+  minutes: ``CancelMessage``s travel there, written by the executor's
+  ``omni-cancel`` thread (so neither ``cancel_requests`` nor the pump, which cancels
+  the forward of a call whose compute deadline expired, ever blocks on a pipe), and
+  land in the worker loop's cancel table, which the model reads between steps
+  (``omni_async.worker.cancel_requested``).
 * Each worker has a status pipe to the executor: it reports that its model is
   built, or the exception that stopped it (type, message, traceback) before it
   exits.  A start-up failure makes the constructor raise ``WorkerStartupFailed``
@@ -61,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import queue
 import inspect
 import logging
 import multiprocessing
@@ -86,7 +94,14 @@ from omni_async.core.errors import (
     WorkerDied,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, Failure, RpcRequest
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    CancelMessage,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    RpcRequest,
+)
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.futures import map_future
@@ -104,6 +119,7 @@ from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
+from omni_async.worker.postprocess import DeviceStage, get_postprocess
 
 if TYPE_CHECKING:
     import torch
@@ -137,12 +153,20 @@ class WorkerSpec:
     a factory function, such an attribute -- gets it called by the executor on every
     request before sending it (``request_validator``): a bad request fails in the
     caller's thread, and no worker sees it.
+
+    ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
+    stage the worker's packer runs on every output before the copy (see
+    ``omni_async.worker.postprocess``).  The worker looks it up after building the
+    model (the factory's module, imported there, registers it); with ``check_import``
+    the constructor looks it up here too, so an unknown name fails now
+    (``UnknownPostProcess``), not as a worker that cannot start.
     """
 
     factory: str
     kwargs: Mapping[str, Any] = attrs.field(factory=dict)
     pass_rank: bool = False
     check_import: bool = attrs.field(default=True, kw_only=True)
+    postprocess: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -164,8 +188,20 @@ class WorkerSpec:
         for field in ("pass_rank", "check_import"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.postprocess is not None and (not isinstance(self.postprocess, str) or not self.postprocess):
+            raise UsageError(
+                f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
+            )
         if self.check_import:
             self.resolve()
+            self.device_stage()
+
+    def device_stage(self) -> DeviceStage | None:
+        """The device stage of ``postprocess`` in this process (None without one);
+        ``UnknownPostProcess`` when no post-process is registered under the name."""
+        if self.postprocess is None:
+            return None
+        return get_postprocess(self.postprocess).device
 
     def resolve(self) -> Callable[..., object]:
         """Import the factory in this process; ``UsageError`` when it cannot be found."""
@@ -321,6 +357,7 @@ def _worker_main(
     rpc_conn: multiprocessing.connection.Connection,
     status: multiprocessing.connection.Connection,
     lifeline: multiprocessing.connection.Connection,
+    control: multiprocessing.connection.Connection,
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name)."""
     # Ctrl-C reaches the whole process group; the executor stops its workers in order.
@@ -339,6 +376,7 @@ def _worker_main(
         sys.exit(1)
     _report(status, None)
     packer.start()
+    threading.Thread(target=_read_control, args=(loop, control), name=f"omni-cancel-{rank}", daemon=True).start()
     try:
         while True:
             try:
@@ -359,6 +397,60 @@ def _worker_main(
         # Exiting: a pack still waiting for room must not hold the exit (F16).
         packer.stop(timeout=10.0, abandon=True)
         sender.close()
+
+
+def _read_control(loop: WorkerLoop, control: multiprocessing.connection.Connection) -> None:
+    """Worker side of the control pipe: cancel messages into the loop's table, until EOF."""
+    while True:
+        try:
+            msg = control.recv()
+        except (EOFError, OSError):
+            return  # the executor closed it (shutdown) or is gone (the watch handles that)
+        if msg is None:
+            return
+        if isinstance(msg, CancelMessage):
+            loop.cancel(msg)
+        else:
+            log.warning("omni-cancel-%d: ignoring a control message of type %s", loop.rank, type(msg).__name__)
+
+
+class _CancelSender:
+    """Executor side of the control pipes: one thread writes every cancel to every rank.
+
+    ``put`` never blocks (a queue), so the pump thread can cancel the forward of a call
+    whose deadline expired; a write to a dead worker's pipe is skipped (its death is
+    the monitor's business).
+    """
+
+    def __init__(self, conns: list[multiprocessing.connection.Connection]) -> None:
+        self._conns = conns
+        self._queue: queue.SimpleQueue[list[CancelMessage] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="omni-cancel", daemon=True)
+        self.sent = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put(self, cancels: list[CancelMessage]) -> None:
+        self._queue.put(cancels)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        for conn in self._conns:
+            conn.close()
+
+    def _run(self) -> None:
+        while (batch := self._queue.get()) is not None:
+            for rank, conn in enumerate(self._conns):
+                for msg in batch:
+                    try:
+                        conn.send(msg)
+                    except (OSError, ValueError) as exc:
+                        log.debug("cannot send %s to worker rank %d: %s", msg, rank, exc)
+                        break
+            self.sent += len(batch)
 
 
 def _build_worker(
@@ -397,6 +489,8 @@ def _build_worker(
         release_packed_output(packed, pool=pool)
 
     worker = spec.build(rank)
+    # After the build: importing the factory's module registers its post-processes here.
+    stage = spec.device_stage()
     packer = Packer(
         rank,
         sender,
@@ -406,6 +500,7 @@ def _build_worker(
         max_outputs=opts.max_outputs_in_flight,
         max_bytes=opts.max_bytes_in_flight,
         interrupt=pool.cancel_waits,
+        device_stage=stage,
     )
     loop = WorkerLoop(
         rank,
@@ -416,6 +511,7 @@ def _build_worker(
         pack_sync=pack,
         record_event=lambda: record_device_event(dev),
         backpressure_timeout=opts.backpressure_timeout,
+        device_stage=stage,
     )
     return packer, loop
 
@@ -585,6 +681,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
+        self._control_conns: list[multiprocessing.connection.Connection] = []
+        self._cancel_sender = _CancelSender(self._control_conns)
         self._status_conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._failure: WorkerDied | None = None
@@ -599,9 +697,10 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self._sender_ranks[sender.name] = rank
                 rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
                 status_r, status_w = self._ctx.Pipe(duplex=False)
+                control_r, control_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=_worker_main,
-                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r),
+                    args=(rank, spec, opts, self.pool, sender, rpc_r, status_w, lifeline_r, control_r),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
@@ -611,11 +710,14 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 sender.close()
                 rpc_r.close()
                 status_w.close()
+                control_r.close()
+                self._control_conns.append(control_w)
                 self._rpc_conns.append(rpc_w)
                 self._status_conns.append(status_r)
                 self.procs.append(proc)
             lifeline_r.close()
             self._await_models(deadline, start_timeout)
+            self._cancel_sender.start()
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
             self._monitor.start()
@@ -681,6 +783,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                     conn.send(req)
                 except (BrokenPipeError, OSError) as exc:
                     raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
+
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        self._cancel_sender.put(cancels)
 
     # A worker's frame incomplete this long (a live sender stopped mid-write, M5) fails
     # ``check_health``: the reader serves the other ranks meanwhile, but this rank's
@@ -877,6 +982,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         # Nobody reads the result pipes any more: close them so a worker's put fails
         # at once instead of waiting for room.
         self._channel.close()
+        self._cancel_sender.stop()
         with self._rpc_lock:
             for conn in self._rpc_conns:
                 try:

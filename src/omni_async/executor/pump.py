@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, OutputError
-from omni_async.core.messages import AsyncDiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage
 from omni_async.core.registry import Resolution
 from omni_async.core.states import LifecycleEvent, LifecycleState, lifecycle_machine
 from omni_async.transport.channel import ResultReceiver
@@ -44,7 +44,12 @@ class ResultPump:
         name: str = "omni-pump",
         poll_interval: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
+        on_cancel: Callable[[list[CancelMessage]], None] | None = None,
     ) -> None:
+        """``on_cancel``: sends the dispatcher's cancel messages to the workers; called
+        outside the lock, on whichever thread made them (the pump's, for a compute
+        deadline), so it must not block."""
+        self._on_cancel = on_cancel
         self._channel = channel
         self._dispatcher = dispatcher
         self._poll = poll_interval
@@ -98,14 +103,17 @@ class ResultPump:
     def call(self, fn: Callable[[Dispatcher], T]) -> T:
         """Run ``fn`` on the dispatcher under the pump's lock; resolve futures after."""
         resolutions: list[Resolution] = []
+        cancels: list[CancelMessage] = []
         try:
             with self._lock:
                 try:
                     return fn(self._dispatcher)
                 finally:
                     resolutions = self._dispatcher.take_resolutions()
+                    cancels = self._dispatcher.take_cancels()
         finally:
             # Even when fn raised: a future it claimed must still be resolved.
+            self._send_cancels(cancels)
             self._apply(resolutions)
 
     def now(self) -> float:
@@ -152,9 +160,22 @@ class ResultPump:
                 self.dispatch_errors += 1
                 log.exception("result pump: dispatching %r failed; message dropped", msg)
             resolutions = self._dispatcher.take_resolutions()
+            cancels = self._dispatcher.take_cancels()
+        self._send_cancels(cancels)
         self._apply(resolutions)
         if routed is not None:
             self.sync_buffer.put(routed)
+
+    def _send_cancels(self, cancels: list[CancelMessage]) -> None:
+        if not cancels or self._on_cancel is None:
+            return
+        try:
+            self._on_cancel(cancels)
+        except Exception:
+            # The executor side already ended or marked the calls: a worker that never
+            # hears of it finishes the forward, and its outputs are dropped on arrival.
+            self.dispatch_errors += 1
+            log.exception("result pump: sending cancel messages to the workers failed")
 
     def _apply(self, resolutions: list[Resolution]) -> None:
         for r in resolutions:

@@ -22,12 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import time
+
+import attrs
 import torch
 
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+from omni_async.worker.cancel import raise_if_cancelled
+from omni_async.worker.postprocess import PostProcess, register_postprocess
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # The parameters ``TinyDiffusionWorker`` reads: name -> (kind, smallest value).
 _PARAMS: dict[str, tuple[type, int | None]] = {
@@ -38,10 +46,16 @@ _PARAMS: dict[str, tuple[type, int | None]] = {
     "raise": (bool, None),
     "keep_trajectory": (bool, None),
     "unpackable": (bool, None),
+    "step_ms": (int, 0),
+    "ignore_cancel": (bool, None),
 }
 
 
 class TinyDiffusionWorker:
+    """The reference model (see the module docstring).  It honours cancellation: between
+    denoising steps it calls ``raise_if_cancelled()``, so a cancelled forward stops
+    within one step (unless the request asks for ``ignore_cancel``)."""
+
     def __init__(
         self,
         *,
@@ -67,7 +81,10 @@ class TinyDiffusionWorker:
         """Check the parameters this model reads; ``InvalidRequest`` names the parameter and the request.
 
         ``height``, ``width``, ``steps``: int >= 1; ``seed``: int; ``raise``,
-        ``keep_trajectory``: bool; nothing else (a misspelt name fails too).  Static, so
+        ``keep_trajectory``, ``unpackable``: bool; ``step_ms``: int >= 0, a pause per
+        denoising step (a slow step without burning CPU); ``ignore_cancel``: bool, the
+        forward skips its cancellation checks (a model that does not honour them);
+        nothing else (a misspelt name fails too).  Static, so
         the executor runs it in the caller's thread before sending (see ``WorkerSpec``);
         the forward runs it again for callers that reach the model directly.
         """
@@ -119,7 +136,14 @@ class TinyDiffusionWorker:
         gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
         latent = torch.randn(height, width, generator=gen).to(self.device, self.dtype)
         trajectory: list[torch.Tensor] = []
+        step_s = int(p.get("step_ms", 0)) / 1000.0
+        honour_cancel = not p.get("ignore_cancel")
         for _ in range(steps):
+            if honour_cancel:
+                # Between denoising steps: stop once every request of the call is cancelled.
+                raise_if_cancelled()
+            if step_s:
+                time.sleep(step_s)
             latent = torch.tanh(latent @ self.weight)
             if p.get("keep_trajectory"):
                 trajectory.append(latent.clone())
@@ -157,6 +181,8 @@ class SyntheticVideoWorker:
 
     Each request gets a freshly allocated output, written last by the forward, as a
     real pipeline's decoder would: the packer must copy it while the next forward runs.
+    Between matmuls (its "denoising steps") it checks for cancellation
+    (``raise_if_cancelled``).
     """
 
     def __init__(
@@ -179,6 +205,7 @@ class SyntheticVideoWorker:
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         x = self.a
         for _ in range(int(request.params.get("matmuls", self.matmuls))):
+            raise_if_cancelled()
             x = x @ self.b
         video = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         video.fill_(float(request.params.get("seed", 0)))
@@ -192,3 +219,30 @@ class SyntheticVideoWorker:
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+# -- post-processing of TinyDiffusionWorker's outputs: pipeline "tiny" --------------------------
+
+
+def tiny_to_uint8(output: DiffusionOutput) -> DiffusionOutput:
+    """The device stage: the float image (0..255) becomes uint8 on the worker's device, before
+    the copy -- four times fewer bytes than float32; the trajectory is not shipped.  The
+    ``digest`` is taken again, of the uint8 bytes, so the engine can still check them."""
+    out = dict(output.output)
+    image = out["image"].round().clamp(0, 255).to(torch.uint8)
+    out.update(image=image, digest=image_digest(image), latents=[])
+    return attrs.evolve(output, output=out)
+
+
+def tiny_to_pil(output: DiffusionOutput) -> Image.Image:
+    """The host stage: the uint8 image as a grayscale ``PIL.Image`` that owns its pixels."""
+    from PIL import Image
+
+    image = output.output["image"]
+    if image.dtype != torch.uint8:  # the device stage did not run (step mode without it, say)
+        image = image.round().clamp(0, 255).to(torch.uint8)
+    return Image.fromarray(image.cpu().numpy().copy())  # 2-D uint8: mode "L"
+
+
+# ``WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="tiny")``
+TINY_POSTPROCESS = register_postprocess(PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8))

@@ -74,6 +74,7 @@ ACTIONS: Mapping[str, frozenset[str]] = {
     "ReleaseConsumer": frozenset({"consumer"}),
     "Expire": frozenset({"count"}),
     "DispatchDrop": frozenset({"output_id", "rpc_id", "reason"}),
+    "RpcCancel": frozenset({"rpc_id"}),
     "WorkerFire": frozenset({"output_id", "event", "src", "dst"}),
 }
 
@@ -212,7 +213,7 @@ class _Step:
     saw_registry: bool = False  # the registry's part (ReleaseConsumer / FailAll) began
 
 
-_INSIDE_CALL = frozenset({"ok", "failed", "cancelled"})
+_INSIDE_CALL = frozenset({"ok", "failed", "cancelled", "aborted"})
 
 
 def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
@@ -242,6 +243,8 @@ def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
             new = _Step("recv")
         elif a == "RpcSubmit":
             new = _Step("submit")
+        elif a == "RpcCancel":
+            new = _Step("abort")
         elif a == "WaiterAdd":
             new = _Step("wait")
         elif a == "Cancel":
@@ -398,7 +401,7 @@ def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) ->
                 ranks = [int(v) for v in _csv(f.get("ranks"))]
             except ValueError:
                 raise TraceFormatError(f"RpcSubmit: ranks must be comma-separated ints: {f.get('ranks')!r}") from None
-        case "RpcAnswer":
+        case "RpcAnswer" | "RpcCancel":
             k = num.rpc(f.get("rpc_id"))
         case "RpcResolve":
             k = num.rpc(f.get("rpc_id"))

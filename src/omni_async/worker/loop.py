@@ -16,6 +16,13 @@
 * Everything else (and execute in step mode): the ordinary synchronous answer,
   an RPC_RESULT, packed on the main thread when it carries an output.
 * ``drop_outputs``: cancel packing of outputs that have not started (F15); no answer.
+* Cancellation (``omni_async.worker.cancel``): the executor's ``CancelMessage``s reach
+  ``cancels`` (a ``CancelTable``) from another thread while the forward runs; the model
+  sees them through ``cancel_requested``.  A call whose requests are all cancelled is
+  not started; one whose forward raises, or returns, once they all are is answered
+  with a ``RequestAborted`` failure and ships nothing; the cancelled requests of a
+  batch that goes on are not packed (their ids are announced, and the executor drops
+  them).
 * ``loop_info`` (pid, packer metrics) and ``drain_outputs`` (wait for in-flight
   packs, F8) are answered by the loop itself; model methods that release device
   memory (``DRAIN_BEFORE``) drain the packer first.
@@ -38,6 +45,7 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
     BatchDiffusionOutput,
+    CancelMessage,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
@@ -55,9 +63,10 @@ from omni_async.core.states import Machine, RequestEvent, RequestState, request_
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
 from omni_async.transport.errors import ChannelClosed
-from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import DeviceEvent
-from omni_async.worker.packer import Packer, PackFn, fire_traced
+from omni_async.worker.cancel import CallScope, CancelTable
+from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
+from omni_async.worker.postprocess import DeviceStage, run_device_stage
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +85,6 @@ def _no_event() -> DeviceEvent | None:
     return None
 
 
-def _budget_nbytes(output: DiffusionOutput) -> int:
-    """What ``output`` counts against the packer's byte budget: the bytes packing copies.
-
-    0 for an output the packer will refuse: its pack fails the same way at once, copies
-    nothing, and the packer reports the failure (F2); sizing must not fail the call.
-    """
-    try:
-        return packed_nbytes(output)
-    except Exception:  # noqa: BLE001  # the packer's walk raises it again, and reports it
-        return 0
-
-
 class WorkerLoop:
     def __init__(
         self,
@@ -101,7 +98,11 @@ class WorkerLoop:
         record_event: Callable[[], DeviceEvent | None] = _no_event,
         backpressure_timeout: float | None = None,
         tracer: Tracer | None = None,
+        device_stage: DeviceStage | None = None,
     ) -> None:
+        """``device_stage``: a post-process's device stage, run on step mode's outputs
+        before ``pack_sync`` (request mode's run in the packer, which has its own)."""
+        self._device_stage = device_stage
         self.rank = rank
         self.worker = worker
         self._sender = sender
@@ -113,6 +114,8 @@ class WorkerLoop:
         self._trace = tracer
         self._prefix = f"r{rank}-{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count()
+        self.cancels = CancelTable()
+        self.aborted_calls = 0
 
     @property
     def is_reply_rank(self) -> bool:
@@ -120,6 +123,10 @@ class WorkerLoop:
 
     def new_output_id(self) -> str:
         return f"{self._prefix}-{next(self._seq)}"
+
+    def cancel(self, msg: CancelMessage) -> None:
+        """A cancel from the executor (any thread; the main thread may be in a forward)."""
+        self.cancels.cancel(msg)
 
     def handle_rpc(self, req: RpcRequest) -> None:
         if req.method == DROP_OUTPUTS:
@@ -153,7 +160,13 @@ class WorkerLoop:
 
     def _control(self, req: RpcRequest) -> object:
         if req.method == LOOP_INFO:
-            info: dict[str, object] = {"rank": self.rank, "pid": os.getpid(), "reply_rank": self._reply_rank}
+            info: dict[str, object] = {
+                "rank": self.rank,
+                "pid": os.getpid(),
+                "reply_rank": self._reply_rank,
+                "aborted_calls": self.aborted_calls,
+                "cancels_received": self.cancels.received,
+            }
             if self._packer is not None:
                 info["packer"] = attrs.asdict(self._packer.metrics)
                 info["packer_state"] = self._packer.state.name
@@ -192,13 +205,20 @@ class WorkerLoop:
         if not self.is_reply_rank:
             return None
         pack = self._pack_sync
-        if pack is None:
+        stage = self._device_stage
+        if pack is None and stage is None:
             return result
         event = self._record_event()
+
+        def ship(o: DiffusionOutput) -> DiffusionOutput:
+            if stage is not None:
+                o = run_device_stage(stage, o, None, event)
+            return o if pack is None else pack(o, None, event)
+
         if isinstance(result, BatchDiffusionOutput):
-            return BatchDiffusionOutput(tuple(pack(o, None, event) for o in result.per_request()))
+            return BatchDiffusionOutput(tuple(ship(o) for o in result.per_request()))
         if isinstance(result, DiffusionOutput):
-            return pack(result, None, event)
+            return ship(result)
         return result
 
     def _execute_async(self, req: RpcRequest) -> None:
@@ -209,13 +229,25 @@ class WorkerLoop:
             if not requests or not all(isinstance(r, DiffusionRequest) for r in requests):
                 raise UsageError(f"{req.method} takes DiffusionRequest(s), got {req.args!r}")
         except Exception as exc:
+            self.cancels.end(req.rpc_id)
             self._fail_call(req, exc)
             return
+        with self.cancels.running(req.rpc_id, tuple(r.request_id for r in requests)) as scope:
+            self._run_async(req, requests, scope)
+
+    def _run_async(self, req: RpcRequest, requests: list[DiffusionRequest], scope: CallScope) -> None:
+        assert self._packer is not None
         machines = [request_machine(self.new_output_id()) for _ in requests]
+        if scope.all_cancelled():
+            self._abort_call(req, scope, machines, "before its forward started; it never ran")
+            return
         # Back-pressure: wait for the packer *before* the forward, never drop.
         if not self._packer.wait_for_room(len(requests), timeout=self._backpressure_timeout):
             err = RuntimeError(f"packer on rank {self.rank} has no room (stopped or back-pressure timeout)")
             self._fail_call(req, err, machines)
+            return
+        if scope.all_cancelled():
+            self._abort_call(req, scope, machines, "before its forward started (it waited for the packer); it never ran")
             return
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
@@ -223,7 +255,16 @@ class WorkerLoop:
             result = self._call(req)
             outputs = self._split(result, requests)
         except Exception as exc:
-            self._fail_call(req, exc, machines)
+            if scope.all_cancelled():
+                # The model stopped at a cancellation check (whatever it raised).
+                self._abort_call(req, scope, machines, "while computing; its forward stopped")
+            else:
+                self._fail_call(req, exc, machines)
+            return
+        if scope.all_cancelled():
+            self._abort_call(
+                req, scope, machines, "while computing; its forward ran to the end and its outputs were discarded"
+            )
             return
         if not self.is_reply_rank:
             # Non-reply ranks computed the same forward (tensor parallel); their copy is not shipped.
@@ -239,9 +280,13 @@ class WorkerLoop:
             # call wait out its compute deadline and report a timeout instead (F2).
             self._fail_call(req, exc, machines)
             return
+        # A request of the batch cancelled meanwhile: its output is not packed (the
+        # packer reports it cancelled; the executor drops its id with the call's end).
+        cancelled = scope.cancelled()
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
-            self._packer.submit(m.key, out, m, event=event, nbytes=_budget_nbytes(out))
+            skip = out.request_id in cancelled
+            self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
         ids = tuple(m.key for m in machines)
         try:
             self._sender.put(
@@ -262,6 +307,21 @@ class WorkerLoop:
                 AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
                 req.rpc_id,
             )
+
+    def _abort_call(
+        self,
+        req: RpcRequest,
+        scope: CallScope,
+        machines: Sequence[Machine[RequestState, RequestEvent]],
+        stage: str,
+    ) -> None:
+        """Answer a call whose requests are all cancelled: a ``RequestAborted`` failure, no ids."""
+        self.aborted_calls += 1
+        cause = scope.cause()
+        log.debug("rank %d: call %s aborted %s %s", self.rank, req.rpc_id, cause.phrase, stage)
+        self._abort(machines)
+        failure = Failure("RequestAborted", f"aborted {cause.phrase} {stage}")
+        self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, failure, rank=self.rank), req.rpc_id)
 
     @staticmethod
     def _split(result: Any, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:

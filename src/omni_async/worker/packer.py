@@ -43,7 +43,9 @@ from omni_async.core.states import (
 from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
 from omni_async.transport.errors import ChannelClosed
+from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.worker.postprocess import DeviceStage, run_device_stage
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,18 @@ log = logging.getLogger(__name__)
 PackFn: TypeAlias = "Callable[[DiffusionOutput, CopyStream, DeviceEvent | None], DiffusionOutput]"
 # Called with a packed output that could not be sent, to give its segments back.
 ReleaseFn = Callable[[DiffusionOutput], None]
+
+
+def budget_nbytes(output: DiffusionOutput) -> int:
+    """What ``output`` counts against the packer's byte budget: the bytes packing copies.
+
+    0 for an output the packer will refuse: its pack fails the same way at once, copies
+    nothing, and the packer reports the failure (F2); sizing must not fail the call.
+    """
+    try:
+        return packed_nbytes(output)
+    except Exception:  # noqa: BLE001  # the packer's walk raises it again, and reports it
+        return 0
 
 
 def _identity_pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
@@ -100,7 +114,11 @@ class Packer:
         max_bytes: int | None = None,
         tracer: Tracer | None = None,
         interrupt: Callable[[], None] | None = None,
+        device_stage: DeviceStage | None = None,
     ) -> None:
+        """``device_stage``: a post-process's device stage (``PostProcess.device``), run on
+        each output on the side stream before ``pack``; the byte budget then counts what
+        it returned (see ``omni_async.worker.postprocess``)."""
         if max_outputs < 1:
             raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
         self.rank = rank
@@ -112,6 +130,7 @@ class Packer:
         self._max_bytes = max_bytes
         self._trace = tracer
         self._interrupt = interrupt
+        self._device_stage = device_stage
         self._cond = threading.Condition()
         self._jobs: collections.deque[PackJob] = collections.deque()
         self._cancelled: set[str] = set()
@@ -162,12 +181,19 @@ class Packer:
         *,
         event: DeviceEvent | None = None,
         nbytes: int = 0,
+        cancelled: bool = False,
     ) -> None:
-        """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``."""
+        """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``.
+
+        ``cancelled``: its request was cancelled meanwhile: it is not packed, but reported
+        cancelled in its turn, exactly as if it had been dropped before packing (F15).
+        """
         with self._cond:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
             self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic()))
+            if cancelled:
+                self._cancelled.add(output_id)
             self.metrics.in_flight_outputs += 1
             self.metrics.in_flight_bytes += nbytes
             self._cond.notify_all()
@@ -277,8 +303,12 @@ class Packer:
     def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
         self._fire(job, RequestEvent.PACK)
         t0 = time.perf_counter()
+        output = attrs.evolve(job.output, async_output_id=job.output_id)
         try:
-            packed = self._pack(attrs.evolve(job.output, async_output_id=job.output_id), stream, job.event)
+            if self._device_stage is not None:
+                output = run_device_stage(self._device_stage, output, stream, job.event)
+                self._resize(job, budget_nbytes(output))
+            packed = self._pack(output, stream, job.event)
         except Exception as exc:
             self._fail(job, exc)
             return
@@ -294,6 +324,13 @@ class Packer:
         self.metrics.packed += 1
         self.metrics.bytes_packed += job.nbytes
         self._fire(job, RequestEvent.OUTPUT_READY)
+
+    def _resize(self, job: PackJob, nbytes: int) -> None:
+        """The device stage changed what ``job`` copies: the byte budget counts the new size."""
+        with self._cond:
+            self.metrics.in_flight_bytes += nbytes - job.nbytes
+            job.nbytes = nbytes
+            self._cond.notify_all()
 
     def _cancel(self, job: PackJob) -> None:
         self.metrics.cancelled += 1

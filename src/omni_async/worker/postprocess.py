@@ -19,17 +19,29 @@ Both stages are found by name (``get_postprocess``), so the worker process and t
 engine process each look the pipeline up in their own registry: the module that
 defines a pipeline registers it at import time (``register_postprocess``), and
 importing the worker's factory module in the worker registers it there too.
+
+The device stage in the worker: ``WorkerSpec(..., postprocess="name")`` (worker
+processes) or ``InProcessExecutor(..., postprocess="name")``; the worker looks the name
+up after building its model (an unknown name fails its start-up).  The packer runs
+the stage (``run_device_stage``) on its side stream after waiting for the forward's
+event, then copies what the stage returned: the in-flight byte budget and the budget
+of held outputs count those bytes, and the output's ``metrics`` carry
+``device_postprocess_s`` beside the pack's timings.  A stage that raises fails that
+output like a pack failure: its waiter gets ``RemoteError`` with the stage's exception.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import attrs
+import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
+from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
 DeviceStage = Callable[[DiffusionOutput], DiffusionOutput]
 HostStage = Callable[[DiffusionOutput], object]
@@ -104,3 +116,32 @@ def registered_postprocesses() -> list[str]:
     """The pipeline names that have a post-process in this process."""
     with _lock:
         return sorted(_registry)
+
+
+def run_device_stage(
+    stage: DeviceStage, output: DiffusionOutput, stream: CopyStream = None, event: DeviceEvent | None = None
+) -> DiffusionOutput:
+    """Run a device stage on ``output``, ordered after ``event``, on ``stream`` (the packer's side stream).
+
+    Returns what the stage returned, with the output's ``async_output_id`` and
+    ``metrics`` kept and ``metrics["device_postprocess_s"]`` added: the stage's time,
+    its kernels included (on CUDA the side stream is synchronized once it is enqueued,
+    so the time is the device's, not the launch's; the copy that follows waits for the
+    same work anyway).  Raises what the stage raised, or ``UsageError`` when it returns
+    something other than a ``DiffusionOutput`` of the same request.
+    """
+    t0 = time.perf_counter()
+    wait_device_event(event, stream)
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            out = stage(output)
+        stream.synchronize()
+    else:
+        out = stage(output)
+    if not isinstance(out, DiffusionOutput) or out.request_id != output.request_id:
+        raise UsageError(
+            f"a post-process device stage must return the DiffusionOutput of request {output.request_id!r}, "
+            f"got {type(out).__name__} {getattr(out, 'request_id', '')!r}"
+        )
+    metrics = {**output.metrics, **out.metrics, "device_postprocess_s": time.perf_counter() - t0}
+    return attrs.evolve(out, async_output_id=output.async_output_id, metrics=metrics)
