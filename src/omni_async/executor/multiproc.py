@@ -693,7 +693,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         try:
             if self.pool.is_leased(lease):
                 self.pool.release(lease)
-        except Exception:  # noqa: BLE001  # a forged lease (slot out of range, foreign prefix)
+        except Exception:  # a forged lease (slot out of range, foreign prefix)
             log.debug("no segment to give back for %s", packed.async_output_id, exc_info=True)
 
     def _discard(self, output: DiffusionOutput) -> None:
