@@ -63,6 +63,7 @@ ASSUME ReplyRank \in Ranks
 
 NumRpcs == Len(Batch)
 RpcIds == 1..NumRpcs
+NoCall == 0
 Range(s) == {s[n] : n \in DOMAIN s}
 \* The ids of each call, and the call of each id (constants: TLC computes them once).
 BatchIds == [k \in RpcIds |-> Range(Batch[k])]
@@ -95,6 +96,10 @@ Answers == {"none", "ok", "failed", "shipped"}
 
 \* ids: the output ids the message names (async_output_ids): a COMPUTE_DONE's,
 \* or those of the failure that replaces a COMPUTE_DONE whose put raised.
+\* rpc: the call it answers; NoCall for an OUTPUT_READY, and for a COMPUTE_DONE
+\* or RPC_RESULT of a call this executor never made (a faulty peer's: the
+\* model's workers answer only the calls submitted; trace validation feeds
+\* the pump such messages as the implementation recorded them).
 Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"},
         rpc : 0..NumRpcs, id : Ids \cup {NoId}, ok : BOOLEAN,
         out : Ids \cup {NoId}, w : {"main", "packer"}, ids : SUBSET Ids]
@@ -110,6 +115,7 @@ Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no rec
         got : Ids \cup {NoId},                  \* history: whose output the engine's future got
         dropped : BOOLEAN,                      \* history: the id was dropped
         gaveUp : BOOLEAN,                       \* history: the engine cancelled its waiter, or its deadline passed
+        ghost : BOOLEAN,                        \* a COMPUTE_DONE of a call never made announced it (M6)
         late : SUBSET {"fin", "cd", "out"}]     \* tombstone: "fin" once removed, and the messages still expected
 
 VARIABLES
@@ -164,7 +170,8 @@ TypeOK ==
     /\ abortSent \subseteq RpcIds
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
-          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, late |-> {}]
+          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, ghost |-> FALSE,
+          late |-> {}]
 
 Init ==
     /\ alive = [r \in Ranks |-> TRUE]
@@ -304,10 +311,19 @@ ForceRelease(x) ==
 \* COMPUTE_DONE (OutputRegistry._orphan).
 ExpireEarly(x) == ForceRelease1(x)
 
+\* expire, for a DROPPING record that a COMPUTE_DONE of a call never made
+\* announced: no worker packs its output, which may never come, so it is
+\* given up on: force-released, its tombstone swallows an OUTPUT_READY still
+\* to come (OutputRegistry._give_up, M6).
+ExpireGhost(x) == ForceRelease1(x)
+
 \* expire, for one record whose deadline passed: abandoned once its
-\* COMPUTE_DONE arrived (the output deadline), else orphaned.
+\* COMPUTE_DONE arrived (the output deadline), else orphaned; given up on if
+\* a call never made announced it.
 Expire1(x) ==
-    LET y == IF x.st \in RequestAwaitingComputeDone THEN ExpireEarly(x) ELSE Abandon(FailWaiter(x))
+    LET y == IF x.st \in RequestAwaitingComputeDone THEN ExpireEarly(x)
+             ELSE IF x.ghost /\ x.st = "DROPPING" THEN ExpireGhost(x)
+             ELSE Abandon(FailWaiter(x))
     IN [y EXCEPT !.gaveUp = TRUE]
 
 -----------------------------------------------------------------------------
@@ -533,11 +549,13 @@ Names(m) == m.ids # {}
 \* Defines rec', rpcs', answers', perr'.
 \*
 \* A message that names ids: the registry takes each id (on_compute_done),
-\* then the dispatcher: a call that is not pending any more (an orphan)
-\* drops what the registry accepted; one whose answer is not the reply
-\* rank's first, or names an id the registry refused, drops what it accepted
-\* and counts as a failed answer (a protocol error); otherwise it is the
-\* reply rank's answer, ok or "shipped".
+\* then the dispatcher: a call never made is a protocol error, and what the
+\* registry accepted is dropped and marked (its expiry gives it up: no worker
+\* packs it, M6); a call that is not pending any more (an orphan) drops what
+\* the registry accepted; one whose answer is not the reply rank's first, or
+\* names an id the registry refused, drops what it accepted and counts as a
+\* failed answer (a protocol error); otherwise it is the reply rank's answer,
+\* ok or "shipped".
 HandleNamed(r, m) ==
     LET k == m.rpc
         x == [i \in Ids |-> IF i \in m.ids THEN OnComputeDone(rec[i]) ELSE rec[i]]
@@ -545,21 +563,28 @@ HandleNamed(r, m) ==
         dropAcc == [i \in Ids |-> IF i \in acc THEN Drop(x[i]) ELSE x[i]]
         answered == r \notin Ranks \/ answers[k][r] # "none"
         wrong == r # ReplyRank \/ answered \/ acc # m.ids
-    IN /\ perr' = (perr \/ (\E i \in m.ids : CdRefused(rec[i])) \/ (Pending(k) /\ wrong))
-       /\ IF ~Pending(k) THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
-          ELSE IF wrong /\ answered THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
-          ELSE IF wrong THEN Answer(k, r, "failed", dropAcc)
-          ELSE Answer(k, r, IF m.ok THEN "ok" ELSE "shipped", x)
+    IN IF k = NoCall
+       THEN /\ perr' = TRUE
+            /\ rec' = [i \in Ids |-> IF i \in acc THEN [dropAcc[i] EXCEPT !.ghost = TRUE] ELSE dropAcc[i]]
+            /\ UNCHANGED <<rpcs, answers>>
+       ELSE /\ perr' = (perr \/ (\E i \in m.ids : CdRefused(rec[i])) \/ (Pending(k) /\ wrong))
+            /\ IF ~Pending(k) THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+               ELSE IF wrong /\ answered THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+               ELSE IF wrong THEN Answer(k, r, "failed", dropAcc)
+               ELSE Answer(k, r, IF m.ok THEN "ok" ELSE "shipped", x)
 
-\* A plain RPC_RESULT: an answer of a call that ended goes to the synchronous
-\* buffer, unread (it drops nothing: the call's end disposed of its ids); a
-\* second answer of a rank is a protocol error; the reply rank answering
-\* without COMPUTE_DONE fails the call.
+\* A plain RPC_RESULT: one of a call never made is a protocol error, and
+\* discarded; an answer of a call that ended goes to the synchronous buffer,
+\* unread (it drops nothing: the call's end disposed of its ids); a second
+\* answer of a rank is a protocol error; the reply rank answering without
+\* COMPUTE_DONE is one too, and fails the call.
 HandlePlain(r, m) ==
     LET k == m.rpc IN
-    IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
+    IF k = NoCall THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
+    ELSE IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
     ELSE IF r \notin Ranks \/ answers[k][r] # "none" THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
-    ELSE Answer(k, r, IF m.ok /\ r # ReplyRank THEN "ok" ELSE "failed", rec) /\ UNCHANGED perr
+    ELSE /\ Answer(k, r, IF m.ok /\ r # ReplyRank THEN "ok" ELSE "failed", rec)
+         /\ perr' = (perr \/ (m.ok /\ r = ReplyRank))
 
 \* An OUTPUT_READY (on_output), on the records x.
 HandleOutputIn(x, m) ==

@@ -89,6 +89,7 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
+    OutputUnpackFailed,
     ProtocolError,
     UsageError,
     WorkerDied,
@@ -110,6 +111,7 @@ from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
     carried_leases,
     pack_diffusion_output_shm,
+    packed_lease,
     release_packed_output,
     release_unpacked_output,
     unpack_diffusion_output_shm,
@@ -817,8 +819,27 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         return map_future(packed, self._receive, discard=self._discard)
 
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
-        # On failure the unpack gives the segment back itself.
-        return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
+        """Unpack for the waiter; a failure reaches it as ``OutputUnpackFailed`` (M2).
+
+        Past its checks, the unpack gives the segment back itself on failure; a lease
+        that is still out after a failure (one it refused before taking it over) goes
+        back here, so nothing of a corrupt output stays out of the pool.
+        """
+        try:
+            return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
+        except Exception as exc:
+            self._release_failed_unpack(packed)
+            raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
+
+    def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
+        lease = packed_lease(packed)
+        if lease is None:
+            return
+        try:
+            if self.pool.is_leased(lease):
+                self.pool.release(lease)
+        except Exception:  # a forged lease (slot out of range, foreign prefix)
+            log.debug("no segment to give back for %s", packed.async_output_id, exc_info=True)
 
     def _discard(self, output: DiffusionOutput) -> None:
         # Unpacked for a waiter that was cancelled meanwhile: nobody else holds its views.
