@@ -760,6 +760,14 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     sampler.start()
     try:
         calls = [ex.submit_request(_req(f"slow-{i}", **p)) for i, p in enumerate(params)]
+        # Consume nothing until the budget is full and the packer waits for room: on a
+        # loaded machine a fixed pause per output need not outpace the forwards.  (Not
+        # worker_metrics: the worker answers it on the main thread, which is then waiting.)
+        deadline = time.monotonic() + WAIT
+        while ex.metrics()["pool_full"] == 0.0:
+            assert time.monotonic() < deadline, "the budget never filled: no back-pressure was exercised"
+            time.sleep(0.02)
+        time.sleep(0.5)  # the packer's queue fills behind it, and the next forward waits
         t_fast = 0.0
         for i, (call, p) in enumerate(zip(calls, params, strict=True)):
             out = ex.wait_output_ready(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
