@@ -3,6 +3,8 @@
 Everything an engine author uses is importable from here; ``docs/guide.md`` describes
 each name, ``spec/PROTOCOL.md`` the protocol.  The layers, from the top:
 
+* ``omni_async.engine``: the asyncio engine (``AsyncDiffusionEngine``), its scheduler,
+  post-processing off the event loop, metrics, and the synchronous ``DiffusionEngine``;
 * ``omni_async.executor``: the executor API (``DiffusionExecutor``), the result pump,
   ``InProcessExecutor`` and ``MultiprocDiffusionExecutor``;
 * ``omni_async.worker``: the worker loop and the background packer;
@@ -58,6 +60,18 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    EngineNotStarted,
+    EngineOverloaded,
+    PostProcessFailed,
+)
+from omni_async.engine.metrics import EngineMetrics, GenerationResult, HistogramSnapshot, RequestTimings
+from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.engine.sync import DiffusionEngine
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
@@ -103,6 +117,7 @@ __all__ = [
     "LIFECYCLE_TABLE",
     "REQUEST_TABLE",
     "AbortCause",
+    "AsyncDiffusionEngine",
     "AsyncDiffusionOutput",
     "AsyncOutputKind",
     "BatchDiffusionOutput",
@@ -115,13 +130,22 @@ __all__ = [
     "DeviceEvent",
     "DeviceSyncUnavailable",
     "DiTPipelineWorker",
+    "DiffusionEngine",
     "DiffusionExecutor",
     "DiffusionOutput",
     "DiffusionRequest",
     "DiffusionWorkerModel",
+    "EngineClosed",
+    "EngineDead",
+    "EngineError",
+    "EngineMetrics",
+    "EngineNotStarted",
+    "EngineOverloaded",
     "ExecutorShutdown",
     "Failure",
+    "GenerationResult",
     "HeldOutputsFull",
+    "HistogramSnapshot",
     "IllegalTransition",
     "InProcessExecutor",
     "InvalidRequest",
@@ -145,14 +169,17 @@ __all__ = [
     "PoolExhausted",
     "PoolStats",
     "PostProcess",
+    "PostProcessFailed",
     "ProtocolError",
     "RemoteError",
     "RequestAborted",
     "RequestEvent",
     "RequestState",
+    "RequestTimings",
     "RpcFailed",
     "RpcRequest",
     "RunnerOutput",
+    "SchedulerPhase",
     "SegmentPool",
     "SegmentTooLarge",
     "SyntheticVideoWorker",

@@ -1,0 +1,838 @@
+"""``AsyncDiffusionEngine``: an asyncio engine over any ``DiffusionExecutor``.
+
+Theory of operation
+-------------------
+``generate(request)`` puts the request into the scheduler's waiting queue
+(``omni_async.engine.scheduler``) and awaits its outcome.  The engine's loop task
+(``omni-engine-loop``) admits waiting requests as far as the scheduler allows and
+starts one *driver* task per admitted request, which walks it through the executor:
+
+1. **send**: ``executor.submit_request`` on the ``omni-engine-io`` thread (it writes to
+   every worker's pipe, which can block while a worker is busy; one thread keeps the
+   sends, drops and cancels in order).
+2. **forward**: await the execute future (COMPUTE_DONE).  The running slot is freed at
+   once and the loop admits the next request, so with ``max_running >= 2`` one is
+   always queued on the worker behind the running forward.
+3. **output**: claim the output (``wait_output_ready``) and await it.
+4. **post-process**: on an ``omni-postprocess`` thread: the pipeline's host stage (or,
+   without one, an owned copy of the output's tensors), then ``release_output`` --
+   the segment goes back to the pool before the result reaches the caller.
+5. **outcome**: the caller's future gets the ``GenerationResult`` (or the typed error),
+   and the scheduler frees the request's place in the budget.
+
+Every wait on the executor is ``asyncio.wrap_future`` of its ``concurrent.futures``
+future (the callbacks run on the pump and only schedule work on the loop); nothing
+that blocks ever runs on the event loop.
+
+Ends, and who releases what (nothing of a request survives any of them):
+
+* **abort while waiting**: removed from the queue; it never reaches a worker.
+* **abort after sending, before COMPUTE_DONE**: ``executor.cancel_requests`` stops the
+  forward at the model's next cancellation check (the execute future fails with
+  ``RequestAborted``); a model that ignores it finishes, and its output is dropped
+  the moment COMPUTE_DONE names it.
+* **abort after COMPUTE_DONE**: ``drop_output``: a packing that has not started is
+  cancelled (F15), an output already here is released at once (F10); the driver
+  awaits the drop's acknowledgement.
+* **abort while post-processing**: the host stage cannot be interrupted; its result
+  is discarded when it returns, after the release.
+* **the caller's task cancelled**: the same as an abort (F11).
+* **close()**: every request not finished fails with ``EngineClosed``; the work in
+  flight is aborted as above (an engine that owns its executor shuts it down, which
+  fails and releases everything at once), and ``close`` returns when nothing is left.
+
+An abort decides the outcome at once (``generate`` raises ``RequestAborted``, or
+``CancelledError``); the release goes on in the driver.  ``abort(ids, wait=True)``
+awaits the drivers, i.e. until nothing of those requests remains on any worker or in
+the executor.
+
+Streaming is a later addition: the driver resolves one future per request today; a
+stream would put each chunk's output through steps 3-4 into a per-request queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+import attrs
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import OmniAsyncError, OutputDropped, RequestAborted, UsageError
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
+from omni_async.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineNotStarted,
+    EngineOverloaded,
+    PostProcessFailed,
+)
+from omni_async.engine.metrics import (
+    STAGES,
+    EngineMetrics,
+    GenerationResult,
+    LatencyHistogram,
+    RequestTimings,
+)
+from omni_async.engine.owned import owned_copy
+from omni_async.engine.scheduler import SchedulerPhase, Scheduler
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.transport.errors import OutputStillViewed
+from omni_async.worker.postprocess import HostStage, get_postprocess
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["AsyncDiffusionEngine"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_MAX_RUNNING = 2
+DEFAULT_MAX_WAITING = 4096
+# Without a budget reported by the executor (InProcessExecutor): how many requests may
+# be running or holding an output at once.
+DEFAULT_MAX_IN_FLIGHT = 64
+
+
+class _Stage(enum.Enum):
+    WAITING = "waiting"
+    ADMITTED = "admitted"  # the scheduler let it run; its driver has not sent it yet
+    SENDING = "sending"
+    RUNNING = "running"
+    AWAITING_OUTPUT = "awaiting_output"
+    POSTPROCESSING = "postprocessing"
+    ENDING = "ending"
+
+
+class _Outcome(enum.Enum):
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+    CANCELLED = "cancelled"
+    CLOSED = "closed"
+
+
+_OUTCOMES = (*(o.value for o in _Outcome), "rejected")
+
+
+@attrs.define(eq=False)
+class _Request:
+    request: DiffusionRequest
+    deadlines: Deadlines | None
+    result: asyncio.Future[GenerationResult]
+    enqueued_at: float
+    stage: _Stage = _Stage.WAITING
+    # Set when an abort, a cancelled caller or close decided the outcome early; the
+    # driver then only cleans up.
+    ending: _Outcome | None = None
+    output_id: str | None = None
+    drop: asyncio.Future[Future[None]] | None = None
+    driver: asyncio.Task[None] | None = None
+    # Set once nothing of the request remains anywhere (what abort(wait=True) awaits).
+    gone: asyncio.Event = attrs.field(factory=asyncio.Event)
+    submitted_at: float = 0.0
+    compute_done_at: float = 0.0
+    output_ready_at: float = 0.0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    def ended(self) -> bool:
+        """An abort, a cancelled caller or close decided the outcome.  A call, not the
+        field: it changes across the driver's awaits, and a type checker narrows a
+        field (or a property) once tested."""
+        return self.ending is not None
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    # A caller that went away never reads its future: mark the exception retrieved, so
+    # asyncio does not log "Future exception was never retrieved".
+    if not fut.cancelled():
+        fut.exception()
+
+
+class AsyncDiffusionEngine:
+    """An asyncio engine over a ``DiffusionExecutor`` (see the module docstring).
+
+    ``pipeline``: the name of a registered ``PostProcess`` whose ``host`` stage turns each
+    output into the caller's result (``UnknownPostProcess`` at once if none is
+    registered); without one the result is an owned copy of the model's output.
+    ``max_running``: requests sent to the executor whose forward has not finished
+    (2 keeps the worker fed); ``max_waiting``: the engine's queue (full:
+    ``EngineOverloaded`` at the call); ``max_in_flight``: cap on running requests plus
+    outputs not yet released, in addition to the executor's budget of held outputs
+    (default: that budget, or 64 for an executor without one); ``postprocess_workers``:
+    threads running host stages.
+
+    Use on one event loop: ``async with engine:``, or ``await engine.start()`` ...
+    ``await engine.close()``.  ``from_factory`` builds an engine that creates its
+    executor at ``start`` and shuts it down at ``close`` (both off the event loop).
+    """
+
+    def __init__(
+        self,
+        executor: DiffusionExecutor,
+        *,
+        pipeline: str | None = None,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        max_in_flight: int | None = None,
+        postprocess_workers: int = 2,
+        close_timeout: float = 60.0,
+    ) -> None:
+        if not isinstance(executor, DiffusionExecutor):
+            raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
+        self._init(
+            executor,
+            None,
+            pipeline=pipeline,
+            max_running=max_running,
+            max_waiting=max_waiting,
+            max_in_flight=max_in_flight,
+            postprocess_workers=postprocess_workers,
+            close_timeout=close_timeout,
+        )
+
+    @classmethod
+    def from_factory(
+        cls,
+        factory: Callable[[], DiffusionExecutor],
+        *,
+        pipeline: str | None = None,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        max_waiting: int = DEFAULT_MAX_WAITING,
+        max_in_flight: int | None = None,
+        postprocess_workers: int = 2,
+        close_timeout: float = 60.0,
+    ) -> AsyncDiffusionEngine:
+        """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
+        shuts the executor down, both on a worker thread (the executor's constructor and
+        shutdown block: processes start and stop)."""
+        if not callable(factory):
+            raise UsageError(f"factory must be a callable returning a DiffusionExecutor, got {factory!r:.80}")
+        engine = cls.__new__(cls)
+        engine._init(
+            None,
+            factory,
+            pipeline=pipeline,
+            max_running=max_running,
+            max_waiting=max_waiting,
+            max_in_flight=max_in_flight,
+            postprocess_workers=postprocess_workers,
+            close_timeout=close_timeout,
+        )
+        return engine
+
+    def _init(
+        self,
+        executor: DiffusionExecutor | None,
+        factory: Callable[[], DiffusionExecutor] | None,
+        *,
+        pipeline: str | None,
+        max_running: int,
+        max_waiting: int,
+        max_in_flight: int | None,
+        postprocess_workers: int,
+        close_timeout: float,
+    ) -> None:
+        for name, value in (
+            ("max_running", max_running),
+            ("max_waiting", max_waiting),
+            ("postprocess_workers", postprocess_workers),
+            ("max_in_flight", max_in_flight),
+        ):
+            if value is None and name == "max_in_flight":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or close_timeout <= 0:
+            raise UsageError(f"close_timeout must be a number of seconds > 0, got {close_timeout!r}")
+        self._executor = executor
+        self._factory = factory
+        self._owns_executor = factory is not None
+        self.pipeline = pipeline
+        self._host: HostStage | None = None
+        if pipeline is not None:
+            self._host = get_postprocess(pipeline).host
+        self._max_running = max_running
+        self._max_waiting = max_waiting
+        self._max_in_flight = max_in_flight
+        self._postprocess_workers = postprocess_workers
+        self._close_timeout = float(close_timeout)
+        self._state = "new"
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._scheduler: Scheduler | None = None
+        self._records: dict[str, _Request] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._post: ThreadPoolExecutor | None = None
+        self._closed = asyncio.Event()
+        self._counts = dict.fromkeys(_OUTCOMES, 0)
+        self._latency = {stage: LatencyHistogram() for stage in STAGES}
+        self._pack_s_total = 0.0
+        self._pack_bytes_total = 0.0
+        self._postprocessing = 0
+        self._prometheus: CollectorRegistry | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def executor(self) -> DiffusionExecutor:
+        """The executor (for an engine from a factory: once ``start`` has built it)."""
+        if self._executor is None:
+            raise EngineNotStarted("the engine builds its executor at start(); start it first")
+        return self._executor
+
+    @property
+    def started(self) -> bool:
+        return self._state == "running"
+
+    @property
+    def closed(self) -> bool:
+        return self._state in ("closing", "closed")
+
+    async def start(self) -> None:
+        """Build the executor (factory), read its budget, start the loop task.  Idempotent."""
+        if self._state == "running":
+            return
+        if self._state != "new":
+            raise EngineClosed("the engine is closed; build a new one")
+        self._state = "starting"
+        try:
+            self._loop = asyncio.get_running_loop()
+            self._loop_thread = threading.get_ident()
+            if self._executor is None:
+                assert self._factory is not None
+                built = await asyncio.to_thread(self._factory)
+                if not isinstance(built, DiffusionExecutor):
+                    raise UsageError(f"the executor factory returned {type(built).__name__}, not a DiffusionExecutor")
+                self._executor = built
+            ex = self._executor
+            if ex.step_mode:
+                raise UsageError(
+                    "AsyncDiffusionEngine needs an executor in request mode (step_mode=False): it overlaps each "
+                    "output's copy with the next forward"
+                )
+            budget = await asyncio.to_thread(ex.metrics)
+            held_outputs = budget.get("max_held_outputs")
+            held_bytes = budget.get("max_held_bytes")
+            cap = self._max_in_flight
+            if cap is None and held_outputs is None:
+                cap = DEFAULT_MAX_IN_FLIGHT
+            self._scheduler = Scheduler(
+                max_waiting=self._max_waiting,
+                max_running=self._max_running,
+                max_in_flight=cap,
+                max_held_outputs=None if held_outputs is None else int(held_outputs),
+                max_held_bytes=None if held_bytes is None else int(held_bytes),
+            )
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-io")
+            self._post = ThreadPoolExecutor(self._postprocess_workers, thread_name_prefix="omni-postprocess")
+            self._loop_task = self._loop.create_task(self._run(), name="omni-engine-loop")
+            self._loop_task.add_done_callback(self._on_loop_end)
+            self._state = "running"
+        except BaseException:
+            self._state = "closed"
+            if self._owns_executor and self._executor is not None:
+                await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
+            raise
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self, *, timeout: float | None = None) -> None:
+        """Fail every request not finished with ``EngineClosed``, abort the work in flight,
+        and return once nothing of it remains (registry empty, segments back); then shut
+        down an executor the engine owns.  Idempotent; a second caller waits for the first.
+
+        ``timeout`` (default: the constructor's ``close_timeout``) bounds the wait for
+        the workers to give up their requests; past it the remaining outputs are
+        abandoned to the executor (released as they arrive) and a warning names them.
+        """
+        if self._state in ("closing", "closed"):
+            await self._closed.wait()
+            return
+        if self._state == "new":
+            self._state = "closed"
+            self._closed.set()
+            return
+        self._state = "closing"
+        limit = self._close_timeout if timeout is None else timeout
+        try:
+            for rec in list(self._records.values()):
+                self._end_early(rec, _Outcome.CLOSED)
+            if self._owns_executor:
+                # Shutting the executor down fails every pending future at once and
+                # unlinks every segment: the drivers only have to notice.
+                await asyncio.to_thread(self.executor.shutdown, "the engine closed")
+            await self._await_gone(list(self._records.values()), limit)
+            if self._loop_task is not None:
+                self._loop_task.cancel()
+                await asyncio.gather(self._loop_task, return_exceptions=True)
+            for pool in (self._io, self._post):
+                if pool is not None:
+                    await asyncio.to_thread(pool.shutdown, True)
+        finally:
+            self._state = "closed"
+            self._closed.set()
+
+    async def _await_gone(self, recs: list[_Request], limit: float) -> None:
+        if not recs:
+            return
+        waits = [asyncio.ensure_future(r.gone.wait()) for r in recs]
+        _, pending = await asyncio.wait(waits, timeout=limit)
+        for w in pending:
+            w.cancel()
+        left = [r for r in recs if not r.gone.is_set()]
+        if left:
+            log.warning(
+                "engine close: %d request(s) still on a worker after %.1f s (%s); abandoning them to the "
+                "executor, which releases their outputs as they arrive",
+                len(left),
+                limit,
+                [r.request_id for r in left][:10],
+            )
+            for r in left:
+                if r.driver is not None:
+                    r.driver.cancel()  # cancels the executor futures it awaits: abandoned (F9)
+            await asyncio.gather(*(r.driver for r in left if r.driver is not None), return_exceptions=True)
+
+    # ---------------------------------------------------------------- requests
+
+    def _check_open(self, what: str) -> None:
+        if self._state in ("closing", "closed"):
+            raise EngineClosed(f"{what}: the engine is closed")
+        if self._state != "running":
+            raise EngineNotStarted(f"{what}: the engine is not started (await engine.start() or use async with)")
+        task = self._loop_task
+        if task is not None and task.done():
+            raise self._dead()
+
+    async def generate(self, request: DiffusionRequest, *, deadlines: Deadlines | None = None) -> GenerationResult:
+        """Run ``request`` to its finished, post-processed result.
+
+        Raises what ended it: ``RequestAborted`` (``abort``), ``EngineClosed``,
+        ``EngineOverloaded`` (refused at the call), ``PostProcessFailed``, or the
+        executor's typed error (``RpcFailed``, ``ComputeTimeout``, ``OutputTimeout``,
+        ``RemoteError``, ``WorkerDied``, ...).  ``deadlines``: this request's compute and
+        output deadlines instead of the executor's.  Cancelling the calling task aborts
+        the request and releases everything of it.  Request ids are unique among the
+        requests in the engine (``UsageError`` otherwise); an aborted request's id is free
+        again once ``abort(..., wait=True)`` returned.
+        """
+        if not isinstance(request, DiffusionRequest):
+            raise UsageError(f"generate: request must be a DiffusionRequest, got {type(request).__name__}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise UsageError(f"generate: deadlines must be a Deadlines or None, got {type(deadlines).__name__}")
+        self._check_open("generate")
+        assert self._scheduler is not None and self._loop is not None
+        rid = request.request_id
+        if rid in self._records:
+            raise UsageError(f"generate: request id {rid!r} is already in the engine; request ids must be unique")
+        try:
+            self._scheduler.add(rid)
+        except EngineOverloaded:
+            self._counts["rejected"] += 1
+            raise
+        rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic())
+        rec.result.add_done_callback(_retrieve)
+        self._records[rid] = rec
+        self._wake.set()
+        try:
+            # Shielded: cancelling the caller must not cancel the outcome future, only abort.
+            return await asyncio.shield(rec.result)
+        except asyncio.CancelledError:
+            if not rec.result.done():
+                self._end_early(rec, _Outcome.CANCELLED)
+            raise
+
+    async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
+        """Abort requests by id, at whatever stage they are (unknown or finished ids are
+        ignored).  Their ``generate`` raises ``RequestAborted`` at once.  ``wait=True``
+        returns only when nothing of them remains on any worker or in the executor (what
+        a caller needs before swapping model weights)."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise UsageError(f"abort: request ids must be str, got {type(rid).__name__} {rid!r:.60}")
+        self._check_open("abort")
+        recs = [self._records[rid] for rid in ids if rid in self._records]
+        for rec in recs:
+            self._end_early(rec, _Outcome.ABORTED)
+        if wait:
+            await asyncio.gather(*(r.gone.wait() for r in recs))
+
+    def _end_early(self, rec: _Request, outcome: _Outcome) -> None:
+        """Decide ``rec``'s outcome now (abort, cancelled caller, close) and start its clean-up."""
+        if rec.ending is not None or rec.result.done():
+            return
+        rec.ending = outcome
+        rid = rec.request_id
+        if outcome is _Outcome.CLOSED:
+            self._fail(rec, EngineClosed(f"the engine closed before request {rid!r} finished", request_id=rid))
+        elif outcome is _Outcome.ABORTED:
+            where = {
+                _Stage.WAITING: "while waiting in the engine's queue; it never reached a worker",
+                _Stage.ADMITTED: "before it was sent; it never reached a worker",
+                _Stage.SENDING: "while it was being sent",
+                _Stage.RUNNING: "during its forward",
+                _Stage.AWAITING_OUTPUT: "after its forward, before its output arrived",
+                _Stage.POSTPROCESSING: "while its output was post-processed",
+                _Stage.ENDING: "as it ended",
+            }[rec.stage]
+            self._fail(rec, RequestAborted(rid, by="abort", detail=f"aborted in the engine {where}"))
+        else:
+            self._count(outcome)
+            rec.result.cancel()
+        match rec.stage:
+            case _Stage.WAITING:
+                assert self._scheduler is not None
+                self._scheduler.remove(rid)
+                self._forget(rec)
+            case _Stage.ADMITTED | _Stage.SENDING | _Stage.POSTPROCESSING | _Stage.ENDING:
+                pass  # the driver sees ``ending`` at its next step
+            case _Stage.RUNNING:
+                self._cancel_forward(rec)
+            case _Stage.AWAITING_OUTPUT:
+                self._drop_output(rec)
+
+    def _fail(self, rec: _Request, error: BaseException) -> None:
+        if rec.result.done():
+            return
+        rec.result.set_exception(error)
+        if isinstance(error, RequestAborted) and rec.ending is _Outcome.ABORTED:
+            self._count(_Outcome.ABORTED)
+        elif isinstance(error, EngineClosed):
+            self._count(_Outcome.CLOSED)
+        else:
+            self._count(_Outcome.FAILED)
+
+    def _count(self, outcome: _Outcome) -> None:
+        self._counts[outcome.value] += 1
+
+    def _forget(self, rec: _Request) -> None:
+        """Nothing of ``rec`` remains: free its place and wake the loop."""
+        assert self._scheduler is not None
+        self._scheduler.remove(rec.request_id)
+        if self._records.get(rec.request_id) is rec:
+            del self._records[rec.request_id]
+        rec.gone.set()
+        self._wake.set()
+
+    # ------------------------------------------------------------ executor calls
+
+    async def _on_io(self, fn: Callable[[], T]) -> T:
+        assert self._loop is not None and self._io is not None
+        return await self._loop.run_in_executor(self._io, fn)
+
+    def _cancel_forward(self, rec: _Request) -> None:
+        """Ask the workers to stop ``rec``'s forward (fire and forget: the driver awaits
+        the execute future, which fails with ``RequestAborted`` or resolves anyway)."""
+        assert self._loop is not None and self._io is not None
+        ex = self.executor
+        fut = self._loop.run_in_executor(self._io, functools.partial(ex.cancel_requests, [rec.request_id]))
+        fut.add_done_callback(functools.partial(self._log_io_error, "cancel_requests", rec.request_id))
+
+    def _drop_output(self, rec: _Request) -> None:
+        assert self._loop is not None and self._io is not None and rec.output_id is not None
+        if rec.drop is None:
+            rec.drop = self._loop.run_in_executor(self._io, functools.partial(self.executor.drop_output, rec.output_id))
+
+    @staticmethod
+    def _log_io_error(what: str, rid: str, fut: asyncio.Future[Any]) -> None:
+        if not fut.cancelled() and (exc := fut.exception()) is not None:
+            log.debug("engine: %s for request %r failed: %s", what, rid, exc)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        assert self._scheduler is not None and self._loop is not None
+        while True:
+            self._wake.clear()
+            for rid in self._scheduler.schedule(time.monotonic()):
+                rec = self._records[rid]
+                rec.stage = _Stage.ADMITTED
+                rec.driver = self._loop.create_task(self._drive(rec), name=f"omni-engine-request-{rid}")
+            await self._wake.wait()
+
+    def _on_loop_end(self, task: asyncio.Task[None]) -> None:
+        """The loop task ended: at close, by design; otherwise it died (a bug of ours).
+        Nobody would admit the waiting requests any more: fail them with ``EngineDead``
+        (the ones already sent go on with their drivers)."""
+        if task.cancelled() or self._state != "running":
+            return
+        err = self._dead()
+        log.error("engine: %s", err)
+        for rec in list(self._records.values()):
+            if rec.stage is _Stage.WAITING and rec.ending is None:
+                rec.ending = _Outcome.FAILED
+                self._fail(rec, err)
+                self._forget(rec)
+
+    async def _drive(self, rec: _Request) -> None:
+        try:
+            await self._walk(rec)
+        except asyncio.CancelledError:
+            self._end_early(rec, _Outcome.CLOSED)
+            raise
+        except BaseException as exc:  # a bug of ours: fail the caller, never hang it
+            log.exception("engine: the driver of request %r failed", rec.request_id)
+            self._fail(rec, exc)
+        finally:
+            rec.stage = _Stage.ENDING
+            self._forget(rec)
+
+    async def _walk(self, rec: _Request) -> None:
+        ex = self.executor
+        rid = rec.request_id
+        if rec.ended():
+            return  # aborted before it was sent: it never reaches a worker
+        rec.stage = _Stage.SENDING
+        rec.submitted_at = time.monotonic()
+        try:
+            execute = await self._on_io(functools.partial(ex.submit_request, rec.request, deadlines=rec.deadlines))
+        except Exception as exc:
+            self._fail(rec, exc)
+            return
+        rec.stage = _Stage.RUNNING
+        if rec.ended():
+            self._cancel_forward(rec)
+        try:
+            announced: RunnerOutput = await asyncio.wrap_future(execute)
+        except Exception as exc:
+            self._fail(rec, exc)
+            return
+        rec.compute_done_at = time.monotonic()
+        assert self._scheduler is not None
+        self._scheduler.compute_done(rid)
+        self._wake.set()  # the running slot is free: admit the next request now
+        rec.output_id = announced.async_output_id
+        if rec.output_id is None:
+            self._fail(rec, UsageError(f"request {rid!r}: the executor answered without an output id"))
+            return
+        rec.stage = _Stage.AWAITING_OUTPUT
+        if rec.ended():
+            self._drop_output(rec)
+            await self._await_drop(rec)
+            return
+        ready = ex.wait_output_ready(rec.output_id)
+        try:
+            output = await asyncio.wrap_future(ready)
+        except Exception as exc:
+            if rec.drop is not None:
+                await self._await_drop(rec)
+            elif not isinstance(exc, OutputDropped) or not rec.ended():
+                self._fail(rec, exc)
+            return
+        rec.output_ready_at = time.monotonic()
+        nbytes = output.metrics.get("pack_shm_bytes")
+        if nbytes:
+            self._scheduler.observe_output(int(nbytes))
+        rec.stage = _Stage.POSTPROCESSING
+        host = None if rec.ended() else self._host  # aborted: only release
+        self._postprocessing += 1
+        try:
+            assert self._post is not None and self._loop is not None
+            try:
+                value, post_s = await self._loop.run_in_executor(
+                    self._post, functools.partial(self._postprocess, rid, output, host, not rec.ended())
+                )
+            finally:
+                metrics = dict(output.metrics)
+                del output  # the release took its views back; nothing of it is kept here
+        except PostProcessFailed as exc:
+            self._fail(rec, exc)
+            return
+        finally:
+            self._postprocessing -= 1
+        if rec.drop is not None:  # an abort raced the output's arrival: its drop found nothing left
+            await self._await_drop(rec)
+        if rec.ended() or rec.result.done():
+            return
+        finished = time.monotonic()
+        pack_s = metrics.get("pack_s")
+        timings = RequestTimings(
+            queued=rec.submitted_at - rec.enqueued_at,
+            forward=rec.compute_done_at - rec.submitted_at,
+            pack=pack_s,
+            transfer_wait=rec.output_ready_at - rec.compute_done_at,
+            postprocess=post_s,
+            total=finished - rec.enqueued_at,
+            enqueued_at=rec.enqueued_at,
+            submitted_at=rec.submitted_at,
+            compute_done_at=rec.compute_done_at,
+            output_ready_at=rec.output_ready_at,
+            finished_at=finished,
+        )
+        for stage in STAGES:
+            seconds = getattr(timings, stage)
+            if seconds is not None:
+                self._latency[stage].observe(seconds)
+        if pack_s is not None:
+            self._pack_s_total += pack_s
+            self._pack_bytes_total += metrics.get("pack_shm_bytes", 0.0) + metrics.get("pack_inline_bytes", 0.0)
+        rec.result.set_result(GenerationResult(rid, value, timings, metrics, self.pipeline))
+        self._count(_Outcome.FINISHED)
+
+    async def _await_drop(self, rec: _Request) -> None:
+        """Until the executor acknowledged the drop of ``rec``'s output (nothing of it left)."""
+        assert rec.drop is not None
+        try:
+            done = await rec.drop
+            await asyncio.wrap_future(done)
+        except Exception as exc:  # the executor shut down meanwhile: that released it
+            log.debug("engine: dropping the output of %r: %s", rec.request_id, exc)
+
+    def _postprocess(
+        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
+    ) -> tuple[Any, float]:
+        """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the release."""
+        t0 = time.perf_counter()
+        value: Any = None
+        try:
+            if wanted:
+                value = host(output) if host is not None else owned_copy(output.output)
+        except Exception as exc:
+            self._release_quietly(output)
+            # The traceback's frames may hold views of the segment: keep the text, free them.
+            text = "".join(traceback.format_exception(exc))
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+            raise PostProcessFailed(
+                f"request {rid!r}: the host stage of pipeline {self.pipeline!r} raised "
+                f"{type(exc).__name__}: {exc}\n--- traceback ---\n{text}",
+                request_id=rid,
+                pipeline=self.pipeline,
+            ) from exc
+        try:
+            self.executor.release_output(output)
+        except OutputStillViewed as exc:
+            del value  # dropping the views gives the segment back
+            raise PostProcessFailed(
+                f"request {rid!r}: the result of pipeline {self.pipeline!r}'s host stage still views the output's "
+                f"shared memory ({exc.views} view(s) alive); a result must own its memory: copy what it keeps "
+                "(tensor.clone(), numpy.array(a, copy=True), bytes(...))",
+                request_id=rid,
+                pipeline=self.pipeline,
+            ) from exc
+        except Exception as exc:  # the pool closed under us (executor shut down): nothing to give back
+            log.debug("engine: releasing the output of %r: %s", rid, exc)
+        return value, time.perf_counter() - t0
+
+    def _release_quietly(self, output: DiffusionOutput) -> None:
+        try:
+            self.executor.release_output(output)
+        except Exception as exc:  # views of a failed stage: they go back when its frames go
+            log.debug("engine: releasing %s after a failed host stage: %s", output.async_output_id, exc)
+
+    # ---------------------------------------------------------- health, metrics
+
+    def _dead(self) -> EngineDead:
+        task = self._loop_task
+        cause = None if task is None or task.cancelled() else task.exception()
+        err = EngineDead(f"the engine's loop task ended ({cause!r}); close the engine and build a new one")
+        err.__cause__ = cause
+        return err
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot make progress: closed (``EngineClosed``), its loop
+        task ended (``EngineDead``), or the executor's pump or a worker is dead (the
+        executor's ``check_health``: ``WorkerDied``, ``ExecutorShutdown``, ...)."""
+        if self._state in ("closing", "closed"):
+            raise EngineClosed("the engine is closed")
+        if self._state != "running":
+            raise EngineNotStarted("the engine is not started")
+        task = self._loop_task
+        if task is not None and task.done():
+            raise self._dead()
+        self.executor.check_health()
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's counters and the executor's ``metrics()``.
+
+        Any thread: from another thread than the engine's event loop (a Prometheus
+        scrape, the synchronous facade) the snapshot is taken on the loop."""
+        loop = self._loop
+        if loop is not None and self._loop_thread != threading.get_ident() and loop.is_running():
+            done: Future[EngineMetrics] = Future()
+
+            def take() -> None:
+                try:
+                    done.set_result(self._snapshot())
+                except BaseException as exc:
+                    done.set_exception(exc)
+
+            loop.call_soon_threadsafe(take)
+            return done.result(timeout=10.0)
+        return self._snapshot()
+
+    def _snapshot(self) -> EngineMetrics:
+        s = self._scheduler
+        now = time.monotonic()
+        executor: dict[str, float] = {}
+        if self._executor is not None:
+            try:
+                executor = self._executor.metrics()
+            except OmniAsyncError as exc:  # shut down: the engine's numbers still count
+                log.debug("engine metrics: the executor's are unavailable: %s", exc)
+        task = self._loop_task
+        pump_alive = executor_healthy = False
+        if self._executor is not None:
+            pump_alive = self._executor.pump.healthy()
+            try:
+                self._executor.check_health()
+                executor_healthy = True
+            except OmniAsyncError:
+                pass
+        return EngineMetrics(
+            requests=dict(self._counts),
+            waiting=0 if s is None else s.waiting,
+            running=0 if s is None else s.running,
+            holding=0 if s is None else s.holding,
+            postprocessing=self._postprocessing,
+            in_flight_limit=None if s is None else s.in_flight_limit,
+            budget_waits=0 if s is None else s.stats.budget_waits,
+            budget_wait_s=0.0 if s is None else s.budget_wait_s(now),
+            largest_output_bytes=0 if s is None else s.largest_output,
+            pack_s_total=self._pack_s_total,
+            pack_bytes_total=self._pack_bytes_total,
+            latency={stage: h.snapshot() for stage, h in self._latency.items()},
+            loop_alive=task is not None and not task.done(),
+            pump_alive=pump_alive,
+            executor_healthy=executor_healthy,
+            executor=executor,
+        )
+
+    def prometheus_registry(self) -> CollectorRegistry:
+        """A ``prometheus_client.CollectorRegistry`` of this engine alone (not the global
+        one), read at each scrape; needs the ``metrics`` extra (``prometheus-client``)."""
+        if self._prometheus is None:
+            from omni_async.engine.prometheus import engine_registry
+
+            self._prometheus = engine_registry(self.metrics)
+        return self._prometheus
+
+    def phase_of(self, request_id: str) -> SchedulerPhase | None:
+        """Where the scheduler has ``request_id`` (None: unknown or finished)."""
+        return None if self._scheduler is None else self._scheduler.phase(request_id)
+
+    def __len__(self) -> int:
+        """Requests in the engine: waiting, running, or holding an output."""
+        return len(self._records)

@@ -1,0 +1,178 @@
+"""What the engine measures: per-request timings, latency histograms, a metrics snapshot.
+
+Sans-IO bookkeeping (no clocks of its own, no threads): the engine feeds it from its
+event loop; ``omni_async.engine.prometheus`` exports the same numbers to Prometheus.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "LATENCY_BUCKETS",
+    "STAGES",
+    "EngineMetrics",
+    "GenerationResult",
+    "HistogramSnapshot",
+    "LatencyHistogram",
+    "RequestTimings",
+]
+
+# Upper bounds in seconds (the last bucket, +Inf, is implicit), from a sub-millisecond
+# post-process to a minutes-long video forward.
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+# The stages a finished request's time is split into (``RequestTimings``), plus the total.
+STAGES: tuple[str, ...] = ("queued", "forward", "pack", "transfer_wait", "postprocess", "total")
+
+
+@attrs.frozen
+class RequestTimings:
+    """Where one request's time went, in seconds, and when each step happened.
+
+    * ``queued``: from ``generate`` to the engine sending it (time in the engine's queue);
+    * ``forward``: from sending to COMPUTE_DONE (includes waiting behind an earlier
+      forward on the worker: with ``max_running >= 2`` the next request is sent early);
+    * ``pack``: the worker's copy into shared memory (the packer's ``pack_s``; None when
+      the output did not say);
+    * ``transfer_wait``: from COMPUTE_DONE to the output being ready in the engine
+      (packing, the message, the unpack), the part of the copy the engine waited for;
+    * ``postprocess``: the host stage (or the copy of the tensors) and the release;
+    * ``total``: from ``generate`` to the result.
+
+    The ``*_at`` stamps are ``time.monotonic()`` values, comparable across requests of
+    one process (to draw a timeline: one request's forward starting before the
+    previous one's output is ready).
+    """
+
+    queued: float
+    forward: float
+    pack: float | None
+    transfer_wait: float
+    postprocess: float
+    total: float
+    enqueued_at: float
+    submitted_at: float
+    compute_done_at: float
+    output_ready_at: float
+    finished_at: float
+
+    def as_dict(self) -> dict[str, float | None]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class GenerationResult:
+    """A finished request: the pipeline's result and where its time went.
+
+    ``output``: what the pipeline's host stage returned; without a host stage, the
+    model's output structure (``DiffusionOutput.output``: tensors, arrays, plain values)
+    as owned copies.  Either way it owns its memory: it holds no shared memory, so
+    keeping it holds back nothing of the executor's budget.  Its type is the model's
+    and the pipeline's to define, as ``DiffusionOutput.output`` is.
+    ``metrics``: the output's own metrics (the packer's ``pack_s``, ``pack_shm_bytes``, ...).
+    """
+
+    request_id: str
+    output: Any
+    timings: RequestTimings
+    metrics: Mapping[str, float] = attrs.field(factory=dict)
+    pipeline: str | None = None
+
+
+@attrs.frozen
+class HistogramSnapshot:
+    """Cumulative bucket counts (as Prometheus has them): ``buckets[i]`` observations were
+    ``<= bounds[i]``; ``count`` is the +Inf bucket."""
+
+    bounds: tuple[float, ...]
+    buckets: tuple[int, ...]
+    count: int
+    sum: float
+
+
+class LatencyHistogram:
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self._sum += seconds
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative: list[int] = []
+        total = 0
+        for c in self._counts[:-1]:
+            total += c
+            cumulative.append(total)
+        return HistogramSnapshot(self._bounds, tuple(cumulative), total + self._counts[-1], self._sum)
+
+
+@attrs.frozen
+class EngineMetrics:
+    """A snapshot of the engine (``AsyncDiffusionEngine.metrics()``).
+
+    ``requests``: how many requests ended, by outcome: ``finished`` (a result),
+    ``failed`` (a typed error), ``aborted`` (``abort``), ``cancelled`` (the caller's
+    task was cancelled), ``closed`` (failed with ``EngineClosed``), ``rejected``
+    (``EngineOverloaded`` at the call).  Every accepted request ends in exactly one.
+    ``waiting`` / ``running`` / ``holding`` / ``postprocessing``: the scheduler's queue
+    depths (``postprocessing`` is part of ``holding``); ``in_flight_limit``: how many may
+    be running or holding (None: no limit beyond ``max_running``); ``budget_waits`` /
+    ``budget_wait_s``: how often and how long a request that could have run waited for
+    the budget of held outputs (back-pressure, in the engine's queue);
+    ``largest_output_bytes``: the largest output seen; ``pack_s_total`` /
+    ``pack_bytes_total``: the workers' copy time and bytes of the finished requests
+    (their ratio is the copy throughput); ``latency``: a histogram per stage of
+    ``RequestTimings`` (finished requests); ``loop_alive``: the engine's scheduling
+    task runs; ``pump_alive``: the executor's result pump runs; ``executor_healthy``:
+    the executor's ``check_health`` passes (every worker alive); ``executor``: the
+    executor's own ``metrics()``.
+    """
+
+    requests: Mapping[str, int]
+    waiting: int
+    running: int
+    holding: int
+    postprocessing: int
+    in_flight_limit: int | None
+    budget_waits: int
+    budget_wait_s: float
+    largest_output_bytes: int
+    pack_s_total: float
+    pack_bytes_total: float
+    latency: Mapping[str, HistogramSnapshot]
+    loop_alive: bool
+    pump_alive: bool
+    executor_healthy: bool
+    executor: Mapping[str, float]
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers: ``requests_<outcome>``, the depths and counters, and
+        ``executor_<key>`` for each executor metric (latency histograms left out)."""
+        out: dict[str, float] = {f"requests_{k}": float(v) for k, v in self.requests.items()}
+        out.update(
+            waiting=float(self.waiting),
+            running=float(self.running),
+            holding=float(self.holding),
+            postprocessing=float(self.postprocessing),
+            in_flight_limit=float("inf") if self.in_flight_limit is None else float(self.in_flight_limit),
+            budget_waits=float(self.budget_waits),
+            budget_wait_s=self.budget_wait_s,
+            largest_output_bytes=float(self.largest_output_bytes),
+            pack_s_total=self.pack_s_total,
+            pack_bytes_total=self.pack_bytes_total,
+            loop_alive=float(self.loop_alive),
+            pump_alive=float(self.pump_alive),
+            executor_healthy=float(self.executor_healthy),
+        )
+        out.update({f"executor_{k}": v for k, v in self.executor.items()})
+        return out

@@ -1,0 +1,141 @@
+"""``DiffusionEngine``: the synchronous facade, for scripts and warm-up.
+
+The same ``AsyncDiffusionEngine``, on an event loop of its own that runs on a
+background thread (``omni-engine-thread``); each call hands a coroutine to that loop
+and waits for it.  Any number of threads may call it at once (their requests run
+concurrently, as concurrent ``generate`` calls do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Self, TypeVar
+
+from omni_async.core.config import Deadlines
+from omni_async.core.messages import DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.errors import EngineClosed
+from omni_async.engine.metrics import EngineMetrics, GenerationResult
+from omni_async.executor.api import DiffusionExecutor
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["DiffusionEngine"]
+
+T = TypeVar("T")
+
+
+class DiffusionEngine:
+    """A blocking engine: ``generate(request)`` returns the ``GenerationResult``.
+
+    Takes the keyword arguments of ``AsyncDiffusionEngine``; ``from_factory`` builds one
+    that owns its executor.  Started by the constructor; ``close()`` (or leaving the
+    ``with`` block) stops it.
+    """
+
+    def __init__(self, executor: DiffusionExecutor, **options: Any) -> None:
+        self._start(lambda: AsyncDiffusionEngine(executor, **options))
+
+    @classmethod
+    def from_factory(cls, factory: Callable[[], DiffusionExecutor], **options: Any) -> DiffusionEngine:
+        """An engine that builds its executor with ``factory()`` and shuts it down at ``close``."""
+        engine = cls.__new__(cls)
+        engine._start(lambda: AsyncDiffusionEngine.from_factory(factory, **options))
+        return engine
+
+    def _start(self, make: Callable[[], AsyncDiffusionEngine]) -> None:
+        self._closed = False
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="omni-engine-thread", daemon=True)
+        self._thread.start()
+
+        async def build() -> AsyncDiffusionEngine:
+            engine = make()
+            await engine.start()
+            return engine
+
+        try:
+            self._engine = self._run(build())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def engine(self) -> AsyncDiffusionEngine:
+        """The ``AsyncDiffusionEngine`` underneath (its coroutines run on this facade's loop)."""
+        return self._engine
+
+    @property
+    def executor(self) -> DiffusionExecutor:
+        return self._engine.executor
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if self._closed:
+            coro.close()
+            raise EngineClosed("the engine is closed")
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except BaseException:
+            # Our wait ended (timeout, Ctrl-C): cancelling the task aborts the request.
+            fut.cancel()
+            raise
+
+    def generate(
+        self, request: DiffusionRequest, *, deadlines: Deadlines | None = None, timeout: float | None = None
+    ) -> GenerationResult:
+        """Run ``request`` to its result (see ``AsyncDiffusionEngine.generate``).
+
+        ``timeout``: how long this call waits; when it runs out the request is aborted
+        (everything of it released) and ``TimeoutError`` is raised.
+        """
+        return self._run(self._engine.generate(request, deadlines=deadlines), timeout)
+
+    def add_req_and_wait_for_response(
+        self, request: DiffusionRequest, *, deadlines: Deadlines | None = None, timeout: float | None = None
+    ) -> GenerationResult:
+        """The seed's name for ``generate``."""
+        return self.generate(request, deadlines=deadlines, timeout=timeout)
+
+    def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
+        self._run(self._engine.abort(request_ids if isinstance(request_ids, str) else list(request_ids), wait=wait))
+
+    def metrics(self) -> EngineMetrics:
+        return self._engine.metrics()
+
+    def check_health(self) -> None:
+        async def check() -> None:
+            self._engine.check_health()
+
+        self._run(check())
+
+    def prometheus_registry(self) -> CollectorRegistry:
+        return self._engine.prometheus_registry()
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Close the engine (see ``AsyncDiffusionEngine.close``) and stop its thread.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._run(self._engine.close(timeout=timeout))
+            finally:
+                self._closed = True
+                self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""A Hypothesis state machine over the whole engine: random interleavings of submit
+(plain, failing, with a held forward, a held packing, a short compute deadline),
+abort (with and without wait), cancelled callers, letting time pass and opening the
+gates.  The engine runs on its own event loop over InProcessExecutor (real threads,
+the real protocol); each rule runs the loop briefly.
+
+Invariants: every request ends in exactly one outcome -- a result, a typed error,
+aborted, or cancelled (its caller's) -- and the engine's per-outcome counters agree
+with what the callers saw; the scheduler's limits hold at every step; at quiescence
+nothing is held: no request in the engine, no record in the executor's registry,
+nothing in a packer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from helpers.engine_harness import assert_quiescent
+from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import ComputeTimeout, OmniAsyncError, RequestAborted, RpcFailed
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.errors import EngineOverloaded
+from omni_async.engine.metrics import GenerationResult
+from omni_async.executor.inprocess import InProcessExecutor
+
+KINDS = ("plain", "fails", "held_forward", "held_packing", "deadline")
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.ex = InProcessExecutor(make_toy, deadlines=RELAXED)
+        self.engine = AsyncDiffusionEngine(self.ex, max_running=2, max_waiting=4, max_in_flight=3)
+        self.loop.run_until_complete(self.engine.start())
+        self.tasks: dict[str, asyncio.Task[GenerationResult]] = {}
+        self.kinds: dict[str, str] = {}
+        self.aborted: set[str] = set()
+        self.cancelled: set[str] = set()
+        self.gates: list[str] = []
+        self.n = 0
+
+    def _spin(self, seconds: float = 0.0) -> None:
+        self.loop.run_until_complete(asyncio.sleep(seconds))
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(kind=st.sampled_from(KINDS))
+    def submit(self, kind: str) -> None:
+        rid = f"r{self.n}"
+        self.n += 1
+        params: dict[str, Any] = {}
+        deadlines = None
+        if kind == "fails":
+            params["fail_on"] = [0]
+        elif kind in ("held_forward", "deadline"):
+            params["gate"] = gate_name()
+            self.gates.append(params["gate"])
+            if kind == "deadline":
+                deadlines = Deadlines(compute_timeout=0.05, output_timeout=60)
+        elif kind == "held_packing":
+            params["pickle_gate"] = gate_name()
+            self.gates.append(params["pickle_gate"])
+        self.tasks[rid] = self.loop.create_task(self.engine.generate(req(rid, **params), deadlines=deadlines))
+        self.kinds[rid] = kind
+        self._spin()
+
+    @precondition(lambda self: bool(self.tasks))
+    @rule(data=st.data(), wait=st.booleans())
+    def abort(self, data: st.DataObject, wait: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tasks)))
+        self.aborted.add(rid)
+        aborting = self.loop.create_task(self.engine.abort(rid, wait=wait))
+        if wait:
+            # It returns once nothing of the request remains: give it a moment (a held
+            # gate may keep it), never block the machine on it.
+            self.loop.run_until_complete(asyncio.wait([aborting], timeout=0.05))
+        else:
+            self.loop.run_until_complete(aborting)
+
+    @precondition(lambda self: bool(self.tasks))
+    @rule(data=st.data())
+    def cancel_caller(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tasks)))
+        if self.tasks[rid].cancel():
+            self.cancelled.add(rid)
+        self._spin()
+
+    @rule(ms=st.integers(0, 30))
+    def let_time_pass(self, ms: int) -> None:
+        self._spin(ms / 1000)
+
+    @precondition(lambda self: bool(self.gates))
+    @rule(data=st.data())
+    def open_gate(self, data: st.DataObject) -> None:
+        GATES.open(data.draw(st.sampled_from(self.gates)))
+        self._spin(0.005)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def limits_hold(self) -> None:
+        s = self.engine._scheduler
+        assert s is not None
+        assert s.running <= 2 and s.in_flight <= 3 and s.waiting <= 4
+
+    @invariant()
+    def every_finished_caller_saw_one_typed_outcome(self) -> None:
+        for rid, task in self.tasks.items():
+            if not task.done():
+                continue
+            if task.cancelled():
+                assert rid in self.cancelled, f"{rid} cancelled without its caller's cancel"
+                continue
+            exc = task.exception()
+            if exc is None:
+                assert isinstance(task.result(), GenerationResult)
+                assert self.kinds[rid] != "fails", rid  # (a "deadline" request may make it in time)
+            else:
+                assert isinstance(exc, OmniAsyncError), f"{rid}: untyped {exc!r}"
+                if isinstance(exc, RequestAborted):
+                    assert rid in self.aborted or self.kinds[rid] == "deadline", (rid, exc)
+                elif not isinstance(exc, EngineOverloaded):
+                    expected = {"fails": RpcFailed, "deadline": ComputeTimeout}.get(self.kinds[rid])
+                    assert expected is not None and isinstance(exc, expected), (rid, self.kinds[rid], exc)
+                if isinstance(exc, RequestAborted) and rid not in self.aborted:
+                    assert exc.by == "deadline", (rid, exc)
+
+    def teardown(self) -> None:
+        try:
+            for g in self.gates:
+                GATES.open(g)
+            pending = [t for t in self.tasks.values() if not t.done()]
+            if pending:
+                self.loop.run_until_complete(asyncio.wait(pending, timeout=30))
+            assert all(t.done() for t in self.tasks.values()), "a request never ended"
+            self.loop.run_until_complete(asyncio.wait_for(assert_quiescent(self.engine), 30))
+            self.every_finished_caller_saw_one_typed_outcome()
+            counts = self.engine.metrics().requests
+            # One outcome per request, counted once: the counters add up to the requests.
+            assert sum(counts.values()) == len(self.tasks), (counts, len(self.tasks))
+            results = sum(1 for t in self.tasks.values() if not t.cancelled() and t.exception() is None)
+            cancelled = sum(1 for t in self.tasks.values() if t.cancelled())
+            # A caller cancelled after its result was decided sees CancelledError; the
+            # engine counts what it decided.
+            assert results <= counts["finished"] <= results + cancelled, (counts, results, cancelled)
+            assert counts["cancelled"] <= cancelled
+            assert self.ex.packers[0].metrics.in_flight_outputs == 0
+        finally:
+            for g in self.gates:
+                GATES.open(g)
+            self.loop.run_until_complete(self.engine.close())
+            self.ex.shutdown()
+            self.loop.close()
+
+
+pytestmark = pytest.mark.slow
+
+TestEngineMachine = EngineMachine.TestCase
+TestEngineMachine.settings = settings(
+    max_examples=40,
+    stateful_step_count=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
