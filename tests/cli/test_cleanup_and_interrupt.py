@@ -60,7 +60,7 @@ def test_cleanup_spares_live_owners() -> None:
 
 def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     proc = subprocess.Popen(
-        [*CLI, "demo", "--requests", "60", "--batch", "1"],  # 256 x 256 images: in shared memory
+        [*CLI, "demo", "--requests", "60"],  # 256 x 256 images: in shared memory
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
