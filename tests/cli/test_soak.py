@@ -51,6 +51,32 @@ def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> 
     assert "typed error: WorkerDied" in typed and "typed error: RpcFailed (RuntimeError)" in typed
 
 
+def test_a_short_soak_through_the_engine_passes_every_check_and_the_engines_own(tmp_path: Path) -> None:
+    """--engine: 150 requests, a fifth of them faulty with seed 1 (two worker kills among
+    them), through an AsyncDiffusionEngine over each executor, in about 10 s: every check
+    passes, the engines' own included (each accepted request ended in one of its outcomes,
+    none held at the end), and aborts and cancelled generate tasks did happen."""
+    out = tmp_path / "engine.json"
+    argv = ["soak", "--engine", "--requests", "150", "--fault-rate", "0.2", "--seed", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, "-m", "omni_async.cli", *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "soak passed: 150 requests" in done.stdout and "through AsyncDiffusionEngine" in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
+    assert len(checks) == 11 and all(checks.values()), checks
+    assert rows["engine: requests held at the end"]["value"] == "0"
+    lives = report["lives"]
+    assert rows["engine: one outcome per request"]["value"].endswith(f"({len(lives)} of {len(lives)} engines)")
+    assert sum(life["engine_accepted"] for life in lives) == sum(life["engine_outcomes"] for life in lives) > 100
+    assert sum(report["outcomes"].values()) == 150 and report["outcomes"]["result"] > 90
+    assert report["faults"]["kill"] >= 1 and any(life["killed"] for life in lives)
+    assert "typed error: WorkerDied" in report["outcomes"]
+    assert report["outcomes"]["aborted"] > 0 and report["outcomes"]["cancelled"] > 0
+    for life in lives:
+        _gone(life)
+
+
 def _gone(life: dict[str, Any]) -> None:
     """The executor of this life left nothing: no name under /dev/shm, no worker process."""
     assert life["prefix"] and not entries(life["prefix"]), life
@@ -143,6 +169,34 @@ def test_the_accounting_catches_a_request_recorded_twice() -> None:
     acc.end(1, soak.CANCELLED)  # a second outcome for one request
     assert acc.twice == 1 and acc.outcomes == {soak.RESULT: 3}
     assert _checks(acc)["requests recorded twice"] is False
+
+
+def test_the_engine_rows_catch_an_outcome_missing_and_a_request_held() -> None:
+    acc = _lost(4, lost=-1)
+
+    def engine_checks(accepted: int, outcomes: int, left: int) -> dict[str, bool | None]:
+        life = soak.LifeReport(
+            killed=False,
+            registry_empty=True,
+            leases_outstanding=0,
+            files_left=0,
+            rss_growth_kib=0,
+            anon_growth_kib=None,
+            engine_accepted=accepted,
+            engine_outcomes=outcomes,
+            engine_left=left,
+        )
+        rows = soak.build_rows(
+            acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, driver_rss_kib=[1024, 1024], engine=True
+        )
+        assert life.problems(64) == [] or not all(row.ok for row in rows if row.ok is not None)
+        return {row.name: row.ok for row in rows}
+
+    ok = engine_checks(4, 4, 0)
+    assert ok["engine: one outcome per request"] is True and ok["engine: requests held at the end"] is True
+    assert engine_checks(4, 3, 0)["engine: one outcome per request"] is False
+    assert engine_checks(4, 4, 1)["engine: requests held at the end"] is False
+    assert "engine: one outcome per request" not in _checks(acc)  # without --engine: no such row
 
 
 def test_a_soak_that_loses_a_request_fails(

@@ -13,6 +13,20 @@ deadline, or a SIGKILL of one worker.
 Every request ends in exactly one recorded outcome: a result (its bytes checked against
 the digest the worker took), a typed error (by class), aborted, or cancelled.
 
+``--engine``: the requests go through an ``AsyncDiffusionEngine`` over each executor
+(one engine per executor life, on an event loop of its own thread; the engine threads
+hand it coroutines) instead of the executor directly.  The plans are the same; the
+faults map onto the engine's calls (``ENGINE_FAULTS``): an abort is ``engine.abort``
+(at once or after the plan's delay), a cancelled call or wait is the cancelled
+``generate`` task (at once, or after the delay), the consumer going away is
+``engine.abort(..., wait=True)`` (and the request must be gone from the engine when it
+returns), the tight deadline and the expired claim are per-request ``deadlines=`` (a
+compute, resp. output, deadline of the plan's 0-5 ms), and a kill is the same SIGKILL
+of a worker.  A raising forward and an unpackable output are the same requests.  On
+top of the checks below each engine is checked: every request it accepted ended in
+exactly one of its outcomes (``metrics().requests``), and it holds nothing at the end
+(no request waiting, running or holding).
+
 ``--executors K`` slots run side by side, each one executor life at a time with its own
 ``--concurrency`` engine threads, all drawing from the one plan sequence (request ``i``'s
 plan is a function of ``(seed, i)``, whichever slot runs it).  The executor cannot
@@ -35,6 +49,7 @@ the driver 100 KB (and a few hundred bytes per executor life for its report).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import logging
@@ -46,8 +61,9 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 from pathlib import Path
 
 import attrs
@@ -58,13 +74,23 @@ from rich.table import Table
 
 from omni_async.cli import options
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import OmniAsyncError, OutputDropped, OutputError, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.errors import (
+    OmniAsyncError,
+    OutputDropped,
+    OutputError,
+    RemoteError,
+    RequestAborted,
+    RpcFailed,
+    WorkerDied,
+)
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.metrics import GenerationResult
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.tiny import image_digest
 from omni_async.transport.shm.files import entries
 
-__all__ = ["FAULTS", "Accounting", "Plan", "Row", "add_parser", "build_rows", "plan_request", "run"]
+__all__ = ["ENGINE_FAULTS", "FAULTS", "Accounting", "Plan", "Row", "add_parser", "build_rows", "plan_request", "run"]
 
 # The faults a faulty request gets, with their weights.  Kills are rarer: each ends an
 # executor's life (its slot goes on with the warm spare while the dead one is checked).
@@ -79,6 +105,19 @@ FAULTS: Mapping[str, float] = {
     "expire": 0.25,  # claimed only after the output deadline: OutputTimeout
     "kill": 0.25,  # SIGKILL of one worker: WorkerDied, then a new executor
 }
+# With --engine: how each fault reaches the request (the soak's plans are the same).
+ENGINE_FAULTS: Mapping[str, str] = {
+    "raise": "the same request: the forward raises (RpcFailed from generate)",
+    "unpackable": "the same request: the packer refuses the output (RemoteError from generate)",
+    "abort": "engine.abort(request_id), at once (early) or after the plan's delay",
+    "cancel-call": "the generate task cancelled at once",
+    "cancel-wait": "the generate task cancelled after the plan's delay",
+    "consumer-gone": "engine.abort(request_id, wait=True): nothing of it may remain in the engine after",
+    "tight-wait": "deadlines=: a compute deadline of the plan's 0-5 ms (ComputeTimeout, or a result)",
+    "expire": "deadlines=: an output deadline of the plan's 0-5 ms (OutputTimeout, or a result)",
+    "kill": "the same SIGKILL of one worker after generate started (WorkerDied, then a new executor)",
+}
+T = TypeVar("T")
 WIDTH = 64  # the model's width: an image of height h is h * 256 bytes
 INLINE_HEIGHTS = (8, 32, 64, 128, 256)  # up to 64 KiB: inside the message
 SHM_HEIGHTS = (512, 1024, 2048, 4096)  # 128 KiB to 1 MiB: a pooled segment
@@ -117,7 +156,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "outcome and the checks: no request unaccounted, no changed bytes, no untyped error, every "
             "executor's registry empty and pool complete (unused spares included), nothing left in "
             "/dev/shm, worker RSS growth under --rss-bound-mib, every executor started.  Exit status 0: "
-            "every check passed; 1: one failed; 2: bad arguments."
+            "every check passed; 1: one failed; 2: bad arguments.  --engine: through an AsyncDiffusionEngine."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -158,6 +197,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=(
             "most a worker's own memory (RssAnon: heap and stacks) may grow from the end of its executor's "
             f"warm-up (its first {WARMUP_REQUESTS} requests) to the end of its life"
+        ),
+    )
+    d.add_argument(
+        "--engine",
+        action="store_true",
+        help=(
+            "send the requests through an AsyncDiffusionEngine over each executor (the faults become engine "
+            "aborts, cancelled generate tasks and per-request deadlines), and check each engine's accounting"
         ),
     )
     d.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the table to PATH as JSON")
@@ -327,6 +374,11 @@ class LifeReport:
     spare_ready: bool | None = None  # a replacement: was it built before its predecessor failed?
     prefix: str = ""  # its pool's names under /dev/shm
     pids: tuple[int, ...] = ()  # its workers
+    # --engine: requests its engine accepted, how many of its outcomes it counted, and
+    # how many requests it still held at the end (None: no engine).
+    engine_accepted: int | None = None
+    engine_outcomes: int | None = None
+    engine_left: int | None = None
 
     def problems(self, rss_bound_mib: int) -> list[str]:
         """What failed a check in this life, in words (empty: nothing)."""
@@ -337,6 +389,12 @@ class LifeReport:
             found.append(f"{self.leases_outstanding} lease(s) out at the end of its life")
         if self.files_left:
             found.append(f"{self.files_left} segment(s) left in /dev/shm after its shutdown")
+        if self.engine_accepted is not None and self.engine_outcomes != self.engine_accepted:
+            found.append(
+                f"its engine accepted {self.engine_accepted} request(s) and counted {self.engine_outcomes} outcome(s)"
+            )
+        if self.engine_left:
+            found.append(f"its engine still held {self.engine_left} request(s) at the end")
         if self.anon_growth_kib is not None and self.anon_growth_kib >= rss_bound_mib * 1024:
             found.append(f"worker RssAnon grew {self.anon_growth_kib / 1024:.1f} MiB (bound {rss_bound_mib})")
         return found
@@ -346,17 +404,80 @@ class LifeReport:
         return f"executor {self.serial} (slot {self.slot}, {self.requests} requests, {what})"
 
 
+class EngineThread:
+    """An ``AsyncDiffusionEngine`` over one executor (not owned: the life shuts it down),
+    on an event loop of its own thread; the soak's engine threads hand it coroutines."""
+
+    def __init__(self, ex: MultiprocDiffusionExecutor, serial: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=f"soak-engine-loop-{serial}", daemon=True)
+        self._thread.start()
+        self.engine = AsyncDiffusionEngine(ex)
+        self.accepted = 0  # generate calls that reached the engine (counted on its loop)
+        try:
+            self.call(self.engine.start()).result(timeout=WAIT_S)
+        except BaseException:
+            self._stop()
+            raise
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coro`` on the engine's loop; cancelling the future cancels its task."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def generate(self, request: DiffusionRequest, deadlines: Deadlines | None) -> GenerationResult:
+        # A task cancelled before its first step never gets here: the engine never saw it.
+        self.accepted += 1
+        return await self.engine.generate(request, deadlines=deadlines)
+
+    async def gone(self, rid: str) -> bool:
+        """Nothing of request ``rid`` is in the engine (read on its loop)."""
+        return self.engine.phase_of(rid) is None
+
+    async def _left(self) -> int:
+        return len(self.engine)
+
+    def settle(self) -> tuple[int, int, int]:
+        """(accepted, outcomes counted, requests still held) once the engine holds nothing,
+        or SETTLE_S has passed (a cancelled task returns before its request's clean-up)."""
+        deadline = time.monotonic() + SETTLE_S
+        while (left := self.call(self._left()).result(timeout=WAIT_S)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        m = self.engine.metrics()
+        outcomes = sum(n for outcome, n in m.requests.items() if outcome != "rejected")
+        return self.accepted - m.requests.get("rejected", 0), outcomes, left
+
+    def close(self) -> None:
+        try:
+            self.call(self.engine.close()).result(timeout=WAIT_S)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
 class Life:
     """One executor, from its construction (possibly as a warm spare) to its checked shutdown."""
 
     def __init__(self, args: argparse.Namespace, *, slot: int = 0, serial: int = 0, t0: float = 0.0) -> None:
+        self.deadlines = Deadlines(compute_timeout=60.0, output_timeout=args.output_timeout, rpc_timeout=60.0)
         self.ex = MultiprocDiffusionExecutor(
             WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": WIDTH, "steps": 2}),
             world_size=args.world_size,
-            deadlines=Deadlines(compute_timeout=60.0, output_timeout=args.output_timeout, rpc_timeout=60.0),
+            deadlines=self.deadlines,
             options=WorkerOptions(lease_timeout=30.0),
             max_held_outputs=args.max_held_outputs,
         )
+        self.engine: EngineThread | None = None
+        if getattr(args, "engine", False):
+            try:
+                self.engine = EngineThread(self.ex, serial)
+            except BaseException:
+                self.ex.shutdown("the soak's engine failed to start")
+                raise
         self.slot, self.serial, self.t0 = slot, serial, t0
         self.built_at = time.monotonic()
         self.prefix = self.ex.pool.prefix
@@ -409,6 +530,12 @@ class Life:
     def end(self) -> LifeReport:
         """Check what the ended requests left, shut down, and check what the shutdown left."""
         ex = self.ex
+        engine: tuple[int, int, int] | None = None
+        if self.engine is not None:
+            try:
+                engine = self.engine.settle()
+            finally:
+                self.engine.close()
         deadline = time.monotonic() + SETTLE_S
         while True:
             m = ex.metrics()
@@ -448,6 +575,9 @@ class Life:
             spare_ready=self.spare_ready,
             prefix=self.prefix,
             pids=tuple(self.pids),
+            engine_accepted=None if engine is None else engine[0],
+            engine_outcomes=None if engine is None else engine[1],
+            engine_left=None if engine is None else engine[2],
         )
 
 
@@ -529,10 +659,57 @@ def _request(plan: Plan, life: Life, output_timeout: float) -> str:
     return _consume(life, waiter.result(timeout=WAIT_S), plan)
 
 
+def _engine_request(plan: Plan, life: Life, eng: EngineThread) -> str:
+    """Run one request through the life's engine as its plan says (``ENGINE_FAULTS``)."""
+    fault, rid = plan.fault, plan.request_id
+    deadlines = None
+    tight = max(plan.delay, 1e-4)  # a deadline must be > 0
+    if fault == "tight-wait":
+        deadlines = attrs.evolve(life.deadlines, compute_timeout=tight)
+    elif fault == "expire":
+        deadlines = attrs.evolve(life.deadlines, output_timeout=tight)
+    call = eng.call(eng.generate(plan.request(), deadlines))
+    if fault == "kill":
+        life.kill_one(random.Random(plan.index))
+    elif fault in ("cancel-call", "cancel-wait"):
+        if fault == "cancel-wait":
+            time.sleep(plan.delay)
+        if call.cancel():
+            return CANCELLED
+    elif fault in ("abort", "consumer-gone"):
+        if not plan.early:
+            time.sleep(plan.delay)
+        eng.call(eng.engine.abort(rid, wait=fault == "consumer-gone")).result(timeout=WAIT_S)
+        if fault == "consumer-gone" and not eng.call(eng.gone(rid)).result(timeout=WAIT_S):
+            raise AssertionError(f"{rid}: still in the engine after abort(wait=True)")  # untyped: fails
+    try:
+        result = call.result(timeout=WAIT_S)
+    except RequestAborted:
+        if fault in ("abort", "consumer-gone"):
+            return ABORTED
+        raise
+    return RESULT if _intact_result(result, plan) else CHANGED
+
+
+def _intact_result(result: GenerationResult, plan: Plan) -> bool:
+    """The engine's result (an owned copy of the output): the bytes the worker computed."""
+    out = result.output
+    image = out["image"]
+    return bool(
+        result.request_id == plan.request_id
+        and tuple(image.shape) == (plan.height, WIDTH)
+        and int(image_digest(image)) == int(out["digest"])
+        and len(out["latents"]) == (plan.steps if plan.keep_trajectory else 0)
+    )
+
+
 def _task(plan: Plan, life: Life, acc: Accounting, output_timeout: float) -> None:
     """An engine thread's job: one request, exactly one outcome, whatever happens."""
     try:
-        outcome = _request(plan, life, output_timeout)
+        if life.engine is not None:
+            outcome = _engine_request(plan, life, life.engine)
+        else:
+            outcome = _request(plan, life, output_timeout)
     except BaseException as exc:  # noqa: BLE001  # every ending is an outcome, the unexpected ones too
         outcome = classify(exc)
         if isinstance(exc, WorkerDied):
@@ -562,6 +739,7 @@ def build_rows(
     driver_rss_kib: Sequence[int],
     executors: int = 1,
     start_failures: Sequence[str] = (),
+    engine: bool = False,
 ) -> list[Row]:
     """The table the soak prints (and writes as JSON): outcomes, faults, then the checks.
 
@@ -569,6 +747,7 @@ def build_rows(
     others).  ``driver_rss_kib``: this process's VmRSS at the start, when the tenth of the
     requests is handed out and at the end (the driver keeps counters only: the last two
     should agree).  ``start_failures``: executors that failed to start, in words.
+    ``engine``: the requests went through engines (``--engine``): add each engine's checks.
     """
     rows = [Row("requests", str(acc.requests))]
     rows += [Row(f"  {outcome}", str(n)) for outcome, n in sorted(acc.outcomes.items())]
@@ -601,6 +780,22 @@ def build_rows(
             anon < rss_bound_mib * 1024,
         ),
         Row("executors that failed to start", str(len(start_failures)), not start_failures),
+    ]
+    if engine:
+        engines = [life for life in lives if life.engine_accepted is not None]
+        accepted = sum(life.engine_accepted or 0 for life in engines)
+        counted = sum(life.engine_outcomes or 0 for life in engines)
+        unequal = sum(1 for life in engines if life.engine_outcomes != life.engine_accepted)
+        left = sum(life.engine_left or 0 for life in engines)
+        rows += [
+            Row(
+                "engine: one outcome per request",
+                f"{counted} of {accepted} ({len(engines) - unequal} of {len(engines)} engines)",
+                unequal == 0 and len(engines) == len(lives),
+            ),
+            Row("engine: requests held at the end", str(left), left == 0),
+        ]
+    rows += [
         Row("worker RSS growth (VmRSS)", f"{growth / 1024:.1f} MiB"),
         Row("driver RSS (start, 10%, end)", " -> ".join(f"{k / 1024:.0f}" for k in driver_rss_kib) + " MiB"),
         Row(
@@ -855,6 +1050,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
         driver_rss_kib=state.driver_rss,
         executors=args.executors,
         start_failures=state.start_failures,
+        engine=args.engine,
     )
     ok = all(row.ok is not False for row in rows)
     console.print(render(rows))
@@ -866,6 +1062,7 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     console.print(
         f"soak {'passed' if ok else 'FAILED'}: {acc.requests} requests, {len(lives)} executors "
         f"on {args.executors} slot{'s' if args.executors != 1 else ''}"
+        + (", through AsyncDiffusionEngine" if args.engine else "")
     )
     if args.json is not None:
         report = _as_json(args, rows, acc, state.faults, ok)
