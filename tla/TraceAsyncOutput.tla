@@ -537,7 +537,7 @@ TraceRpcCancel ==
     /\ Is("RpcCancel") /\ rpc[Ev.k] = "pending"
     /\ Holds(CallDone)
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<st, seen, finished, expect, expired, ghost, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
 
 TraceRpcSubmit ==
