@@ -58,6 +58,10 @@ def test_cleanup_spares_live_owners() -> None:
         unlink_all_with_prefix(owner["prefix"])
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     proc = subprocess.Popen(
         # 256 x 256 images, in shared memory; enough requests that the demo is still running
@@ -67,6 +71,9 @@ def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and, like one, with SIGINT's default action even when this run inherited it ignored
+        # (a shell's background job: Python then installs no KeyboardInterrupt handler).
+        preexec_fn=_default_sigint,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
