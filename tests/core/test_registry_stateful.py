@@ -405,24 +405,8 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def compute_done(self, data: st.DataObject) -> None:
         rpc = data.draw(st.sampled_from(self._cd_ready()))
-        was_pending = rpc.pending
-        consumer = rpc.consumer if was_pending else None
-        accepted = [oid for oid in rpc.ids if self.receive_cd(self.outs[oid], consumer)]
-        routed = self.handle(Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), tuple(f"req-{i}" for i in rpc.ids), rank=self.reply_rank))
-        assert routed is None
-        if not was_pending:
-            rpc.answered[self.reply_rank] = "cd"
-            for oid in accepted:  # an orphan: nobody will claim these ids
-                self.drop_model(self.outs[oid])
-            return
-        if len(accepted) != len(rpc.ids):
-            self.d_protocol_errors += 1
-            for oid in accepted:
-                self.drop_model(self.outs[oid])
-            rpc.answered[self.reply_rank] = "fail"
-        else:
-            rpc.answered[self.reply_rank] = "cd"
-        self.complete_if_answered(rpc)
+        req_ids = tuple(f"req-{i}" for i in rpc.ids)
+        self._announce(rpc, Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), req_ids, rank=self.reply_rank), "cd")
 
     @precondition(lambda self: self.on("rank_fails") and bool(self._cd_ready()))
     @rule(data=st.data())
@@ -430,13 +414,18 @@ class ProtocolMachine(RuleBasedStateMachine):
         """The reply rank could not send COMPUTE_DONE after handing its outputs to the packer:
         its failure names them (defect 3), so they are registered and dropped with the call."""
         rpc = data.draw(st.sampled_from(self._cd_ready()))
+        failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
+        self._announce(rpc, Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped")
+
+    def _announce(self, rpc: Rpc, msg: Msg, answer: str) -> None:
+        """The reply rank's message naming ``rpc``'s ids (COMPUTE_DONE, or the failure that
+        names what it shipped): the model's side of the registration it makes."""
         was_pending = rpc.pending
         consumer = rpc.consumer if was_pending else None
         accepted = [oid for oid in rpc.ids if self.receive_cd(self.outs[oid], consumer)]
-        failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
-        assert self.handle(Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank)) is None
+        assert self.handle(msg) is None
         if not was_pending:
-            rpc.answered[self.reply_rank] = "shipped"
+            rpc.answered[self.reply_rank] = answer
             for oid in accepted:  # an orphan: nobody will claim these ids
                 self.drop_model(self.outs[oid])
             return
@@ -446,7 +435,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.drop_model(self.outs[oid])
             rpc.answered[self.reply_rank] = "fail"
         else:
-            rpc.answered[self.reply_rank] = "shipped"
+            rpc.answered[self.reply_rank] = answer
         self.complete_if_answered(rpc)
 
     def _slots(self, failing: bool) -> list[tuple[str, int]]:
