@@ -9,8 +9,9 @@
 (*     other ranks with an empty RPC_RESULT; a failed forward with a       *)
 (*     failed RPC_RESULT);                                                 *)
 (*   - the reply rank's packer: waits for the forward's event, copies the  *)
-(*     output into a leased shared-memory segment, sends OUTPUT_READY      *)
-(*     (or OUTPUT_READY carrying a failure);                               *)
+(*     output into a leased shared-memory segment, hands the lease off     *)
+(*     (SegmentPool.hand_off: it is "shipped"), sends OUTPUT_READY (or     *)
+(*     OUTPUT_READY carrying a failure);                                   *)
 (*   - the result channel: one FIFO per rank, in put order.  The main      *)
 (*     thread and the packer of a rank put independently, so OUTPUT_READY *)
 (*     can overtake its COMPUTE_DONE; the pump reads the ranks' FIFOs in   *)
@@ -21,7 +22,9 @@
 (*   - the engine: submits RPCs, cancels them, waits for outputs, cancels  *)
 (*     or times out its waiters, drops outputs, releases what it consumed, *)
 (*     goes away (its consumer is released), shuts down;                   *)
-(*   - the monitor: notices a dead worker;                                 *)
+(*   - the monitor: notices a dead worker; the pump reads the dead         *)
+(*     worker's pipe to its end, then what it shipped and never sent is    *)
+(*     reclaimed;                                                          *)
 (*   - the control channel: the executor cancels the forward of a call in  *)
 (*     flight (cancel_requests, or its compute deadline); a worker-side    *)
 (*     thread hears it while the main thread may be in the forward.  The   *)
@@ -67,18 +70,24 @@ CONSTANTS
     Bug             \* "none", or the failure mode to reintroduce (see BugModes)
 
 BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
-             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "AbortKeepsFinished",
-             "ChunkResolvesCall", "ChunkOrphanKept"}
+             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped",
+             "AbortKeepsFinished", "ChunkResolvesCall", "ChunkOrphanKept"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
 
 NumRpcs == Len(Batch)
 RpcIds == 1..NumRpcs
+NoCall == 0
 Range(s) == {s[n] : n \in DOMAIN s}
-ChunkIds(k) == Range(Chunks[k])
-Ids == UNION {Range(Batch[k]) \cup ChunkIds(k) : k \in RpcIds}
-RpcOf(i) == CHOOSE k \in RpcIds : i \in Range(Batch[k]) \cup ChunkIds(k)
+\* The ids of each call (its outputs, its chunks), and the call of each id
+\* (constants: TLC computes them once).
+BatchIds == [k \in RpcIds |-> Range(Batch[k])]
+ChunkIdsOf == [k \in RpcIds |-> Range(Chunks[k])]
+ChunkIds(k) == ChunkIdsOf[k]
+Ids == UNION {BatchIds[k] \cup ChunkIds(k) : k \in RpcIds}
+CallOf == [i \in Ids |-> CHOOSE k \in RpcIds : i \in BatchIds[k] \cup ChunkIds(k)]
+RpcOf(i) == CallOf[i]
 IsChunk(i) == i \in ChunkIds(RpcOf(i))
 NoId == "-"
 NoConsumer == ""
@@ -89,7 +98,11 @@ EngineViews == {"none", "known", "waiting", "holding", "done"}
 \* The registry's waiter slot: "cancelled" = the Future was cancelled, the
 \* done-callback that tells the registry has not run yet.
 WaiterSlots == {"none", "waiting", "cancelled"}
-SegStates == {"none", "leased", "consumer", "released"}
+\* The id's segment, as the pool's table says: "leased" by the packer (not
+\* handed off yet) or, once its OUTPUT_READY was read, by the executor;
+\* "shipped": handed off by the packer, its message not read yet (the table's
+\* owner -pid); "consumer": delivered to the engine.
+SegStates == {"none", "leased", "shipped", "consumer", "released"}
 \* "cancelling": the engine cancelled the call's Future, the dispatcher still
 \* waits for its answers; "gone": its consumer went away.
 \* "unsent": its broadcast failed part-way (Dispatcher.forget).
@@ -103,6 +116,10 @@ Answers == {"none", "ok", "failed", "shipped", "step"}
 
 \* ids: the output ids the message names (async_output_ids): a COMPUTE_DONE's,
 \* or those of the failure that replaces a COMPUTE_DONE whose put raised.
+\* rpc: the call it answers; NoCall for an OUTPUT_READY, and for a COMPUTE_DONE,
+\* CHUNK or RPC_RESULT of a call this executor never made (a faulty peer's: the
+\* model's workers answer only the calls submitted; trace validation feeds
+\* the pump such messages as the implementation recorded them).
 Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT", "CHUNK"},
         rpc : 0..NumRpcs, id : Ids \cup {NoId}, ok : BOOLEAN,
         out : Ids \cup {NoId}, w : {"main", "packer"}, ids : SUBSET Ids]
@@ -118,6 +135,7 @@ Rec == [st : RequestStates \cup {"NONE"},     \* registry record ("NONE": no rec
         got : Ids \cup {NoId},                  \* history: whose output the engine's future got
         dropped : BOOLEAN,                      \* history: the id was dropped
         gaveUp : BOOLEAN,                       \* history: the engine cancelled its waiter, or its deadline passed
+        ghost : BOOLEAN,                        \* a COMPUTE_DONE of a call never made announced it (M6)
         late : SUBSET {"fin", "cd", "out"}]     \* tombstone: "fin" once removed, and the messages still expected
 
 VARIABLES
@@ -130,6 +148,7 @@ VARIABLES
     packing,      \* the id the packer is copying, or NoId
     chan,         \* [Ranks -> Seq(Msg)]: the result channel
     sent, recvd,  \* history: messages put / taken per rank
+    eof,          \* the dead ranks whose pipe the pump read to its end (PumpReachEof)
     crashes,      \* workers crashed so far
     pump,         \* the pump's lifecycle state (LifecycleTable)
     closed,       \* the registry is closed (shutdown)
@@ -144,7 +163,7 @@ VARIABLES
     closedStreams \* the calls whose stream the engine closed (RequestStream.close)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
-channel == <<chan, sent, recvd>>
+channel == <<chan, sent, recvd, eof>>
 executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams>>
 vars == <<worker, channel, executor>>
 
@@ -159,6 +178,7 @@ TypeOK ==
     /\ packing \in Ids \cup {NoId}
     /\ chan \in [Ranks -> Seq(Msg)]
     /\ sent \in [Ranks -> Nat] /\ recvd \in [Ranks -> Nat]
+    /\ eof \subseteq Ranks
     /\ crashes \in 0..MaxCrashes
     /\ pump \in LifecycleStates
     /\ closed \in BOOLEAN /\ dead \in BOOLEAN
@@ -172,7 +192,8 @@ TypeOK ==
     /\ closedStreams \subseteq RpcIds
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
-          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, late |-> {}]
+          frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, ghost |-> FALSE,
+          late |-> {}]
 
 Init ==
     /\ alive = [r \in Ranks |-> TRUE]
@@ -184,6 +205,7 @@ Init ==
     /\ packing = NoId
     /\ chan = [r \in Ranks |-> <<>>]
     /\ sent = [r \in Ranks |-> 0] /\ recvd = [r \in Ranks |-> 0]
+    /\ eof = {}
     /\ crashes = 0
     /\ pump = LifecycleNext(LifecycleInitial, "STARTED")
     /\ closed = FALSE /\ dead = FALSE
@@ -312,10 +334,19 @@ ForceRelease(x) ==
 \* COMPUTE_DONE (OutputRegistry._orphan).
 ExpireEarly(x) == ForceRelease1(x)
 
+\* expire, for a DROPPING record that a COMPUTE_DONE of a call never made
+\* announced: no worker packs its output, which may never come, so it is
+\* given up on: force-released, its tombstone swallows an OUTPUT_READY still
+\* to come (OutputRegistry._give_up, M6).
+ExpireGhost(x) == ForceRelease1(x)
+
 \* expire, for one record whose deadline passed: abandoned once its
-\* COMPUTE_DONE arrived (the output deadline), else orphaned.
+\* COMPUTE_DONE arrived (the output deadline), else orphaned; given up on if
+\* a call never made announced it.
 Expire1(x) ==
-    LET y == IF x.st \in RequestAwaitingComputeDone THEN ExpireEarly(x) ELSE Abandon(FailWaiter(x))
+    LET y == IF x.st \in RequestAwaitingComputeDone THEN ExpireEarly(x)
+             ELSE IF x.ghost /\ x.st = "DROPPING" THEN ExpireGhost(x)
+             ELSE Abandon(FailWaiter(x))
     IN [y EXCEPT !.gaveUp = TRUE]
 
 -----------------------------------------------------------------------------
@@ -326,6 +357,7 @@ Expire1(x) ==
 \* overwrote the other thread's message.
 Send(r, m) ==
     /\ sent' = [sent EXCEPT ![r] = @ + 1]
+    /\ UNCHANGED eof
     /\ \/ chan' = [chan EXCEPT ![r] = Append(@, m)]
        \/ /\ Bug = "F7"
           /\ chan[r] # <<>>
@@ -335,6 +367,7 @@ Send(r, m) ==
 Recv(r) ==
     /\ chan' = [chan EXCEPT ![r] = Tail(@)]
     /\ recvd' = [recvd EXCEPT ![r] = @ + 1]
+    /\ UNCHANGED eof
 
 MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 
@@ -356,7 +389,7 @@ MsgsOf(r) == {chan[r][n] : n \in 1..Len(chan[r])}
 WorkerMainForward(r) ==
     /\ alive[r] /\ mainPc[r] = "idle" /\ mainRpc[r] < submitted
     /\ LET k == mainRpc[r] + 1
-           ids == Range(Batch[k])
+           ids == BatchIds[k]
        IN /\ mainRpc' = [mainRpc EXCEPT ![r] = k]
           /\ \/ /\ k \in abortSent
                 /\ mainPc' = [mainPc EXCEPT ![r] = "sendAborted"]
@@ -415,7 +448,7 @@ WorkerMainSendComputeDone(r) ==
     /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
     /\ Batch[mainRpc[r]] # <<>> /\ Unemitted(mainRpc[r]) = {}
     /\ Send(r, [kind |-> "COMPUTE_DONE", rpc |-> mainRpc[r], id |-> NoId, ok |-> TRUE,
-                out |-> NoId, w |-> "main", ids |-> Range(Batch[mainRpc[r]])])
+                out |-> NoId, w |-> "main", ids |-> BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, failedRanks, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -434,7 +467,7 @@ WorkerMainComputeDoneFails(r) ==
     /\ failedRanks' = [failedRanks EXCEPT ![mainRpc[r]] = @ \cup {r}]
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> FALSE,
                 out |-> NoId, w |-> "main",
-                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE Range(Batch[mainRpc[r]])])
+                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -467,15 +500,26 @@ PackerPackOutput ==
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
                    submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
+\* The copy is done: the lease is handed off (SegmentPool.hand_off, at the end
+\* of pack_diffusion_output_shm), right before the message is put.  From here
+\* the dead worker's reclaim_owner spares it (its message may be in the pipe,
+\* ReclaimShipped); a crash between this step and the send leaves it shipped
+\* with no message: PumpReachEof reclaims it.
+PackerHandOff ==
+    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "leased"
+    /\ rec' = [rec EXCEPT ![packing].seg = "shipped"]
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
+
 PackerSendOutputReady ==
-    /\ alive[ReplyRank] /\ packing # NoId
+    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "shipped"
     /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_READY")]
     /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> TRUE,
                         out |-> packing, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd, executor>>
 
-\* Packing failed: the segment goes back, the failure travels typed (F2).
+\* Packing failed (or, after the hand-off, the put of OUTPUT_READY raised): the
+\* segment goes back, the failure travels typed (F2).
 PackerSendOutputFailed ==
     /\ PackFails
     /\ alive[ReplyRank] /\ packing # NoId
@@ -513,7 +557,7 @@ WorkerCrash(r) ==
 
 \* The ids the reply rank announced for RPC k (its COMPUTE_DONE, or the failure
 \* naming what it shipped, was received).
-Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
+Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
 
 \* The dispatcher still waits for RPC k's answers (its Future may be cancelled).
 Pending(k) == rpcs[k] \in {"pending", "cancelling"}
@@ -541,7 +585,7 @@ Answer(k, r, a, x) ==
         cancelled == rpcs[k] = "cancelling"
         \* The engine aborted the call (cancel_requests): Dispatcher._complete_aborted.
         aborted == k \in abortSent
-        ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN Range(Batch[k]) ELSE {}
+        ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
         \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
         \* AbortKeepsFinished: an aborted call whose forward finished anyway
         \* fails with RequestAborted, but what it announced is not dropped.
@@ -569,11 +613,13 @@ Names(m) == m.ids # {}
 \* Defines rec', rpcs', answers', perr'.
 \*
 \* A message that names ids: the registry takes each id (on_compute_done),
-\* then the dispatcher: a call that is not pending any more (an orphan)
-\* drops what the registry accepted; one whose answer is not the reply
-\* rank's first, or names an id the registry refused, drops what it accepted
-\* and counts as a failed answer (a protocol error); otherwise it is the
-\* reply rank's answer, ok or "shipped".
+\* then the dispatcher: a call never made is a protocol error, and what the
+\* registry accepted is dropped and marked (its expiry gives it up: no worker
+\* packs it, M6); a call that is not pending any more (an orphan) drops what
+\* the registry accepted; one whose answer is not the reply rank's first, or
+\* names an id the registry refused, drops what it accepted and counts as a
+\* failed answer (a protocol error); otherwise it is the reply rank's answer,
+\* ok or "shipped".
 HandleNamed(r, m) ==
     LET k == m.rpc
         x == [i \in Ids |-> IF i \in m.ids THEN OnComputeDone(rec[i]) ELSE rec[i]]
@@ -581,29 +627,36 @@ HandleNamed(r, m) ==
         dropAcc == [i \in Ids |-> IF i \in acc THEN Drop(x[i]) ELSE x[i]]
         answered == r \notin Ranks \/ answers[k][r] # "none"
         wrong == r # ReplyRank \/ answered \/ acc # m.ids
-    IN /\ perr' = (perr \/ (\E i \in m.ids : CdRefused(rec[i])) \/ (Pending(k) /\ wrong))
-       /\ IF ~Pending(k) THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
-          ELSE IF wrong /\ answered THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
-          ELSE IF wrong THEN Answer(k, r, "failed", dropAcc)
-          ELSE Answer(k, r, IF m.ok THEN "ok" ELSE "shipped", x)
+    IN IF k = NoCall
+       THEN /\ perr' = TRUE
+            /\ rec' = [i \in Ids |-> IF i \in acc THEN [dropAcc[i] EXCEPT !.ghost = TRUE] ELSE dropAcc[i]]
+            /\ UNCHANGED <<rpcs, answers>>
+       ELSE /\ perr' = (perr \/ (\E i \in m.ids : CdRefused(rec[i])) \/ (Pending(k) /\ wrong))
+            /\ IF ~Pending(k) THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+               ELSE IF wrong /\ answered THEN rec' = dropAcc /\ UNCHANGED <<rpcs, answers>>
+               ELSE IF wrong THEN Answer(k, r, "failed", dropAcc)
+               ELSE Answer(k, r, IF m.ok THEN "ok" ELSE "shipped", x)
 
-\* A plain RPC_RESULT: an answer of a call that ended goes to the synchronous
-\* buffer, unread (it drops nothing: the call's end disposed of its ids); a
-\* second answer of a rank is a protocol error; the reply rank answering
-\* without COMPUTE_DONE fails the call.
+\* A plain RPC_RESULT: one of a call never made is a protocol error, and
+\* discarded; an answer of a call that ended goes to the synchronous buffer,
+\* unread (it drops nothing: the call's end disposed of its ids); a second
+\* answer of a rank is a protocol error; the reply rank answering without
+\* COMPUTE_DONE is one too, and fails the call.
 HandlePlain(r, m) ==
     LET k == m.rpc IN
-    IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
+    IF k = NoCall THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
+    ELSE IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
     ELSE IF r \notin Ranks \/ answers[k][r] # "none" THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
-    ELSE Answer(k, r, CASE ~m.ok -> "failed"
-                        [] r # ReplyRank -> "ok"
-                        [] k \in Steps -> "step"
-                        [] OTHER -> "failed", rec) /\ UNCHANGED perr
+    ELSE /\ Answer(k, r, CASE ~m.ok -> "failed"
+                           [] r # ReplyRank -> "ok"
+                           [] k \in Steps -> "step"
+                           [] OTHER -> "failed", rec)
+         /\ perr' = (perr \/ (m.ok /\ r = ReplyRank /\ k \notin Steps))
 
-\* An OUTPUT_READY (on_output).
-HandleOutput(m) ==
-    /\ rec' = [rec EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
-    /\ perr' = (perr \/ OutRefused(rec[m.id], m.ok))
+\* An OUTPUT_READY (on_output), on the records x.
+HandleOutputIn(x, m) ==
+    /\ rec' = [x EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
+    /\ perr' = (perr \/ OutRefused(x[m.id], m.ok))
     /\ UNCHANGED <<rpcs, answers>>
 
 \* A CHUNK (Dispatcher._on_chunk): the registry takes its id like a
@@ -611,6 +664,8 @@ HandleOutput(m) ==
 \* not cancelled, it was not aborted, its stream not closed and the chunk is
 \* the reply rank's; otherwise the dispatcher drops it on arrival (an orphan,
 \* unwanted, or a protocol error: another rank's).  A chunk never answers.
+\* A chunk of a call never made is a protocol error: dropped and marked, like
+\* the ids of such a COMPUTE_DONE (HandleNamed).
 \* ChunkResolvesCall: the dispatcher takes a chunk for the reply rank's answer.
 \* ChunkOrphanKept: a chunk of a call that ended is registered and kept.
 HandleChunk(r, m) ==
@@ -623,10 +678,22 @@ HandleChunk(r, m) ==
              ELSE IF wanted THEN [x EXCEPT !.eng = "known"]
              ELSE IF keep THEN x
              ELSE [Drop(x) EXCEPT !.eng = "done"]
-    IN /\ perr' = (perr \/ CdRefused(rec[i]) \/ (Pending(k) /\ r # ReplyRank))
+    IN IF k = NoCall
+       THEN /\ perr' = TRUE
+            /\ rec' = [rec EXCEPT ![i] = IF CdAccepted(rec[i]) THEN [Drop(x) EXCEPT !.ghost = TRUE] ELSE x]
+            /\ UNCHANGED <<rpcs, answers>>
+       ELSE
+       /\ perr' = (perr \/ CdRefused(rec[i]) \/ (Pending(k) /\ r # ReplyRank))
        /\ IF Bug = "ChunkResolvesCall" /\ wanted /\ answers[k][r] = "none"
           THEN Answer(k, r, "ok", [rec EXCEPT ![i] = y])
           ELSE rec' = [rec EXCEPT ![i] = y] /\ UNCHANGED <<rpcs, answers>>
+
+HandleOutput(m) == HandleOutputIn(rec, m)
+
+\* The pump read a message carrying the segment of out: the executor marks the
+\* lease received (SegmentPool.receive, in the executor's _ReceivingEnd), before
+\* the dispatcher sees the message.
+Received(x, out) == [i \in Ids |-> IF i = out /\ x[i].seg = "shipped" THEN [x[i] EXCEPT !.seg = "leased"] ELSE x[i]]
 
 Handle(r, m) ==
     CASE m.kind = "CHUNK"        -> HandleChunk(r, m)
@@ -659,15 +726,17 @@ PumpRecvRpcResult(r) ==
 PumpRecvOutputReady(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "OUTPUT_READY"
     /\ LET m == Head(chan[r])
-           x == rec[m.id]
+           got == Received(rec, m.out)
+           x == got[m.id]
        IN CASE Bug = "F6" /\ x.st = "NONE" ->
-                 UNCHANGED <<pump, rec, perr, gone, abortSent, closedStreams>>
+                 /\ rec' = got
+                 /\ UNCHANGED <<pump, perr, gone, abortSent, closedStreams>>
             [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
                  /\ pump' = LifecycleNext(pump, "CRASH")
-                 /\ rec' = [rec EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
+                 /\ rec' = [got EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
                  /\ UNCHANGED perr
             [] OTHER ->
-                 /\ HandleOutput(m)
+                 /\ HandleOutputIn(got, m)
                  /\ UNCHANGED pump
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone, abortSent, closedStreams>>
@@ -870,50 +939,67 @@ FailAll(close, disp) ==
     /\ rec' = [i \in Ids |-> FailRec(rec[i])]
     /\ UNCHANGED <<dead, submitted, answers, perr, gone, abortSent, closedStreams>>
 
-\* Close the registry (fail every waiter and RPC, release every record), stop
-\* the workers; the pool unlinks every segment still leased (in a packer or
-\* in an unread message).  The shared part of shutdown and of a worker's death:
-\* FailAll(TRUE, TRUE) and the segment pool.
-\* reclaim: ReclaimShipped, see MonitorDetectDeath.
-CloseAll(reclaim) ==
+\* Shutdown: close the registry (fail every waiter and RPC, release every
+\* record), stop the workers; the pool's close unlinks every segment still out
+\* (in a packer, shipped, in an unread message).
+CloseAll ==
     /\ closed' = TRUE
     /\ pump' = StopPump
     /\ rpcs' = FailRpcs
-    /\ rec' = [i \in Ids |->
-                 LET r0 == IF reclaim /\ rec[i].seg \in {"leased", "consumer"} THEN ReleaseSeg(rec[i]) ELSE rec[i]
-                     y == FailRec(r0)
-                 IN IF y.seg = "leased" THEN ReleaseSeg(y) ELSE y]
+    /\ rec' = [i \in Ids |-> LET y == FailRec(rec[i]) IN IF y.seg \in {"leased", "shipped"} THEN ReleaseSeg(y) ELSE y]
     /\ alive' = [r \in Ranks |-> FALSE]
     /\ chan' = [r \in Ranks |-> <<>>]
     /\ recvd' = sent
     /\ packQ' = <<>>
     /\ packing' = NoId
+    /\ UNCHANGED eof
 
 EngineShutdown ==
     /\ EngineAborts /\ ~closed
-    /\ CloseAll(FALSE)
+    /\ CloseAll
     /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone, abortSent, closedStreams>>
 
-\* The monitor sees a dead worker.  We shut the executor down (nothing can
-\* complete any more).  DeathKeepsOpen: ResultPump.fail_all without closing:
-\* every record is force-released (leaving a tombstone that swallows its late
-\* messages, as OutputRegistry._finished does) but the pump keeps reading.
+\* The monitor sees a dead worker (MultiprocDiffusionExecutor._on_worker_death):
+\* SegmentPool.reclaim_owner(pid) frees the segment the dead packer had leased
+\* and not handed off, then ResultPump.fail_all(..., close=True) fails every
+\* waiter and call and closes the registry.  The pump keeps reading: what the
+\* dead worker (or a live one) sent is released on arrival; the other workers
+\* live on.  A segment the dead packer had shipped is spared: its message may
+\* still be in the pipe (PumpReachEof takes the rest).
+\* DeathKeepsOpen: fail_all without closing: every record is force-released
+\* (leaving a tombstone that swallows its late messages, as
+\* OutputRegistry._finished does), and the registry stays open.
+\* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
+\* process had shipped (as if hand_off did not exist) before fail_all discards
+\* what the registry holds.
 MonitorDetectDeath ==
     /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
     /\ dead' = TRUE
-    /\ IF Bug = "DeathKeepsOpen"
-       THEN /\ rpcs' = FailRpcs
-            /\ rec' = [i \in Ids |->
-                         LET y == FailRec(rec[i])
-                         IN IF packing = i /\ ~alive[ReplyRank] THEN ReleaseSeg(y) ELSE y]
-            /\ packing' = IF alive[ReplyRank] THEN packing ELSE NoId
-            /\ UNCHANGED <<alive, chan, recvd, packQ, closed, pump>>
-       \* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
-       \* process had shipped (the implementation hands each lease off before the
-       \* message is sent, so reclaim spares it) before fail_all discards what the
-       \* registry holds.
-       ELSE CloseAll(Bug = "ReclaimShipped" /\ ~alive[ReplyRank])
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, submitted, answers, perr, gone, abortSent, closedStreams>>
+    /\ closed' = (Bug # "DeathKeepsOpen")
+    /\ rpcs' = FailRpcs
+    /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
+           stolen(i) == Bug = "ReclaimShipped" /\ ~alive[ReplyRank] /\ rec[i].seg \in {"leased", "shipped", "consumer"}
+       IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
+          /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
+                   perr, gone, abortSent, closedStreams>>
+
+\* The pump reads a dead rank's pipe to its end (PipeChannel's on_sender_gone:
+\* every message the rank wrote was handled, its leases marked received) and
+\* the monitor has handled the death: whichever comes second
+\* (MultiprocDiffusionExecutor._reclaim_shipped) frees what the rank shipped
+\* and no message carried, SegmentPool.reclaim_shipped(pid): the packer was
+\* killed between the hand-off and the send.  ReclaimSparesShipped: nothing
+\* does (the long soak's lease left out until shutdown).
+PumpReachEof(r) ==
+    /\ pump = "RUNNING" /\ dead /\ ~alive[r] /\ chan[r] = <<>> /\ r \notin eof
+    /\ eof' = eof \cup {r}
+    /\ IF r = ReplyRank /\ Bug # "ReclaimSparesShipped"
+       THEN /\ rec' = [i \in Ids |-> IF rec[i].seg = "shipped" THEN ReleaseSeg(rec[i]) ELSE rec[i]]
+            /\ packing' = NoId
+       ELSE UNCHANGED <<rec, packing>>
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, chan, sent, recvd,
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 -----------------------------------------------------------------------------
 PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r) \/ PumpRecvChunk(r)
@@ -923,6 +1009,7 @@ Next ==
     \/ EngineShutdown
     \/ MonitorDetectDeath
     \/ PackerPackOutput
+    \/ PackerHandOff
     \/ PackerSendOutputReady
     \/ PackerSendOutputFailed
     \/ PackerCancelOutput
@@ -934,6 +1021,7 @@ Next ==
           \/ WorkerMainSendRpcResult(r)
           \/ WorkerCrash(r)
           \/ PumpRecv(r)
+          \/ PumpReachEof(r)
     \/ EngineReleaseConsumer
     \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k) \/ EngineAbortRpc(k) \/ EngineCloseStream(k)
     \/ \E i \in Ids :
@@ -957,7 +1045,9 @@ SystemNext ==
           \/ WorkerMainSendComputeDone(r)
           \/ WorkerMainSendRpcResult(r)
           \/ PumpRecv(r)
+          \/ PumpReachEof(r)
     \/ PackerPackOutput
+    \/ PackerHandOff
     \/ PackerSendOutputReady
     \/ PackerSendOutputFailed
     \/ MonitorDetectDeath
@@ -982,11 +1072,11 @@ StateConstraint == \A r \in Ranks : Len(chan[r]) <= MaxQueue
 \* The channel never loses a message (F5, F7).
 ChannelLossless == \A r \in Ranks : sent[r] = recvd[r] + Len(chan[r])
 
-\* A leased segment always has an owner: the packer, an unread OUTPUT_READY,
-\* or a registry record; one the consumer holds was delivered to it.
+\* A leased (or shipped) segment always has an owner: the packer, an unread
+\* OUTPUT_READY, or a registry record; one the consumer holds was delivered to it.
 NoSegmentLeak ==
     \A i \in Ids :
-        /\ rec[i].seg = "leased" =>
+        /\ rec[i].seg \in {"leased", "shipped"} =>
               \/ packing = i
               \/ \E r \in Ranks : \E m \in MsgsOf(r) : m.kind = "OUTPUT_READY" /\ m.out = i
               \/ \E j \in Ids : rec[j].held = i
@@ -1046,16 +1136,19 @@ Claimable(i) ==
 NoOrphanPayload == \A i \in Ids : rec[i].st \in RequestHolding => Claimable(i)
 
 \* Nothing is in flight: no message, no work in a live worker, no pending
-\* RPC, no claim by the engine, no dead worker the monitor has not seen.
+\* RPC, no claim by the engine, no dead worker whose pipe the running pump has
+\* not read to its end (after the monitor saw the death: PumpReachEof).
 Idle ==
     /\ \A r \in Ranks : chan[r] = <<>>
     /\ \A r \in Ranks : alive[r] => mainPc[r] = "idle" /\ mainRpc[r] = submitted
     /\ alive[ReplyRank] => packQ = <<>> /\ packing = NoId
     /\ \A k \in RpcIds : ~Pending(k)
     /\ \A i \in Ids : rec[i].eng \in {"none", "done"} /\ rec[i].waiter = "none"
-    /\ \A r \in Ranks : ~alive[r] => dead \/ closed
+    /\ \A r \in Ranks : ~alive[r] => r \in eof \/ pump # "RUNNING"
 
-\* The registry and the segment pool are empty whenever nothing is in flight.
+\* The registry and the segment pool are empty whenever nothing is in flight:
+\* also after a worker's death, before the engine shuts down
+\* (ReclaimSparesShipped).
 QuiescentClean ==
     Idle => \A i \in Ids : rec[i].st = "NONE" /\ rec[i].seg \in {"none", "released"}
 
@@ -1111,11 +1204,11 @@ Settled(i) ==
     /\ ws[i] \in RequestTerminal \cup {"READY", "FAILED"} \/ ~alive[ReplyRank]
     /\ packing # i /\ ~CdToCome(i)
     /\ ~\E r \in Ranks : \E m \in MsgsOf(r) : m.id = i
-    /\ rec[i].st = "NONE" /\ rec[i].eng \in {"none", "done"} /\ rec[i].seg # "leased"
+    /\ rec[i].st = "NONE" /\ rec[i].eng \in {"none", "done"} /\ rec[i].seg \notin {"leased", "shipped"}
 
 \* Every submitted request reaches a terminal state and leaves nothing behind,
 \* also when a worker crashes.
-RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in Range(Batch[k]) \cup ChunkIds(k) : Settled(i)
+RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in BatchIds[k] \cup ChunkIds(k) : Settled(i)
 
 \* Every waiter is eventually resolved.
 WaitersResolve == \A i \in Ids : rec[i].waiter = "waiting" ~> rec[i].waiter # "waiting"

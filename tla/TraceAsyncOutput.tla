@@ -17,11 +17,13 @@
 (* s: source state, d: target state, x: kind, outcome, reason or consumer, *)
 (* k: RPC (0: none), n: a count, r: rank (-1: none; RpcSubmit: the reply   *)
 (* rank), ok: BOOLEAN (Late: expected; FailAll: close), ids: a set of      *)
-(* output ids, rk: a set of ranks] and, on the first event of a registry   *)
-(* or dispatcher call, the step of AsyncOutput that call is [g: its kind,  *)
-(* gs: the records an expiry ends, cw / cr: the waiters and calls whose    *)
-(* Future the engine cancelled first, gx: consumer or outcome, gv: the     *)
-(* dispatcher's call, gc: a fail_all that closes] (tracecheck._steps).     *)
+(* output ids, rk: a set of ranks, u: PumpRecv of a message of a call the  *)
+(* executor never made (a faulty peer's)] and, on the first event of a     *)
+(* registry or dispatcher call, the step of AsyncOutput that call is       *)
+(* [g: its kind, gs: the records an expiry ends, cw / cr: the waiters and  *)
+(* calls whose Future the engine cancelled first, gx: consumer or outcome, *)
+(* gv: the dispatcher's call, gc: a fail_all that closes]                  *)
+(* (tracecheck._steps).                                                    *)
 (*                                                                         *)
 (* Two layers check every trace:                                           *)
 (*                                                                         *)
@@ -85,6 +87,7 @@ VARIABLES
     finished,     \* [Oids -> BOOLEAN]: the id's record was removed (it has a tombstone)
     expect,       \* [Oids -> SUBSET {"cd", "out"}]: the late messages its tombstone swallows
     expired,      \* [Oids -> BOOLEAN]: the record's output deadline passed (it is armed once)
+    ghost,        \* [Oids -> BOOLEAN]: a COMPUTE_DONE of a call never made announced it (M6)
     owner,        \* [Oids -> STRING]: the consumer of the call that announced it ("": none)
     wst,          \* [Oids -> RequestStates \cup {"NONE"}]: the worker's machine of the id
     msg,          \* the message the pump is handling (the last PumpRecv)
@@ -109,12 +112,12 @@ VARIABLES
     tr            \* the trace being replayed (1..NumTraces)
 
 \* The event layer's variables, l included; AsyncOutput's.
-fine == <<l, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst, msg, mx,
+fine == <<l, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, ghost, owner, wst, msg, mx,
           cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams>>
 vars == <<fine, errs, rout, ao, tr>>
 
-NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}]
+NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}, u |-> FALSE]
 
 \* mx: acc, the ids whose COMPUTE_DONE the registry accepted; dd, the ids the
 \* dispatcher dropped; refused, an id of the COMPUTE_DONE was refused (late or
@@ -144,6 +147,7 @@ TypeOK ==
     /\ finished \in [Oids -> BOOLEAN]
     /\ expect \in [Oids -> SUBSET {"cd", "out"}]
     /\ expired \in [Oids -> BOOLEAN]
+    /\ ghost \in [Oids -> BOOLEAN]
     /\ wst \in [Oids -> RequestStates \cup {"NONE"}]
     /\ mx.acc \subseteq Oids /\ mx.dd \subseteq Oids /\ mx.lateErr \in Oids \cup {0}
     /\ cdPending \subseteq Oids /\ outPending \in BOOLEAN /\ msgPayload \in BOOLEAN
@@ -172,7 +176,7 @@ NoCdRank == [k \in Rpcs |-> -1]
 Fresh ==
     /\ st = NoneSt /\ waiter = NoWaiter /\ held = NoHeld /\ dropped = NoWaiter
     /\ mustFire = NoFire /\ seen = NoSeen /\ finished = NoWaiter /\ expect = NoSeen
-    /\ expired = NoWaiter /\ owner = NoOwner
+    /\ expired = NoWaiter /\ ghost = NoWaiter /\ owner = NoOwner
     /\ wst = NoneSt /\ msg = NoMsg /\ mx = NoMx
     /\ cdPending = {} /\ outPending = FALSE /\ msgPayload = FALSE /\ call = NoCall
     /\ rpc = NoRpc /\ rranks = NoRanks /\ rrep = NoCdRank /\ rcons = NoCons
@@ -182,7 +186,7 @@ Fresh ==
 FreshNext ==
     /\ st' = NoneSt /\ waiter' = NoWaiter /\ held' = NoHeld /\ dropped' = NoWaiter
     /\ mustFire' = NoFire /\ seen' = NoSeen /\ finished' = NoWaiter /\ expect' = NoSeen
-    /\ expired' = NoWaiter /\ owner' = NoOwner
+    /\ expired' = NoWaiter /\ ghost' = NoWaiter /\ owner' = NoOwner
     /\ wst' = NoneSt /\ msg' = NoMsg /\ mx' = NoMx
     /\ cdPending' = {} /\ outPending' = FALSE /\ msgPayload' = FALSE /\ call' = NoCall
     /\ rpc' = NoRpc /\ rranks' = NoRanks /\ rrep' = NoCdRank /\ rcons' = NoCons
@@ -246,13 +250,15 @@ TracePumpRecv ==
        IN /\ mx' = [NoMx EXCEPT !.good = good]
           \* what the registry accepts of it (refused ids are taken out below)
           /\ announced' = IF good THEN [announced EXCEPT ![Ev.k] = Ev.ids] ELSE announced
-    /\ msg' = [kind |-> Ev.x, o |-> Ev.o, ok |-> Ev.ok, k |-> Ev.k, r |-> Ev.r, ids |-> Ev.ids]
+    \* a call the executor says it never made (u) was never submitted in this trace
+    /\ Ev.u => Ev.x # "OUTPUT_READY" /\ (Ev.k \in Rpcs => rpc[Ev.k] = "none")
+    /\ msg' = [kind |-> Ev.x, o |-> Ev.o, ok |-> Ev.ok, k |-> Ev.k, r |-> Ev.r, ids |-> Ev.ids, u |-> Ev.u]
     /\ cdPending' = IF Ev.x = "CHUNK" THEN {Ev.o} ELSE Ev.ids
     /\ outPending' = (Ev.x = "OUTPUT_READY")
     /\ msgPayload' = (Ev.x = "OUTPUT_READY" /\ Ev.ok)
     /\ call' = Call("recv", 0, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst,
+    /\ UNCHANGED <<ghost, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst,
                    rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 \* _late_message: a message of an id that already finished.  Expected only if
@@ -273,7 +279,7 @@ TraceLate ==
        ELSE /\ mx' = [mx EXCEPT !.lateErr = Ev.o]
             /\ UNCHANGED <<expect, cdPending, outPending, announced>>
     /\ Step
-    /\ UNCHANGED <<st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
+    /\ UNCHANGED <<ghost, st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
                    call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 \* _get_or_create: only for an id the current message names, never when closed.
@@ -288,7 +294,7 @@ TraceCreate ==
     /\ expired' = [expired EXCEPT ![Ev.o] = FALSE]
     /\ owner' = [owner EXCEPT ![Ev.o] = ""]
     /\ Step
-    /\ UNCHANGED <<dropped, mustFire, finished, expect, wst, msg, mx, cdPending, outPending, msgPayload,
+    /\ UNCHANGED <<ghost, dropped, mustFire, finished, expect, wst, msg, mx, cdPending, outPending, msgPayload,
                    call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* The event that the open call may make o take, besides arriving messages
@@ -301,8 +307,10 @@ CtxEvent(o) ==
     CASE call.c = "drop" /\ call.o = o -> "DROP"
       [] call.c = "cancel" /\ call.o = o -> "ABANDON"
       [] call.c = "release" /\ o \in call.pend -> "ABANDON"
-      \* an early record (its COMPUTE_DONE unseen) is given up on: force-released
-      [] call.c = "expire" /\ call.n > 0 /\ ~expired[o] -> IF "cd" \in seen[o] THEN "ABANDON" ELSE "FORCE_RELEASE"
+      \* an early record (its COMPUTE_DONE unseen) is given up on: force-released;
+      \* so is a DROPPING record a call never made announced (M6)
+      [] call.c = "expire" /\ call.n > 0 /\ ~expired[o] ->
+            IF "cd" \in seen[o] /\ ~(ghost[o] /\ st[o] = "DROPPING") THEN "ABANDON" ELSE "FORCE_RELEASE"
       [] call.c = "failall" /\ o \in call.pend -> "FORCE_RELEASE"
       [] call.c = "recv" /\ st[o] \in {"READY", "FAILED"} -> "ABANDON"
       [] OTHER -> "NONE"
@@ -360,6 +368,7 @@ TraceFire ==
           \* a CHUNK's id: a chunk of its call (what the call's end or a close may drop)
           /\ chunked' = IF e = "COMPUTE_DONE" /\ msg.kind = "CHUNK" /\ msg.k \in Rpcs
                         THEN [chunked EXCEPT ![msg.k] = @ \cup {o}] ELSE chunked
+          /\ ghost' = IF e = "COMPUTE_DONE" /\ msg.u THEN [ghost EXCEPT ![o] = TRUE] ELSE ghost
           /\ expired' = IF e \in {"ABANDON", "FORCE_RELEASE"} /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
           /\ call' = CallAfter(o, e)
     /\ Step
@@ -375,7 +384,7 @@ TraceRemove ==
     /\ finished' = [finished EXCEPT ![Ev.o] = TRUE]
     /\ expect' = [expect EXCEPT ![Ev.o] = {"cd", "out"} \ seen[Ev.o]]
     /\ Step
-    /\ UNCHANGED <<waiter, held, dropped, mustFire, seen, expired, owner, wst, msg, mx, cdPending, outPending,
+    /\ UNCHANGED <<ghost, waiter, held, dropped, mustFire, seen, expired, owner, wst, msg, mx, cdPending, outPending,
                    msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* wait: a live record that is still wanted gets one waiter (opens the call).
@@ -386,7 +395,7 @@ TraceWaiterAdd ==
     /\ waiter' = [waiter EXCEPT ![Ev.o] = TRUE]
     /\ call' = Call("wait", Ev.o, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A waiter is resolved once: with the output it was delivered, with the
@@ -415,7 +424,7 @@ TraceWaiterResolve ==
               /\ mustFire' = [mustFire EXCEPT ![Ev.o] = {CtxEvent(Ev.o)}]
               /\ UNCHANGED held
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, dropped, wst, msg, mx, cdPending, outPending,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, dropped, wst, msg, mx, cdPending, outPending,
                    msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* The delivered output goes to the waiter; never after a drop.
@@ -424,7 +433,7 @@ TracePayloadDeliver ==
     /\ st[Ev.o] = "DELIVERED" /\ held[Ev.o] = "output" /\ ~dropped[Ev.o]
     /\ held' = [held EXCEPT ![Ev.o] = "delivered"]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A payload is released once: the one a record held (it left a holding
@@ -442,7 +451,7 @@ TracePayloadRelease ==
             /\ outPending' = FALSE
             /\ UNCHANGED held
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
                    cdPending, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A message the table does not allow is refused, and the state stays.  A
@@ -466,7 +475,7 @@ TraceProtocolError ==
                   /\ mx' = [mx EXCEPT !.lateErr = 0]
                   /\ UNCHANGED <<cdPending, announced>>
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
                    call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 -----------------------------------------------------------------------------
@@ -478,7 +487,7 @@ TraceDrop ==
     /\ Holds(CallDone) \/ (call.c = "ddrop" /\ call.o = Ev.o /\ Holds(MsgDone))
     /\ call' = Call("drop", Ev.o, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* cancel: the done-callback of a cancelled waiter.
@@ -486,7 +495,7 @@ TraceCancel ==
     /\ Is("Cancel") /\ Holds(CallDone)
     /\ call' = Call("cancel", Ev.o, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* release_consumer: every record the consumer owns now must be abandoned
@@ -496,7 +505,7 @@ TraceReleaseConsumer ==
     /\ Holds(CallDone) \/ (call.c = "rpcgone" /\ call.x = Ev.x /\ Holds(MsgDone))
     /\ call' = Call("release", 0, Ev.x, 0, FALSE, {o \in Oids : st[o] # "NONE" /\ owner[o] = Ev.x})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* expire: exactly `count` records with an armed deadline are abandoned.
@@ -504,7 +513,7 @@ TraceExpire ==
     /\ Is("Expire") /\ Holds(CallDone) /\ Ev.n >= 1
     /\ call' = Call("expire", 0, "", Ev.n, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* fail_all (worker death; with close, shutdown): every record that exists
@@ -515,7 +524,7 @@ TraceFailAll ==
     /\ Holds(CallDone) \/ (call.c = "rpcfail" /\ call.x = Ev.x /\ Holds(MsgDone))
     /\ call' = Call("failall", 0, Ev.x, 0, Ev.ok, {o \in Oids : st[o] # "NONE"})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* fail_all(close=True) closes the registry first: nothing is created afterwards.
@@ -524,8 +533,8 @@ TraceShutdown ==
     /\ Is("Shutdown") /\ call.c = "failall" /\ call.cl
     /\ shut' = TRUE
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked>>
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, announced>>
 
 -----------------------------------------------------------------------------
 (* RPC events: Dispatcher (F12). *)
@@ -537,7 +546,7 @@ TraceRpcCancel ==
     /\ Is("RpcCancel") /\ rpc[Ev.k] = "pending"
     /\ Holds(CallDone)
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<st, seen, finished, expect, expired, ghost, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* Dispatcher.close_stream: the engine closed a stream of call k; AsyncOutput's
@@ -547,7 +556,7 @@ TraceStreamClose ==
     /\ Holds(CallDone)
     /\ call' = NoCall
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<st, seen, finished, expect, expired, ghost, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 TraceRpcSubmit ==
@@ -558,7 +567,7 @@ TraceRpcSubmit ==
     /\ rrep' = [rrep EXCEPT ![Ev.k] = Ev.r]
     /\ rcons' = [rcons EXCEPT ![Ev.k] = Ev.x]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rans, cdRank, announced, chunked, shut>>
 
 \* One answer per rank, from the message being handled.  A COMPUTE_DONE
@@ -572,7 +581,7 @@ TraceRpcAnswer ==
     /\ rans' = [rans EXCEPT ![Ev.k][Ev.r] = IF Ev.ok THEN "ok" ELSE "failed"]
     /\ cdRank' = IF msg.ids # {} /\ mx.good /\ ~mx.refused THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, chunked, shut>>
 
 AllAnswered(k) == \A r \in rranks[k] : rans[k][r] # "none"
@@ -620,7 +629,7 @@ TraceDispatchDrop ==
     /\ mx' = [mx EXCEPT !.dd = @ \cup {Ev.o}]
     /\ call' = Call("ddrop", Ev.o, "", 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg,
                    cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* An RPC resolves as success only when every rank answered, none failed and
@@ -663,7 +672,7 @@ TraceRpcResolve ==
             IN /\ Holds(CallDone) \/ (call.c = c /\ call.x = x /\ Holds(MsgDone))
                /\ call' = Call(c, 0, x, 0, FALSE, {})
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
                    cdPending, outPending, msgPayload, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 -----------------------------------------------------------------------------
@@ -677,7 +686,7 @@ TraceWorkerFire ==
        /\ RequestCan(src, Ev.e) /\ RequestNext(src, Ev.e) = Ev.d
     /\ wst' = [wst EXCEPT ![Ev.o] = Ev.d]
     /\ Step
-    /\ UNCHANGED <<st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, msg, mx,
+    /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, msg, mx,
                    cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 -----------------------------------------------------------------------------
@@ -699,7 +708,7 @@ AO(t) == INSTANCE AsyncOutput WITH
     mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
     ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",
     chan <- [r \in TRanks[t] |-> <<>>], sent <- [r \in TRanks[t] |-> 0],
-    recvd <- [r \in TRanks[t] |-> 0], crashes <- 0
+    recvd <- [r \in TRanks[t] |-> 0], eof <- {}, crashes <- 0
 
 \* AsyncOutput's Init, executor half, for trace t (and primed, for the next trace:
 \* TLC cannot assign through a primed definition).
@@ -723,9 +732,10 @@ Outcomes ==
     /\ errs' = (errs \/ Ev.a = "ProtocolError")
     /\ rout' = IF Ev.a = "RpcResolve" THEN [rout EXCEPT ![Ev.k] = Ev.x] ELSE rout
 
-\* The message a PumpRecv event records, as AsyncOutput's Msg.
+\* The message a PumpRecv event records, as AsyncOutput's Msg (a call the
+\* executor never made: AsyncOutput's NoCall).
 MsgOf(ev) ==
-    [kind |-> ev.x, rpc |-> ev.k, id |-> IF ev.o = 0 THEN "-" ELSE Id(ev.o), ok |-> ev.ok,
+    [kind |-> ev.x, rpc |-> IF ev.u THEN 0 ELSE ev.k, id |-> IF ev.o = 0 THEN "-" ELSE Id(ev.o), ok |-> ev.ok,
      out |-> IF ev.x = "OUTPUT_READY" /\ ev.ok THEN Id(ev.o) ELSE "-", w |-> "main",
      ids |-> {Id(o) : o \in ev.ids}]
 

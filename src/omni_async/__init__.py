@@ -30,6 +30,7 @@ from omni_async.core.errors import (
     OutputError,
     OutputOrphaned,
     OutputTimeout,
+    OutputUnpackFailed,
     ProtocolError,
     RemoteError,
     RequestAborted,
@@ -81,6 +82,7 @@ from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.executor.stream import OutputChunk, RequestStream
+from omni_async.models.dit import DiTPipelineWorker
 from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
 from omni_async.transport.errors import (
     ChannelClosed,
@@ -135,6 +137,7 @@ __all__ = [
     "Deadlines",
     "DeviceEvent",
     "DeviceSyncUnavailable",
+    "DiTPipelineWorker",
     "DiffusionEngine",
     "DiffusionExecutor",
     "DiffusionOutput",
@@ -170,6 +173,7 @@ __all__ = [
     "OutputOrphaned",
     "OutputStillViewed",
     "OutputTimeout",
+    "OutputUnpackFailed",
     "Packer",
     "PoolClosed",
     "PoolExhausted",

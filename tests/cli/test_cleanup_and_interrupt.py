@@ -58,13 +58,22 @@ def test_cleanup_spares_live_owners() -> None:
         unlink_all_with_prefix(owner["prefix"])
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     proc = subprocess.Popen(
-        [*CLI, "demo", "--requests", "60", "--batch", "1"],  # 256 x 256 images: in shared memory
+        # 256 x 256 images, in shared memory; enough requests that the demo is still running
+        # when the signal comes (60 could all finish within the 0.5 s below on a quiet machine).
+        [*CLI, "demo", "--requests", "240"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and, like one, with SIGINT's default action even when this run inherited it ignored
+        # (a shell's background job: Python then installs no KeyboardInterrupt handler).
+        preexec_fn=_default_sigint,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

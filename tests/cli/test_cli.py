@@ -16,13 +16,29 @@ from omni_async.models.tiny import image_digest
 
 @pytest.mark.parametrize("executor", ["multiproc", "inproc"])
 def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str) -> None:
-    cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6", "--batch", "3"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6"]
+    done = subprocess.run([*cmd, "--max-running", "3"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 requests:" in done.stdout and "; 0 mismatched" in done.stdout
+    assert "finished=6," in done.stdout and "waiting=0, running=0, holding=0" in done.stdout
     assert "delivered=6," in done.stdout and "pending_outputs=0," in done.stdout
     if executor == "multiproc":
         assert "0 still leased" in done.stdout
+
+
+def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory() -> None:
+    """Issue 9: more requests than the budget of held outputs (64), handed over at once.
+    The demo before the engine submitted them all, then claimed: the packer waited for
+    room, the forwards behind it too, and the first outputs expired unclaimed after 20 s
+    (OutputTimeout, exit status 1).  Through the engine the rest wait in its queue.
+    128 x 256 fp32 images (128 KiB: shared memory) and one step keep it quick."""
+    cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--requests", "100", "--output-timeout", "20"]
+    small = ["--height", "128", "--width", "256", "--steps", "1"]
+    done = subprocess.run([*cmd, *small], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "100 requests:" in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
+    assert "finished=100," in done.stdout and "in_flight_limit=64," in done.stdout, done.stdout
+    assert "delivered=100," in done.stdout and "0 still leased" in done.stdout, done.stdout
 
 
 def test_demo_refuses_cuda_without_a_gpu() -> None:
@@ -49,8 +65,8 @@ def test_the_demo_digest_sees_one_flipped_bit_and_one_swap() -> None:
 # -- options: help texts with defaults, bad values refused before anything starts ---------
 
 BAD_VALUES = [
-    (["--batch", "0"], "--batch"),
-    (["--batch", "two"], "--batch"),
+    (["--max-running", "0"], "--max-running"),
+    (["--max-running", "two"], "--max-running"),
     (["--requests", "-1"], "--requests"),
     (["--requests", "0"], "--requests"),
     (["--world-size", "0"], "--world-size"),
@@ -102,12 +118,16 @@ def test_a_bad_value_is_one_error_line_before_anything_starts(
 
 def test_a_bad_value_from_the_real_command_line_is_no_traceback() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "omni_async.cli", "demo", "--batch", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "omni_async.cli", "demo", "--max-running", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout == ""
-    _assert_one_error_line(done.stderr, "--batch")
-    assert done.stderr.strip().splitlines()[-1] == "omni-async demo: error: argument --batch: must be >= 1, got 0"
+    _assert_one_error_line(done.stderr, "--max-running")
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == "omni-async demo: error: argument --max-running: must be >= 1, got 0"
 
 
 def test_a_bad_timeout_in_the_environment_is_one_error_line(
@@ -126,7 +146,7 @@ def test_a_bad_timeout_in_the_environment_is_one_error_line(
 @pytest.mark.parametrize(
     ("argv", "dest", "value"),
     [
-        (["--batch", "3"], "batch", 3),
+        (["--max-running", "3"], "max_running", 3),
         (["--height", "64"], "height", 64),
         (["--world-size", "2"], "world_size", 2),
         (["--output-timeout", "2.5"], "output_timeout", 2.5),
@@ -157,7 +177,7 @@ def test_demo_help_lists_every_option_with_its_default(capsys: pytest.CaptureFix
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     options = _demo_options()
     assert {a.dest for a in options} >= {
-        "executor", "device", "world_size", "requests", "batch", "height", "width", "steps",
+        "executor", "device", "world_size", "requests", "max_running", "height", "width", "steps",
         "compute_timeout", "output_timeout",
     }
     for action in options:

@@ -6,13 +6,16 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from omni_async import cli
 from omni_async.cli import soak
+from omni_async.transport.shm.files import entries
 
 
 def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -35,14 +38,109 @@ def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> 
     assert rows["requests unaccounted"]["value"] == "0" and rows["requests unaccounted"]["check"] is True
     assert rows["segments left in /dev/shm"]["value"] == "0"
     checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
-    assert len(checks) == 8 and all(checks.values()), checks
+    assert len(checks) == 9 and all(checks.values()), checks
     assert sum(report["outcomes"].values()) == 300
     assert report["outcomes"]["result"] > 200
     # A kill ends its executor; a second kill drawn before the soak noticed finds it ended.
+    # With one slot every spare is used: one is built only while a planned kill lies ahead.
     executors = int(rows["executors started"]["value"].split()[0])
     assert 2 <= executors <= report["faults"]["kill"] + 1
+    assert all(life["used"] for life in report["lives"])
+    assert executors == 1 + sum(1 for life in report["lives"] if life["killed"])
     typed = {o for o in report["outcomes"] if o.startswith("typed error")}
     assert "typed error: WorkerDied" in typed and "typed error: RpcFailed (RuntimeError)" in typed
+
+
+def test_a_short_soak_through_the_engine_passes_every_check_and_the_engines_own(tmp_path: Path) -> None:
+    """--engine: 150 requests, a fifth of them faulty with seed 1 (two worker kills among
+    them), through an AsyncDiffusionEngine over each executor, in about 10 s: every check
+    passes, the engines' own included (each accepted request ended in one of its outcomes,
+    none held at the end), and aborts and cancelled generate tasks did happen."""
+    out = tmp_path / "engine.json"
+    argv = ["soak", "--engine", "--requests", "150", "--fault-rate", "0.2", "--seed", "1", "--json", str(out)]
+    done = subprocess.run([sys.executable, "-m", "omni_async.cli", *argv], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "soak passed: 150 requests" in done.stdout and "through AsyncDiffusionEngine" in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
+    assert len(checks) == 11 and all(checks.values()), checks
+    assert rows["engine: requests held at the end"]["value"] == "0"
+    lives = report["lives"]
+    assert rows["engine: one outcome per request"]["value"].endswith(f"({len(lives)} of {len(lives)} engines)")
+    assert sum(life["engine_accepted"] for life in lives) == sum(life["engine_outcomes"] for life in lives) > 100
+    assert sum(report["outcomes"].values()) == 150 and report["outcomes"]["result"] > 90
+    assert report["faults"]["kill"] >= 1 and any(life["killed"] for life in lives)
+    assert "typed error: WorkerDied" in report["outcomes"]
+    assert report["outcomes"]["aborted"] > 0 and report["outcomes"]["cancelled"] > 0
+    for life in lives:
+        _gone(life)
+
+
+def _gone(life: dict[str, Any]) -> None:
+    """The executor of this life left nothing: no name under /dev/shm, no worker process."""
+    assert life["prefix"] and not entries(life["prefix"]), life
+    for pid in life["pids"]:
+        assert not Path(f"/proc/{pid}").exists(), f"worker {pid} of {life['prefix']} still runs"
+
+
+def test_two_executors_side_by_side_a_kill_served_by_the_spare_and_an_unused_spare_shut_down(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--executors 2 over the seed's own plans (faults at a rate of 0.1), except one kill,
+    at request 80, and no other kill or expired claim (they only add time).  The first
+    requests wait until the two spares have been built (so that the test does not depend on
+    how fast this machine starts executors).  Then: every check passes; the killed slot
+    goes on with its spare, whose construction ended before the worker died (a soak that
+    builds the replacement after the death fails here); and the other slot's spare, never
+    used, was checked and shut down like the lives: registry empty, no lease out, nothing
+    in /dev/shm, workers gone."""
+    real_plan = soak.plan_request
+
+    def one_kill(seed: int, fault_rate: float, index: int) -> soak.Plan:
+        plan = real_plan(seed, fault_rate, index)
+        if index == 80:
+            return attrs.evolve(plan, fault="kill")
+        return attrs.evolve(plan, fault=None) if plan.fault in ("kill", "expire") else plan
+
+    built: list[soak.Life] = []
+    real_init, real_dispatch = soak.Life.__init__, soak.Life.dispatch
+
+    def init(self: soak.Life, args: argparse.Namespace, **kw: Any) -> None:
+        real_init(self, args, **kw)
+        built.append(self)
+
+    def dispatch_once_spares_built(self: soak.Life) -> None:
+        if self.serial <= 2 and self.dispatched == 0:  # the first request of each slot
+            deadline = time.monotonic() + 60.0  # a spare takes seconds; without one, go on and fail below
+            while len(built) < 4 and time.monotonic() < deadline:  # two lives, two spares
+                time.sleep(0.01)
+        real_dispatch(self)
+
+    monkeypatch.setattr(soak, "plan_request", one_kill)
+    monkeypatch.setattr(soak.Life, "__init__", init)
+    monkeypatch.setattr(soak.Life, "dispatch", dispatch_once_spares_built)
+    out = tmp_path / "two.json"
+    argv = ["soak", "--requests", "160", "--fault-rate", "0.1", "--seed", "3", "--executors", "2"]
+    assert cli.main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    assert report["ok"] is True and sum(report["outcomes"].values()) == 160
+    assert all(row["check"] for row in report["rows"] if row["check"] is not None)
+    assert report["faults"]["kill"] == 1 and len(report["faults"]) > 3
+    assert rows["executors started"]["value"] == "4 on 2 slots (1 killed, 1 spares unused)"
+    lives = report["lives"]  # by the order their construction began
+    assert sum(life["requests"] for life in lives) == 160
+    (dead,) = [life for life in lives if life["killed"]]
+    (spare,) = [life for life in lives if not life["used"]]
+    (replacement,) = [life for life in lives if life["serial"] > 2 and life["used"]]
+    assert replacement["slot"] == dead["slot"] != spare["slot"] and dead["requests"] >= 1
+    assert replacement["built_s"] <= dead["failed_s"] <= replacement["live_s"], "replacement built after the death"
+    assert replacement["spare_ready"] is True and rows["spares ready when a worker died"]["value"] == "1 of 1"
+    assert spare["requests"] == 0 and spare["live_s"] is None and spare["anon_growth_kib"] is None
+    assert spare["registry_empty"] and spare["leases_outstanding"] == 0 and spare["files_left"] == 0
+    for life in lives:
+        _gone(life)
 
 
 def _lost(requests: int, lost: int) -> soak.Accounting:
@@ -71,6 +169,34 @@ def test_the_accounting_catches_a_request_recorded_twice() -> None:
     acc.end(1, soak.CANCELLED)  # a second outcome for one request
     assert acc.twice == 1 and acc.outcomes == {soak.RESULT: 3}
     assert _checks(acc)["requests recorded twice"] is False
+
+
+def test_the_engine_rows_catch_an_outcome_missing_and_a_request_held() -> None:
+    acc = _lost(4, lost=-1)
+
+    def engine_checks(accepted: int, outcomes: int, left: int) -> dict[str, bool | None]:
+        life = soak.LifeReport(
+            killed=False,
+            registry_empty=True,
+            leases_outstanding=0,
+            files_left=0,
+            rss_growth_kib=0,
+            anon_growth_kib=None,
+            engine_accepted=accepted,
+            engine_outcomes=outcomes,
+            engine_left=left,
+        )
+        rows = soak.build_rows(
+            acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, driver_rss_kib=[1024, 1024], engine=True
+        )
+        assert life.problems(64) == [] or not all(row.ok for row in rows if row.ok is not None)
+        return {row.name: row.ok for row in rows}
+
+    ok = engine_checks(4, 4, 0)
+    assert ok["engine: one outcome per request"] is True and ok["engine: requests held at the end"] is True
+    assert engine_checks(4, 3, 0)["engine: one outcome per request"] is False
+    assert engine_checks(4, 4, 1)["engine: requests held at the end"] is False
+    assert "engine: one outcome per request" not in _checks(acc)  # without --engine: no such row
 
 
 def test_a_soak_that_loses_a_request_fails(
@@ -109,6 +235,7 @@ BAD = [
     (["--fault-rate", "nan"], "--fault-rate"),
     (["--seed", "-1"], "--seed"),
     (["--concurrency", "0"], "--concurrency"),
+    (["--executors", "0"], "--executors"),
     (["--requests", "0"], "--requests"),
     (["--output-timeout", "0"], "--output-timeout"),
     (["--json", "/no/such/dir/x.json"], "--json"),
@@ -134,5 +261,5 @@ def test_a_bad_value_is_one_error_line_before_anything_starts(
 def test_the_help_says_what_happens_after_a_kill() -> None:
     soak_parser: argparse.ArgumentParser = cli.build_parser().parse_args(["soak"]).subparser
     text = " ".join(soak_parser.format_help().split())
-    assert "WorkerDied is final" in text and "starts a new one" in text
+    assert "WorkerDied is final" in text and "starts a new one" in text and "warm spare" in text
     assert "--rss-bound-mib" in text and "RssAnon" in text

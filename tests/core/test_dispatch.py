@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -34,6 +35,7 @@ class Harness:
         reply_rank: int = 0,
         compute_timeout: float | None = None,
         output_timeout: float | None = None,
+        known_call: Callable[[str], bool] | None = None,
     ) -> None:
         self.released: list[Any] = []
         self.tracer = ListTracer()
@@ -46,6 +48,7 @@ class Harness:
             reply_rank=reply_rank,
             compute_timeout=compute_timeout,
             tracer=self.tracer,
+            known_call=known_call,
         )
         self.now = 0.0
 
@@ -359,6 +362,55 @@ def test_orphan_compute_done_is_dropped() -> None:
     assert h.d.counters["orphan_compute_done"] == 1 and h.registry.state_of("o1") is S.DROPPING
     h.output("o1")
     assert len(h.registry) == 0
+
+
+def _recv_known(h: Harness) -> list[object]:
+    return [e.fields.get("known") for e in h.tracer.snapshot() if e.action == "PumpRecv"]
+
+
+def test_rpc_result_of_a_call_never_made_is_a_counted_protocol_error() -> None:
+    """With ``known_call`` (the executor's: every rpc id it issued), an answer of any other
+    call is refused, counted and never buffered (M3); a late answer of an issued one is."""
+    h = Harness(known_call=lambda rpc_id: rpc_id.startswith("mine-"))
+    assert h.handle(Msg.rpc_result("theirs-1", "x")) is None
+    late = Msg.rpc_result("mine-7", "x")
+    assert h.handle(late) == late
+    assert h.d.counters["unknown_call_rpc_result"] == 1 and h.d.counters["protocol_errors"] == 1
+    assert "theirs-1" in str(h.registry.errors[-1]) and isinstance(h.registry.errors[-1], ProtocolError)
+    assert _recv_known(h) == [False, True], "the trace says which message belongs to no call"
+
+
+def test_compute_done_of_a_call_never_made_is_counted_and_its_records_given_up() -> None:
+    """M3 and M6: counted as a protocol error; its DROPPING record ends at now +
+    compute_timeout (before its output deadline), and the tombstone swallows a late
+    OUTPUT_READY; a COMPUTE_DONE of a call that ended is late, not an error."""
+    h = Harness(compute_timeout=2.0, output_timeout=10.0)
+    h.submit("ended")
+    h.expire(2.0)  # "ended" timed out
+    h.handle(cd("ended", ["late-1"]))
+    h.handle(cd("never", ["g1"]))
+    assert h.d.counters["unknown_call_compute_done"] == 1 and h.d.counters["protocol_errors"] == 1
+    assert h.d.counters["orphan_compute_done"] == 2
+    assert _recv_known(h) == [True, False]
+    assert h.registry.state_of("g1") is S.DROPPING and h.registry.state_of("late-1") is S.DROPPING
+    h.expire(3.9)
+    assert h.registry.state_of("g1") is S.DROPPING
+    h.expire(4.0)  # now + compute_timeout; "late-1" keeps waiting: its worker packs it
+    assert h.registry.state_of("g1") is None and h.registry.stats.orphan_drops_expired == 1
+    assert h.registry.state_of("late-1") is S.DROPPING
+    h.output("g1")  # swallowed, its payload released
+    assert h.released == ["payload-g1"] and h.d.counters["protocol_errors"] == 1
+
+
+def test_reply_rank_answering_without_compute_done_is_counted_when_it_answers() -> None:
+    """Counted on arrival (M3), also when another rank's failure fails the call (RpcFailed)."""
+    h = Harness(world_size=2)
+    fut = h.submit("rpc-1")
+    h.handle(Msg.rpc_result("rpc-1", None, rank=0))
+    assert h.d.counters["answers_without_compute_done"] == 1 and h.d.counters["protocol_errors"] == 1
+    h.handle(Msg.rpc_failed("rpc-1", BOOM, rank=1))
+    assert isinstance(exc_of(fut), RpcFailed)
+    assert h.d.counters["answers_without_compute_done"] == 1 and h.d.counters["protocol_errors"] == 1
 
 
 def test_submit_validates_its_arguments() -> None:

@@ -129,6 +129,29 @@ def test_a_chunk_of_a_call_that_ended_is_released_on_arrival() -> None:
     assert h.released == ["payload-late"] and len(h.registry) == 0
 
 
+def test_a_chunk_of_a_call_never_made_is_a_counted_protocol_error_given_up_at_a_deadline() -> None:
+    """M3 and M6 for chunks: a CHUNK naming a call the executor never issued is a
+    protocol error, and its DROPPING record is given up at now + compute_timeout (no
+    worker is packing it); a chunk of a call that ended is only an orphan."""
+    h = Harness(compute_timeout=2.0)
+    h.submit("ended", streams=[h.feed()])
+    h.d.expire(2.0)
+    h.settle()
+    h.chunk("ended", 0, "late")
+    h.chunk("never", 0, "g1")
+    assert h.d.counters["unknown_call_chunk"] == 1 and h.d.counters["protocol_errors"] == 1
+    assert h.d.counters["orphan_chunks"] == 2
+    assert [e.fields.get("known") for e in h.tracer.events if e.action == "PumpRecv"] == [True, False]
+    h.d.expire(3.9)
+    assert h.registry.state_of("g1") is S.DROPPING
+    h.d.expire(4.0)
+    h.settle()
+    assert h.registry.state_of("g1") is None, "the chunk of a call never made must be given up"
+    assert h.registry.state_of("late") is S.DROPPING, "a late chunk waits for its OUTPUT_READY"
+    h.output("late")
+    assert len(h.registry) == 0
+
+
 def test_chunks_not_taken_are_dropped_when_the_call_fails() -> None:
     h = Harness(world_size=2)
     feed = h.feed()

@@ -113,6 +113,7 @@ class Out:
     waiter_cancelled: bool = False  # cancelled without telling the registry (F3)
     deadline: float | None = None
     expired: bool = False  # its output deadline passed: a later wait hears OutputTimeout
+    given_up: bool = False  # announced by a COMPUTE_DONE of a call never made (M6)
     consumer: str | None = None
     gone: list[Future[None]] = attrs.field(factory=list)
 
@@ -153,6 +154,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.d_protocol_errors = 0
         self.timeouts = 0
         self.orphaned = 0
+        self.orphan_drops_expired = 0
+        self.unknown_calls: Counter[str] = Counter()  # messages of a call never made, by kind (M3)
         self.closed = False
         self.tracer = ListTracer()
         self.initialized = False
@@ -190,6 +193,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             reply_rank=self.reply_rank,
             compute_timeout=compute_timeout,
             tracer=self.tracer,
+            known_call=lambda rpc_id: rpc_id in self.rpcs,  # the calls this "executor" issued
         )
         self.initialized = True
 
@@ -401,24 +405,8 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def compute_done(self, data: st.DataObject) -> None:
         rpc = data.draw(st.sampled_from(self._cd_ready()))
-        was_pending = rpc.pending
-        consumer = rpc.consumer if was_pending else None
-        accepted = [oid for oid in rpc.ids if self.receive_cd(self.outs[oid], consumer)]
-        routed = self.handle(Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), tuple(f"req-{i}" for i in rpc.ids), rank=self.reply_rank))
-        assert routed is None
-        if not was_pending:
-            rpc.answered[self.reply_rank] = "cd"
-            for oid in accepted:  # an orphan: nobody will claim these ids
-                self.drop_model(self.outs[oid])
-            return
-        if len(accepted) != len(rpc.ids):
-            self.d_protocol_errors += 1
-            for oid in accepted:
-                self.drop_model(self.outs[oid])
-            rpc.answered[self.reply_rank] = "fail"
-        else:
-            rpc.answered[self.reply_rank] = "cd"
-        self.complete_if_answered(rpc)
+        req_ids = tuple(f"req-{i}" for i in rpc.ids)
+        self._announce(rpc, Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), req_ids, rank=self.reply_rank), "cd")
 
     @precondition(lambda self: self.on("rank_fails") and bool(self._cd_ready()))
     @rule(data=st.data())
@@ -426,13 +414,18 @@ class ProtocolMachine(RuleBasedStateMachine):
         """The reply rank could not send COMPUTE_DONE after handing its outputs to the packer:
         its failure names them (defect 3), so they are registered and dropped with the call."""
         rpc = data.draw(st.sampled_from(self._cd_ready()))
+        failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
+        self._announce(rpc, Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped")
+
+    def _announce(self, rpc: Rpc, msg: Msg, answer: str) -> None:
+        """The reply rank's message naming ``rpc``'s ids (COMPUTE_DONE, or the failure that
+        names what it shipped): the model's side of the registration it makes."""
         was_pending = rpc.pending
         consumer = rpc.consumer if was_pending else None
         accepted = [oid for oid in rpc.ids if self.receive_cd(self.outs[oid], consumer)]
-        failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
-        assert self.handle(Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank)) is None
+        assert self.handle(msg) is None
         if not was_pending:
-            rpc.answered[self.reply_rank] = "shipped"
+            rpc.answered[self.reply_rank] = answer
             for oid in accepted:  # an orphan: nobody will claim these ids
                 self.drop_model(self.outs[oid])
             return
@@ -442,7 +435,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.drop_model(self.outs[oid])
             rpc.answered[self.reply_rank] = "fail"
         else:
-            rpc.answered[self.reply_rank] = "shipped"
+            rpc.answered[self.reply_rank] = answer
         self.complete_if_answered(rpc)
 
     def _slots(self, failing: bool) -> list[tuple[str, int]]:
@@ -587,6 +580,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         for m in self.outs.values():
             if m.recorded and m.deadline is not None and m.deadline <= self.now:
                 m.deadline = None
+                if m.given_up and m.fate == "dropped" and m.out is None:
+                    # DROPPING for a call never made: force-released; the tombstone expects the output.
+                    self.orphan_drops_expired += 1
+                    self.end(m, "forced")
+                    continue
                 if not m.cd:
                     # An early record whose COMPUTE_DONE never came: its call has ended
                     # (defect 3's backstop).  Force-released; the tombstone expects the CD.
@@ -674,16 +672,25 @@ class ProtocolMachine(RuleBasedStateMachine):
         elif what == "consumer":
             assert self.registry.release_consumer(GHOST_CONSUMER) == 0
         elif what == "rpc_result":
-            msg = Msg.rpc_result(ghost, "x", rank=0)
-            assert self.handle(msg) == msg
+            # An answer of a call nobody made: counted and discarded, not buffered (M3).
+            assert self.handle(Msg.rpc_result(ghost, "x", rank=0)) is None
+            self.d_protocol_errors += 1
+            self.unknown_calls["unknown_call_rpc_result"] += 1
         else:
             # A COMPUTE_DONE for a call nobody made: its ids are announced and dropped at once.
             m = Out(f"{ghost}-o0", ghost)
             self.outs[m.oid] = m
             accepted = self.receive_cd(m, None)
             assert self.handle(Msg.compute_done(ghost, (m.oid,), ("req",))) is None
+            self.d_protocol_errors += 1  # a call never made (M3)
+            self.unknown_calls["unknown_call_compute_done"] += 1
             if accepted:
                 self.drop_model(m)
+                if m.recorded:  # DROPPING: given up at a deadline, its output may never come (M6)
+                    m.given_up = True
+                    if self.compute_timeout is not None:
+                        d = self.now + self.compute_timeout
+                        m.deadline = d if m.deadline is None else min(m.deadline, d)
             return multiple(m.oid)  # its packer will still send the output
         self.settle()
         return multiple()
@@ -729,8 +736,11 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert Counter(self.released) == self.expected_releases, "every payload released exactly when due"
         assert self.registry.stats.protocol_errors == self.reg_protocol_errors
         assert self.d.counters["protocol_errors"] == self.d_protocol_errors
+        for key in ("unknown_call_rpc_result", "unknown_call_compute_done"):
+            assert self.d.counters[key] == self.unknown_calls[key], key
         assert self.registry.stats.timeouts == self.timeouts
         assert self.registry.stats.orphaned == self.orphaned
+        assert self.registry.stats.orphan_drops_expired == self.orphan_drops_expired
         assert self.registry.stats.delivered == self.delivered
         assert {r for r in self.rpcs if self.rpcs[r].pending} == set(self.d._pending)
         assert self.registry.closed == self.closed

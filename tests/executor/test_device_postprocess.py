@@ -8,6 +8,7 @@ turns the float image into uint8 before it travels; its host stage makes a PIL i
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -103,7 +104,11 @@ def test_the_packer_counts_the_bytes_it_actually_copies(ex: DiffusionExecutor) -
     out = _get(ex, ex.execute_request(DiffusionRequest("count", {"height": HEIGHT})))
     del out.output["image"]
     ex.release_output(out)
-    packed = ex.worker_metrics()[0]["packer"]["bytes_packed"] - before
+    # The packer counts an output once its OUTPUT_READY is sent, so the count can trail
+    # the delivery by a moment: wait for it.
+    deadline = time.monotonic() + 10
+    while (packed := ex.worker_metrics()[0]["packer"]["bytes_packed"] - before) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert HEIGHT * WIDTH <= packed < 2 * HEIGHT * WIDTH, packed  # uint8 plus a few small leaves, not 4x
 
 

@@ -30,6 +30,7 @@ from helpers.executor_harness import (
     req,
     wait_until,
 )
+from helpers.traces import keep
 
 from omni_async.core.config import ENV_OUTPUT_TIMEOUT, Deadlines
 from omni_async.core.dispatch import Dispatcher
@@ -52,6 +53,7 @@ from omni_async.executor.pump import ResultPump
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.errors import ChannelClosed, ChannelFull
 from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.verify.recorder import ListTracer
 from omni_async.worker.packer import Packer
 
 Msg = AsyncDiffusionOutput
@@ -554,7 +556,8 @@ def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list
     """
     released = Releases()
     channel = RefusingChannel("compute_done")
-    ex = in_process(executors, channel=channel, release_hook=released)
+    tracer = ListTracer()
+    ex = in_process(executors, channel=channel, release_hook=released, tracer=tracer)
     err = exc_of(ex.submit_batch([req("r1"), req("r2")]))
     assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
     wait_until(lambda: len(released) == 2)
@@ -564,6 +567,8 @@ def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list
     assert channel.refused == 1
     ro = ex.collective_rpc("ping")
     assert ro == [("pong", 0)], "the worker keeps serving"
+    ex.shutdown()
+    keep("failure_modes", tracer)  # validated against tla/AsyncOutput.tla (test_trace_validation)
 
 
 def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors: list[DiffusionExecutor]) -> None:
@@ -574,10 +579,12 @@ def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors
     ``metrics()["orphaned_outputs"]`` and recorded as an ``OutputOrphaned``.
     """
     released = Releases()
+    tracer = ListTracer()
     ex = in_process(
         executors,
         channel=RefusingChannel("answers"),
         release_hook=released,
+        tracer=tracer,
         deadlines=Deadlines(compute_timeout=0.5, output_timeout=60.0, rpc_timeout=60.0),
     )
     assert isinstance(exc_of(ex.submit_request(req("r1"))), ComputeTimeout)
@@ -586,6 +593,8 @@ def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors
     assert quiet(ex) and ex.metrics()["held_payloads"] == 0
     (orphan,) = ex.pump.call(lambda d: list(d.registry.orphans))
     assert isinstance(orphan, OutputOrphaned)
+    ex.shutdown()
+    keep("failure_modes", tracer)
 
 
 # --------------------------------------------------------------------------- F15

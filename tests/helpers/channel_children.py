@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import struct
 import threading
 import time
 
@@ -42,3 +43,11 @@ def write_then_hang(sender: PipeSender, count: int) -> None:
         sender.put(AsyncDiffusionOutput.rpc_result("dying", i), timeout=10.0)
     time.sleep(60)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_then_corrupt(sender: PipeSender, count: int) -> None:
+    """Send ``count`` messages, then a frame header of negative length (unparseable), and exit."""
+    for i in range(count):
+        sender.put(AsyncDiffusionOutput.rpc_result("corrupt", i), timeout=10.0)
+    os.write(sender._conn.fileno(), struct.pack("!i", -2))
+    sender.close()

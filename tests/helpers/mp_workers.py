@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import os
+import signal
 import time
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 
 import torch
 
@@ -15,12 +18,30 @@ class Unpackable:
     """A leaf the packer cannot ship (no attrs/dataclass, not plain)."""
 
 
+class KillOnSend(enum.Enum):
+    """A plain value whose pickling SIGKILLs the process that pickles it.
+
+    An enum member travels in the packed skeleton as it is, so the packer copies the
+    output into its segment and hands the lease off as usual; ``PipeSender.put`` then
+    pickles the OUTPUT_READY, in the packer's thread, before it writes a byte: the
+    worker dies after ``SegmentPool.hand_off`` and before its message is sent -- the
+    window of the long soak's leaked lease, hit every time.
+    """
+
+    NOW = "now"
+
+    def __reduce_ex__(self, proto: object) -> NoReturn:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("still alive after SIGKILL")
+
+
 class Fatal(BaseException):
     """Not an ``Exception``: the worker loop does not answer it, it ends the worker."""
 
 
 class ScriptedWorker:
-    """Does what each request's params say: sleep, raise, exit, or return an output of a given size."""
+    """Does what each request's params say: sleep, raise, exit, or return an output of a given size
+    (``die_in_send``: one that kills the worker as its OUTPUT_READY is sent, see ``KillOnSend``)."""
 
     def __init__(self, rank: int = 0, fail_rank: int | None = None) -> None:
         self.rank = rank
@@ -61,6 +82,8 @@ class ScriptedWorker:
         out: dict[str, object] = {"image": image, "note": request.request_id}
         if p.get("unpackable"):
             out["bad"] = Unpackable()
+        if p.get("die_in_send"):
+            out["fate"] = KillOnSend.NOW
         return DiffusionOutput(request.request_id, out)
 
 

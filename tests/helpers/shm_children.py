@@ -74,6 +74,19 @@ def hold_segments_then_hang(pool: SegmentPool, conn: Connection) -> None:
     time.sleep(120)
 
 
+def ship_two_send_one_then_hang(pool: SegmentPool, conn: Connection) -> None:
+    """Hand off two leases, "send" only the first (its message, over ``conn``), then hang.
+
+    The parent SIGKILLs us: the second is the soak's leaked lease, shipped and never
+    sent; ``reclaim_shipped`` frees it once the first, which arrived, was received.
+    """
+    sent, lost = pool.lease(100_000), pool.lease(200_000)
+    pool.hand_off(sent)
+    pool.hand_off(lost)
+    conn.send((sent, lost))
+    time.sleep(120)
+
+
 def _kill_self(*args: object, **kwargs: object) -> NoReturn:
     os.kill(os.getpid(), signal.SIGKILL)
     raise AssertionError("still alive after SIGKILL")

@@ -279,6 +279,33 @@ def test_four_threads_of_a_child_process_lose_nothing() -> None:
     ch.close()
 
 
+def test_a_sender_is_reported_gone_only_after_its_last_messages_were_read() -> None:
+    """``on_sender_gone`` is how the executor knows a dead worker's every message was
+    handled (before it reclaims what the worker shipped and never sent): it must not
+    run while frames read from that pipe are still queued.  Here one read takes two
+    whole frames and a header that ends the pipe (negative length)."""
+    gone: list[str] = []
+    ch = PipeChannel(mp_context=SPAWN, on_sender_gone=gone.append)
+    sender = ch.new_sender("corrupt")
+    p = SPAWN.Process(target=children.write_then_corrupt, args=(sender, 2))
+    p.start()
+    sender.close()
+    p.join(30)
+    assert p.exitcode == 0
+    try:
+        for i in range(2):
+            m = ch.get(20.0)
+            assert m is not None and m.result == i
+            assert gone == [], f"reported gone with message {i + 1} of 2 still to be read"
+        with pytest.raises(ProtocolError, match="negative length"):
+            ch.get(1.0)
+        assert gone == []
+        assert ch.get(0.5) is None
+        assert gone == ["corrupt"] and ch.senders == []
+    finally:
+        ch.close()
+
+
 def test_a_killed_writer_is_dropped_not_fatal() -> None:
     gone: list[str] = []
     ch = PipeChannel(mp_context=SPAWN, on_sender_gone=gone.append)

@@ -96,9 +96,13 @@ def test_leaks_are_detectable(segment_pool: SegmentPool) -> None:
     (info,) = pool.outstanding()
     assert info.name == lease.name and info.owner_pid == os.getpid()
     pool.hand_off(lease)
-    assert pool.outstanding()[0].owner_pid == 0
+    assert pool.outstanding()[0].owner_pid == -os.getpid()  # shipped by us, not received yet
+    assert pool.receive(lease)
+    assert pool.outstanding()[0].owner_pid == 0  # the consumer's
+    assert not pool.receive(lease)  # once
     pool.release(lease)
     assert pool.outstanding() == []
+    assert not pool.receive(lease)  # released: nothing to mark, and no error
 
 
 def test_foreign_and_forged_leases_are_rejected(segment_pool: SegmentPool) -> None:
@@ -281,7 +285,9 @@ def test_a_child_process_leases_writes_and_hands_off(segment_pool: SegmentPool) 
     assert p.exitcode == 0
     view = pool.view(lease)  # this process attaches by name
     assert int(view[:123_456].to(torch.int64).sum()) == 0xA5 * 123_456
-    assert pool.outstanding()[0].owner_pid == 0  # handed off in the child
+    assert p.pid is not None and pool.outstanding()[0].owner_pid == -p.pid  # shipped by the child
+    assert pool.receive(lease)  # its "message" arrived
+    assert pool.outstanding()[0].owner_pid == 0
     assert pool.stats().created == 1  # the child created it, in our table
     pool.release(lease)
     assert attach_view(lease.name, lease.size).data_ptr() == view.data_ptr()  # mapping cached
@@ -310,3 +316,44 @@ def test_sigkilled_child_cleanup(segment_pool: SegmentPool) -> None:
     assert sweep_dead_executors() >= 2
     assert list_segments(child_prefix) == []
     assert pool.stats().reclaimed == 2
+
+
+def test_a_lease_shipped_by_a_dead_process_and_never_received_is_reclaimed(segment_pool: SegmentPool) -> None:
+    """The long soak's leaked lease, at the pool: a process hands off two leases and dies
+    having sent only one.  ``reclaim_owner`` spares both (a message may still come);
+    once the sent one is received, ``reclaim_shipped`` frees only the lost one."""
+    pool = segment_pool
+    recv, send = SPAWN.Pipe(duplex=False)
+    p = SPAWN.Process(target=children.ship_two_send_one_then_hang, args=(pool, send))
+    p.start()
+    send.close()
+    assert recv.poll(60)
+    sent, lost = recv.recv()
+    assert p.pid is not None
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    assert pool.reclaim_owner(p.pid) == 0  # both were handed off
+    assert pool.receive(sent)
+    assert pool.reclaim_shipped(p.pid) == 1
+    assert pool.is_leased(sent) and not pool.is_leased(lost)
+    assert [i.name for i in pool.outstanding()] == [sent.name]
+    assert pool.reclaim_shipped(p.pid) == 0  # idempotent
+    pool.release(sent)
+    with pytest.raises(LeaseAlreadyReleased):
+        pool.release(lost)
+    assert pool.stats().reclaimed == 1
+
+
+def test_receive_never_raises_for_a_lease_that_is_not_shipped(segment_pool: SegmentPool) -> None:
+    """It runs on the executor's pump for every message: a forged, foreign, stale or
+    never-handed-off lease is left alone (its unpack reports what is wrong)."""
+    pool = segment_pool
+    lease = pool.lease(5000)
+    assert not pool.receive(lease)  # leased, not handed off: still the leaser's
+    assert pool.outstanding()[0].owner_pid == os.getpid()
+    assert not pool.receive(Lease("omni-0-nope-", 0, 1, 1, 1 << 16, 10))
+    assert not pool.receive(Lease(pool.prefix, 999, 1, 1, 1 << 16, 10))
+    assert not pool.receive(Lease(pool.prefix, lease.slot, lease.incarnation, lease.generation + 1, lease.size, 10))
+    pool.release(lease)
+    with pytest.raises(UsageError):
+        pool.reclaim_shipped(0)

@@ -18,7 +18,7 @@ from helpers.executor_harness import RELAXED, make_toy, req
 from helpers.tlc import require_tlc
 
 from omni_async.core.dispatch import Dispatcher
-from omni_async.core.errors import ExecutorShutdown
+from omni_async.core.errors import ExecutorShutdown, ProtocolError
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import TraceEvent
@@ -53,6 +53,16 @@ MUTATIONS = [
         "an aborted call that finished anyway keeps what it announced",
         ' \\/ (aborted /\\ Bug # "AbortKeepsFinished"))',
         ")",
+    ),
+    (
+        "an RPC_RESULT of a call never made is no protocol error",
+        "IF k = NoCall THEN perr' = TRUE /\\ UNCHANGED <<rec, rpcs, answers>>",
+        "IF k = NoCall THEN perr' = perr /\\ UNCHANGED <<rec, rpcs, answers>>",
+    ),
+    (
+        "a DROPPING record of a call never made is abandoned at its deadline, never given up (M6)",
+        'ELSE IF x.ghost /\\ x.st = "DROPPING" THEN ExpireGhost(x)',
+        'ELSE IF FALSE THEN ExpireGhost(x)',
     ),
 ]
 
@@ -102,9 +112,32 @@ def _abort_run() -> list[TraceEvent]:
     return tracer.snapshot()
 
 
+def _unknown_calls_run() -> list[TraceEvent]:
+    """A real run of the dispatcher and the registry fed what a broken worker sends (M3, M6):
+    an RPC_RESULT of a call nobody made; a COMPUTE_DONE of one, whose DROPPING record is given
+    up at its deadline and whose late OUTPUT_READY its tombstone swallows; the reply rank
+    answering an execute call without COMPUTE_DONE."""
+    tracer = ListTracer()
+    reg = OutputRegistry(output_timeout=5.0, tracer=tracer)
+    disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer, known_call=lambda rpc_id: rpc_id == "r1")
+    fut = disp.submit("r1", "execute_model", now=0.0)
+    assert disp.handle(AsyncDiffusionOutput.rpc_result("nobody-1", None), now=1.0) is None
+    disp.handle(AsyncDiffusionOutput.compute_done("nobody-2", ("g1",), ("q0",)), now=1.0)
+    disp.handle(AsyncDiffusionOutput.rpc_result("r1", None), now=2.0)
+    disp.expire(6.5)  # g1's deadline: its output deadline, before now + compute_timeout
+    assert reg.stats.orphan_drops_expired == 1 and len(reg) == 0
+    disp.handle(AsyncDiffusionOutput.output_ready("g1", DiffusionOutput("q0")), now=7.0)
+    apply_resolutions(disp.take_resolutions())
+    assert isinstance(fut.exception(0), ProtocolError)
+    assert disp.counters["protocol_errors"] == 3 and reg.stats.released == 1
+    disp.fail_all(lambda oid: ExecutorShutdown("shut down", output_id=oid), close=True)
+    apply_resolutions(disp.take_resolutions())
+    return tracer.snapshot()
+
+
 @pytest.fixture(scope="module")
 def real_traces() -> list[list[TraceEvent]]:
-    return [_executor_run(), _orphan_run(), _abort_run()]
+    return [_executor_run(), _orphan_run(), _abort_run(), _unknown_calls_run()]
 
 
 @pytest.fixture

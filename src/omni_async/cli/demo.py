@@ -1,15 +1,19 @@
 """``omni-async demo`` runs the reference stack end to end: an executor, its
 workers (processes by default, threads with ``--executor inproc``) running
-``TinyDiffusionWorker``, and an engine-side loop that submits requests, awaits
-every output with a deadline, and checks each one: its bytes against the digest the
-worker took before packing (the transport is bit-exact), its values against a fresh
-local forward (it is that request's image).  Ctrl-C shuts the executor down in
-order and exits with 130, reporting in one line whether any shared memory is left.
+``TinyDiffusionWorker``, and an ``AsyncDiffusionEngine`` over it that is handed every
+request at once and serves them (its scheduler never lets more outputs wait unclaimed
+than the executor's budget of held outputs: the rest wait in the engine's queue, not
+in a packer while their output deadlines run).  Each result is checked: its bytes
+against the digest the worker took before packing (the transport is bit-exact), its
+values against a fresh local forward (it is that request's image).  Ctrl-C closes the
+engine, shuts the executor down in order and exits with 130, reporting in one line
+whether any shared memory is left.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
@@ -22,7 +26,9 @@ import torch
 from omni_async.cli import options
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.core.messages import DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.metrics import GenerationResult
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
@@ -41,8 +47,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "demo",
         help="run the reference stack end to end and check every output",
         description=(
-            "Start an executor with TinyDiffusionWorker, submit requests, wait for every output "
-            "and check its bytes (against the digest the worker took) and its values (against "
+            "Start an executor with TinyDiffusionWorker and an AsyncDiffusionEngine over it, hand the "
+            "engine every request at once, wait for every result and check its bytes (against the digest the worker took) and its values (against "
             "a local CPU forward).  Exit status 0: every output arrived intact and nothing was "
             "left behind; 1: a mismatch or a leak; 2: bad arguments."
         ),
@@ -62,7 +68,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     d.add_argument("--requests", type=options.positive_int, default=16, help="number of requests to submit")
     d.add_argument(
-        "--batch", type=options.positive_int, default=2, help="requests per execute call (the last may be smaller)"
+        "--max-running",
+        type=options.positive_int,
+        default=2,
+        help="the engine's max_running: requests sent to the workers whose forward has not finished",
     )
     # 256 x 256 fp32 = 256 KiB per image: above the inline threshold, so the
     # images travel through the shared-memory pool.
@@ -81,13 +90,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=60.0,
         help="seconds from COMPUTE_DONE until the output is delivered; 0 or 'none': no limit",
     )
-    # The demo submits every request before it claims any output: with more requests
-    # than this, packing waits for room until the first outputs expire unclaimed.
+    # The demo hands the engine every request at once: the engine runs at most this many
+    # (running or holding an output), the rest wait in its queue.
     d.add_argument(
         "--max-held-outputs",
         type=options.positive_int,
         default=None,
-        help="outputs held unclaimed in shared memory before packing waits (multiproc; None: 64)",
+        help=(
+            "the executor's budget of outputs held in shared memory (multiproc; None: 64); the engine "
+            "keeps its requests in flight within it"
+        ),
     )
     d.set_defaults(subparser=d, check=_check, run=run)
 
@@ -173,39 +185,8 @@ def _run(args: argparse.Namespace) -> int:
             f"executor {type(ex).__name__} up in {started - t0:.2f}s "
             f"(world_size={args.world_size}, device={args.device})"
         )
-        announced = []
-        for i in range(0, len(requests), args.batch):
-            chunk = requests[i : i + args.batch]
-            outs = ex.execute_batch(chunk) if len(chunk) > 1 else [ex.execute_request(chunk[0])]
-            announced.extend(outs)
-        computed = time.perf_counter()
-        bad = 0
-        for ro in announced:
-            assert ro.async_output_id is not None
-            out: DiffusionOutput = ex.wait_output_ready(ro.async_output_id).result(timeout=args.output_timeout)
-            got = out.output["image"].to("cpu")
-            # The bytes: exactly what the worker computed (its digest, taken before
-            # packing).  The values: this request's image, against a CPU forward; a
-            # tolerance, since GPU kernels and even CPU BLAS differ in the last bits
-            # (see omni_async/models/tiny.py).
-            intact = int(image_digest(got)) == int(out.output["digest"])
-            diff = (got.double() - expected[ro.request_id].double()).abs()
-            if not intact or float(diff.max()) > 0.05:
-                bad += 1
-                print(
-                    f"mismatch: {ro.request_id} (output {ro.async_output_id}): bytes "
-                    f"{'intact' if intact else 'CHANGED in transit'}, max |diff| from the reference "
-                    f"{float(diff.max()):g}",
-                    file=sys.stderr,
-                )
-            del got  # on CPU .to("cpu") is the view itself; a live view fails the release (OutputStillViewed)
-            ex.release_output(out)
-        done = time.perf_counter()
+        bad = asyncio.run(_serve(ex, args, requests, expected))
         m = ex.metrics()
-        print(
-            f"{len(requests)} requests: all COMPUTE_DONE after {computed - started:.3f}s, "
-            f"all outputs after {done - started:.3f}s; {bad} mismatched"
-        )
         print("metrics: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.items())))
         if m["pending_outputs"] or m["held_payloads"]:
             print("registry not empty at the end", file=sys.stderr)
@@ -223,3 +204,63 @@ def _run(args: argparse.Namespace) -> int:
         with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
             ex.shutdown()
     return 1 if bad else 0
+
+
+def _check_result(result: GenerationResult, expected: torch.Tensor) -> bool:
+    """Whether ``result`` is intact: its bytes exactly what the worker computed (its
+    digest, taken before packing; the engine's owned copy is bit-exact), and its values
+    this request's image against a CPU forward, within a tolerance, since GPU kernels
+    and even CPU BLAS differ in the last bits (see omni_async/models/tiny.py)."""
+    got = result.output["image"].to("cpu")
+    intact = int(image_digest(got)) == int(result.output["digest"])
+    diff = float((got.double() - expected.double()).abs().max())
+    if intact and diff <= 0.05:
+        return True
+    print(
+        f"mismatch: {result.request_id}: bytes {'intact' if intact else 'CHANGED in transit'}, "
+        f"max |diff| from the reference {diff:g}",
+        file=sys.stderr,
+    )
+    return False
+
+
+async def _serve(
+    ex: DiffusionExecutor,
+    args: argparse.Namespace,
+    requests: list[DiffusionRequest],
+    expected: dict[str, torch.Tensor],
+) -> int:
+    """Hand the engine every request at once, check each result as it comes; the mismatches
+    and the requests that ended without a result, and the engine's own accounting."""
+    bad = 0
+    compute_done: list[float] = []
+    async with AsyncDiffusionEngine(ex, max_running=args.max_running) as engine:
+        started = time.monotonic()
+
+        async def one(request: DiffusionRequest) -> None:
+            nonlocal bad
+            result = await engine.generate(request)
+            compute_done.append(result.timings.compute_done_at)
+            if not _check_result(result, expected[request.request_id]):
+                bad += 1
+
+        outcomes = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+        done = time.monotonic()
+        for request, outcome in zip(requests, outcomes, strict=True):
+            if isinstance(outcome, BaseException):
+                bad += 1
+                print(f"{request.request_id} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
+        em = engine.metrics()
+    print(
+        f"{len(requests)} requests: all COMPUTE_DONE after {max(compute_done, default=started) - started:.3f}s, "
+        f"all outputs after {done - started:.3f}s; {bad} mismatched"
+    )
+    print(
+        f"engine: {', '.join(f'{k}={v}' for k, v in sorted(em.requests.items()))}; "
+        f"in_flight_limit={em.in_flight_limit}, budget_waits={em.budget_waits}, "
+        f"waiting={em.waiting}, running={em.running}, holding={em.holding}"
+    )
+    if em.requests["finished"] != len(requests) or em.waiting or em.running or em.holding:
+        print("the engine did not finish every request, or holds one at the end", file=sys.stderr)
+        bad += 1
+    return bad

@@ -34,7 +34,7 @@ COMPUTE_DONE -- an intermediate step, which announces nothing.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import assert_never
@@ -131,7 +131,12 @@ class Dispatcher:
         reply_rank: int = 0,
         compute_timeout: float | None = None,
         tracer: Tracer | None = None,
+        known_call: Callable[[str], bool] | None = None,
     ) -> None:
+        """``known_call``: whether an rpc id is one the executor issued (any path); a
+        plain RPC_RESULT of any other call that is not pending is then counted as a
+        protocol error and discarded here, not put in the synchronous buffer (M3).
+        None: every one is buffered."""
         if not 0 <= reply_rank < world_size:
             raise ValueError(f"reply_rank {reply_rank} outside world of {world_size}")
         self.registry = registry
@@ -139,6 +144,7 @@ class Dispatcher:
         self.reply_rank = reply_rank
         self._compute_timeout = compute_timeout
         self._trace = tracer
+        self._known_call = known_call
         self._pending: dict[str, PendingRpc] = {}
         self._outbox: list[Settle] = []
         self._worker_drops: list[str] = []
@@ -146,6 +152,12 @@ class Dispatcher:
         self._overdue: dict[str, OverdueRpc] = {}
         self._aborting: list[_Aborting] = []
         self.counters: Counter[str] = Counter()
+        # The calls that ended (resolved, failed, timed out, unsent, their consumer gone),
+        # the most recent ones: a COMPUTE_DONE of one of them is late (the worker
+        # answered after the call ended), one of any other call is a protocol error
+        # (a call never made, M3), whose DROPPING records are bounded (M6).
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._max_ended = 4096
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -198,6 +210,7 @@ class Dispatcher:
             fut.set_exception(err)
             for feed in feeds.values():
                 self._end_feed(feed, err)
+            self._remember_ended(rpc_id)
             return fut
         for feed in feeds.values():
             feed.rpc_id = rpc_id
@@ -238,6 +251,7 @@ class Dispatcher:
         rpc = self._pending.pop(rpc_id, None)
         if rpc is None:
             return
+        self._remember_ended(rpc_id)
         for a in rpc.answers.values():
             self._drop_all(a.async_output_ids, rpc_id, "unsent")
         self._end_streams(rpc, error, "unsent")
@@ -249,6 +263,7 @@ class Dispatcher:
 
     def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> AsyncDiffusionOutput | None:
         """Route one message; returns it when it belongs in the synchronous buffer (path 2)."""
+        made = self._made(msg)
         emit(
             self._trace,
             "PumpRecv",
@@ -259,6 +274,7 @@ class Dispatcher:
             output_id=msg.async_output_id,
             ok=msg.failure is None,
             seq=msg.seq,
+            known=made,
         )
         match msg.kind:
             case K.OUTPUT_READY:
@@ -272,10 +288,10 @@ class Dispatcher:
                 )
                 return None
             case K.COMPUTE_DONE:
-                self._on_compute_done(msg, now)
+                self._on_compute_done(msg, now, made)
                 return None
             case K.CHUNK:
-                self._on_chunk(msg, now)
+                self._on_chunk(msg, now, made)
                 return None
             case K.RPC_RESULT:
                 self._answered_overdue(msg)
@@ -284,18 +300,48 @@ class Dispatcher:
                     # after handing the outputs to its packer (compute_failed): it
                     # registers the ids it names like a COMPUTE_DONE, then fails the
                     # call, whose end drops them like any failed call's ids (defect 3).
-                    self._on_compute_done(msg, now)
+                    self._on_compute_done(msg, now, made)
                     return None
                 assert msg.rpc_id is not None
+                if not made:
+                    # Nobody issued this call: a protocol error (M3), discarded here,
+                    # never put in the synchronous buffer.
+                    self.counters["unknown_call_rpc_result"] += 1
+                    self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
+                    return None
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
-                    return msg
+                    return msg  # path 2, or a late answer of a call that ended
+                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers:
+                    # The reply rank answers an execute call with COMPUTE_DONE or a failure;
+                    # a plain answer is a protocol error (M3), counted as it arrives.  The
+                    # call fails with a ProtocolError once every rank has answered.
+                    self.counters["answers_without_compute_done"] += 1
+                    self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
                 self._answer(rpc, msg, now)
                 return None
             case _:
                 assert_never(msg.kind)
 
-    def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float) -> None:
+    def _made(self, msg: AsyncDiffusionOutput) -> bool:
+        """Whether ``msg`` belongs to a call this executor made (recorded in the trace:
+        AsyncOutput's Handle takes a message of a call never made as a faulty peer's).
+
+        An OUTPUT_READY names no call.  A message that names output ids (COMPUTE_DONE,
+        or the failure that replaces one) or a CHUNK belongs to an execute call: one
+        pending, or one of the last ``_max_ended`` that ended (older ones count as never
+        made).  A plain
+        RPC_RESULT: a call pending, or any the executor issued (``known_call``, path 2
+        included; without it, every one).
+        """
+        if msg.kind is K.OUTPUT_READY or msg.rpc_id in self._pending:
+            return True
+        assert msg.rpc_id is not None
+        if msg.kind in (K.COMPUTE_DONE, K.CHUNK) or msg.names_outputs:
+            return msg.rpc_id in self._ended
+        return self._known_call is None or self._known_call(msg.rpc_id)
+
+    def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
         assert msg.rpc_id is not None
         self._answered_overdue(msg)
         rpc = self._pending.get(msg.rpc_id)
@@ -308,9 +354,20 @@ class Dispatcher:
             output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
         )
         if rpc is None:
-            # Late (the call timed out or was cancelled): nobody will claim these ids.
+            # Late (the call timed out or was cancelled), or of a call never made:
+            # nobody will claim these ids.
             self.counters["orphan_compute_done"] += 1
             self._drop_all(announced, msg.rpc_id, "orphan")
+            if not made:
+                # A call never made (or ended longer ago than remembered): a protocol
+                # error (M3).  No worker is packing for it, so its OUTPUT_READY may never
+                # come: its DROPPING records are given up at a deadline (M6).
+                self.counters["unknown_call_compute_done"] += 1
+                self._protocol_error(
+                    f"COMPUTE_DONE of rpc {msg.rpc_id}, a call never made (a broken worker?); "
+                    f"the {len(announced)} id(s) it announced are dropped"
+                )
+                self.registry.give_up_dropping(announced, self._orphan_deadline(now))
             return
         rejected = len(announced) != len(msg.async_output_ids)
         if msg.rank != rpc.reply_rank or msg.rank in rpc.answers or rejected:
@@ -330,7 +387,7 @@ class Dispatcher:
             msg = AsyncDiffusionOutput.rpc_failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
         self._answer(rpc, msg, now)
 
-    def _on_chunk(self, msg: AsyncDiffusionOutput, now: float) -> None:
+    def _on_chunk(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
         """A CHUNK: register its id, then hand it to its feed or drop it (``omni_async.core.stream``)."""
         assert msg.rpc_id is not None and msg.async_output_id is not None and msg.seq is not None
         rid = msg.request_ids[0]
@@ -349,6 +406,12 @@ class Dispatcher:
             # Its call ended (timed out, cancelled, its consumer gone): nobody will take it.
             self.counters["orphan_chunks"] += 1
             self._drop_all(accepted, msg.rpc_id, "orphan")
+            if not made:
+                # A call never made: a protocol error (M3); its OUTPUT_READY may never
+                # come, so the DROPPING record is given up at a deadline (M6).
+                self.counters["unknown_call_chunk"] += 1
+                self._protocol_error(f"CHUNK {msg.seq} of rpc {msg.rpc_id}, a call never made (a broken worker?)")
+                self.registry.give_up_dropping(accepted, self._orphan_deadline(now))
             return
         feed = rpc.streams.get(rid)
         if msg.rank != rpc.reply_rank or feed is None or msg.seq != feed.next_seq:
@@ -444,6 +507,7 @@ class Dispatcher:
 
     def _complete(self, rpc: PendingRpc, now: float) -> None:
         del self._pending[rpc.rpc_id]
+        self._remember_ended(rpc.rpc_id)
         reply = rpc.answers[rpc.reply_rank]
         announced = reply.async_output_ids
         if rpc.fully_cancelled:
@@ -457,6 +521,7 @@ class Dispatcher:
         if failures:
             error = RpcFailed(rpc.rpc_id, rpc.method, failures)
         elif reply.kind is not K.COMPUTE_DONE and not intermediate:
+            # Counted when the answer arrived (handle).
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
             # A request cancelled while the rest of its batch went on: its RunnerOutput
@@ -597,6 +662,7 @@ class Dispatcher:
         gone = [r for r in self._pending.values() if r.consumer == consumer]
         for rpc in gone:
             del self._pending[rpc.rpc_id]
+            self._remember_ended(rpc.rpc_id)
             err = OutputDropped(f"consumer {consumer!r} went away")
             # Its chunks not taken are the consumer's records: release_consumer abandons them below.
             for feed in rpc.streams.values():
@@ -612,6 +678,7 @@ class Dispatcher:
     def expire(self, now: float) -> None:
         for rpc in [r for r in self._pending.values() if r.deadline is not None and r.deadline <= now]:
             del self._pending[rpc.rpc_id]
+            self._remember_ended(rpc.rpc_id)
             self.counters["compute_timeouts"] += 1
             missing = sorted(rpc.ranks - rpc.answers.keys())
             for a in rpc.answers.values():
@@ -652,6 +719,12 @@ class Dispatcher:
             return max((d for d in ds if d is not None), default=None)
         return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
+    def _orphan_deadline(self, now: float) -> float | None:
+        """When the DROPPING records of a COMPUTE_DONE of an unknown call are given up on:
+        ``compute_timeout`` from now (no worker computes for that call), else the
+        output deadline (None: kept until its OUTPUT_READY or shutdown)."""
+        return None if self._compute_timeout is None else now + self._compute_timeout
+
     def next_deadline(self) -> float | None:
         ds = [r.deadline for r in self._pending.values() if r.deadline is not None]
         reg = self.registry.next_deadline()
@@ -667,6 +740,7 @@ class Dispatcher:
         """Fail every pending RPC and every output (shutdown, pump stop, worker death)."""
         for rpc in list(self._pending.values()):
             del self._pending[rpc.rpc_id]
+            self._remember_ended(rpc.rpc_id)
             err = make_error(None)
             # The registry's fail_all below releases every record, the chunks' included.
             for feed in rpc.streams.values():
@@ -710,6 +784,11 @@ class Dispatcher:
         """Ids this dispatcher dropped whose output a worker may still be packing."""
         out, self._worker_drops = self._worker_drops, []
         return out
+
+    def _remember_ended(self, rpc_id: str) -> None:
+        self._ended[rpc_id] = None
+        while len(self._ended) > self._max_ended:
+            self._ended.popitem(last=False)
 
     def _protocol_error(self, reason: str) -> None:
         self.counters["protocol_errors"] += 1

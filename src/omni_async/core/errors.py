@@ -110,6 +110,28 @@ class OutputOrphaned(OutputError):
     """
 
 
+class OutputUnpackFailed(OutputError):
+    """An output arrived but the executor could not unpack it (M2): its shared-memory
+    segment does not exist or is smaller than its lease says, or its payload is not packed.
+
+    Names the output id and its request; ``cause`` is the underlying error (also the
+    ``__cause__``).  The segment, if it was leased, has gone back to the pool.
+    """
+
+    def __init__(
+        self, output_id: str | None, request_id: str | None, cause: BaseException
+    ) -> None:
+        super().__init__(
+            f"output {output_id!r} of request {request_id!r} could not be unpacked: "
+            f"{type(cause).__name__}: {cause}.  The worker sent an output this executor cannot "
+            f"read (a broken worker, or one running another omni_async): check the worker's log, "
+            f"then submit the request again",
+            output_id=output_id,
+        )
+        self.request_id = request_id
+        self.cause = cause
+
+
 class ComputeTimeout(OmniAsyncError, TimeoutError):
     """An RPC did not get every rank's answer within its compute deadline.
 

@@ -143,6 +143,9 @@ class OutputRecord:
     gone: list[Future[None]] = attrs.field(factory=list)
     # Which of the id's two messages the registry has seen (see ``_finished``).
     seen: set[IdMessage] = attrs.field(factory=set)
+    # DROPPING for a call never made (``give_up_dropping``): at its deadline the
+    # registry stops waiting for its OUTPUT_READY (M6).
+    given_up: bool = False
 
     @property
     def state(self) -> RequestState:
@@ -162,6 +165,9 @@ class RegistryStats:
     # Records an early OUTPUT_READY created whose COMPUTE_DONE never came in time:
     # force-released by ``expire`` (their payload released), see ``OutputOrphaned``.
     orphaned: int = 0
+    # DROPPING records of a COMPUTE_DONE of an unknown call whose OUTPUT_READY did not
+    # come by their deadline: force-released by ``expire`` (M6).
+    orphan_drops_expired: int = 0
     # Release-hook calls that raised (the payload counts as released; see _release_payload).
     release_errors: int = 0
     terminal: Counter[RequestState] = attrs.field(factory=Counter)
@@ -418,6 +424,10 @@ class OutputRegistry:
         if due:
             emit(self._trace, "Expire", count=len(due))
         for rec in due:
+            if rec.given_up and rec.state is S.DROPPING:
+                rec.deadline = None
+                self._give_up(rec)
+                continue
             if rec.state in AWAITING_COMPUTE_DONE:
                 rec.deadline = None
                 self._orphan(rec)
@@ -442,6 +452,28 @@ class OutputRegistry:
             f"output {rec.output_id!r}{of} expired {how} after {waited:.1f} s "
             f"(output_timeout={rec.output_timeout}){arrived}"
         )
+
+    def give_up_dropping(self, output_ids: Iterable[str], deadline: float | None) -> None:
+        """These DROPPING ids were announced by a COMPUTE_DONE of a call never made: no
+        worker packs them, so their OUTPUT_READY may never come.  At ``deadline`` (or
+        their output deadline, when None) ``expire`` force-releases them (M6); their
+        tombstone still swallows an OUTPUT_READY that comes later (its payload released)."""
+        for oid in output_ids:
+            rec = self._records.get(oid)
+            if rec is None or rec.state is not S.DROPPING:
+                continue
+            rec.given_up = True
+            if deadline is not None:
+                rec.deadline = deadline if rec.deadline is None else min(rec.deadline, deadline)
+
+    def _give_up(self, rec: OutputRecord) -> None:
+        self.stats.orphan_drops_expired += 1
+        log.warning(
+            "registry: output %r (announced by a COMPUTE_DONE of no call) never arrived; given up", rec.output_id
+        )
+        self._fire(rec, E.FORCE_RELEASE)
+        self._discard_payload(rec)
+        self._after_change(rec)
 
     def _orphan(self, rec: OutputRecord) -> None:
         self.stats.orphaned += 1

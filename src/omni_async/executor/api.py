@@ -77,6 +77,10 @@ class DiffusionExecutor(abc.ABC):
         check_final_step_async(final_step_async, step_mode)
         self.final_step_async = final_step_async
         self.world_size = world_size
+        self.token = uuid.uuid4().hex[:8]
+        self._rpc_seq = itertools.count()
+        self._issued = 0  # rpc ids "{token}-{n}" with n below this were issued
+        self._issue_lock = threading.Lock()  # callers on several threads: no lost update
         self._validate_request = validate_request
         self.reply_rank = reply_rank
         self.step_mode = step_mode
@@ -90,16 +94,20 @@ class DiffusionExecutor(abc.ABC):
             reply_rank=reply_rank,
             compute_timeout=self.deadlines.compute_timeout,
             tracer=tracer,
+            known_call=self._issued_here,
         )
         self.pump = ResultPump(receiver, self.dispatcher, on_cancel=self._deliver_cancels)
-        self.token = uuid.uuid4().hex[:8]
-        self._rpc_seq = itertools.count()
         # Path-2 answers come through one shared FIFO buffer, so at most one such RPC
         # may be in flight: two would read each other's answers.
         self._sync_lock = threading.Lock()
         self._shutdown_lock = threading.Lock()
         self._closed = False
+        # Answers read from the synchronous buffer that belong to no waiting call: late
+        # ones of an earlier call of ours (stale_sync_answers), and protocol errors (M3):
+        # a second answer of a rank.  (An answer of a call this executor never made does
+        # not get there: the dispatcher counts and discards it, known_call.)
         self.stale_sync_answers = 0
+        self.unexpected_sync_answers = 0
         # How long engines waited on wait_output_ready futures that delivered an output
         # (from the call to the result): the part of packing the engine did not hide.
         self._wait_lock = threading.Lock()
@@ -149,7 +157,17 @@ class DiffusionExecutor(abc.ABC):
     # --------------------------------------------------------------- execute
 
     def next_rpc_id(self) -> str:
-        return f"{self.token}-{next(self._rpc_seq)}"
+        with self._issue_lock:
+            n = next(self._rpc_seq)
+            self._issued = n + 1
+        return f"{self.token}-{n}"
+
+    def _issued_here(self, rpc_id: str | None) -> bool:
+        """Whether ``rpc_id`` is one this executor issued."""
+        if rpc_id is None:
+            return False
+        token, _, n = rpc_id.rpartition("-")
+        return token == self.token and n.isdigit() and int(n) < self._issued
 
     def submit_batch(
         self,
@@ -503,8 +521,13 @@ class DiffusionExecutor(abc.ABC):
                 self.check_health()
                 continue
             if msg.rpc_id != rpc_id or msg.rank in answers:
-                # The answer of an earlier call that timed out: discard it.
-                self.stale_sync_answers += 1
+                if msg.rpc_id != rpc_id and self._issued_here(msg.rpc_id):
+                    # The answer of an earlier call that timed out: discard it.
+                    self.stale_sync_answers += 1
+                else:
+                    # A call never made, or a rank answering twice: a protocol error.
+                    self.unexpected_sync_answers += 1
+                    log.warning("discarded an unexpected answer of rpc %s from rank %s", msg.rpc_id, msg.rank)
                 continue
             answers[msg.rank] = msg
         return answers
@@ -670,7 +693,22 @@ class DiffusionExecutor(abc.ABC):
                 # Outputs that arrived but that no COMPUTE_DONE named before their call
                 # ended: released by their deadline (OutputOrphaned, defect 3).
                 "orphaned_outputs": s.orphaned,
-                "protocol_errors": s.protocol_errors + d.counters["protocol_errors"],
+                "protocol_errors": s.protocol_errors + d.counters["protocol_errors"] + self.unexpected_sync_answers,
+                # Of which (M3): execute calls the reply rank answered without COMPUTE_DONE;
+                # COMPUTE_DONEs, CHUNKs and RPC_RESULTs of a call never made (or ended longer ago
+                # than remembered); answers a rank repeated in a collective_rpc.
+                "answers_without_compute_done": d.counters["answers_without_compute_done"],
+                "unknown_call_compute_done": d.counters["unknown_call_compute_done"],
+                "unknown_call_chunk": d.counters["unknown_call_chunk"],
+                "unknown_call_rpc_result": d.counters["unknown_call_rpc_result"],
+                "unexpected_sync_answers": self.unexpected_sync_answers,
+                # COMPUTE_DONEs of no pending call, whose ids are dropped: late ones (not
+                # errors) and those of a call never made (counted above too); late answers
+                # of an earlier collective_rpc (not errors).
+                "orphan_compute_done": d.counters["orphan_compute_done"],
+                "stale_sync_answers": self.stale_sync_answers,
+                # DROPPING records of an unknown call given up at their deadline (M6).
+                "orphan_drops_expired": s.orphan_drops_expired,
                 "compute_timeouts": d.counters["compute_timeouts"],
                 # Calls ended by their compute deadline that a rank has not answered yet
                 # (their forward was cancelled; see check_health's WorkerStuck).

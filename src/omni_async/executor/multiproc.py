@@ -12,10 +12,19 @@ Processes and threads, and who owns what:
   worker's result pipe through one sender (thread safe, F7).
 * The monitor waits on every worker's process sentinel.  A worker that dies
   fails every pending waiter and RPC at once with ``WorkerDied`` naming the rank
-  and the exit code, reclaims the segments the dead process had leased, and
-  marks the executor failed: ``check_health`` raises from then on.  Twice a
-  second it also looks at the pool, and logs a warning when the budget of held
-  outputs is full (see below).
+  and the exit code, reclaims the segments the dead process had leased and not
+  handed off, and marks the executor failed: ``check_health`` raises from then on.
+  Twice a second it also looks at the pool, and logs a warning when the budget of
+  held outputs is full (see below).
+* A segment the dead worker handed off (``SegmentPool.hand_off``, right before its
+  OUTPUT_READY is sent) is spared then: its message may still be in the pipe, and
+  is released like any message of a dead worker when the pump reads it.  The pump
+  marks every lease it reads in a message as received (``SegmentPool.receive``).
+  Once the dead worker's pipe has been read to its end (``PipeChannel``'s
+  ``on_sender_gone``: every message it wrote was handled) *and* the monitor has
+  handled the death, whichever comes second reclaims what the worker shipped that
+  no message carried (``SegmentPool.reclaim_shipped``): it was killed after the
+  hand-off and before (or while) writing the message.
 * Each worker has a control pipe from the executor, read by a thread of its own
   (``omni-cancel-<rank>``), because its main thread may be busy in a forward for
   minutes: ``CancelMessage``s travel there, written by the executor's
@@ -80,19 +89,29 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
+    OutputUnpackFailed,
     ProtocolError,
     UsageError,
     WorkerDied,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import CancelMessage, DiffusionOutput, DiffusionRequest, Failure, RpcRequest
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    CancelMessage,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    RpcRequest,
+)
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, check_final_step_async
 from omni_async.executor.futures import map_future
 from omni_async.transport.channel import PipeChannel, PipeSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
+    carried_leases,
     pack_diffusion_output_shm,
+    packed_lease,
     release_packed_output,
     release_unpacked_output,
     unpack_diffusion_output_shm,
@@ -541,6 +560,29 @@ def _sweep_dead_pools() -> None:
         log.debug("no shared-memory files of dead executors to sweep")
 
 
+class _ReceivingEnd:
+    """The pump's end of the result channel: each lease a message carries is marked
+    received (``SegmentPool.receive``) as the message is read, before the dispatcher
+    sees it, so ``reclaim_shipped`` never takes a segment that a message delivered."""
+
+    def __init__(self, channel: PipeChannel, pool: SegmentPool) -> None:
+        self._channel = channel
+        self._pool = pool
+
+    def get(self, timeout: float) -> AsyncDiffusionOutput | None:
+        msg = self._channel.get(timeout)
+        if msg is not None:
+            for lease in carried_leases(msg):
+                try:
+                    self._pool.receive(lease)
+                except Exception:  # noqa: BLE001  # the pool closed at shutdown: nothing left to reclaim
+                    log.debug("marking %s received failed", lease.name, exc_info=True)
+        return msg
+
+    def close(self) -> None:
+        self._channel.close()
+
+
 def _budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:
     """The error of an output that found no room in the budget of held outputs."""
     try:
@@ -623,10 +665,16 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         )
         self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else self.pool.lease_timeout
         self._budget_full_logged = False
-        self._channel = PipeChannel(mp_context=self._ctx)
+        # A dead worker's shipped segments are reclaimed once both its death was handled
+        # (monitor) and its pipe was read to the end (pump): see ``_on_pipe_end``.
+        self._reap_lock = threading.Lock()
+        self._sender_ranks: dict[str, int] = {}
+        self._pipe_ended: set[int] = set()
+        self._dead_pids: dict[int, int] = {}
+        self._channel = PipeChannel(mp_context=self._ctx, on_sender_gone=self._on_pipe_end)
         self._copy_outputs = copy_outputs
         super().__init__(
-            self._channel,
+            _ReceivingEnd(self._channel, self.pool),
             world_size=world_size,
             reply_rank=reply_rank,
             step_mode=step_mode,
@@ -651,6 +699,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             deadline = time.monotonic() + start_timeout
             for rank in range(world_size):
                 sender = self._channel.new_sender(f"rank{rank}")
+                self._sender_ranks[sender.name] = rank
                 rpc_r, rpc_w = self._ctx.Pipe(duplex=False)
                 status_r, status_w = self._ctx.Pipe(duplex=False)
                 control_r, control_w = self._ctx.Pipe(duplex=False)
@@ -773,8 +822,27 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         return map_future(packed, self._receive, discard=self._discard)
 
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
-        # On failure the unpack gives the segment back itself.
-        return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
+        """Unpack for the waiter; a failure reaches it as ``OutputUnpackFailed`` (M2).
+
+        Past its checks, the unpack gives the segment back itself on failure; a lease
+        that is still out after a failure (one it refused before taking it over) goes
+        back here, so nothing of a corrupt output stays out of the pool.
+        """
+        try:
+            return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
+        except Exception as exc:
+            self._release_failed_unpack(packed)
+            raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
+
+    def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
+        lease = packed_lease(packed)
+        if lease is None:
+            return
+        try:
+            if self.pool.is_leased(lease):
+                self.pool.release(lease)
+        except Exception:  # a forged lease (slot out of range, foreign prefix)
+            log.debug("no segment to give back for %s", packed.async_output_id, exc_info=True)
 
     def _discard(self, output: DiffusionOutput) -> None:
         # Unpacked for a waiter that was cancelled meanwhile: nobody else holds its views.
@@ -891,6 +959,42 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         self.pump.fail_all(
             lambda oid: WorkerDied(rank, exitcode, output_id=oid, failure=failure), outcome="worker_died", close=True
         )
+        if pid is not None:
+            with self._reap_lock:
+                self._dead_pids[rank] = pid
+                ended = rank in self._pipe_ended
+            if ended:
+                self._reclaim_shipped(rank, pid)
+
+    def _on_pipe_end(self, label: str) -> None:
+        """Pump thread: a worker's result pipe reached its end, every message it wrote handled."""
+        rank = self._sender_ranks.get(label)
+        if rank is None:
+            return  # the executor's own sender, or one a test made
+        with self._reap_lock:
+            self._pipe_ended.add(rank)
+            pid = self._dead_pids.get(rank)
+        if pid is not None:
+            self._reclaim_shipped(rank, pid)
+
+    def _reclaim_shipped(self, rank: int, pid: int) -> None:
+        """The dead worker's death is handled and its pipe read to the end: free what it shipped
+        that no message carried (TLC's ``ReclaimSparesShipped``; ``PumpReachEof`` in the spec)."""
+        try:
+            n = self.pool.reclaim_shipped(pid)
+        except Exception:
+            if self.pool.closed:
+                return  # shut down meanwhile: closing the pool unlinked every segment
+            log.exception("reclaiming the shipped segments of dead worker %d failed", rank)
+            return
+        if n:
+            log.warning(
+                "worker rank %d (pid %d) died after packing %d output(s) it never sent; "
+                "their shared-memory segment(s) went back to the pool",
+                rank,
+                pid,
+                n,
+            )
 
     # ------------------------------------------------------------------ shutdown
 

@@ -503,11 +503,24 @@ class _FrameReader:
         return out, None
 
 
+@attrs.frozen
+class _SenderGone:
+    """Queued behind a sender's last frames: its pipe reached its end."""
+
+    label: str
+
+
 class PipeChannel:
     """The executor's end: one pipe per sender, one reader (the pump).
 
     ``put`` on the channel itself writes through a local sender, so executor-side code
     (an in-process worker, a test) can use the same object as a full ``ResultChannel``.
+
+    ``on_sender_gone(label)``: called once a sender's pipe reached its end (every copy
+    of its writing end closed: the process exited or was killed, or its last frame is
+    torn).  It runs in ``get``, on the reader's thread, and only after every message
+    that sender wrote has been returned by an earlier ``get``: a reader that handles
+    each message before it calls ``get`` again has handled them all.
     """
 
     def __init__(
@@ -533,7 +546,7 @@ class PipeChannel:
         self._lock = threading.Lock()  # guards the receiver table (new_sender vs. get)
         self._receivers: dict[multiprocessing.connection.Connection, _FrameReader] = {}
         self._ready: collections.deque[multiprocessing.connection.Connection] = collections.deque()
-        self._frames: collections.deque[bytes | ProtocolError] = collections.deque()
+        self._frames: collections.deque[bytes | ProtocolError | _SenderGone] = collections.deque()
         self._local: PipeSender | None = None
         self._closed = False
         self._n = 0
@@ -576,14 +589,19 @@ class PipeChannel:
         with self._lock:
             entry = self._receivers.pop(conn, None)
         conn.close()
-        if entry is not None and self._on_sender_gone is not None:
-            self._on_sender_gone(entry.label)
+        if entry is not None:
+            # Behind the frames already read: ``on_sender_gone`` runs once they are out.
+            self._frames.append(_SenderGone(entry.label))
 
     def get(self, timeout: float) -> AsyncDiffusionOutput | None:
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
             if self._frames:
                 item = self._frames.popleft()
+                if isinstance(item, _SenderGone):
+                    if self._on_sender_gone is not None:
+                        self._on_sender_gone(item.label)
+                    continue
                 if isinstance(item, ProtocolError):
                     raise item
                 self.received += 1

@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import DiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, BatchDiffusionOutput, DiffusionOutput
 from omni_async.transport.errors import (
     LeaseAlreadyReleased,
     OutputStillViewed,
@@ -100,6 +100,7 @@ __all__ = [
     "ShmArray",
     "ShmBytes",
     "ShmTensor",
+    "carried_leases",
     "is_packed",
     "pack_diffusion_output_shm",
     "packed_lease",
@@ -660,6 +661,26 @@ def is_packed(output: DiffusionOutput) -> bool:
 def packed_lease(output: DiffusionOutput) -> Lease | None:
     payload = output.output
     return payload.lease if isinstance(payload, PackedPayload) else None
+
+
+def carried_leases(msg: AsyncDiffusionOutput) -> list[Lease]:
+    """The segment leases a result-channel message carries.
+
+    An OUTPUT_READY's packed output, and the packed output(s) of a step-mode
+    RPC_RESULT (packed on the worker's main thread: one output or a batch).  The
+    executor marks each received (``SegmentPool.receive``) as it reads the message.
+    """
+    found: list[Lease] = []
+    for item in (msg.output, msg.result):
+        outputs: tuple[DiffusionOutput, ...]
+        if isinstance(item, DiffusionOutput):
+            outputs = (item,)
+        elif isinstance(item, BatchDiffusionOutput):
+            outputs = item.outputs
+        else:
+            continue
+        found += [lease for lease in map(packed_lease, outputs) if lease is not None]
+    return found
 
 
 def _output_id(output: DiffusionOutput) -> str:

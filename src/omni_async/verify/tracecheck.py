@@ -404,6 +404,7 @@ def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) ->
     k = n = 0
     r = _int(ev, "rank", -1)
     ok = bool(f.get("ok", False))
+    unknown = False  # PumpRecv: a message of a call the executor never made
     ids: list[int] = []
     ranks: list[int] = []
     match ev.action:
@@ -411,6 +412,11 @@ def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) ->
             x = _str(ev, "kind")
             k = num.rpc(f.get("rpc_id"))
             ids = [num.oid(v) for v in _csv(f.get("ids"))]
+            # Recorded by Dispatcher.handle; traces written without it know every call.
+            known = f.get("known", True)
+            if not isinstance(known, bool):
+                raise TraceFormatError(f"PumpRecv: field 'known' must be a bool, got {known!r}")
+            unknown = not known
         case "Fire" | "WorkerFire":
             e, s, d = _str(ev, "event"), _str(ev, "src"), _str(ev, "dst")
         case "Remove":
@@ -451,7 +457,7 @@ def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) ->
     st = step if step is not None else _Step("")
     rec = (
         f"[a |-> {_s(ev.action)}, o |-> {o}, e |-> {_s(e)}, s |-> {_s(s)}, d |-> {_s(d)}, x |-> {_s(x)}, "
-        f"k |-> {k}, n |-> {n}, r |-> {r}, ok |-> {_b(ok)}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}, "
+        f"k |-> {k}, n |-> {n}, r |-> {r}, ok |-> {_b(ok)}, ids |-> {_set(ids)}, rk |-> {_set(ranks)}, u |-> {_b(unknown)}, "
         f"g |-> {_s(st.kind)}, gs |-> {_set(st.ids)}, cw |-> {_set(st.cw)}, cr |-> {_set(st.cr)}, "
         f"gx |-> {_s(st.key)}, gv |-> {_b(st.via)}, gc |-> {_b(st.close)}]"
     )
@@ -464,7 +470,7 @@ def _b(value: bool) -> str:
 
 _END_RECORD = (
     f'[a |-> "{END}", o |-> 0, e |-> "", s |-> "", d |-> "", x |-> "", '
-    "k |-> 0, n |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}, "
+    "k |-> 0, n |-> 0, r |-> -1, ok |-> FALSE, ids |-> {}, rk |-> {}, u |-> FALSE, "
     'g |-> "", gs |-> {}, cw |-> {}, cr |-> {}, gx |-> "", gv |-> FALSE, gc |-> FALSE]'
 )
 

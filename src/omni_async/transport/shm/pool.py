@@ -34,10 +34,20 @@ Ownership -- who creates, maps, frees and unlinks what:
   process), views tensors without copying, and **releases** each lease exactly once
   (``release``; ``packing.release_packed_output`` does it for a packed output).  A
   second release raises ``LeaseAlreadyReleased``: the table's per-slot lease
-  generation tells a stale lease from the current one, across processes.
+  generation tells a stale lease from the current one, across processes.  The
+  executor marks each lease it *receives* in a message (``receive``), the moment the
+  message is read off the channel.
 * **A SIGKILLed worker** may hold leases it never handed off; ``reclaim_owner(pid)``
-  unlinks them and frees their slots (leases already handed off are not touched: their
-  outputs may still be read).
+  unlinks them and frees their slots.  Leases it handed off are not touched then:
+  their messages may still be in the pipe, to be read and released like any other.
+  One it handed off and died before sending (or while sending) has no message that
+  will ever come: once the executor has read that worker's pipe to its end (every
+  message it wrote was received), ``reclaim_shipped(pid)`` frees what is still
+  marked shipped by it.
+
+The table's owner field of a leased slot says who must give it back: ``pid > 0``, the
+process that leased it, still writing (``reclaim_owner``); ``-pid``, shipped by that
+process, its message not received yet (``reclaim_shipped``); ``0``, the consumer's.
 
 Locking: a process can be killed anywhere, also inside the lock (``lock.CrashSafeLock``:
 threads and processes, repaired by the next holder when its holder died inside it).
@@ -153,7 +163,9 @@ class LeaseInfo:
     name: str
     size: int
     generation: int
-    owner_pid: int  # 0: handed off to the consumer
+    # > 0: leased by that process, not handed off; < 0: handed off by process -owner_pid,
+    # its message not received yet; 0: received by the consumer.
+    owner_pid: int
 
 
 @attrs.frozen
@@ -544,10 +556,37 @@ class SegmentPool:
             self._ctr[_C_RELEASED] += 1
 
     def hand_off(self, lease: Lease) -> None:
-        """The lease now belongs to the consumer: ``reclaim_owner`` of the leasing pid spares it."""
+        """The lease is shipped: ``reclaim_owner`` of the leasing pid spares it from now on.
+
+        It is marked shipped by this process until the consumer receives its
+        message; ``reclaim_shipped`` frees it if that message never comes.
+        """
         with self._locked():
             self._check_lease(lease)
-            self._slots[lease.slot, _OWNER] = 0
+            self._slots[lease.slot, _OWNER] = -os.getpid()
+
+    def receive(self, lease: Lease) -> bool:
+        """The consumer read the message carrying ``lease``: it is the consumer's now.
+
+        ``reclaim_shipped`` spares it from then on; the consumer releases it as usual.
+        Never raises for a lease that is not (or no longer) shipped -- released, stale,
+        forged, of another pool -- and returns False then: it runs on the executor's
+        pump for every message, and whatever is wrong with the lease is the unpack's
+        to report.  True when the lease was shipped and is now received.
+        """
+        if lease.prefix != self._prefix or not 0 <= lease.slot < self._max_segments:
+            return False
+        with self._locked():
+            row = self._slots[lease.slot]
+            if (
+                row[_STATE] != _LEASED
+                or row[_INC] != lease.incarnation
+                or row[_GEN] != lease.generation
+                or row[_OWNER] >= 0
+            ):
+                return False
+            row[_OWNER] = 0
+            return True
 
     def is_leased(self, lease: Lease) -> bool:
         row = self._slots[lease.slot]
@@ -565,10 +604,23 @@ class SegmentPool:
         with self._locked():
             return self._reclaim(pid)
 
-    def _reclaim(self, pid: int) -> int:
+    def reclaim_shipped(self, pid: int) -> int:
+        """Free the leases a dead process shipped whose messages never arrived; returns how many.
+
+        Call it only once every message ``pid`` sent has been received (each lease
+        they carried marked with ``receive``): the process dead, its pipe read to the
+        end.  What is still marked shipped by it then was handed off right before a
+        send that never happened (or never finished): no message will ever carry it.
+        """
+        if pid <= 0:
+            raise UsageError(f"bad pid {pid}")
+        with self._locked():
+            return self._reclaim(-pid)
+
+    def _reclaim(self, owner: int) -> int:
         # Under the lock.  Its bytes may be half written and its file half created: start over.
         s, c = self._slots, self._ctr
-        victims = np.flatnonzero((s[:, _STATE] == _LEASED) & (s[:, _OWNER] == pid)).tolist()
+        victims = np.flatnonzero((s[:, _STATE] == _LEASED) & (s[:, _OWNER] == owner)).tolist()
         for i in victims:
             c[_C_RECLAIMED] += 1
             self._evict(int(i))
