@@ -137,8 +137,8 @@ def test_a_chunk_of_a_call_never_made_is_a_counted_protocol_error_given_up_at_a_
     h.submit("ended", streams=[h.feed()])
     h.d.expire(2.0)
     h.settle()
-    h.chunk("ended", 0, "late")
-    h.chunk("never", 0, "g1")
+    h.handle(Msg.chunk("ended", "r", 0, "late"), now=2.0)
+    h.handle(Msg.chunk("never", "r", 0, "g1"), now=2.0)
     assert h.d.counters["unknown_call_chunk"] == 1 and h.d.counters["protocol_errors"] == 1
     assert h.d.counters["orphan_chunks"] == 2
     assert [e.fields.get("known") for e in h.tracer.events if e.action == "PumpRecv"] == [True, False]
@@ -302,6 +302,8 @@ def test_a_step_calls_plain_answer_is_an_intermediate_step() -> None:
     h.handle(Msg.rpc_result("s2", None, rank=1))
     h.handle(cd("s2", "o"))
     assert final.result(timeout=0) == (RunnerOutput("r", finished=True, async_output_id="o"),)
+    assert h.d.counters["protocol_errors"] == 0, "an intermediate step's plain answer is no protocol error"
+    assert h.d.counters["answers_without_compute_done"] == 0
 
 
 def test_a_request_mode_call_answered_without_compute_done_still_fails() -> None:
@@ -309,6 +311,7 @@ def test_a_request_mode_call_answered_without_compute_done_still_fails() -> None
     fut = h.submit("c1")
     h.handle(Msg.rpc_result("c1", None))
     assert isinstance(fut.exception(timeout=0), ProtocolError)
+    assert h.d.counters["answers_without_compute_done"] == 1
 
 
 # --------------------------------------------------------------------------- messages

@@ -312,9 +312,10 @@ class Dispatcher:
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
                     return msg  # path 2, or a late answer of a call that ended
-                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers:
+                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
                     # The reply rank answers an execute call with COMPUTE_DONE or a failure;
-                    # a plain answer is a protocol error (M3), counted as it arrives.  The
+                    # a plain answer is a protocol error (M3), counted as it arrives (not
+                    # for a step call: its intermediate steps announce nothing).  The
                     # call fails with a ProtocolError once every rank has answered.
                     self.counters["answers_without_compute_done"] += 1
                     self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
