@@ -26,6 +26,7 @@ from omni_async.core.errors import RemoteError, RequestAborted, RpcFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
+from omni_async.engine.sync import DiffusionEngine
 from omni_async.engine.metrics import GenerationChunk, GenerationResult
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import image_digest
@@ -278,3 +279,24 @@ def test_many_streams_at_once(shared: MultiprocDiffusionExecutor) -> None:
             await assert_quiescent(engine)
 
     run(body())
+
+
+def test_the_sync_facade_streams_and_closing_early_leaves_nothing(shared: MultiprocDiffusionExecutor) -> None:
+    """``DiffusionEngine.generate_stream``: the same items as the async stream; closing the
+    iterator after its first chunk aborts the request and returns once nothing of it remains."""
+    with DiffusionEngine(shared) as engine:
+        items = list(engine.generate_stream(r("s", seed=3, preview_every=2)))
+        assert [type(i).__name__ for i in items] == ["GenerationChunk"] * 3 + ["GenerationResult"]
+        assert [i.seq for i in items if isinstance(i, GenerationChunk)] == [0, 1, 2]
+        it = engine.generate_stream(r("e", preview_every=1, steps=40, step_ms=20))
+        first = next(it)
+        assert isinstance(first, GenerationChunk) and first.seq == 0
+        it.close()
+        settle_releases()
+        assert len(engine.engine) == 0
+        assert not any(executor_quiet(shared).values()), executor_quiet(shared)
+        assert engine.metrics().requests["cancelled"] == 1
+        with pytest.raises(RequestAborted):
+            for item in engine.generate_stream(r("x", preview_every=1, steps=40, step_ms=20)):
+                engine.abort("x")
+
