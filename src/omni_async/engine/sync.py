@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -104,7 +104,7 @@ class DiffusionEngine:
 
     def generate_stream(
         self, request: DiffusionRequest, *, deadlines: Deadlines | None = None, timeout: float | None = None
-    ) -> Iterator[GenerationChunk | GenerationResult]:
+    ) -> Generator[GenerationChunk | GenerationResult, None, None]:
         """Run ``request`` as a stream (see ``AsyncDiffusionEngine.generate_stream``): an
         iterator of its ``GenerationChunk`` items, then its ``GenerationResult``.
 
@@ -118,7 +118,7 @@ class DiffusionEngine:
 
     def _iterate(
         self, agen: AsyncGenerator[GenerationChunk | GenerationResult, None], timeout: float | None
-    ) -> Iterator[GenerationChunk | GenerationResult]:
+    ) -> Generator[GenerationChunk | GenerationResult, None, None]:
         async def step() -> GenerationChunk | GenerationResult:
             return await agen.__anext__()
 
