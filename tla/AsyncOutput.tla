@@ -30,7 +30,20 @@
 (*     thread hears it while the main thread may be in the forward.  The   *)
 (*     worker then never starts that forward, or stops it and answers with *)
 (*     an aborted failure, or (the cancel came too late) finishes anyway,  *)
-(*     and the executor drops the ids it announced on arrival.             *)
+(*     and the executor drops the ids it announced on arrival;             *)
+(*   - streaming: while the forward of a streaming call runs, the reply    *)
+(*     rank's main thread emits its chunks (Chunks[k]) one by one: each is *)
+(*     announced with a CHUNK message, then handed to the packer, whose    *)
+(*     OUTPUT_READY ships it like any output.  The dispatcher registers a  *)
+(*     chunk like a COMPUTE_DONE of its one id and hands it to the engine  *)
+(*     (its stream), or drops it when nobody wants it; a chunk never       *)
+(*     answers its call.  The engine takes each chunk (a wait) or closes   *)
+(*     the stream (what it did not take is dropped, later chunks are       *)
+(*     dropped on arrival);                                                *)
+(*   - step mode's final-step async: a call in Steps whose forward is an   *)
+(*     intermediate step (no output: Batch[k] = <<>>) is answered by the   *)
+(*     reply rank with a plain RPC_RESULT, which the dispatcher accepts as *)
+(*     success; its final step is an ordinary call.                        *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
 (* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  The    *)
@@ -44,6 +57,8 @@ CONSTANTS
     Ranks,          \* the worker ranks, e.g. {0, 1}
     ReplyRank,      \* the rank that announces and ships outputs
     Batch,          \* Batch[k]: the output ids that execute RPC k produces, in request order
+    Chunks,         \* Chunks[k]: the chunk ids RPC k's forward streams, in order (<<>>: not a stream)
+    Steps,          \* the RPCs that are steps of step mode (final-step async)
     Consumer,       \* Consumer[k]: the consumer of execute RPC k (NoConsumer: none)
     MaxCrashes,     \* how many workers may crash (0 or 1)
     ForwardFails,   \* BOOLEAN: a rank's forward may fail
@@ -56,7 +71,7 @@ CONSTANTS
 
 BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
              "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped",
-             "AbortKeepsFinished"}
+             "AbortKeepsFinished", "ChunkResolvesCall", "ChunkOrphanKept"}
 
 ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
@@ -65,11 +80,15 @@ NumRpcs == Len(Batch)
 RpcIds == 1..NumRpcs
 NoCall == 0
 Range(s) == {s[n] : n \in DOMAIN s}
-\* The ids of each call, and the call of each id (constants: TLC computes them once).
+\* The ids of each call (its outputs, its chunks), and the call of each id
+\* (constants: TLC computes them once).
 BatchIds == [k \in RpcIds |-> Range(Batch[k])]
-Ids == UNION {BatchIds[k] : k \in RpcIds}
-CallOf == [i \in Ids |-> CHOOSE k \in RpcIds : i \in BatchIds[k]]
+ChunkIdsOf == [k \in RpcIds |-> Range(Chunks[k])]
+ChunkIds(k) == ChunkIdsOf[k]
+Ids == UNION {BatchIds[k] \cup ChunkIds(k) : k \in RpcIds}
+CallOf == [i \in Ids |-> CHOOSE k \in RpcIds : i \in BatchIds[k] \cup ChunkIds(k)]
 RpcOf(i) == CallOf[i]
+IsChunk(i) == i \in ChunkIds(RpcOf(i))
 NoId == "-"
 NoConsumer == ""
 Consumers == Range(Consumer) \ {NoConsumer}
@@ -92,15 +111,16 @@ RpcStates == {"idle", "pending", "cancelling", "ok", "failed", "cancelled", "tim
               "aborted"}
 \* "shipped": a failed answer that names the ids the rank had already handed
 \* to its packer (the failure that replaces a COMPUTE_DONE whose put raised).
-Answers == {"none", "ok", "failed", "shipped"}
+\* "step": the reply rank's plain answer of an intermediate step (a call in Steps).
+Answers == {"none", "ok", "failed", "shipped", "step"}
 
 \* ids: the output ids the message names (async_output_ids): a COMPUTE_DONE's,
 \* or those of the failure that replaces a COMPUTE_DONE whose put raised.
-\* rpc: the call it answers; NoCall for an OUTPUT_READY, and for a COMPUTE_DONE
-\* or RPC_RESULT of a call this executor never made (a faulty peer's: the
+\* rpc: the call it answers; NoCall for an OUTPUT_READY, and for a COMPUTE_DONE,
+\* CHUNK or RPC_RESULT of a call this executor never made (a faulty peer's: the
 \* model's workers answer only the calls submitted; trace validation feeds
 \* the pump such messages as the implementation recorded them).
-Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"},
+Msg == [kind : {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT", "CHUNK"},
         rpc : 0..NumRpcs, id : Ids \cup {NoId}, ok : BOOLEAN,
         out : Ids \cup {NoId}, w : {"main", "packer"}, ids : SUBSET Ids]
 
@@ -139,11 +159,12 @@ VARIABLES
     rec,          \* [Ids -> Rec]
     perr,         \* history: the registry refused a message (a protocol error)
     gone,         \* the consumers that went away (release_consumer)
-    abortSent     \* the calls the executor cancelled on the workers (cancel_requests, compute deadline)
+    abortSent,    \* the calls the executor cancelled on the workers (cancel_requests, compute deadline)
+    closedStreams \* the calls whose stream the engine closed (RequestStream.close)
 
 worker == <<alive, mainPc, mainRpc, failedRanks, ws, packQ, packing, crashes>>
 channel == <<chan, sent, recvd, eof>>
-executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent>>
+executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams>>
 vars == <<worker, channel, executor>>
 
 -----------------------------------------------------------------------------
@@ -168,6 +189,7 @@ TypeOK ==
     /\ perr \in BOOLEAN
     /\ gone \subseteq Consumers
     /\ abortSent \subseteq RpcIds
+    /\ closedStreams \subseteq RpcIds
 
 NoRec == [st |-> "NONE", held |-> NoId, waiter |-> "none", eng |-> "none", seg |-> "none",
           frees |-> 0, nres |-> 0, got |-> NoId, dropped |-> FALSE, gaveUp |-> FALSE, ghost |-> FALSE,
@@ -194,6 +216,7 @@ Init ==
     /\ perr = FALSE
     /\ gone = {}
     /\ abortSent = {}
+    /\ closedStreams = {}
 
 -----------------------------------------------------------------------------
 (* Registry operators: pure functions on one id's Rec, one per step of     *)
@@ -396,8 +419,34 @@ WorkerMainForward(r) ==
                 /\ UNCHANGED packQ
     /\ UNCHANGED <<alive, packing, crashes, channel, executor>>
 
+\* The chunks of call k the reply rank has not emitted (yet).
+Unemitted(k) == {i \in ChunkIds(k) : ws[i] = "QUEUED"}
+
+\* While the forward of a streaming call runs, the reply rank emits its next
+\* chunk (WorkerLoop._emit_chunk, called by the model through emit_chunk):
+\* room in the packer, the device event, the CHUNK message, then the hand-off
+\* to the packer -- so the chunk's OUTPUT_READY can never overtake its CHUNK
+\* (one FIFO per rank), and every CHUNK precedes the call's answer.  The model
+\* emits between the forward's outcome and its answer: to every other actor
+\* that is the same as emitting during the forward.  A forward that fails or
+\* is aborted may stop after any prefix of its chunks.
+WorkerMainEmitChunk(r) ==
+    /\ alive[r] /\ r = ReplyRank /\ mainPc[r] \in {"sendOk", "sendFail", "sendAborted"}
+    /\ LET k == mainRpc[r] IN
+       \E n \in DOMAIN Chunks[k] :
+          /\ ws[Chunks[k][n]] = "QUEUED"
+          /\ \A m \in 1..(n - 1) : ws[Chunks[k][m]] # "QUEUED"
+          /\ LET i == Chunks[k][n] IN
+             /\ ws' = [ws EXCEPT ![i] = RequestNext(RequestNext(@, "FORWARD"), "COMPUTE_DONE")]
+             /\ Send(r, [kind |-> "CHUNK", rpc |-> k, id |-> i, ok |-> TRUE, out |-> NoId, w |-> "main",
+                         ids |-> {}])
+             /\ packQ' = Append(packQ, i)
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packing, crashes, recvd, executor>>
+
+\* A successful forward emitted every chunk before its answer.
 WorkerMainSendComputeDone(r) ==
     /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
+    /\ Batch[mainRpc[r]] # <<>> /\ Unemitted(mainRpc[r]) = {}
     /\ Send(r, [kind |-> "COMPUTE_DONE", rpc |-> mainRpc[r], id |-> NoId, ok |-> TRUE,
                 out |-> NoId, w |-> "main", ids |-> BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
@@ -414,6 +463,7 @@ WorkerMainSendComputeDone(r) ==
 \* arrives is held for nobody.
 WorkerMainComputeDoneFails(r) ==
     /\ SendFails /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
+    /\ Batch[mainRpc[r]] # <<>> /\ Unemitted(mainRpc[r]) = {}
     /\ failedRanks' = [failedRanks EXCEPT ![mainRpc[r]] = @ \cup {r}]
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> FALSE,
                 out |-> NoId, w |-> "main",
@@ -421,15 +471,22 @@ WorkerMainComputeDoneFails(r) ==
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
-\* A failed or aborted forward (any rank), or a non-reply rank's empty result.
+\* A failed or aborted forward (any rank), a non-reply rank's empty result,
+\* or the reply rank's answer of an intermediate step (a call in Steps whose
+\* forward returned no output).  The chunks a failed or aborted forward did
+\* not emit never will be.
 WorkerMainSendRpcResult(r) ==
     /\ alive[r]
     /\ \/ mainPc[r] \in {"sendFail", "sendAborted"}
        \/ mainPc[r] = "sendOk" /\ r # ReplyRank
+       \/ mainPc[r] = "sendOk" /\ Batch[mainRpc[r]] = <<>> /\ mainRpc[r] \in Steps /\ Unemitted(mainRpc[r]) = {}
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> mainPc[r] = "sendOk",
                 out |-> NoId, w |-> "main", ids |-> {}])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
-    /\ UNCHANGED <<alive, mainRpc, failedRanks, ws, packQ, packing, crashes, recvd, executor>>
+    /\ ws' = IF r = ReplyRank
+             THEN [i \in Ids |-> IF i \in Unemitted(mainRpc[r]) THEN RequestNext(ws[i], "FORCE_RELEASE") ELSE ws[i]]
+             ELSE ws
+    /\ UNCHANGED <<alive, mainRpc, failedRanks, packQ, packing, crashes, recvd, executor>>
 
 \* The side stream waits for the forward's event, then copies into a leased segment.
 PackerPackOutput ==
@@ -441,7 +498,7 @@ PackerPackOutput ==
        /\ packing' = i
        /\ packQ' = Tail(packQ)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
-                   submitted, rpcs, answers, perr, gone, abortSent>>
+                   submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* The copy is done: the lease is handed off (SegmentPool.hand_off, at the end
 \* of pack_diffusion_output_shm), right before the message is put.  From here
@@ -451,7 +508,7 @@ PackerPackOutput ==
 PackerHandOff ==
     /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "leased"
     /\ rec' = [rec EXCEPT ![packing].seg = "shipped"]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 PackerSendOutputReady ==
     /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "shipped"
@@ -472,7 +529,7 @@ PackerSendOutputFailed ==
                         out |-> NoId, w |-> "packer", ids |-> {}])
     /\ packing' = NoId
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd,
-                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* F15: the engine dropped the output before packing started; the drop reached
 \* the packer (Packer.drop), which sends a "Cancelled" failure instead.
@@ -510,6 +567,11 @@ Pending(k) == rpcs[k] \in {"pending", "cancelling"}
 Complete(k, ansk, r) ==
     IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ansk[q] # "none"
 
+\* A chunk the engine learned of and has not taken is dropped for it: its
+\* call ended badly, or the engine closed the stream (Dispatcher._end_streams,
+\* close_stream).  A chunk it took (waiting, holding) stays its own.
+DropKnown(x) == IF x.eng = "known" THEN [Drop(x) EXCEPT !.eng = "done"] ELSE x
+
 \* Dispatcher._answer and _complete: record rank r's answer a ("ok",
 \* "failed", or "shipped": a failure that names the ids the rank shipped) to
 \* pending RPC k, which r has not answered yet; once complete, resolve it:
@@ -534,7 +596,9 @@ Answer(k, r, a, x) ==
                                           ELSE IF cancelled THEN "cancelled" ELSE "ok"]
                   ELSE rpcs
        /\ rec' = [i \in Ids |->
-                    IF i \notin ann THEN x[i]
+                    IF i \in ChunkIds(k)
+                    THEN IF done /\ (fail \/ cancelled \/ aborted) THEN DropKnown(x[i]) ELSE x[i]
+                    ELSE IF i \notin ann THEN x[i]
                     ELSE IF lose THEN Drop(x[i])
                     ELSE IF done /\ ~cancelled /\ ~aborted THEN [x[i] EXCEPT !.eng = "known"]
                     ELSE x[i]]
@@ -583,14 +647,46 @@ HandlePlain(r, m) ==
     IF k = NoCall THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
     ELSE IF ~Pending(k) THEN UNCHANGED <<rec, rpcs, answers, perr>>
     ELSE IF r \notin Ranks \/ answers[k][r] # "none" THEN perr' = TRUE /\ UNCHANGED <<rec, rpcs, answers>>
-    ELSE /\ Answer(k, r, IF m.ok /\ r # ReplyRank THEN "ok" ELSE "failed", rec)
-         /\ perr' = (perr \/ (m.ok /\ r = ReplyRank))
+    ELSE /\ Answer(k, r, CASE ~m.ok -> "failed"
+                           [] r # ReplyRank -> "ok"
+                           [] k \in Steps -> "step"
+                           [] OTHER -> "failed", rec)
+         /\ perr' = (perr \/ (m.ok /\ r = ReplyRank /\ k \notin Steps))
 
 \* An OUTPUT_READY (on_output), on the records x.
 HandleOutputIn(x, m) ==
     /\ rec' = [x EXCEPT ![m.id] = OnOutput(@, m.ok, m.out)]
     /\ perr' = (perr \/ OutRefused(x[m.id], m.ok))
     /\ UNCHANGED <<rpcs, answers>>
+
+\* A CHUNK (Dispatcher._on_chunk): the registry takes its id like a
+\* COMPUTE_DONE's; the engine learns of it if its call is pending, its Future
+\* not cancelled, it was not aborted, its stream not closed and the chunk is
+\* the reply rank's; otherwise the dispatcher drops it on arrival (an orphan,
+\* unwanted, or a protocol error: another rank's).  A chunk never answers.
+\* A chunk of a call never made is a protocol error: dropped and marked, like
+\* the ids of such a COMPUTE_DONE (HandleNamed).
+\* ChunkResolvesCall: the dispatcher takes a chunk for the reply rank's answer.
+\* ChunkOrphanKept: a chunk of a call that ended is registered and kept.
+HandleChunk(r, m) ==
+    LET k == m.rpc
+        i == m.id
+        x == OnComputeDone(rec[i])
+        wanted == rpcs[k] = "pending" /\ k \notin abortSent /\ k \notin closedStreams /\ r = ReplyRank
+        keep == wanted \/ (Bug = "ChunkOrphanKept" /\ ~Pending(k))
+        y == IF ~CdAccepted(rec[i]) THEN x
+             ELSE IF wanted THEN [x EXCEPT !.eng = "known"]
+             ELSE IF keep THEN x
+             ELSE [Drop(x) EXCEPT !.eng = "done"]
+    IN IF k = NoCall
+       THEN /\ perr' = TRUE
+            /\ rec' = [rec EXCEPT ![i] = IF CdAccepted(rec[i]) THEN [Drop(x) EXCEPT !.ghost = TRUE] ELSE x]
+            /\ UNCHANGED <<rpcs, answers>>
+       ELSE
+       /\ perr' = (perr \/ CdRefused(rec[i]) \/ (Pending(k) /\ r # ReplyRank))
+       /\ IF Bug = "ChunkResolvesCall" /\ wanted /\ answers[k][r] = "none"
+          THEN Answer(k, r, "ok", [rec EXCEPT ![i] = y])
+          ELSE rec' = [rec EXCEPT ![i] = y] /\ UNCHANGED <<rpcs, answers>>
 
 HandleOutput(m) == HandleOutputIn(rec, m)
 
@@ -600,7 +696,8 @@ HandleOutput(m) == HandleOutputIn(rec, m)
 Received(x, out) == [i \in Ids |-> IF i = out /\ x[i].seg = "shipped" THEN [x[i] EXCEPT !.seg = "leased"] ELSE x[i]]
 
 Handle(r, m) ==
-    CASE m.kind = "OUTPUT_READY" -> HandleOutput(m)
+    CASE m.kind = "CHUNK"        -> HandleChunk(r, m)
+      [] m.kind = "OUTPUT_READY" -> HandleOutput(m)
       [] Names(m)                -> HandleNamed(r, m)
       [] OTHER                   -> HandlePlain(r, m)
 
@@ -608,13 +705,19 @@ PumpRecvComputeDone(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Names(Head(chan[r]))
     /\ HandleNamed(r, Head(chan[r]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent, closedStreams>>
+
+PumpRecvChunk(r) ==
+    /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "CHUNK"
+    /\ HandleChunk(r, Head(chan[r]))
+    /\ Recv(r)
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent, closedStreams>>
 
 PumpRecvRpcResult(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "RPC_RESULT" /\ ~Names(Head(chan[r]))
     /\ HandlePlain(r, Head(chan[r]))
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent, closedStreams>>
 
 \* F6: the reference split a batch output by a map registered at COMPUTE_DONE;
 \* an output that arrived first found no map and was thrown away.
@@ -627,7 +730,7 @@ PumpRecvOutputReady(r) ==
            x == got[m.id]
        IN CASE Bug = "F6" /\ x.st = "NONE" ->
                  /\ rec' = got
-                 /\ UNCHANGED <<pump, perr, gone, abortSent>>
+                 /\ UNCHANGED <<pump, perr, gone, abortSent, closedStreams>>
             [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
                  /\ pump' = LifecycleNext(pump, "CRASH")
                  /\ rec' = [got EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
@@ -636,7 +739,7 @@ PumpRecvOutputReady(r) ==
                  /\ HandleOutputIn(got, m)
                  /\ UNCHANGED pump
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone, abortSent>>
+    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone, abortSent, closedStreams>>
 
 \* Dispatcher.expire: the compute deadline of a pending RPC passed; what its
 \* reply rank announced is dropped, and its forward is cancelled on the
@@ -644,9 +747,10 @@ PumpRecvOutputReady(r) ==
 ExpireRpc(k) ==
     /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "timeout"]
-    /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
+    /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i])
+                             ELSE IF i \in ChunkIds(k) THEN DropKnown(rec[i]) ELSE rec[i]]
     /\ abortSent' = abortSent \cup {k}
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone, closedStreams>>
 
 PumpExpireRpc(k) ==
     /\ EngineAborts /\ pump = "RUNNING"
@@ -669,7 +773,7 @@ Expirable(i) ==
 ExpireOutputs(S) ==
     /\ \A i \in S : Expirable(i)
     /\ rec' = [i \in Ids |-> IF i \in S THEN Expire1(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 PumpExpireOutput(i) ==
     /\ EngineAborts /\ pump = "RUNNING"
@@ -682,8 +786,9 @@ PumpExpireOutput(i) ==
 Forget(k) ==
     /\ Pending(k)
     /\ rpcs' = [rpcs EXCEPT ![k] = "unsent"]
-    /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i]) ELSE rec[i]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone, abortSent>>
+    /\ rec' = [i \in Ids |-> IF i \in Announced(k) THEN Drop(rec[i])
+                             ELSE IF i \in ChunkIds(k) THEN DropKnown(rec[i]) ELSE rec[i]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, gone, abortSent, closedStreams>>
 
 -----------------------------------------------------------------------------
 (* Engine actions: omni_async.executor.api.DiffusionExecutor.  Each is   *)
@@ -696,7 +801,7 @@ Submit(k) ==
     /\ rpcs[k] = "idle"
     /\ submitted' = k
     /\ rpcs' = [rpcs EXCEPT ![k] = "pending"]
-    /\ UNCHANGED <<pump, closed, dead, answers, rec, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, answers, rec, perr, gone, abortSent, closedStreams>>
 
 \* (the model's engine submits the calls in order; a consumer submits nothing
 \* once it went away)
@@ -713,7 +818,7 @@ EngineSubmitRpc ==
 CancelRpc(k) ==
     /\ rpcs[k] = "pending"
     /\ rpcs' = [rpcs EXCEPT ![k] = "cancelling"]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, rec, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, rec, perr, gone, abortSent, closedStreams>>
 
 EngineCancelRpc(k) ==
     /\ EngineAborts
@@ -726,11 +831,25 @@ EngineCancelRpc(k) ==
 AbortRpc(k) ==
     /\ Pending(k) /\ k \notin abortSent
     /\ abortSent' = abortSent \cup {k}
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, closedStreams>>
 
 EngineAbortRpc(k) ==
     /\ CancelsForward
     /\ AbortRpc(k)
+    /\ UNCHANGED <<worker, channel>>
+
+\* Dispatcher.close_stream: the engine closes the stream of call k (it stops
+\* reading: RequestStream.close, a closed generate_stream): every chunk it
+\* learned of and did not take is dropped, and later ones are dropped on
+\* arrival.  The call goes on.
+CloseStream(k) ==
+    /\ closedStreams' = closedStreams \cup {k}
+    /\ rec' = [i \in Ids |-> IF i \in ChunkIds(k) THEN DropKnown(rec[i]) ELSE rec[i]]
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+
+EngineCloseStream(k) ==
+    /\ EngineAborts /\ ~closed /\ Chunks[k] # <<>> /\ rpcs[k] # "idle" /\ k \notin closedStreams
+    /\ CloseStream(k)
     /\ UNCHANGED <<worker, channel>>
 
 \* The consumer c goes away without aborting (F11): Dispatcher.release_consumer
@@ -748,7 +867,7 @@ ReleaseConsumer(c, disp) ==
                      y == IF Bug # "F11" /\ mine /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
                           THEN Abandon(FailWaiter(rec[i])) ELSE rec[i]
                  IN [y EXCEPT !.eng = IF @ = "known" /\ mine THEN "done" ELSE @]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, abortSent, closedStreams>>
 
 EngineReleaseConsumer ==
     /\ EngineAborts /\ ~closed
@@ -760,7 +879,7 @@ Wanted(i) == rec[i].st \notin {"NONE", "DROPPING", "DROPPING_EARLY", "RELEASING"
 RegistryWait(i) ==
     /\ ~closed /\ Wanted(i) /\ rec[i].waiter = "none"
     /\ rec' = [rec EXCEPT ![i] = AfterChange([@ EXCEPT !.waiter = "waiting", !.eng = "waiting"])]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* wait_output_ready for an id the engine learned: one that is gone or
 \* unwanted fails at once.
@@ -769,14 +888,14 @@ EngineWaitOutput(i) ==
     /\ \/ RegistryWait(i)
        \/ /\ ~Wanted(i)
           /\ rec' = [rec EXCEPT ![i] = [@ EXCEPT !.eng = "done", !.nres = @ + 1]]
-          /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+          /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
     /\ UNCHANGED <<worker, channel>>
 
 \* The engine cancels its Future; the registry hears of it in the done-callback.
 CancelWait(i) ==
     /\ rec[i].waiter = "waiting"
     /\ rec' = [rec EXCEPT ![i].waiter = "cancelled", ![i].eng = "done", ![i].nres = @ + 1, ![i].gaveUp = TRUE]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 EngineCancelWait(i) ==
     /\ EngineAborts
@@ -787,12 +906,12 @@ EngineCancelWait(i) ==
 RegistryCancelWaiter(i) ==
     /\ rec[i].waiter = "cancelled"
     /\ rec' = [rec EXCEPT ![i] = Abandon([@ EXCEPT !.waiter = "none"])]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* OutputRegistry.drop (drop_output, abort), valid in every state (F10).
 DropOutput(i) ==
     /\ rec' = [rec EXCEPT ![i] = [Drop(@) EXCEPT !.eng = "done", !.dropped = TRUE]]
-    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 EngineDropOutput(i) ==
     /\ EngineAborts /\ ~closed /\ rec[i].eng \in {"known", "waiting"}
@@ -803,7 +922,7 @@ EngineDropOutput(i) ==
 EngineReleaseOutput(i) ==
     /\ rec[i].eng = "holding"
     /\ rec' = [rec EXCEPT ![i] = [(IF @.seg = "consumer" THEN ReleaseSeg(@) ELSE @) EXCEPT !.eng = "done"]]
-    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* fail_all's parts: every pending call fails, every record is force-released
 \* (the engine hears of each), close stops the pump.
@@ -818,7 +937,7 @@ FailAll(close, disp) ==
     /\ pump' = IF close THEN StopPump ELSE pump
     /\ rpcs' = IF disp THEN FailRpcs ELSE rpcs
     /\ rec' = [i \in Ids |-> FailRec(rec[i])]
-    /\ UNCHANGED <<dead, submitted, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<dead, submitted, answers, perr, gone, abortSent, closedStreams>>
 
 \* Shutdown: close the registry (fail every waiter and RPC, release every
 \* record), stop the workers; the pool's close unlinks every segment still out
@@ -838,7 +957,7 @@ CloseAll ==
 EngineShutdown ==
     /\ EngineAborts /\ ~closed
     /\ CloseAll
-    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone, abortSent>>
+    /\ UNCHANGED <<mainPc, mainRpc, failedRanks, ws, crashes, sent, dead, submitted, answers, perr, gone, abortSent, closedStreams>>
 
 \* The monitor sees a dead worker (MultiprocDiffusionExecutor._on_worker_death):
 \* SegmentPool.reclaim_owner(pid) frees the segment the dead packer had leased
@@ -863,7 +982,7 @@ MonitorDetectDeath ==
        IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
           /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
-                   perr, gone, abortSent>>
+                   perr, gone, abortSent, closedStreams>>
 
 \* The pump reads a dead rank's pipe to its end (PipeChannel's on_sender_gone:
 \* every message the rank wrote was handled, its leases marked received) and
@@ -880,10 +999,10 @@ PumpReachEof(r) ==
             /\ packing' = NoId
        ELSE UNCHANGED <<rec, packing>>
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, chan, sent, recvd,
-                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent>>
+                   pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 -----------------------------------------------------------------------------
-PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r)
+PumpRecv(r) == PumpRecvComputeDone(r) \/ PumpRecvRpcResult(r) \/ PumpRecvOutputReady(r) \/ PumpRecvChunk(r)
 
 Next ==
     \/ EngineSubmitRpc
@@ -896,6 +1015,7 @@ Next ==
     \/ PackerCancelOutput
     \/ \E r \in Ranks :
           \/ WorkerMainForward(r)
+          \/ WorkerMainEmitChunk(r)
           \/ WorkerMainSendComputeDone(r)
           \/ WorkerMainComputeDoneFails(r)
           \/ WorkerMainSendRpcResult(r)
@@ -903,7 +1023,7 @@ Next ==
           \/ PumpRecv(r)
           \/ PumpReachEof(r)
     \/ EngineReleaseConsumer
-    \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k) \/ EngineAbortRpc(k)
+    \/ \E k \in RpcIds : PumpExpireRpc(k) \/ EngineCancelRpc(k) \/ EngineAbortRpc(k) \/ EngineCloseStream(k)
     \/ \E i \in Ids :
           \/ EngineWaitOutput(i)
           \/ EngineCancelWait(i)
@@ -921,6 +1041,7 @@ Spec == Init /\ [][Next]_vars
 SystemNext ==
     \/ \E r \in Ranks :
           \/ WorkerMainForward(r)
+          \/ WorkerMainEmitChunk(r)
           \/ WorkerMainSendComputeDone(r)
           \/ WorkerMainSendRpcResult(r)
           \/ PumpRecv(r)
@@ -974,14 +1095,34 @@ NoDeliveryAfterDrop == \A i \in Ids : rec[i].dropped => rec[i].eng # "holding" /
 DropLeavesNothing ==
     \A i \in Ids : rec[i].dropped => rec[i].st \in {"NONE", "DROPPING", "DROPPING_EARLY"}
 
+\* The registry has seen the COMPUTE_DONE that named i (a record past it, or
+\* a tombstone that no longer expects it).
+CdSeen(i) ==
+    \/ rec[i].st \notin {"NONE"} \cup RequestAwaitingComputeDone
+    \/ "fin" \in rec[i].late /\ "cd" \notin rec[i].late
+
+\* An execute call resolves as success only on its reply rank's COMPUTE_DONE
+\* (every id it produces registered): never on a CHUNK (ChunkResolvesCall).
+ResolvedOnComputeDone == \A k \in RpcIds : rpcs[k] = "ok" => \A i \in Range(Batch[k]) : CdSeen(i)
+
+\* The engine learns of a stream's chunks in order (one FIFO per rank; the
+\* worker emits them in order): never of one before an earlier one.
+ChunksInOrder ==
+    \A k \in RpcIds : \A n \in DOMAIN Chunks[k] : \A m \in 1..(n - 1) :
+        rec[Chunks[k][n]].eng # "none" => rec[Chunks[k][m]].eng # "none" \/ rec[Chunks[k][m]].dropped
+
 \* An RPC with a failed rank never resolves as success (F12).
 RpcFailureNeverSuccess == \A k \in RpcIds : rpcs[k] = "ok" => failedRanks[k] = {}
 
 \* A COMPUTE_DONE naming i (or the failure that replaces it) is still to come.
+\* For a chunk: its CHUNK is still to come.
 CdToCome(i) ==
     LET k == RpcOf(i) IN
-    \/ \E m \in MsgsOf(ReplyRank) : i \in m.ids
-    \/ alive[ReplyRank] /\ (mainRpc[ReplyRank] < k \/ (mainRpc[ReplyRank] = k /\ mainPc[ReplyRank] = "sendOk"))
+    IF IsChunk(i)
+    THEN \/ \E m \in MsgsOf(ReplyRank) : m.kind = "CHUNK" /\ m.id = i
+         \/ alive[ReplyRank] /\ ws[i] = "QUEUED"
+    ELSE \/ \E m \in MsgsOf(ReplyRank) : i \in m.ids
+         \/ alive[ReplyRank] /\ (mainRpc[ReplyRank] < k \/ (mainRpc[ReplyRank] = k /\ mainPc[ReplyRank] = "sendOk"))
 
 \* Somebody may still claim the output of i (or a pending step will release it).
 Claimable(i) ==
@@ -1018,6 +1159,7 @@ ExcusedOtherwise(i) ==
     LET k == RpcOf(i) IN
     \/ failedRanks[k] # {} \/ rpcs[k] \in {"cancelling", "cancelled", "timeout"} \/ k \in abortSent
     \/ ws[i] = "FAILED" \/ rec[i].dropped \/ crashes > 0 \/ closed \/ Consumer[RpcOf(i)] \in gone
+    \/ IsChunk(i) /\ k \in closedStreams
 
 \* Nothing touched i: its call was submitted, nothing above excuses a failure,
 \* and the engine did not give up on it (cancel its waiter; its deadline).
@@ -1048,7 +1190,7 @@ NoProtocolError == ~perr
 \* anyway splits the state space for nothing (half again as many states).
 \* And the tombstones of a closed registry: the pump has stopped, nothing
 \* reads them again.
-View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent,
+View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams,
           [i \in Ids |-> LET x == IF ExcusedOtherwise(i) THEN [rec[i] EXCEPT !.gaveUp = FALSE] ELSE rec[i]
                          IN IF closed THEN [x EXCEPT !.late = {}] ELSE x]>>
 
@@ -1066,7 +1208,7 @@ Settled(i) ==
 
 \* Every submitted request reaches a terminal state and leaves nothing behind,
 \* also when a worker crashes.
-RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in BatchIds[k] : Settled(i)
+RequestsTerminate == \A k \in RpcIds : rpcs[k] # "idle" ~> \A i \in BatchIds[k] \cup ChunkIds(k) : Settled(i)
 
 \* Every waiter is eventually resolved.
 WaitersResolve == \A i \in Ids : rec[i].waiter = "waiting" ~> rec[i].waiter # "waiting"

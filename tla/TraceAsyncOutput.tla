@@ -10,8 +10,9 @@
 (*             closed by an "End" event (many traces, one TLC run);        *)
 (*   NumIds, NumRpcs, MaxRank  the sizes of the id, RPC and rank domains   *)
 (*             (ids and RPCs are numbered per trace, from 1);              *)
-(*   NumTraces, TBatch, TCons, TRanks, TReply, TNumIds  per trace, the     *)
-(*             constants of its INSTANCE of AsyncOutput (AO(t) below).     *)
+(*   NumTraces, TBatch, TChunks, TSteps, TCons, TRanks, TReply, TNumIds    *)
+(*             per trace, the constants of its INSTANCE of AsyncOutput     *)
+(*             (AO(t) below).                                              *)
 (* Every event is a record [a: action, o: output id (0: none), e: event,   *)
 (* s: source state, d: target state, x: kind, outcome, reason or consumer, *)
 (* k: RPC (0: none), n: a count, r: rank (-1: none; RpcSubmit: the reply   *)
@@ -29,8 +30,9 @@
 (* 1. AsyncOutput.  The state of the executor half of AsyncOutput (its     *)
 (*    variables pump, closed, dead, submitted, rpcs, answers, rec, perr,   *)
 (*    gone) is part of this spec's state.  Each call the implementation    *)
-(*    records (a message the pump handled, a submit, an abort of a call    *)
-(*    in flight (RpcCancel: AbortRpc), a wait, a cancel, a                 *)
+(*    records (a message the pump handled, a CHUNK included, a submit, an  *)
+(*    abort of a call in flight (RpcCancel: AbortRpc), the close of a      *)
+(*    stream (StreamClose: CloseStream), a wait, a cancel, a               *)
 (*    drop, an expiry, a compute timeout, a forget, a consumer's release,  *)
 (*    a fail_all) is one step of AsyncOutput (AOStep), taken when its      *)
 (*    first event is: the step must be enabled, and when the next call     *)
@@ -101,17 +103,18 @@ VARIABLES
     rans,          \* [Rpcs -> [AllRanks -> {"none", "ok", "failed"}]]
     cdRank,       \* [Rpcs -> AllRanks \cup {-1}]: the rank whose COMPUTE_DONE answered it
     announced,    \* [Rpcs -> SUBSET Oids]: the ids its COMPUTE_DONE named
+    chunked,      \* [Rpcs -> SUBSET Oids]: the chunk ids its CHUNKs named (the registry accepted)
     shut,         \* the registry is closed (its Shutdown event)
     errs,         \* a ProtocolError was recorded in this trace
     rout,         \* [Rpcs -> STRING]: how each call resolved ("": not yet)
     \* AsyncOutput's executor half, for the trace being replayed:
-    pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent,
+    pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams,
     tr            \* the trace being replayed (1..NumTraces)
 
 \* The event layer's variables, l included; AsyncOutput's.
 fine == <<l, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, ghost, owner, wst, msg, mx,
-          cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
-ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent>>
+          cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
+ao == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams>>
 vars == <<fine, errs, rout, ao, tr>>
 
 NoMsg == [kind |-> "NONE", o |-> 0, ok |-> FALSE, k |-> 0, r |-> -1, ids |-> {}, u |-> FALSE]
@@ -155,6 +158,7 @@ TypeOK ==
     /\ rans \in [Rpcs -> [AllRanks -> {"none", "ok", "failed"}]]
     /\ cdRank \in [Rpcs -> AllRanks \cup {-1}]
     /\ announced \in [Rpcs -> SUBSET Oids]
+    /\ chunked \in [Rpcs -> SUBSET Oids]
     /\ shut \in BOOLEAN
 
 \* The state at the start of every trace (everything but l).
@@ -176,7 +180,7 @@ Fresh ==
     /\ wst = NoneSt /\ msg = NoMsg /\ mx = NoMx
     /\ cdPending = {} /\ outPending = FALSE /\ msgPayload = FALSE /\ call = NoCall
     /\ rpc = NoRpc /\ rranks = NoRanks /\ rrep = NoCdRank /\ rcons = NoCons
-    /\ rans = NoAnswers /\ cdRank = NoCdRank /\ announced = NoRanks /\ shut = FALSE
+    /\ rans = NoAnswers /\ cdRank = NoCdRank /\ announced = NoRanks /\ chunked = NoRanks /\ shut = FALSE
 
 \* The same, for the next state (TLC cannot assign through a primed definition).
 FreshNext ==
@@ -186,7 +190,7 @@ FreshNext ==
     /\ wst' = NoneSt /\ msg' = NoMsg /\ mx' = NoMx
     /\ cdPending' = {} /\ outPending' = FALSE /\ msgPayload' = FALSE /\ call' = NoCall
     /\ rpc' = NoRpc /\ rranks' = NoRanks /\ rrep' = NoCdRank /\ rcons' = NoCons
-    /\ rans' = NoAnswers /\ cdRank' = NoCdRank /\ announced' = NoRanks /\ shut' = FALSE
+    /\ rans' = NoAnswers /\ cdRank' = NoCdRank /\ announced' = NoRanks /\ chunked' = NoRanks /\ shut' = FALSE
 
 
 Ev == TraceLog[l + 1]
@@ -234,8 +238,10 @@ Settled ==
 \* by a Late event (its tombstone swallows it, or it is refused).
 TracePumpRecv ==
     /\ Is("PumpRecv") /\ Holds(Settled)
-    /\ Ev.x \in {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT"}
+    /\ Ev.x \in {"COMPUTE_DONE", "OUTPUT_READY", "RPC_RESULT", "CHUNK"}
     /\ Holds(\A o \in Ev.ids : wst[o] \notin {"QUEUED", "COMPUTING"})
+    \* a CHUNK names its one id (output_id), announced like a COMPUTE_DONE's
+    /\ Ev.x = "CHUNK" => Ev.o # 0 /\ Ev.ids = {} /\ wst[Ev.o] \notin {"QUEUED", "COMPUTING"}
     /\ Ev.x = "OUTPUT_READY" =>
           wst[Ev.o] \in {"NONE", "PACKING", "READY", "FAILED", "DROPPING", "DROPPED"}
     \* a message that names ids: a COMPUTE_DONE, or the failure that replaces one
@@ -247,13 +253,13 @@ TracePumpRecv ==
     \* a call the executor says it never made (u) was never submitted in this trace
     /\ Ev.u => Ev.x # "OUTPUT_READY" /\ (Ev.k \in Rpcs => rpc[Ev.k] = "none")
     /\ msg' = [kind |-> Ev.x, o |-> Ev.o, ok |-> Ev.ok, k |-> Ev.k, r |-> Ev.r, ids |-> Ev.ids, u |-> Ev.u]
-    /\ cdPending' = Ev.ids
+    /\ cdPending' = IF Ev.x = "CHUNK" THEN {Ev.o} ELSE Ev.ids
     /\ outPending' = (Ev.x = "OUTPUT_READY")
     /\ msgPayload' = (Ev.x = "OUTPUT_READY" /\ Ev.ok)
     /\ call' = Call("recv", 0, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, waiter, held, dropped, mustFire, seen, finished, expect, expired, owner, wst,
-                   rpc, rranks, rrep, rcons, rans, cdRank, shut>>
+                   rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 \* _late_message: a message of an id that already finished.  Expected only if
 \* its tombstone still expects that message (a force-released id's message
@@ -274,7 +280,7 @@ TraceLate ==
             /\ UNCHANGED <<expect, cdPending, outPending, announced>>
     /\ Step
     /\ UNCHANGED <<ghost, st, waiter, held, dropped, mustFire, seen, finished, expired, owner, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 \* _get_or_create: only for an id the current message names, never when closed.
 TraceCreate ==
@@ -289,7 +295,7 @@ TraceCreate ==
     /\ owner' = [owner EXCEPT ![Ev.o] = ""]
     /\ Step
     /\ UNCHANGED <<ghost, dropped, mustFire, finished, expect, wst, msg, mx, cdPending, outPending, msgPayload,
-                   call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* The event that the open call may make o take, besides arriving messages
 \* and deliveries: a drop of o DROPs it; a cancel of o, an expiry (of a record
@@ -359,6 +365,9 @@ TraceFire ==
                       THEN [owner EXCEPT ![o] = IF msg.k \in Rpcs /\ rpc[msg.k] = "pending" THEN rcons[msg.k] ELSE ""]
                       ELSE owner
           /\ mx' = IF e = "COMPUTE_DONE" THEN [mx EXCEPT !.acc = @ \cup {o}] ELSE mx
+          \* a CHUNK's id: a chunk of its call (what the call's end or a close may drop)
+          /\ chunked' = IF e = "COMPUTE_DONE" /\ msg.kind = "CHUNK" /\ msg.k \in Rpcs
+                        THEN [chunked EXCEPT ![msg.k] = @ \cup {o}] ELSE chunked
           /\ ghost' = IF e = "COMPUTE_DONE" /\ msg.u THEN [ghost EXCEPT ![o] = TRUE] ELSE ghost
           /\ expired' = IF e \in {"ABANDON", "FORCE_RELEASE"} /\ call.c = "expire" THEN [expired EXCEPT ![o] = TRUE] ELSE expired
           /\ call' = CallAfter(o, e)
@@ -376,7 +385,7 @@ TraceRemove ==
     /\ expect' = [expect EXCEPT ![Ev.o] = {"cd", "out"} \ seen[Ev.o]]
     /\ Step
     /\ UNCHANGED <<ghost, waiter, held, dropped, mustFire, seen, expired, owner, wst, msg, mx, cdPending, outPending,
-                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* wait: a live record that is still wanted gets one waiter (opens the call).
 TraceWaiterAdd ==
@@ -387,7 +396,7 @@ TraceWaiterAdd ==
     /\ call' = Call("wait", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A waiter is resolved once: with the output it was delivered, with the
 \* failure the record held, or with an error by the open call, after which
@@ -416,7 +425,7 @@ TraceWaiterResolve ==
               /\ UNCHANGED held
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, dropped, wst, msg, mx, cdPending, outPending,
-                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* The delivered output goes to the waiter; never after a drop.
 TracePayloadDeliver ==
@@ -425,7 +434,7 @@ TracePayloadDeliver ==
     /\ held' = [held EXCEPT ![Ev.o] = "delivered"]
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A payload is released once: the one a record held (it left a holding
 \* state), or the one the current message brought when nobody may have it
@@ -443,7 +452,7 @@ TracePayloadRelease ==
             /\ UNCHANGED held
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, dropped, mustFire, wst, msg, mx,
-                   cdPending, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* A message the table does not allow is refused, and the state stays.  A
 \* finished id's message is refused only after its Late event said so.
@@ -453,7 +462,7 @@ TraceProtocolError ==
     /\ IF Ev.o = 0
        THEN UNCHANGED <<cdPending, outPending, announced, mx>>  \* the dispatcher's (wrong rank, duplicate answer)
        ELSE /\ mx.lateErr = (IF st[Ev.o] = "NONE" THEN Ev.o ELSE 0)
-            /\ \/ /\ Ev.o \in cdPending /\ msg.ids # {}
+            /\ \/ /\ Ev.o \in cdPending /\ (msg.ids # {} \/ msg.kind = "CHUNK")
                   /\ st[Ev.o] \notin RequestAwaitingComputeDone
                   /\ cdPending' = cdPending \ {Ev.o}
                   \* a refused id belongs to another call: not announced by this one
@@ -467,7 +476,7 @@ TraceProtocolError ==
                   /\ UNCHANGED <<cdPending, announced>>
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, msgPayload,
-                   call, rpc, rranks, rrep, rcons, rans, cdRank, shut>>
+                   call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, shut>>
 
 -----------------------------------------------------------------------------
 (* Call boundaries of the registry. *)
@@ -479,7 +488,7 @@ TraceDrop ==
     /\ call' = Call("drop", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* cancel: the done-callback of a cancelled waiter.
 TraceCancel ==
@@ -487,7 +496,7 @@ TraceCancel ==
     /\ call' = Call("cancel", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* release_consumer: every record the consumer owns now must be abandoned
 \* (after the dispatcher failed the consumer's pending calls, if it did).
@@ -497,7 +506,7 @@ TraceReleaseConsumer ==
     /\ call' = Call("release", 0, Ev.x, 0, FALSE, {o \in Oids : st[o] # "NONE" /\ owner[o] = Ev.x})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* expire: exactly `count` records with an armed deadline are abandoned.
 TraceExpire ==
@@ -505,7 +514,7 @@ TraceExpire ==
     /\ call' = Call("expire", 0, "", Ev.n, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* fail_all (worker death; with close, shutdown): every record that exists
 \* now must be force-released, its waiter failed with this outcome; the
@@ -516,7 +525,7 @@ TraceFailAll ==
     /\ call' = Call("failall", 0, Ev.x, 0, Ev.ok, {o \in Oids : st[o] # "NONE"})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* fail_all(close=True) closes the registry first: nothing is created afterwards.
 \* Idempotent: a repeated shutdown changes nothing.
@@ -525,7 +534,7 @@ TraceShutdown ==
     /\ shut' = TRUE
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, chunked, announced>>
 
 -----------------------------------------------------------------------------
 (* RPC events: Dispatcher (F12). *)
@@ -538,7 +547,17 @@ TraceRpcCancel ==
     /\ Holds(CallDone)
     /\ Step
     /\ UNCHANGED <<st, seen, finished, expect, expired, ghost, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
+
+\* Dispatcher.close_stream: the engine closed a stream of call k; AsyncOutput's
+\* CloseStream is the step, its drops (DispatchDrop "closed") follow.
+TraceStreamClose ==
+    /\ Is("StreamClose") /\ Ev.k \in Rpcs
+    /\ Holds(CallDone)
+    /\ call' = NoCall
+    /\ Step
+    /\ UNCHANGED <<st, seen, finished, expect, expired, ghost, owner, waiter, held, dropped, mustFire, wst, msg, mx,
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 TraceRpcSubmit ==
     /\ Is("RpcSubmit") /\ rpc[Ev.k] = "none" /\ Ev.rk # {} /\ Ev.r \in Ev.rk
@@ -549,7 +568,7 @@ TraceRpcSubmit ==
     /\ rcons' = [rcons EXCEPT ![Ev.k] = Ev.x]
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, call, rans, cdRank, announced, chunked, shut>>
 
 \* One answer per rank, from the message being handled.  A COMPUTE_DONE
 \* answers well only if it is the reply rank's first answer and the registry
@@ -563,7 +582,7 @@ TraceRpcAnswer ==
     /\ cdRank' = IF msg.ids # {} /\ mx.good /\ ~mx.refused THEN [cdRank EXCEPT ![Ev.k] = Ev.r] ELSE cdRank
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, shut>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, announced, chunked, shut>>
 
 AllAnswered(k) == \A r \in rranks[k] : rans[k][r] # "none"
 AnyFailed(k) == \E r \in rranks[k] : rans[k][r] = "failed"
@@ -573,22 +592,35 @@ AnyFailed(k) == \E r \in rranks[k] : rans[k][r] = "failed"
 \* registry accepted of a COMPUTE_DONE that announces nothing to its call
 \* (an orphan: the call is gone; rejected: not the reply rank's first answer,
 \* or an id of it refused).
+\* A chunk that arrives for a pending call nobody wants (its stream closed,
+\* the call aborted: "unwanted"; its Future cancelled: "cancelled"), or out of
+\* place ("rejected"), is dropped on arrival; at the call's end the chunks it
+\* did not hand out are dropped with its announced ids; a close drops a
+\* stream's chunks ("closed").  AsyncOutput's step says which ones.
+ChunkArrival(o, k) == msg.kind = "CHUNK" /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
+EndDrop(o, k) == (cdRank[k] = rrep[k] /\ o \in announced[k]) \/ o \in chunked[k]
 DispatchDropAllowed(o, k, reason) ==
     CASE reason = "orphan" ->
-              /\ msg.ids # {} /\ msg.k = k /\ rpc[k] # "pending" /\ o \in mx.acc
+              /\ msg.ids # {} \/ msg.kind = "CHUNK"
+              /\ msg.k = k /\ rpc[k] # "pending" /\ o \in mx.acc
       [] reason = "rejected" ->
-              /\ msg.ids # {} /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
-              /\ ~mx.good \/ mx.refused
+              \/ /\ msg.ids # {} /\ msg.k = k /\ rpc[k] = "pending" /\ o \in mx.acc
+                 /\ ~mx.good \/ mx.refused
+              \/ ChunkArrival(o, k)
+      [] reason = "unwanted" -> ChunkArrival(o, k)
+      [] reason = "closed" -> o \in chunked[k]
       [] reason \in {"failed", "cancelled"} ->
-              /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
-              /\ AnyFailed(k) = (reason = "failed")
+              \/ /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+                 /\ AnyFailed(k) = (reason = "failed")
+              \/ rpc[k] = "pending" /\ AllAnswered(k) /\ o \in chunked[k]
+              \/ reason = "cancelled" /\ ChunkArrival(o, k)
       \* an aborted call (cancel_requests) that finished anyway: what it announced
       [] reason = "aborted" ->
-              /\ rpc[k] = "pending" /\ AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+              /\ rpc[k] = "pending" /\ AllAnswered(k) /\ EndDrop(o, k)
               /\ k \in abortSent
       \* a compute timeout, or a broadcast that failed part-way (Dispatcher.forget)
       [] reason \in {"timeout", "unsent"} ->
-              /\ rpc[k] = "pending" /\ ~AllAnswered(k) /\ cdRank[k] = rrep[k] /\ o \in announced[k]
+              /\ rpc[k] = "pending" /\ ~AllAnswered(k) /\ EndDrop(o, k)
       [] OTHER -> FALSE
 
 TraceDispatchDrop ==
@@ -598,7 +630,7 @@ TraceDispatchDrop ==
     /\ call' = Call("ddrop", Ev.o, "", 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg,
-                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 \* An RPC resolves as success only when every rank answered, none failed and
 \* the reply rank's COMPUTE_DONE answered it (F12), and every id it announced
@@ -606,7 +638,8 @@ TraceDispatchDrop ==
 ResolveAllowed(k, outcome) ==
     CASE outcome = "ok" ->
               /\ AllAnswered(k) /\ \A r \in rranks[k] : rans[k][r] = "ok"
-              /\ cdRank[k] = rrep[k]
+              \* a step of step mode may end with the reply rank's plain answer (no output)
+              /\ cdRank[k] = rrep[k] \/ (k \in TSteps[tr] /\ announced[k] = {})
               \* registered before the call resolves (ended already only if abandoned,
               \* e.g. by release_consumer while the call was pending)
               /\ \A o \in announced[k] :
@@ -640,7 +673,7 @@ TraceRpcResolve ==
                /\ call' = Call(c, 0, x, 0, FALSE, {})
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, wst, msg, mx,
-                   cdPending, outPending, msgPayload, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 -----------------------------------------------------------------------------
 (* Worker-side events: WorkerLoop._fire and Packer._fire. *)
@@ -654,7 +687,7 @@ TraceWorkerFire ==
     /\ wst' = [wst EXCEPT ![Ev.o] = Ev.d]
     /\ Step
     /\ UNCHANGED <<ghost, st, seen, finished, expect, expired, owner, waiter, held, dropped, mustFire, msg, mx,
-                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, shut>>
+                   cdPending, outPending, msgPayload, call, rpc, rranks, rrep, rcons, rans, cdRank, announced, chunked, shut>>
 
 -----------------------------------------------------------------------------
 (* AsyncOutput, the model-checked spec: one instance per trace.            *)
@@ -668,6 +701,7 @@ AORpcs(t) == 1..Len(TBatch[t])
 \* (no executor step changes them).  The executor half is this spec's.
 AO(t) == INSTANCE AsyncOutput WITH
     Ranks <- TRanks[t], ReplyRank <- TReply[t], Batch <- TBatch[t], Consumer <- TCons[t],
+    Chunks <- TChunks[t], Steps <- TSteps[t],
     MaxCrashes <- 0, ForwardFails <- TRUE, PackFails <- TRUE, SendFails <- TRUE,
     EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0, Bug <- "none",
     alive <- [r \in TRanks[t] |-> TRUE], mainPc <- [r \in TRanks[t] |-> "idle"],
@@ -683,13 +717,13 @@ AOInit(t) ==
     /\ rpcs = [k \in AORpcs(t) |-> "idle"]
     /\ answers = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
     /\ rec = [o \in AOIds(t) |-> AO(t)!NoRec]
-    /\ perr = FALSE /\ gone = {} /\ abortSent = {}
+    /\ perr = FALSE /\ gone = {} /\ abortSent = {} /\ closedStreams = {}
 AOInitNext(t) ==
     /\ pump' = "RUNNING" /\ closed' = FALSE /\ dead' = FALSE /\ submitted' = 0
     /\ rpcs' = [k \in AORpcs(t) |-> "idle"]
     /\ answers' = [k \in AORpcs(t) |-> [r \in TRanks[t] |-> "none"]]
     /\ rec' = [o \in AOIds(t) |-> AO(t)!NoRec]
-    /\ perr' = FALSE /\ gone' = {} /\ abortSent' = {}
+    /\ perr' = FALSE /\ gone' = {} /\ abortSent' = {} /\ closedStreams' = {}
 
 Init == l = 0 /\ Fresh /\ errs = FALSE /\ rout = [k \in Rpcs |-> ""] /\ tr = 1 /\ AOInit(1)
 
@@ -711,8 +745,9 @@ MsgOf(ev) ==
 AOStep(t) ==
     CASE Ev.g = "submit"    -> AO(t)!Submit(Ev.k)
       [] Ev.g = "abort"     -> AO(t)!AbortRpc(Ev.k)
+      [] Ev.g = "closestream" -> AO(t)!CloseStream(Ev.k)
       [] Ev.g = "recv"      -> /\ AO(t)!Handle(Ev.r, MsgOf(Ev))
-                               /\ UNCHANGED <<pump, closed, dead, submitted, gone, abortSent>>
+                               /\ UNCHANGED <<pump, closed, dead, submitted, gone, abortSent, closedStreams>>
       [] Ev.g = "wait"      -> AO(t)!RegistryWait(Id(Ev.o))
       [] Ev.g = "cancel"    -> IF rec[Id(Ev.o)].waiter = "cancelled"
                                THEN AO(t)!RegistryCancelWaiter(Id(Ev.o))
@@ -805,6 +840,7 @@ TraceEvent ==
     \/ TraceShutdown
     \/ TraceRpcSubmit
     \/ TraceRpcCancel
+    \/ TraceStreamClose
     \/ TraceRpcAnswer
     \/ TraceDispatchDrop
     \/ TraceRpcResolve

@@ -69,12 +69,19 @@ from omni_async.engine.errors import (
     EngineOverloaded,
     PostProcessFailed,
 )
-from omni_async.engine.metrics import EngineMetrics, GenerationResult, HistogramSnapshot, RequestTimings
+from omni_async.engine.metrics import (
+    EngineMetrics,
+    GenerationChunk,
+    GenerationResult,
+    HistogramSnapshot,
+    RequestTimings,
+)
 from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.engine.sync import DiffusionEngine
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.models.dit import DiTPipelineWorker
 from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
 from omni_async.transport.errors import (
@@ -112,6 +119,7 @@ from omni_async.worker.postprocess import (
     register_postprocess,
     registered_postprocesses,
 )
+from omni_async.worker.stream import emit_chunk, streaming_requested
 
 __all__ = [
     "LIFECYCLE_TABLE",
@@ -143,6 +151,7 @@ __all__ = [
     "EngineOverloaded",
     "ExecutorShutdown",
     "Failure",
+    "GenerationChunk",
     "GenerationResult",
     "HeldOutputsFull",
     "HistogramSnapshot",
@@ -158,6 +167,7 @@ __all__ = [
     "MultiprocDiffusionExecutor",
     "OmniAsyncError",
     "OutputAlreadyClaimed",
+    "OutputChunk",
     "OutputDropped",
     "OutputError",
     "OutputOrphaned",
@@ -175,6 +185,7 @@ __all__ = [
     "RequestAborted",
     "RequestEvent",
     "RequestState",
+    "RequestStream",
     "RequestTimings",
     "RpcFailed",
     "RpcRequest",
@@ -197,6 +208,7 @@ __all__ = [
     "WorkerStartupFailed",
     "WorkerStuck",
     "cancel_requested",
+    "emit_chunk",
     "get_postprocess",
     "list_segments",
     "pack_diffusion_output_shm",
@@ -207,6 +219,7 @@ __all__ = [
     "registered_postprocesses",
     "release_packed_output",
     "release_unpacked_output",
+    "streaming_requested",
     "sweep_dead_executors",
     "unpack_diffusion_output_shm",
     "wait_device_event",

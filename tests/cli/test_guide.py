@@ -181,6 +181,7 @@ def test_the_marked_blocks_run(tmp_path: Path) -> None:
     assert "RuntimeError - forward of bad failed on purpose" in done.stdout
     assert "OutputError no-such-id" in done.stdout
     assert "[None, None]" in done.stdout
+    assert "['GenerationChunk', 'GenerationChunk', 'GenerationResult']" in done.stdout
 
 
 # -- the other documents that name modules ---------------------------------------------------

@@ -1,12 +1,14 @@
 """A Hypothesis state machine over the whole engine: random interleavings of submit
-(plain, failing, with a held forward, a held packing, a short compute deadline),
-abort (with and without wait), cancelled callers, letting time pass and opening the
-gates.  The engine runs on its own event loop over InProcessExecutor (real threads,
+(plain, failing, with a held forward, a held packing, a short compute deadline, a
+stream read to its end, a stream closed after its first item), abort (with and
+without wait), cancelled callers (a stream's consumer included), letting time pass
+and opening the gates.  The engine runs on its own event loop over InProcessExecutor (real threads,
 the real protocol); each rule runs the loop briefly.
 
 Invariants: every request ends in exactly one outcome -- a result, a typed error,
-aborted, or cancelled (its caller's) -- and the engine's per-outcome counters agree
-with what the callers saw; the scheduler's limits hold at every step; at quiescence
+aborted, or cancelled (its caller's, or a stream closed early) -- and the engine's
+per-outcome counters agree with what the callers saw; a stream read to its end got
+its chunks in order, then its result; the scheduler's limits hold at every step; at quiescence
 nothing is held: no request in the engine, no record in the executor's registry,
 nothing in a packer.
 """
@@ -14,6 +16,7 @@ nothing in a packer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import pytest
@@ -27,10 +30,11 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, OmniAsyncError, RequestAborted, RpcFailed
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineOverloaded
-from omni_async.engine.metrics import GenerationResult
+from omni_async.engine.metrics import GenerationChunk, GenerationResult
 from omni_async.executor.inprocess import InProcessExecutor
 
-KINDS = ("plain", "fails", "held_forward", "held_packing", "deadline")
+KINDS = ("plain", "fails", "held_forward", "held_packing", "deadline", "stream", "stream_close")
+CHUNKS = 3
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -40,7 +44,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.ex = InProcessExecutor(make_toy, deadlines=RELAXED)
         self.engine = AsyncDiffusionEngine(self.ex, max_running=2, max_waiting=4, max_in_flight=3)
         self.loop.run_until_complete(self.engine.start())
-        self.tasks: dict[str, asyncio.Task[GenerationResult]] = {}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.kinds: dict[str, str] = {}
         self.aborted: set[str] = set()
         self.cancelled: set[str] = set()
@@ -68,9 +72,26 @@ class EngineMachine(RuleBasedStateMachine):
         elif kind == "held_packing":
             params["pickle_gate"] = gate_name()
             self.gates.append(params["pickle_gate"])
-        self.tasks[rid] = self.loop.create_task(self.engine.generate(req(rid, **params), deadlines=deadlines))
+        if kind.startswith("stream"):
+            # The chunks come first, then the forward waits at its gate.
+            params.update(chunks=CHUNKS, gate=gate_name())
+            self.gates.append(params["gate"])
+            self.tasks[rid] = self.loop.create_task(self._stream(rid, params, close=kind == "stream_close"))
+        else:
+            self.tasks[rid] = self.loop.create_task(self.engine.generate(req(rid, **params), deadlines=deadlines))
         self.kinds[rid] = kind
         self._spin()
+
+    async def _stream(self, rid: str, params: dict[str, Any], *, close: bool) -> Any:
+        """Read a stream to its end (its items), or close it after its first item ("closed")."""
+        items: list[Any] = []
+        it = self.engine.generate_stream(req(rid, **params))
+        async with contextlib.aclosing(it):
+            async for item in it:
+                items.append(item)
+                if close:
+                    return "closed"
+        return items
 
     @precondition(lambda self: bool(self.tasks))
     @rule(data=st.data(), wait=st.booleans())
@@ -120,7 +141,13 @@ class EngineMachine(RuleBasedStateMachine):
                 assert rid in self.cancelled, f"{rid} cancelled without its caller's cancel"
                 continue
             exc = task.exception()
-            if exc is None:
+            if exc is None and self.kinds[rid] == "stream_close":
+                assert task.result() == "closed", (rid, task.result())
+            elif exc is None and self.kinds[rid] == "stream":
+                *chunks, result = task.result()
+                assert [c.seq for c in chunks if isinstance(c, GenerationChunk)] == list(range(CHUNKS)), chunks
+                assert len(chunks) == CHUNKS and isinstance(result, GenerationResult), (rid, task.result())
+            elif exc is None:
                 assert isinstance(task.result(), GenerationResult)
                 assert self.kinds[rid] != "fails", rid  # (a "deadline" request may make it in time)
             else:
@@ -146,12 +173,15 @@ class EngineMachine(RuleBasedStateMachine):
             counts = self.engine.metrics().requests
             # One outcome per request, counted once: the counters add up to the requests.
             assert sum(counts.values()) == len(self.tasks), (counts, len(self.tasks))
-            results = sum(1 for t in self.tasks.values() if not t.cancelled() and t.exception() is None)
+            ok = [rid for rid, t in self.tasks.items() if not t.cancelled() and t.exception() is None]
+            closed = sum(1 for rid in ok if self.kinds[rid] == "stream_close")
+            results = len(ok) - closed
             cancelled = sum(1 for t in self.tasks.values() if t.cancelled())
-            # A caller cancelled after its result was decided sees CancelledError; the
-            # engine counts what it decided.
-            assert results <= counts["finished"] <= results + cancelled, (counts, results, cancelled)
-            assert counts["cancelled"] <= cancelled
+            # A caller cancelled after its result was decided sees CancelledError, and a
+            # stream closed after its result was decided was finished; the engine counts
+            # what it decided.
+            assert results <= counts["finished"] <= results + cancelled + closed, (counts, results, cancelled)
+            assert counts["cancelled"] <= cancelled + closed
             assert self.ex.packers[0].metrics.in_flight_outputs == 0
         finally:
             for g in self.gates:

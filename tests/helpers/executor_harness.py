@@ -30,6 +30,7 @@ from omni_async.core.trace import Tracer
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.transport.channel import ResultSender
 from omni_async.worker.packer import Packer
+from omni_async.worker.stream import emit_chunk
 
 TIMEOUT = 10.0
 # Long enough never to fire in a test unless the test means it to.
@@ -82,7 +83,8 @@ class PickleGate:
 
 class ToyWorker:
     """Request params: ``fail_on`` (ranks that raise), ``gate`` (block the forward of the ranks in
-    ``gate_ranks``, default all), ``pickle_gate`` (block the packing), ``value`` (the image)."""
+    ``gate_ranks``, default all), ``pickle_gate`` (block the packing), ``value`` (the image),
+    ``chunks`` (that many chunks emitted before the gate, when the call streams)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -112,6 +114,8 @@ class ToyWorker:
     def _forward(self, request: DiffusionRequest) -> DiffusionOutput:
         p = request.params
         self.forwards += 1
+        for i in range(int(p.get("chunks", 0))):
+            emit_chunk(request.request_id, {"chunk": torch.full((2,), float(i))})
         if "gate" in p and self.rank in p.get("gate_ranks", (self.rank,)):
             GATES.pass_(str(p["gate"]))
         if self.rank in p.get("fail_on", ()):

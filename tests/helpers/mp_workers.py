@@ -106,3 +106,29 @@ class BrokenWorker:
 
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         return DiffusionOutput(request.request_id, {})
+
+
+class StepwiseWorker:
+    """A model run step by step (step mode): each ``execute_model`` call advances its request
+    one denoising step (``step_ms`` of "device" time, a sleep that leaves the CPU to the
+    packer, as a GPU forward does) and returns None, until the last of ``steps`` calls,
+    which returns the output: ``numel`` float32 values, seeded by ``seed``
+    (``expected_image``), freshly made by the final step (the packer copies it while the
+    next request's first step runs)."""
+
+    def __init__(self) -> None:
+        self.progress: dict[str, int] = {}
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput | None:
+        p = request.params
+        steps = int(p.get("steps", 4))
+        time.sleep(float(p.get("step_ms", 0)) / 1000.0)
+        done = self.progress.get(request.request_id, 0) + 1
+        if done < steps:
+            self.progress[request.request_id] = done
+            return None
+        self.progress.pop(request.request_id, None)
+        return DiffusionOutput(request.request_id, {"image": expected_image(p), "steps": steps})
+
+    def pending(self) -> int:
+        return len(self.progress)

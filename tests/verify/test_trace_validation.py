@@ -9,7 +9,9 @@ Sources, each checked in one TLC run:
   drop, failures, timeouts, duplicates, a consumer that leaves, a worker death,
   shutdown;
 * runs of the in-process executor (real worker loops, packers and pump threads;
-  their traces also hold the worker-side machines);
+  their traces also hold the worker-side machines), aborted calls, streaming calls
+  (CHUNK messages, closed streams, failed chunks and calls, cancels, deadlines) and
+  step mode's final-step async;
 * whatever the other test modules collected in this session: the Hypothesis
   stateful runs (tests/core/test_registry_stateful.py) and the multiprocess integration
   tests (tests/_traces.py).  pytest runs this module after them (file order).
@@ -44,6 +46,7 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.verify.recorder import ListTracer
 from omni_async.verify.tracecheck import TraceFormatError, check_traces, encode_traces
 from omni_async.worker.cancel import raise_if_cancelled
+from omni_async.worker.stream import emit_chunk
 
 HYPOTHESIS_TRACES = 300
 
@@ -505,6 +508,130 @@ def test_aborted_calls_are_behaviours() -> None:
     res = check_traces(traces, toolchain=tc)
     assert res.ok, res.summary()
     print(f"\naborted calls: {res.summary()}")
+
+
+class _StreamModel:
+    """Denoising steps of 10 ms, a chunk after each (``emit_chunk``), cancellation honoured;
+    ``bad_chunk``: the chunks cannot travel (a lambda: the put fails, the chunk fails
+    typed); ``raise_at``: the forward raises after that step; ``intermediate``: a step of
+    step mode that returns no output; ``ignore_cancel``: no cancellation checks."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput | None:
+        p = request.params
+        for step in range(int(p.get("steps", 1))):
+            if not p.get("ignore_cancel"):
+                raise_if_cancelled()
+            time.sleep(0.01)
+            emit_chunk(request.request_id, {"step": step, "bad": (lambda: None) if p.get("bad_chunk") else None})
+            if p.get("raise_at") == step:
+                raise RuntimeError(f"forward failed at step {step}")
+        if p.get("intermediate"):
+            return None
+        return DiffusionOutput(request.request_id, output={"pixels": [self.rank, 9]})
+
+
+def _stream_runs() -> list[list[TraceEvent]]:
+    """Recorded runs of streaming calls, every way a stream ends, and step mode's final-step async."""
+
+    def rq(rid: str, steps: int, **params: object) -> DiffusionRequest:
+        return DiffusionRequest(rid, {"steps": steps, **params})
+
+    def finish(ex: InProcessExecutor, stream: object) -> None:
+        from omni_async.executor.stream import RequestStream
+
+        assert isinstance(stream, RequestStream)
+        try:
+            ro = stream.result.result(10)
+        except Exception:
+            return
+        assert ro.async_output_id is not None
+        ex.wait_output_ready(ro.async_output_id).result(10)
+
+    traces: list[list[TraceEvent]] = []
+    for world in (1, 2):
+        tracer = ListTracer()
+        ex = InProcessExecutor(_StreamModel, world_size=world, deadlines=Deadlines(30.0, 30.0, 30.0), tracer=tracer)
+        try:
+            # Every chunk taken, in order, then the final output.
+            s = ex.submit_stream(rq("all", 3))
+            assert [c.output["step"] for c in s] == [0, 1, 2]
+            finish(ex, s)
+            # Closed after the first chunk: the rest dropped, the call goes on.
+            s = ex.submit_stream(rq("closed", 6))
+            first = s.next_chunk(10)
+            assert first is not None
+            first.output.result(10)
+            time.sleep(0.05)  # more chunks announced meanwhile, not taken
+            s.close().result(10)
+            finish(ex, s)
+            # A chunk that cannot travel fails typed, and ends the iteration.
+            s = ex.submit_stream(rq("bad", 2, bad_chunk=True))
+            with pytest.raises(Exception):
+                list(s)
+            finish(ex, s)
+            # The forward fails after a chunk: the stream ends with the call's error.
+            s = ex.submit_stream(rq("fails", 3, raise_at=1))
+            with pytest.raises(Exception):
+                list(s)
+            # Aborted mid-stream (cancel_requests).
+            s = ex.submit_stream(rq("abort", 300))
+            assert s.next_chunk(10) is not None
+            time.sleep(0.05)  # chunks announced and not taken: dropped when the call ends
+            ex.cancel_requests(["abort"])
+            assert isinstance(s.result.exception(10), RequestAborted)
+            # The call's future cancelled mid-stream: later chunks dropped on arrival.
+            s = ex.submit_stream(rq("cancel", 8))
+            assert s.next_chunk(10) is not None
+            s.result.cancel()
+            time.sleep(0.15)
+            # The consumer goes away mid-stream: the call fails, its later chunks are orphans.
+            s = ex.submit_stream(rq("gone", 8), consumer="leaving")
+            assert s.next_chunk(10) is not None
+            ex.release_consumer("leaving")
+            time.sleep(0.15)
+            # A compute deadline ends the call (what it announced is dropped).
+            s = ex.submit_stream(rq("late", 20, ignore_cancel=True), deadlines=Deadlines(compute_timeout=0.1))
+            with pytest.raises(ComputeTimeout):
+                s.result.result(10)
+            deadline = time.monotonic() + 10
+            while ex.metrics()["overdue_calls"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            finish(ex, ex.submit_stream(rq("after", 1)))
+        finally:
+            ex.shutdown()
+        traces.append(tracer.snapshot())
+    # Step mode, final-step async: intermediate steps answered plainly, the final one in two phases.
+    tracer = ListTracer()
+    ex = InProcessExecutor(
+        _StreamModel, world_size=2, step_mode=True, final_step_async=True, deadlines=Deadlines(30.0, 30.0, 30.0),
+        tracer=tracer,
+    )
+    try:
+        assert not ex.execute_request(rq("s", 1, intermediate=True)).finished
+        ro = ex.execute_request(rq("s", 1))
+        assert ro.async_output_id is not None
+        ex.wait_output_ready(ro.async_output_id).result(10)
+    finally:
+        ex.shutdown()
+    traces.append(tracer.snapshot())
+    return traces
+
+
+@pytest.mark.tlc
+def test_streaming_and_step_calls_are_behaviours() -> None:
+    tc = require_tlc()
+    traces = _stream_runs()
+    kinds = {e.fields.get("kind") for t in traces for e in t if e.action == "PumpRecv"}
+    reasons = {e.fields.get("reason") for t in traces for e in t if e.action == "DispatchDrop"}
+    actions = {e.action for t in traces for e in t}
+    assert "CHUNK" in kinds and "StreamClose" in actions, (kinds, actions)
+    assert {"closed", "failed", "aborted", "cancelled", "orphan"} <= reasons, reasons
+    res = check_traces(traces, toolchain=tc)
+    assert res.ok, res.summary()
+    print(f"\nstreaming and step calls: {res.summary()}")
 
 
 def _collected() -> dict[str, list[list[TraceEvent]]]:

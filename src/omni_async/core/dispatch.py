@@ -24,6 +24,12 @@ The dispatcher registers COMPUTE_DONE's ids in the registry *before* it resolves
 the RPC future: the engine learns an id only from that future, so every
 ``wait_output_ready`` finds its record.  Swapping the two would let a waiter
 arrive for an id the registry has not seen.
+
+Streaming calls: a ``CHUNK`` registers its one id the same way and hands it to its
+request's ``ChunkFeed`` (``omni_async.core.stream``), never answering the call; when
+the call ends, so do its feeds.  Step calls (final-step async, ``step=True`` in
+``submit``): the reply rank may answer with a plain RPC_RESULT instead of
+COMPUTE_DONE -- an intermediate step, which announces nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ from omni_async.core.messages import (
     RunnerOutput,
 )
 from omni_async.core.methods import ASYNC_METHODS
-from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution
+from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution, Settle, Wake
+from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer, emit
 
 K = AsyncOutputKind
@@ -78,6 +85,13 @@ class PendingRpc:
     # Requests of this call that cancel() reached, and why.
     cancelled: dict[str, AbortCause] = attrs.field(factory=dict)
     compute_timeout: float | None = None
+    # Streaming: the feed of each request that asked for its chunks.
+    streams: dict[str, ChunkFeed] = attrs.field(factory=dict)
+    # Chunks dropped on arrival while the call was pending (an abort waits for them too).
+    unwanted: list[str] = attrs.field(factory=list)
+    # A step of step mode (final-step async): the reply rank's plain answer is an
+    # intermediate step, not a missing COMPUTE_DONE.
+    step: bool = False
 
     @property
     def fully_cancelled(self) -> bool:
@@ -132,7 +146,7 @@ class Dispatcher:
         self._trace = tracer
         self._known_call = known_call
         self._pending: dict[str, PendingRpc] = {}
-        self._outbox: list[Resolution] = []
+        self._outbox: list[Settle] = []
         self._worker_drops: list[str] = []
         self._cancels: list[CancelMessage] = []
         self._overdue: dict[str, OverdueRpc] = {}
@@ -163,12 +177,16 @@ class Dispatcher:
         timeout: float | None = None,
         request_ids: tuple[str, ...] = (),
         deadlines: Deadlines | None = None,
+        streams: Iterable[ChunkFeed] = (),
+        step: bool = False,
     ) -> Future[tuple[RunnerOutput, ...]]:
         """Register an execute RPC before it is broadcast; its future resolves on COMPUTE_DONE.
 
         ``request_ids``: the call's requests (what ``cancel`` finds it by).  ``deadlines``:
         this call's compute and output timeouts, replacing the executor's (None in them
         means no deadline); ``timeout`` is the older way to set the compute timeout alone.
+        ``streams``: a feed per request whose chunks the caller wants (each names a
+        request of ``request_ids``); ``step``: a step of step mode (see the module docstring).
         """
         if method not in ASYNC_METHODS:
             raise ValueError(f"{method!r} does not take the async path")
@@ -180,13 +198,22 @@ class Dispatcher:
         else:
             limit = self._compute_timeout if timeout is None else timeout
             output_timeout = self.registry.output_timeout
+        feeds = {f.request_id: f for f in streams}
+        unknown = sorted(set(feeds) - set(request_ids))
+        if unknown:
+            raise ValueError(f"rpc {rpc_id}: streams of requests {unknown} that the call does not make")
         fut: Future[tuple[RunnerOutput, ...]] = Future()
         if self.registry.closed:
             # After fail_all(close=True) nothing would ever resolve a new entry: a submit
             # that raced a pump stop (check_health passed just before) fails at once.
-            fut.set_exception(ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down"))
+            err = ExecutorShutdown(f"rpc {method} ({rpc_id}): the executor shut down")
+            fut.set_exception(err)
+            for feed in feeds.values():
+                self._end_feed(feed, err)
             self._remember_ended(rpc_id)
             return fut
+        for feed in feeds.values():
+            feed.rpc_id = rpc_id
         self._pending[rpc_id] = PendingRpc(
             rpc_id,
             method,
@@ -198,6 +225,8 @@ class Dispatcher:
             request_ids=tuple(request_ids),
             output_timeout=output_timeout,
             compute_timeout=limit,
+            streams=feeds,
+            step=step,
         )
         emit(
             self._trace,
@@ -207,6 +236,8 @@ class Dispatcher:
             ranks=",".join(map(str, range(self.world_size))),
             reply_rank=self.reply_rank,
             consumer=consumer,
+            step=step,
+            streams=len(feeds),
         )
         return fut
 
@@ -223,6 +254,7 @@ class Dispatcher:
         self._remember_ended(rpc_id)
         for a in rpc.answers.values():
             self._drop_all(a.async_output_ids, rpc_id, "unsent")
+        self._end_streams(rpc, error, "unsent")
         if rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
         emit(self._trace, "RpcResolve", rpc_id=rpc_id, outcome="unsent")
@@ -241,6 +273,7 @@ class Dispatcher:
             ids=",".join(msg.async_output_ids),
             output_id=msg.async_output_id,
             ok=msg.failure is None,
+            seq=msg.seq,
             known=made,
         )
         match msg.kind:
@@ -256,6 +289,9 @@ class Dispatcher:
                 return None
             case K.COMPUTE_DONE:
                 self._on_compute_done(msg, now, made)
+                return None
+            case K.CHUNK:
+                self._on_chunk(msg, now, made)
                 return None
             case K.RPC_RESULT:
                 self._answered_overdue(msg)
@@ -276,9 +312,10 @@ class Dispatcher:
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
                     return msg  # path 2, or a late answer of a call that ended
-                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers:
+                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
                     # The reply rank answers an execute call with COMPUTE_DONE or a failure;
-                    # a plain answer is a protocol error (M3), counted as it arrives.  The
+                    # a plain answer is a protocol error (M3), counted as it arrives (not
+                    # for a step call: its intermediate steps announce nothing).  The
                     # call fails with a ProtocolError once every rank has answered.
                     self.counters["answers_without_compute_done"] += 1
                     self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
@@ -292,15 +329,16 @@ class Dispatcher:
         AsyncOutput's Handle takes a message of a call never made as a faulty peer's).
 
         An OUTPUT_READY names no call.  A message that names output ids (COMPUTE_DONE,
-        or the failure that replaces one) answers an execute call: one pending, or one
-        of the last ``_max_ended`` that ended (older ones count as never made).  A plain
+        or the failure that replaces one) or a CHUNK belongs to an execute call: one
+        pending, or one of the last ``_max_ended`` that ended (older ones count as never
+        made).  A plain
         RPC_RESULT: a call pending, or any the executor issued (``known_call``, path 2
         included; without it, every one).
         """
         if msg.kind is K.OUTPUT_READY or msg.rpc_id in self._pending:
             return True
         assert msg.rpc_id is not None
-        if msg.kind is K.COMPUTE_DONE or msg.names_outputs:
+        if msg.kind in (K.COMPUTE_DONE, K.CHUNK) or msg.names_outputs:
             return msg.rpc_id in self._ended
         return self._known_call is None or self._known_call(msg.rpc_id)
 
@@ -350,6 +388,115 @@ class Dispatcher:
             msg = AsyncDiffusionOutput.rpc_failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
         self._answer(rpc, msg, now)
 
+    def _on_chunk(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
+        """A CHUNK: register its id, then hand it to its feed or drop it (``omni_async.core.stream``)."""
+        assert msg.rpc_id is not None and msg.async_output_id is not None and msg.seq is not None
+        rid = msg.request_ids[0]
+        rpc = self._pending.get(msg.rpc_id)
+        accepted = self.registry.on_compute_done(
+            [msg.async_output_id],
+            now=now,
+            rank=msg.rank,
+            request_ids=[rid],
+            consumer=None if rpc is None else rpc.consumer,
+            output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
+        )
+        if not accepted:
+            return  # a repeated or finished id: the registry counted it (never another call's to drop)
+        if rpc is None:
+            # Its call ended (timed out, cancelled, its consumer gone): nobody will take it.
+            self.counters["orphan_chunks"] += 1
+            self._drop_all(accepted, msg.rpc_id, "orphan")
+            if not made:
+                # A call never made: a protocol error (M3); its OUTPUT_READY may never
+                # come, so the DROPPING record is given up at a deadline (M6).
+                self.counters["unknown_call_chunk"] += 1
+                self._protocol_error(f"CHUNK {msg.seq} of rpc {msg.rpc_id}, a call never made (a broken worker?)")
+                self.registry.give_up_dropping(accepted, self._orphan_deadline(now))
+            return
+        feed = rpc.streams.get(rid)
+        if msg.rank != rpc.reply_rank or feed is None or msg.seq != feed.next_seq:
+            where = (
+                f"from rank {msg.rank} (reply rank {rpc.reply_rank})"
+                if msg.rank != rpc.reply_rank
+                else "of a request that asked for no stream"
+                if feed is None
+                else f"out of order (expected {feed.next_seq})"
+            )
+            self._protocol_error(f"rpc {rpc.rpc_id}: CHUNK {msg.seq} of request {rid!r} {where}")
+            self._drop_all(accepted, rpc.rpc_id, "rejected")
+            return
+        feed.next_seq += 1
+        cancelled = rpc.future.cancelled()
+        if feed.closed or rid in rpc.cancelled or cancelled:
+            # Nobody wants it any more: released the moment it arrives (F9, F10).  The
+            # reason says why, for the trace: the caller cancelled the call's future
+            # (which nothing else records), or the stream was closed / the call aborted.
+            feed.dropped += 1
+            rpc.unwanted.extend(accepted)
+            self._drop_all(accepted, rpc.rpc_id, "cancelled" if cancelled else "unwanted")
+            return
+        feed.announced.append(ChunkRef(msg.seq, msg.async_output_id))
+        self._wake(feed)
+
+    def take_chunk(self, feed: ChunkFeed) -> ChunkRef | None:
+        """The next chunk of ``feed`` for its consumer (who claims its id at once), or None."""
+        if not feed.announced:
+            return None
+        feed.taken += 1
+        return feed.announced.popleft()
+
+    def close_stream(self, feed: ChunkFeed) -> list[Future[None]]:
+        """The consumer closed ``feed``: drop what it did not take; later chunks are dropped on
+        arrival.  Returns the acknowledgements of the drops (see ``OutputRegistry.drop``)."""
+        emit(self._trace, "StreamClose", rpc_id=feed.rpc_id, request_id=feed.request_id)
+        feed.closed = True
+        ids = [ref.output_id for ref in feed.announced]
+        feed.announced.clear()
+        feed.dropped += len(ids)
+        done = self._drop_all(ids, feed.rpc_id or "", "closed")
+        self._wake(feed)
+        return done
+
+    def _end_streams(self, rpc: PendingRpc, error: BaseException | None, reason: str | None) -> None:
+        """``rpc`` ended: so do its feeds.  ``reason`` (a failed end): drop the chunks not taken."""
+        self._end_streams_of(rpc, rpc.streams.values(), error, reason)
+
+    def _stream_error(self, rpc: PendingRpc, why: str) -> OutputError:
+        """What a feed ends with when its call ended without an error of its own."""
+        if why == "aborted" and rpc.cancelled:
+            cause = next(iter(rpc.cancelled.values()))
+            return RequestAborted(
+                rpc.request_ids[0] if rpc.request_ids else "?",
+                by=cause.value,
+                detail="its chunks not taken were dropped",
+                request_ids=rpc.request_ids,
+                rpc_id=rpc.rpc_id,
+            )
+        return OutputDropped(f"rpc {rpc.method} ({rpc.rpc_id}) was {why}; its chunks not taken were dropped")
+
+    def _end_streams_of(
+        self, rpc: PendingRpc, feeds: Iterable[ChunkFeed], error: BaseException | None, reason: str | None
+    ) -> None:
+        for feed in feeds:
+            if reason is not None and feed.announced:
+                ids = [ref.output_id for ref in feed.announced]
+                feed.announced.clear()
+                feed.dropped += len(ids)
+                self._drop_all(ids, rpc.rpc_id, reason)
+            self._end_feed(feed, error)
+
+    def _end_feed(self, feed: ChunkFeed, error: BaseException | None) -> None:
+        if feed.ended:
+            return
+        feed.ended = True
+        feed.error = error
+        self._wake(feed)
+
+    def _wake(self, feed: ChunkFeed) -> None:
+        if feed.listener is not None:
+            self._outbox.append(Wake(feed.listener))
+
     def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
         if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
             self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
@@ -369,9 +516,12 @@ class Dispatcher:
             return
         failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
         error: BaseException | None = None
+        # A step of step mode (final-step async) whose forward returned no output: an
+        # intermediate step, answered like any other rank's (it announces nothing).
+        intermediate = rpc.step and reply.kind is K.RPC_RESULT and reply.failure is None
         if failures:
             error = RpcFailed(rpc.rpc_id, rpc.method, failures)
-        elif reply.kind is not K.COMPUTE_DONE:
+        elif reply.kind is not K.COMPUTE_DONE and not intermediate:
             # Counted when the answer arrived (handle).
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
@@ -388,6 +538,18 @@ class Dispatcher:
                 else:
                     kept.append(oid)
                     outputs.append(RunnerOutput(request_id=rid, finished=True, result=None, async_output_id=oid))
+            if intermediate:
+                outputs = [RunnerOutput(rid, finished=False, aborted=rid in rpc.cancelled) for rid in rpc.request_ids]
+            for rid, feed in rpc.streams.items():
+                # The feed of a request cancelled while its batch went on ends like the
+                # request: what it did not take is dropped below, with its output.
+                if rid in rpc.cancelled:
+                    unwanted.extend(ref.output_id for ref in feed.announced)
+                    feed.dropped += len(feed.announced)
+                    feed.announced.clear()
+                    self._end_feed(feed, self._stream_error(rpc, "aborted"))
+                else:
+                    self._end_feed(feed, None)
             self._outbox.append(Resolution(rpc.future, output=tuple(outputs)))
             # The engine learns the ids only now: with several ranks the reply rank's
             # COMPUTE_DONE can precede the last answer, so the delivery deadline is
@@ -400,10 +562,12 @@ class Dispatcher:
                     self._worker_drops.append(oid)  # its packer may skip it (F15)
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
-        self._drop_all(announced, rpc.rpc_id, "failed" if error is not None else "cancelled")
+        why = "failed" if error is not None else "cancelled"
+        self._drop_all(announced, rpc.rpc_id, why)
+        self._end_streams(rpc, error if error is not None else self._stream_error(rpc, why), why)
         if error is not None and rpc.future.set_running_or_notify_cancel():
             self._outbox.append(Resolution(rpc.future, error=error))
-        emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="failed" if error is not None else "cancelled")
+        emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome=why)
 
     def _complete_aborted(self, rpc: PendingRpc, announced: tuple[str, ...]) -> None:
         """Every request of ``rpc`` was cancelled and every rank has answered.
@@ -414,10 +578,12 @@ class Dispatcher:
         left in the registry: then nothing of the call remains on a worker or here.
         """
         self._drop_all(announced, rpc.rpc_id, "aborted")
+        chunks = tuple(rpc.unwanted) + tuple(ref.output_id for feed in rpc.streams.values() for ref in feed.announced)
+        cause = next(iter(rpc.cancelled.values()))
+        self._end_streams(rpc, self._stream_error(rpc, "aborted"), "aborted")
         emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="aborted")
         if not rpc.future.set_running_or_notify_cancel():
             return
-        cause = next(iter(rpc.cancelled.values()))
         stages = sorted(
             {f"rank {r}: {a.failure.message}" for r, a in rpc.answers.items() if a.failure is not None}
         )
@@ -430,7 +596,7 @@ class Dispatcher:
             request_ids=rpc.request_ids,
             rpc_id=rpc.rpc_id,
         )
-        self._aborting.append(_Aborting(rpc.future, err, tuple(announced)))
+        self._aborting.append(_Aborting(rpc.future, err, tuple(announced) + chunks))
 
     # ------------------------------------------------------------------ cancel
 
@@ -498,8 +664,13 @@ class Dispatcher:
         for rpc in gone:
             del self._pending[rpc.rpc_id]
             self._remember_ended(rpc.rpc_id)
+            err = OutputDropped(f"consumer {consumer!r} went away")
+            # Its chunks not taken are the consumer's records: release_consumer abandons them below.
+            for feed in rpc.streams.values():
+                feed.announced.clear()
+            self._end_streams(rpc, err, None)
             if rpc.future.set_running_or_notify_cancel():
-                self._outbox.append(Resolution(rpc.future, error=OutputDropped(f"consumer {consumer!r} went away")))
+                self._outbox.append(Resolution(rpc.future, error=err))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="consumer_gone")
         return len(gone) + self.registry.release_consumer(consumer)
 
@@ -521,16 +692,13 @@ class Dispatcher:
                     self._cancels.append(CancelMessage(rpc.rpc_id, hit, AbortCause.DEADLINE))
                 self._overdue[rpc.rpc_id] = OverdueRpc(rpc.rpc_id, rpc.request_ids, now, set(missing))
                 stopping = f"; its forward of request(s) {list(rpc.request_ids)} was cancelled on the workers"
+            timeout = ComputeTimeout(
+                f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} within its "
+                f"compute deadline (compute_timeout={rpc.compute_timeout} s){stopping}"
+            )
+            self._end_streams(rpc, timeout, "timeout")
             if rpc.future.set_running_or_notify_cancel():
-                self._outbox.append(
-                    Resolution(
-                        rpc.future,
-                        error=ComputeTimeout(
-                            f"rpc {rpc.method} ({rpc.rpc_id}): no answer from rank(s) {missing} within its "
-                            f"compute deadline (compute_timeout={rpc.compute_timeout} s){stopping}"
-                        ),
-                    )
-                )
+                self._outbox.append(Resolution(rpc.future, error=timeout))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome="timeout")
         self.registry.expire(now)
 
@@ -574,14 +742,19 @@ class Dispatcher:
         for rpc in list(self._pending.values()):
             del self._pending[rpc.rpc_id]
             self._remember_ended(rpc.rpc_id)
+            err = make_error(None)
+            # The registry's fail_all below releases every record, the chunks' included.
+            for feed in rpc.streams.values():
+                feed.announced.clear()
+            self._end_streams(rpc, err, None)
             if rpc.future.set_running_or_notify_cancel():
-                self._outbox.append(Resolution(rpc.future, error=make_error(None)))
+                self._outbox.append(Resolution(rpc.future, error=err))
             emit(self._trace, "RpcResolve", rpc_id=rpc.rpc_id, outcome=outcome)
         self.registry.fail_all(make_error, outcome=outcome, close=close)
         # Nothing more will come from the workers: no call is overdue any more.
         self._overdue.clear()
 
-    def take_resolutions(self) -> list[Resolution]:
+    def take_resolutions(self) -> list[Settle]:
         out, self._outbox = self._outbox, []
         if self._aborting:
             still: list[_Aborting] = []
@@ -596,14 +769,17 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- internals
 
-    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> None:
+    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> list[Future[None]]:
+        """Drop these ids; their acknowledgements (see ``OutputRegistry.drop``)."""
         # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
+        done: list[Future[None]] = []
         for oid in output_ids:
             emit(self._trace, "DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
-            self.registry.drop(oid)
+            done.append(self.registry.drop(oid))
             if oid in self.registry:
                 # Still expected from the worker: tell its packer, which can skip it (F15).
                 self._worker_drops.append(oid)
+        return done
 
     def take_worker_drops(self) -> list[str]:
         """Ids this dispatcher dropped whose output a worker may still be packing."""

@@ -12,6 +12,14 @@ One request's completion travels as two messages on one channel:
 * ``OUTPUT_READY`` (sent by the packer thread): the output for one id is in shared
   memory, or packing failed and the message carries a typed ``Failure`` (F2).
 
+A streaming call (``RpcRequest.stream``) also sends ``CHUNK`` messages while its forward
+runs: each announces one intermediate output (a preview, a video chunk) under an output
+id of its own, with the request it belongs to and its place in that request's stream
+(``seq``); the chunk's output then comes as an ``OUTPUT_READY`` like any other.  The
+worker puts the CHUNK before it hands the chunk to its packer, so on the one channel of
+a rank the CHUNK always comes first, and every CHUNK of a call comes before its
+COMPUTE_DONE.  A CHUNK never answers the call.
+
 Every other RPC answer is an ``RPC_RESULT``.  A failed ``RPC_RESULT`` may name output
 ids (``compute_failed``): the reply rank's answer when its COMPUTE_DONE could not be
 sent after it had already handed those outputs to its packer, whose OUTPUT_READY
@@ -47,6 +55,7 @@ class AsyncOutputKind(enum.Enum):
     RPC_RESULT = "rpc_result"
     COMPUTE_DONE = "compute_done"
     OUTPUT_READY = "output_ready"
+    CHUNK = "chunk"
 
     def __repr__(self) -> str:
         return self.name
@@ -93,7 +102,9 @@ class RunnerOutput:
     """What an execute RPC returns to the engine.
 
     In request mode ``result`` is None and ``async_output_id`` is the claim token for
-    ``wait_output_ready``; in step mode ``result`` carries the output directly.
+    ``wait_output_ready``; in step mode ``result`` carries the output directly (with
+    final-step async, the final step's output comes as in request mode).  ``finished``
+    False: an intermediate step of step mode (the model returned no output).
     ``aborted``: the request was cancelled (``cancel_requests``) while the rest of its
     batch went on; it has no output (neither ``result`` nor ``async_output_id``).
     """
@@ -121,7 +132,8 @@ class AsyncDiffusionOutput:
     """The envelope of every message on the result channel.
 
     Use the named constructors (``compute_done``, ``output_ready``, ``output_failed``,
-    ``rpc_result``, ``rpc_failed``, ``rpc_error``); the raw constructor validates the same rules.
+    ``chunk``, ``rpc_result``, ``rpc_failed``, ``rpc_error``); the raw constructor
+    validates the same rules.
     """
 
     kind: AsyncOutputKind
@@ -131,12 +143,14 @@ class AsyncDiffusionOutput:
     # (compute_failed): the ids the worker had handed to its packer, no request ids.
     async_output_ids: tuple[str, ...] = ()
     request_ids: tuple[str, ...] = ()
-    # OUTPUT_READY: the one id this message completes.
+    # OUTPUT_READY: the one id this message completes.  CHUNK: the id it announces.
     async_output_id: str | None = None
     output: DiffusionOutput | None = None
     # RPC_RESULT: the ordinary return value.
     result: Any = None
     failure: Failure | None = None
+    # CHUNK: the chunk's place in its request's stream (0, 1, ...).
+    seq: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.kind, AsyncOutputKind):
@@ -147,6 +161,8 @@ class AsyncDiffusionOutput:
             raise MessageValidationError(f"output must be a DiffusionOutput, got {type(self.output).__qualname__}")
         if self.failure is not None and not isinstance(self.failure, Failure):
             raise MessageValidationError(f"failure must be a Failure, got {type(self.failure).__qualname__}")
+        if self.kind is not AsyncOutputKind.CHUNK and self.seq is not None:
+            raise MessageValidationError(f"{self.kind.name} must not set seq")
         match self.kind:
             case AsyncOutputKind.COMPUTE_DONE:
                 _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
@@ -177,6 +193,15 @@ class AsyncDiffusionOutput:
                     raise MessageValidationError("only a failed RPC_RESULT names output ids (compute_failed)")
                 self._check_output_ids("RPC_RESULT")
                 self._forbid("RPC_RESULT", request_ids=(), async_output_id=None, output=None)
+            case AsyncOutputKind.CHUNK:
+                _check_id("CHUNK rpc_id", self.rpc_id)
+                _check_id("CHUNK async_output_id", self.async_output_id)
+                if len(self.request_ids) != 1:
+                    raise MessageValidationError(f"CHUNK names exactly one request id, got {self.request_ids!r}")
+                _check_id("CHUNK request_id", self.request_ids[0])
+                if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+                    raise MessageValidationError(f"CHUNK seq must be a non-negative int, got {self.seq!r}")
+                self._forbid("CHUNK", async_output_ids=(), output=None, result=None, failure=None)
             case _:
                 assert_never(self.kind)
 
@@ -212,6 +237,21 @@ class AsyncDiffusionOutput:
     @classmethod
     def output_failed(cls, async_output_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
         return cls(AsyncOutputKind.OUTPUT_READY, rank=rank, async_output_id=async_output_id, failure=failure)
+
+    @classmethod
+    def chunk(
+        cls, rpc_id: str, request_id: str, seq: int, async_output_id: str, *, rank: int = 0
+    ) -> AsyncDiffusionOutput:
+        """Announce chunk ``seq`` of ``request_id``'s stream in call ``rpc_id``: its output
+        will come as the OUTPUT_READY of ``async_output_id``."""
+        return cls(
+            AsyncOutputKind.CHUNK,
+            rank=rank,
+            rpc_id=rpc_id,
+            request_ids=(request_id,),
+            async_output_id=async_output_id,
+            seq=seq,
+        )
 
     @classmethod
     def rpc_result(cls, rpc_id: str, result: Any, *, rank: int = 0) -> AsyncDiffusionOutput:
@@ -279,6 +319,13 @@ class RpcRequest:
     # True: execute_model/execute_model_batch answer with COMPUTE_DONE and pack in the
     # background (request mode).  False: the ordinary synchronous answer (step mode).
     async_output: bool = False
+    # With async_output: the caller wants the forward's chunks (CHUNK messages,
+    # ``omni_async.worker.emit_chunk``); without it the worker ships none.
+    stream: bool = False
+    # With async_output: a step of step mode (final-step async): a forward that returns
+    # no output (an intermediate step, None) is answered with an ordinary RPC_RESULT;
+    # one that returns its output (the final step) takes the asynchronous path.
+    step: bool = False
 
     def __attrs_post_init__(self) -> None:
         _check_id("rpc_id", self.rpc_id)

@@ -104,7 +104,21 @@ class Resolution:
             self.future.set_result(self.output)
 
 
-def apply_resolutions(resolutions: Iterable[Resolution]) -> None:
+@attrs.define(eq=False)
+class Wake:
+    """A listener to call after the caller's lock is released (a stream of chunks changed)."""
+
+    listener: Callable[[], None]
+
+    def apply(self) -> None:
+        self.listener()
+
+
+# What the outboxes hold: futures to set, and listeners to call, in order.
+Settle = Resolution | Wake
+
+
+def apply_resolutions(resolutions: Iterable[Settle]) -> None:
     for r in resolutions:
         r.apply()
 

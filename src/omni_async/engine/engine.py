@@ -46,8 +46,22 @@ An abort decides the outcome at once (``generate`` raises ``RequestAborted``, or
 awaits the drivers, i.e. until nothing of those requests remains on any worker or in
 the executor.
 
-Streaming is a later addition: the driver resolves one future per request today; a
-stream would put each chunk's output through steps 3-4 into a per-request queue.
+Streaming (``generate_stream``): the driver sends the request with
+``executor.submit_stream`` and walks it as above; the caller's async iterator takes the
+chunks from the executor's ``RequestStream`` one at a time, as the caller asks for them:
+it awaits the chunk's output, post-processes it like a final output (step 4: host stage
+or owned copy, then the release) and yields a ``GenerationChunk``; after the last chunk
+it yields the ``GenerationResult``.  Chunks not yet asked for stay in the executor,
+each holding an output of the budget of held outputs once packed: a slow consumer
+slows the worker's packer and, through it, the forward (nothing is dropped, and
+nothing piles up in the engine).  The request stays in the engine until its consumer
+has taken every chunk (or closed the iterator): the driver awaits that before it
+forgets the request.  A chunk that fails ends the stream: the iterator raises its
+typed error and the request is aborted (everything of it released).  Closing the
+iterator early (``aclose``, or ``break`` with ``contextlib.aclosing``) or cancelling
+the consuming task aborts the request like a cancelled ``generate`` (F9, F11), and
+closes its stream: the chunks not taken are dropped, and every later one is dropped
+on arrival.
 """
 
 from __future__ import annotations
@@ -59,7 +73,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -78,6 +92,7 @@ from omni_async.engine.errors import (
 from omni_async.engine.metrics import (
     STAGES,
     EngineMetrics,
+    GenerationChunk,
     GenerationResult,
     LatencyHistogram,
     RequestTimings,
@@ -85,6 +100,7 @@ from omni_async.engine.metrics import (
 from omni_async.engine.owned import owned_copy
 from omni_async.engine.scheduler import SchedulerPhase, Scheduler
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.worker.postprocess import HostStage, get_postprocess
 
@@ -143,6 +159,20 @@ class _Request:
     submitted_at: float = 0.0
     compute_done_at: float = 0.0
     output_ready_at: float = 0.0
+    # Streaming (generate_stream): the executor's stream once sent; ``changed`` wakes the
+    # consumer (a chunk, the stream's end, the request's end); ``consumed``: the consumer
+    # is done with the stream (took every chunk, or went away); ``taking``: chunks the
+    # consumer took and has not yet post-processed (each holds an output); ``close``: the
+    # stream's close, on the I/O thread (its result: the drops' acknowledgement).  The
+    # driver forgets the request once the consumer is done, or the stream is closed and
+    # the consumer holds no chunk (``poke`` wakes it when either may have happened).
+    streaming: bool = False
+    stream: RequestStream | None = None
+    changed: asyncio.Event = attrs.field(factory=asyncio.Event)
+    consumed: bool = False
+    taking: int = 0
+    poke: asyncio.Event = attrs.field(factory=asyncio.Event)
+    close: asyncio.Future[Future[None]] | None = None
 
     @property
     def request_id(self) -> str:
@@ -285,6 +315,7 @@ class AsyncDiffusionEngine:
         self._pack_s_total = 0.0
         self._pack_bytes_total = 0.0
         self._postprocessing = 0
+        self._chunks = 0
         self._prometheus: CollectorRegistry | None = None
 
     # ---------------------------------------------------------------- lifecycle
@@ -437,24 +468,7 @@ class AsyncDiffusionEngine:
         requests in the engine (``UsageError`` otherwise); an aborted request's id is free
         again once ``abort(..., wait=True)`` returned.
         """
-        if not isinstance(request, DiffusionRequest):
-            raise UsageError(f"generate: request must be a DiffusionRequest, got {type(request).__name__}")
-        if deadlines is not None and not isinstance(deadlines, Deadlines):
-            raise UsageError(f"generate: deadlines must be a Deadlines or None, got {type(deadlines).__name__}")
-        self._check_open("generate")
-        assert self._scheduler is not None and self._loop is not None
-        rid = request.request_id
-        if rid in self._records:
-            raise UsageError(f"generate: request id {rid!r} is already in the engine; request ids must be unique")
-        try:
-            self._scheduler.add(rid)
-        except EngineOverloaded:
-            self._counts["rejected"] += 1
-            raise
-        rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic())
-        rec.result.add_done_callback(_retrieve)
-        self._records[rid] = rec
-        self._wake.set()
+        rec = self._admit(request, deadlines, "generate", streaming=False)
         try:
             # Shielded: cancelling the caller must not cancel the outcome future, only abort.
             return await asyncio.shield(rec.result)
@@ -462,6 +476,164 @@ class AsyncDiffusionEngine:
             if not rec.result.done():
                 self._end_early(rec, _Outcome.CANCELLED)
             raise
+
+    def _admit(
+        self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, *, streaming: bool
+    ) -> _Request:
+        """Check the call and queue the request (``generate``, ``generate_stream``)."""
+        if not isinstance(request, DiffusionRequest):
+            raise UsageError(f"{what}: request must be a DiffusionRequest, got {type(request).__name__}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise UsageError(f"{what}: deadlines must be a Deadlines or None, got {type(deadlines).__name__}")
+        self._check_open(what)
+        assert self._scheduler is not None and self._loop is not None
+        rid = request.request_id
+        if rid in self._records:
+            raise UsageError(f"{what}: request id {rid!r} is already in the engine; request ids must be unique")
+        try:
+            self._scheduler.add(rid)
+        except EngineOverloaded:
+            self._counts["rejected"] += 1
+            raise
+        rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic(), streaming=streaming)
+        rec.result.add_done_callback(_retrieve)
+        rec.result.add_done_callback(lambda _: rec.changed.set())
+        self._records[rid] = rec
+        self._wake.set()
+        return rec
+
+    async def generate_stream(
+        self, request: DiffusionRequest, *, deadlines: Deadlines | None = None
+    ) -> AsyncGenerator[GenerationChunk | GenerationResult, None]:
+        """Run ``request`` as a stream: yield a ``GenerationChunk`` per intermediate output
+        its model emits (``omni_async.worker.emit_chunk``; ``TinyDiffusionWorker``:
+        ``preview_every``), in order, then its ``GenerationResult``.
+
+        Each chunk is post-processed like the final result (the pipeline's host stage, or
+        owned copies) when the caller asks for it; until then it waits in the executor's
+        shared memory, within the budget of held outputs (a slow consumer slows the
+        worker, nothing is dropped).  Raises what ended the request, as ``generate``
+        does, or the typed error of a chunk that failed (which aborts the request).
+        Closing the iterator early (``await it.aclose()``; ``async with
+        contextlib.aclosing(...)`` around an ``async for`` that may ``break``) or
+        cancelling the consuming task aborts the request and releases everything of it;
+        ``aclose`` returns once nothing of it remains (bounded by ``close_timeout``).
+        """
+        rec = self._admit(request, deadlines, "generate_stream", streaming=True)
+        done = False
+        try:
+            while rec.stream is None and not rec.result.done() and not rec.ended():
+                rec.changed.clear()
+                if rec.stream is None and not rec.result.done() and not rec.ended():
+                    await rec.changed.wait()
+            while (chunk := await self._next_chunk(rec)) is not None:
+                yield await self._chunk_item(rec, chunk)
+            self._consumed(rec)
+            result = await asyncio.shield(rec.result)
+            done = True
+            yield result
+        except GeneratorExit:
+            # aclose(): abort what is left, and return once nothing of it remains.
+            self._stop_stream(rec)
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self._close_timeout)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                log.warning("engine: request %r still releasing after its stream closed", rec.request_id)
+            raise
+        except asyncio.CancelledError:
+            self._stop_stream(rec)
+            raise
+        except BaseException as exc:
+            if not done:
+                # A chunk failed: the stream ends with its error, and the request with it.
+                self._end_early(rec, _Outcome.FAILED, error=exc)
+                self._stop_stream(rec)
+            raise
+        finally:
+            self._consumed(rec)
+
+    def _consumed(self, rec: _Request) -> None:
+        rec.consumed = True
+        rec.poke.set()
+
+    def _stop_stream(self, rec: _Request) -> None:
+        """The consumer of ``rec``'s stream went away (or failed): abort what is left."""
+        self._end_early(rec, _Outcome.CANCELLED)
+        self._close_stream(rec)
+        self._consumed(rec)
+
+    async def _next_chunk(self, rec: _Request) -> OutputChunk | None:
+        """The next chunk of ``rec``'s stream, claimed; None at its end (or the request's)."""
+        stream = rec.stream
+        while stream is not None and not rec.ended() and rec.close is None:
+            rec.changed.clear()
+            # A short look under the executor's lock (as wait_output_ready), not a wait.
+            chunk = stream.poll()
+            if chunk is not None:
+                rec.taking += 1
+                return chunk
+            if stream.finished:
+                return None
+            await rec.changed.wait()
+        return None
+
+    async def _chunk_item(self, rec: _Request, chunk: OutputChunk) -> GenerationChunk:
+        """``chunk``'s output, awaited and post-processed (then released), as a ``GenerationChunk``."""
+        try:
+            try:
+                output = await asyncio.wrap_future(chunk.output)
+            except asyncio.CancelledError:
+                self._discard_chunk(chunk)
+                raise
+            arrived = time.monotonic()
+            assert self._post is not None and self._loop is not None
+            self._postprocessing += 1
+            try:
+                metrics = dict(output.metrics)
+                value, post_s = await self._loop.run_in_executor(
+                    self._post, functools.partial(self._postprocess, rec.request_id, output, self._host, True)
+                )
+            finally:
+                self._postprocessing -= 1
+                del output
+        finally:
+            rec.taking -= 1
+            rec.poke.set()
+        self._chunks += 1
+        return GenerationChunk(rec.request_id, chunk.seq, value, metrics, self.pipeline, arrived, post_s)
+
+    def _discard_chunk(self, chunk: OutputChunk) -> None:
+        """A chunk taken but not consumed (its consumer was cancelled): give it back."""
+        fut = chunk.output
+        if not fut.cancel() and fut.done() and not fut.cancelled() and fut.exception() is None:
+            assert self._post is not None
+            self._post.submit(self._release_quietly, fut.result())
+
+    def _close_stream(self, rec: _Request) -> None:
+        """Close ``rec``'s stream on the I/O thread (once): the chunks not taken are dropped."""
+        if rec.stream is None or rec.close is not None:
+            rec.changed.set()
+            return
+        assert self._loop is not None and self._io is not None
+        rec.close = self._loop.run_in_executor(self._io, rec.stream.close)
+        rec.changed.set()
+        rec.poke.set()
+
+    async def _finish_stream(self, rec: _Request) -> None:
+        """Before the driver forgets a streaming request: its consumer is done with the
+        stream (or the stream is closed and the consumer holds no chunk of it), and what
+        a close dropped is gone."""
+        if rec.stream is None:
+            return
+        while not rec.consumed and not (rec.close is not None and rec.taking == 0):
+            rec.poke.clear()
+            await rec.poke.wait()
+        if rec.close is not None:
+            try:
+                ack = await rec.close
+                await asyncio.wrap_future(ack)
+            except Exception as exc:  # the executor shut down meanwhile: that released it
+                log.debug("engine: closing the stream of %r: %s", rec.request_id, exc)
 
     async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are
@@ -479,13 +651,19 @@ class AsyncDiffusionEngine:
         if wait:
             await asyncio.gather(*(r.gone.wait() for r in recs))
 
-    def _end_early(self, rec: _Request, outcome: _Outcome) -> None:
-        """Decide ``rec``'s outcome now (abort, cancelled caller, close) and start its clean-up."""
+    def _end_early(self, rec: _Request, outcome: _Outcome, *, error: BaseException | None = None) -> None:
+        """Decide ``rec``'s outcome now (abort, cancelled caller, close, a failed chunk:
+        ``error``) and start its clean-up."""
+        if outcome is _Outcome.CLOSED:
+            self._close_stream(rec)  # also after its result: the chunks nobody took go
         if rec.ending is not None or rec.result.done():
             return
         rec.ending = outcome
         rid = rec.request_id
-        if outcome is _Outcome.CLOSED:
+        self._close_stream(rec)
+        if error is not None:
+            self._fail(rec, error)
+        elif outcome is _Outcome.CLOSED:
             self._fail(rec, EngineClosed(f"the engine closed before request {rid!r} finished", request_id=rid))
         elif outcome is _Outcome.ABORTED:
             where = {
@@ -589,6 +767,7 @@ class AsyncDiffusionEngine:
     async def _drive(self, rec: _Request) -> None:
         try:
             await self._walk(rec)
+            await self._finish_stream(rec)
         except asyncio.CancelledError:
             self._end_early(rec, _Outcome.CLOSED)
             raise
@@ -607,13 +786,30 @@ class AsyncDiffusionEngine:
         rec.stage = _Stage.SENDING
         rec.submitted_at = time.monotonic()
         try:
-            execute = await self._on_io(functools.partial(ex.submit_request, rec.request, deadlines=rec.deadlines))
+            if rec.streaming:
+                stream = await self._on_io(functools.partial(ex.submit_stream, rec.request, deadlines=rec.deadlines))
+                rec.stream = stream
+                loop = self._loop
+                assert loop is not None
+
+                def wake() -> None:  # on the pump's thread: only schedule
+                    try:
+                        loop.call_soon_threadsafe(rec.changed.set)
+                    except RuntimeError:  # the loop closed: nobody consumes the stream any more
+                        pass
+
+                stream.add_listener(wake)
+                rec.changed.set()
+                execute = stream.result
+            else:
+                execute = await self._on_io(functools.partial(ex.submit_request, rec.request, deadlines=rec.deadlines))
         except Exception as exc:
             self._fail(rec, exc)
             return
         rec.stage = _Stage.RUNNING
         if rec.ended():
             self._cancel_forward(rec)
+            self._close_stream(rec)
         try:
             announced: RunnerOutput = await asyncio.wrap_future(execute)
         except Exception as exc:
@@ -818,6 +1014,7 @@ class AsyncDiffusionEngine:
             pump_alive=pump_alive,
             executor_healthy=executor_healthy,
             executor=executor,
+            chunks=self._chunks,
         )
 
     def prometheus_registry(self) -> CollectorRegistry:

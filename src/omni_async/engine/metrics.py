@@ -16,6 +16,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     "STAGES",
     "EngineMetrics",
+    "GenerationChunk",
     "GenerationResult",
     "HistogramSnapshot",
     "LatencyHistogram",
@@ -87,6 +88,24 @@ class GenerationResult:
 
 
 @attrs.frozen
+class GenerationChunk:
+    """One intermediate output of a streaming request (``generate_stream``): the ``seq``-th
+    chunk the model emitted (a preview, a chunk of video), post-processed as the final
+    result is -- the pipeline's host stage, or owned copies -- so it holds no shared
+    memory.  ``metrics``: the chunk's own (``pack_s``, ``pack_shm_bytes``, ...);
+    ``arrived_at``: when its output was ready in the engine (``time.monotonic()``);
+    ``postprocess``: the host stage's (or the copy's) seconds."""
+
+    request_id: str
+    seq: int
+    output: Any
+    metrics: Mapping[str, float] = attrs.field(factory=dict)
+    pipeline: str | None = None
+    arrived_at: float = 0.0
+    postprocess: float = 0.0
+
+
+@attrs.frozen
 class HistogramSnapshot:
     """Cumulative bucket counts (as Prometheus has them): ``buckets[i]`` observations were
     ``<= bounds[i]``; ``count`` is the +Inf bucket."""
@@ -135,7 +154,8 @@ class EngineMetrics:
     ``RequestTimings`` (finished requests); ``loop_alive``: the engine's scheduling
     task runs; ``pump_alive``: the executor's result pump runs; ``executor_healthy``:
     the executor's ``check_health`` passes (every worker alive); ``executor``: the
-    executor's own ``metrics()``.
+    executor's own ``metrics()``; ``chunks``: intermediate outputs of streams delivered
+    to their callers (``generate_stream``).
     """
 
     requests: Mapping[str, int]
@@ -154,6 +174,7 @@ class EngineMetrics:
     pump_alive: bool
     executor_healthy: bool
     executor: Mapping[str, float]
+    chunks: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers: ``requests_<outcome>``, the depths and counters, and
@@ -173,6 +194,7 @@ class EngineMetrics:
             loop_alive=float(self.loop_alive),
             pump_alive=float(self.pump_alive),
             executor_healthy=float(self.executor_healthy),
+            chunks=float(self.chunks),
         )
         out.update({f"executor_{k}": v for k, v in self.executor.items()})
         return out

@@ -91,6 +91,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             f"{_P}engine_pack_bytes", "Bytes copied for finished requests", value=m.pack_bytes_total
         )
+        yield CounterMetricFamily(
+            f"{_P}engine_chunks", "Intermediate outputs of streams delivered (generate_stream)", value=m.chunks
+        )
         ex = m.executor
         for name, key, doc in (
             ("executor_outputs_held", "held_outputs", "Outputs held in shared memory (packed, not released)"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -18,7 +18,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
-from omni_async.engine.metrics import EngineMetrics, GenerationResult
+from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
 from omni_async.executor.api import DiffusionExecutor
 
 if TYPE_CHECKING:
@@ -101,6 +101,44 @@ class DiffusionEngine:
     ) -> GenerationResult:
         """The seed's name for ``generate``."""
         return self.generate(request, deadlines=deadlines, timeout=timeout)
+
+    def generate_stream(
+        self, request: DiffusionRequest, *, deadlines: Deadlines | None = None, timeout: float | None = None
+    ) -> Generator[GenerationChunk | GenerationResult, None, None]:
+        """Run ``request`` as a stream (see ``AsyncDiffusionEngine.generate_stream``): an
+        iterator of its ``GenerationChunk`` items, then its ``GenerationResult``.
+
+        Closing the iterator before its end (``close()``, a ``with
+        contextlib.closing(...)`` block left by ``break``, or the iterator being garbage
+        collected) aborts the request and returns once nothing of it remains.
+        ``timeout``: how long each item is waited for; when it runs out the request is
+        aborted and ``TimeoutError`` is raised.
+        """
+        return self._iterate(self._engine.generate_stream(request, deadlines=deadlines), timeout)
+
+    def _iterate(
+        self, agen: AsyncGenerator[GenerationChunk | GenerationResult, None], timeout: float | None
+    ) -> Generator[GenerationChunk | GenerationResult, None, None]:
+        async def step() -> GenerationChunk | GenerationResult:
+            return await agen.__anext__()
+
+        ended = False
+        try:
+            while True:
+                try:
+                    item = self._run(step(), timeout)
+                except StopAsyncIteration:
+                    ended = True
+                    return
+                except BaseException:
+                    ended = True  # the stream raised (or our wait ended and cancelled it): it is over
+                    raise
+                yield item
+        finally:
+            if not ended and not self._closed:
+                # Closed early: the async stream's aclose aborts the request and returns
+                # once nothing of it remains.
+                self._run(agen.aclose())
 
     def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         self._run(self._engine.abort(request_ids if isinstance(request_ids, str) else list(request_ids), wait=wait))

@@ -43,9 +43,11 @@ from omni_async.core.messages import (
 )
 from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
 from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
+from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
-from omni_async.executor.futures import map_future
+from omni_async.executor.futures import all_done, map_future
 from omni_async.executor.pump import ResultPump
+from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.channel import ResultReceiver
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,16 @@ class DiffusionExecutor(abc.ABC):
         release_hook: ReleaseHook = no_release,
         tracer: Tracer | None = None,
         validate_request: Callable[[DiffusionRequest], None] | None = None,
+        final_step_async: bool = False,
     ) -> None:
         """``validate_request``: the model's parameter check, run on every request in the
-        caller's thread before it is sent (a bad request raises there, no worker sees it)."""
+        caller's thread before it is sent (a bad request raises there, no worker sees it).
+        ``final_step_async`` (step mode only): the default of ``execute_request`` /
+        ``execute_batch``'s ``final_step_async`` (see there)."""
         if world_size < 1:
             raise UsageError(f"world_size must be >= 1, got {world_size}")
+        check_final_step_async(final_step_async, step_mode)
+        self.final_step_async = final_step_async
         self.world_size = world_size
         self.token = uuid.uuid4().hex[:8]
         self._rpc_seq = itertools.count()
@@ -193,6 +200,60 @@ class DiffusionExecutor(abc.ABC):
         self._check_deadlines(deadlines, "submit_request")
         return self._submit_one(request, consumer, deadlines)
 
+    def submit_stream(
+        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+    ) -> RequestStream:
+        """Start a forward whose intermediate outputs you want: a ``RequestStream``.
+
+        The model ships them with ``omni_async.worker.emit_chunk`` while its forward runs
+        (``TinyDiffusionWorker``: ``preview_every``).  ``stream.next_chunk()`` gives each
+        as an ``OutputChunk`` in order, its ``output`` a future of the chunk's
+        ``DiffusionOutput`` (claimed for you: exactly one taker, as with
+        ``wait_output_ready``; release it the same way); iterating the stream gives the
+        outputs themselves.  The stream ends when the call resolves: ``stream.result`` is
+        ``submit_request``'s future (the final output's id, at COMPUTE_DONE), and every
+        chunk comes before it.  A call that fails ends the stream with its error (the
+        chunks not taken are dropped); ``stream.close()`` drops what was not taken and
+        every chunk still to come.  Request mode only (``UsageError`` in step mode).
+        """
+        self._check_request(request, "submit_stream")
+        self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "submit_stream")
+        feed = ChunkFeed(request.request_id)
+        stream = RequestStream(feed, self._take_chunk, self._peek_stream, self._close_stream)
+        inner = self._submit("execute_model", (request,), consumer, [request], deadlines, streams=[feed])
+        stream.result = map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+        return stream
+
+    def _take_chunk(self, feed: ChunkFeed) -> tuple[OutputChunk | None, bool, BaseException | None]:
+        """The next chunk of ``feed``, claimed (or None), whether the feed is finished, and
+        how it ended: one look under the pump's lock."""
+        t0 = time.monotonic()
+        status = ["waiting"]
+
+        def take(d: Dispatcher) -> tuple[ChunkRef | None, Future[DiffusionOutput] | None, bool, BaseException | None]:
+            ref = d.take_chunk(feed)
+            fut = None if ref is None else self._claim(d, ref.output_id, status)
+            return ref, fut, feed.exhausted, feed.error
+
+        ref, fut, finished, error = self.pump.call(take)
+        if ref is None or fut is None:
+            return None, finished, error
+        chunk = OutputChunk(feed.request_id, ref.seq, ref.output_id, self._watch_claim(fut, ref.output_id, t0, status))
+        return chunk, False, error
+
+    def _peek_stream(self, feed: ChunkFeed) -> tuple[bool, BaseException | None]:
+        return self.pump.call(lambda _: (feed.exhausted, feed.error))
+
+    def _close_stream(self, feed: ChunkFeed) -> Future[None]:
+        def close(d: Dispatcher) -> tuple[list[Future[None]], list[str]]:
+            return d.close_stream(feed), d.take_worker_drops()
+
+        acks, drops = self.pump.call(close)
+        if drops:
+            self._notify_drop(drops)  # a chunk still queued in a packer is skipped (F15)
+        return all_done(acks)
+
     def _submit_one(
         self, request: DiffusionRequest, consumer: str | None, deadlines: Deadlines | None
     ) -> Future[RunnerOutput]:
@@ -200,16 +261,48 @@ class DiffusionExecutor(abc.ABC):
         return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
 
     def execute_request(
-        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+        self,
+        request: DiffusionRequest,
+        *,
+        consumer: str | None = None,
+        deadlines: Deadlines | None = None,
+        final_step_async: bool | None = None,
     ) -> RunnerOutput:
         """``submit_request(...).result()``; in step mode the synchronous answer, which
-        ``deadlines`` does not bound (step mode's calls are bounded by ``rpc_timeout``)."""
+        ``deadlines`` does not bound (step mode's calls are bounded by ``rpc_timeout``).
+
+        Step mode: a forward that returns no output (None: an intermediate step of a
+        model run step by step) gives ``RunnerOutput(finished=False)``; one that returns
+        its output gives it in ``result``, packed by the worker before it answered.
+        ``final_step_async=True`` (default: the executor's ``final_step_async``) sends the
+        call down the asynchronous path instead: an intermediate step is answered as
+        before, but the final step's output is handed to the worker's packer and the call
+        returns at COMPUTE_DONE with its ``async_output_id`` (take the output with
+        ``wait_output_ready``, as in request mode), so the copy overlaps whatever the
+        worker runs next.  Such a call is bounded by ``deadlines`` (its compute deadline),
+        not by ``rpc_timeout``.  ``UsageError`` outside step mode.
+        """
         self._check_request(request, "execute_request")
         self._check_consumer(consumer)
         self._check_deadlines(deadlines, "execute_request")
+        if self._final_async(final_step_async, "execute_request"):
+            return self._submit("execute_model", (request,), consumer, [request], deadlines, step=True).result()[0]
         if self.step_mode:
-            return self._execute_sync("execute_model", (request,))[0]
+            return self._execute_sync("execute_model", (request,), [request])[0]
         return self._submit_one(request, consumer, deadlines).result()
+
+    def _final_async(self, per_call: object, method: str) -> bool:
+        """Whether a step-mode execute call takes the final-step asynchronous path."""
+        if per_call is None:
+            return self.step_mode and self.final_step_async
+        if not isinstance(per_call, bool):
+            raise UsageError(f"{method}: final_step_async must be a bool or None, got {per_call!r}")
+        if per_call and not self.step_mode:
+            raise UsageError(
+                f"{method}: final_step_async=True is an option of step mode; request mode always takes the "
+                "asynchronous path"
+            )
+        return per_call
 
     def execute_batch(
         self,
@@ -217,13 +310,16 @@ class DiffusionExecutor(abc.ABC):
         *,
         consumer: str | None = None,
         deadlines: Deadlines | None = None,
+        final_step_async: bool | None = None,
     ) -> list[RunnerOutput]:
-        """``submit_batch(...).result()``; step mode as ``execute_request``."""
+        """``submit_batch(...).result()``; step mode (and ``final_step_async``) as ``execute_request``."""
         reqs = self._check_batch(requests, "execute_batch")
         self._check_consumer(consumer)
         self._check_deadlines(deadlines, "execute_batch")
+        if self._final_async(final_step_async, "execute_batch"):
+            return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines, step=True).result()
         if self.step_mode:
-            return self._execute_sync("execute_model_batch", (reqs,))
+            return self._execute_sync("execute_model_batch", (reqs,), reqs)
         return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines).result()
 
     def cancel_requests(self, request_ids: Iterable[str]) -> None:
@@ -322,18 +418,30 @@ class DiffusionExecutor(abc.ABC):
         consumer: str | None,
         requests: Sequence[DiffusionRequest] = (),
         deadlines: Deadlines | None = None,
+        *,
+        streams: Sequence[ChunkFeed] = (),
+        step: bool = False,
     ) -> Future[list[RunnerOutput]]:
-        if self.step_mode:
+        if self.step_mode and not step:
             raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
         self.check_health()
         rpc_id = self.next_rpc_id()
         now = self.pump.now()
         rids = tuple(r.request_id for r in requests)
         inner = self.pump.call(
-            lambda d: d.submit(rpc_id, method, now=now, consumer=consumer, request_ids=rids, deadlines=deadlines)
+            lambda d: d.submit(
+                rpc_id,
+                method,
+                now=now,
+                consumer=consumer,
+                request_ids=rids,
+                deadlines=deadlines,
+                streams=streams,
+                step=step,
+            )
         )
         try:
-            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True))
+            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True, stream=bool(streams), step=step))
         except BaseException as exc:
             err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
             self.pump.call(lambda d: d.forget(rpc_id, err))
@@ -350,9 +458,14 @@ class DiffusionExecutor(abc.ABC):
             if ro.async_output_id is not None:
                 self.drop_output(ro.async_output_id)
 
-    def _execute_sync(self, method: str, args: tuple[Any, ...]) -> list[RunnerOutput]:
+    def _execute_sync(
+        self, method: str, args: tuple[Any, ...], requests: Sequence[DiffusionRequest]
+    ) -> list[RunnerOutput]:
         results = self.collective_rpc(method, args)
         reply = results[self.reply_rank]
+        if reply is None:
+            # An intermediate step of a model run step by step: no output yet.
+            return [RunnerOutput(request_id=r.request_id, finished=False) for r in requests]
         outputs = list(reply.per_request()) if hasattr(reply, "per_request") else [reply]
         return [RunnerOutput(request_id=o.request_id, finished=True, result=self._receive(o)) for o in outputs]
 
@@ -440,30 +553,38 @@ class DiffusionExecutor(abc.ABC):
         self._check_output_id(async_output_id, "wait_output_ready")
         t0 = time.monotonic()
         status = ["waiting"]
-
-        def claim(d: Dispatcher) -> Future[DiffusionOutput]:
-            earlier = self._claims.get(async_output_id)
-            if earlier is not None and not d.registry.closed:  # closed: that error says more
-                refused: Future[DiffusionOutput] = Future()
-                refused.set_exception(
-                    OutputAlreadyClaimed(
-                        f"output {async_output_id!r} was already claimed by an earlier wait_output_ready "
-                        f"({earlier[0]}): an output is delivered to exactly one waiter; share that future "
-                        "or the output it delivered (copy what you keep)",
-                        output_id=async_output_id,
-                    )
-                )
-                return refused
-            fut = d.registry.wait(async_output_id)
-            if not fut.done():  # a claim; a future failed at once claims nothing
-                self._claims[async_output_id] = status
-                while len(self._claims) > self._max_claims:
-                    self._claims.popitem(last=False)
-            return fut
-
-        fut = self.pump.call(claim)
+        fut = self.pump.call(lambda d: self._claim(d, async_output_id, status))
         if fut.done() and isinstance(fut.exception(), OutputAlreadyClaimed):
             return fut
+        return self._watch_claim(fut, async_output_id, t0, status)
+
+    def _claim(self, d: Dispatcher, async_output_id: str, status: list[str]) -> Future[DiffusionOutput]:
+        """Under the pump's lock: the registry's future of ``async_output_id``, claimed once
+        (``OutputAlreadyClaimed`` for a second claim; see ``wait_output_ready``)."""
+        earlier = self._claims.get(async_output_id)
+        if earlier is not None and not d.registry.closed:  # closed: that error says more
+            refused: Future[DiffusionOutput] = Future()
+            refused.set_exception(
+                OutputAlreadyClaimed(
+                    f"output {async_output_id!r} was already claimed by an earlier wait_output_ready "
+                    f"({earlier[0]}): an output is delivered to exactly one waiter; share that future "
+                    "or the output it delivered (copy what you keep)",
+                    output_id=async_output_id,
+                )
+            )
+            return refused
+        fut = d.registry.wait(async_output_id)
+        if not fut.done():  # a claim; a future failed at once claims nothing
+            self._claims[async_output_id] = status
+            while len(self._claims) > self._max_claims:
+                self._claims.popitem(last=False)
+        return fut
+
+    def _watch_claim(
+        self, fut: Future[DiffusionOutput], async_output_id: str, t0: float, status: list[str]
+    ) -> Future[DiffusionOutput]:
+        """A claimed output's future for the engine: cancelling it abandons the output (F9);
+        its delivery is timed; ``_deliver`` turns what travelled into what the engine gets."""
 
         def on_done(f: Future[DiffusionOutput]) -> None:
             if f.cancelled():
@@ -480,7 +601,11 @@ class DiffusionExecutor(abc.ABC):
                 status[0] = f"failed with {type(exc).__name__}"
 
         fut.add_done_callback(on_done)
-        return fut
+        return self._deliver(fut)
+
+    def _deliver(self, packed: Future[DiffusionOutput]) -> Future[DiffusionOutput]:
+        """The future the engine gets for a claimed output (identity in process)."""
+        return packed
 
     def drop_output(self, async_output_id: str) -> Future[None]:
         """Drop/abort an output in any state (F10).
@@ -570,10 +695,11 @@ class DiffusionExecutor(abc.ABC):
                 "orphaned_outputs": s.orphaned,
                 "protocol_errors": s.protocol_errors + d.counters["protocol_errors"] + self.unexpected_sync_answers,
                 # Of which (M3): execute calls the reply rank answered without COMPUTE_DONE;
-                # COMPUTE_DONEs and RPC_RESULTs of a call never made (or ended longer ago
+                # COMPUTE_DONEs, CHUNKs and RPC_RESULTs of a call never made (or ended longer ago
                 # than remembered); answers a rank repeated in a collective_rpc.
                 "answers_without_compute_done": d.counters["answers_without_compute_done"],
                 "unknown_call_compute_done": d.counters["unknown_call_compute_done"],
+                "unknown_call_chunk": d.counters["unknown_call_chunk"],
                 "unknown_call_rpc_result": d.counters["unknown_call_rpc_result"],
                 "unexpected_sync_answers": self.unexpected_sync_answers,
                 # COMPUTE_DONEs of no pending call, whose ids are dropped: late ones (not
@@ -615,6 +741,17 @@ class DiffusionExecutor(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def check_final_step_async(final_step_async: object, step_mode: bool) -> None:
+    """An executor's ``final_step_async`` argument: a bool, True only in step mode (``UsageError``)."""
+    if not isinstance(final_step_async, bool):
+        raise UsageError(f"final_step_async must be a bool, got {final_step_async!r}")
+    if final_step_async and not step_mode:
+        raise UsageError(
+            "final_step_async=True is an option of step mode (step_mode=True); request mode always "
+            "takes the asynchronous path"
+        )
 
 
 def _requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-__all__ = ["map_future"]
+__all__ = ["all_done", "map_future"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -55,3 +56,24 @@ def map_future(inner: Future[T], fn: Callable[[T], U], discard: Callable[[U], ob
     outer.add_done_callback(on_outer)
     inner.add_done_callback(on_inner)
     return outer
+
+
+def all_done(futures: list[Future[None]]) -> Future[None]:
+    """A future resolved (None) once every one of ``futures`` is done, whatever their outcome."""
+    done: Future[None] = Future()
+    left = [len(futures)]
+    if not futures:
+        done.set_result(None)
+        return done
+    lock = threading.Lock()
+
+    def one(_: Future[None]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and done.set_running_or_notify_cancel():
+            done.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return done

@@ -47,6 +47,7 @@ class InProcessExecutor(DiffusionExecutor):
         release_hook: ReleaseHook = no_release,
         validate_request: Callable[[DiffusionRequest], None] | None = None,
         postprocess: str | None = None,
+        final_step_async: bool = False,
     ) -> None:
         """``make_packer`` and ``loop_options`` (extra ``WorkerLoop`` arguments) let a
         caller build the worker side itself, e.g. a packer with its own pack function.
@@ -69,6 +70,7 @@ class InProcessExecutor(DiffusionExecutor):
             release_hook=release_hook,
             tracer=tracer,
             validate_request=validate_request,
+            final_step_async=final_step_async,
         )
         self._inboxes: list[queue.Queue[RpcRequest | None]] = []
         self._threads: list[threading.Thread] = []

@@ -104,7 +104,7 @@ from omni_async.core.messages import (
     RpcRequest,
 )
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.api import DiffusionExecutor, check_final_step_async
 from omni_async.executor.futures import map_future
 from omni_async.transport.channel import PipeChannel, PipeSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
@@ -635,6 +635,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         start_timeout: float = 120.0,
         tracer: Tracer | None = None,
         sweep_dead_pools: bool = True,
+        final_step_async: bool = False,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise UsageError(
@@ -650,6 +651,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         for name, value in (("max_held_outputs", max_held_outputs), ("max_held_bytes", max_held_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a positive int, got {value!r}")
+        check_final_step_async(final_step_async, step_mode)
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()
         self.pool = (
@@ -680,6 +682,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             release_hook=self._release_packed,
             tracer=tracer,
             validate_request=spec.request_validator(),
+            final_step_async=final_step_async,
         )
         self._rpc_lock = threading.Lock()
         self._rpc_conns: list[multiprocessing.connection.Connection] = []
@@ -806,8 +809,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             )
         return None
 
-    def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
-        """The unpacked output, delivered to exactly one waiter (see ``DiffusionExecutor``).
+    def _deliver(self, packed: Future[DiffusionOutput]) -> Future[DiffusionOutput]:
+        """The unpacked output (``wait_output_ready``, a stream's chunks), delivered to
+        exactly one waiter (see ``DiffusionExecutor``).
 
         Zero copy: its tensors and arrays view the output's shared-memory segment, and
         the segment goes back to the pool only when the last of them (and of anything
@@ -815,7 +819,6 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         it.  ``release_output`` says "done" explicitly; with ``copy_outputs=True`` the
         output holds owned copies and its segment went back before delivery.
         """
-        packed = super().wait_output_ready(async_output_id)
         return map_future(packed, self._receive, discard=self._discard)
 
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:

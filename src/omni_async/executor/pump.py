@@ -25,7 +25,7 @@ from typing import TypeVar
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, OutputError
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage
-from omni_async.core.registry import Resolution
+from omni_async.core.registry import Settle
 from omni_async.core.states import LifecycleEvent, LifecycleState, lifecycle_machine
 from omni_async.transport.channel import ResultReceiver
 from omni_async.transport.errors import ChannelClosed
@@ -102,7 +102,7 @@ class ResultPump:
 
     def call(self, fn: Callable[[Dispatcher], T]) -> T:
         """Run ``fn`` on the dispatcher under the pump's lock; resolve futures after."""
-        resolutions: list[Resolution] = []
+        resolutions: list[Settle] = []
         cancels: list[CancelMessage] = []
         try:
             with self._lock:
@@ -177,7 +177,7 @@ class ResultPump:
             self.dispatch_errors += 1
             log.exception("result pump: sending cancel messages to the workers failed")
 
-    def _apply(self, resolutions: list[Resolution]) -> None:
+    def _apply(self, resolutions: list[Settle]) -> None:
         for r in resolutions:
             try:
                 r.apply()

@@ -33,6 +33,7 @@ from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.postprocess import PostProcess, register_postprocess
+from omni_async.worker.stream import emit_chunk, streaming_requested
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -48,13 +49,19 @@ _PARAMS: dict[str, tuple[type, int | None]] = {
     "unpackable": (bool, None),
     "step_ms": (int, 0),
     "ignore_cancel": (bool, None),
+    "preview_every": (int, 1),
+    "unpackable_preview": (bool, None),
+    "raise_at_step": (int, 1),
 }
 
 
 class TinyDiffusionWorker:
     """The reference model (see the module docstring).  It honours cancellation: between
     denoising steps it calls ``raise_if_cancelled()``, so a cancelled forward stops
-    within one step (unless the request asks for ``ignore_cancel``)."""
+    within one step (unless the request asks for ``ignore_cancel``).  It streams: a
+    request with ``preview_every=k`` asked for as a stream gets a preview after every
+    k-th denoising step (``emit_chunk``), the image of the latent so far, shaped like
+    the final output (``image``, ``digest``, ``info`` with the step)."""
 
     def __init__(
         self,
@@ -84,7 +91,10 @@ class TinyDiffusionWorker:
         ``keep_trajectory``, ``unpackable``: bool; ``step_ms``: int >= 0, a pause per
         denoising step (a slow step without burning CPU); ``ignore_cancel``: bool, the
         forward skips its cancellation checks (a model that does not honour them);
-        nothing else (a misspelt name fails too).  Static, so
+        ``preview_every``: int >= 1, a preview chunk after every k-th step when the call
+        streams; ``unpackable_preview``: bool, the previews carry a value no packer can
+        ship (each chunk fails); ``raise_at_step``: int >= 1, the forward raises after
+        that many steps (and their previews); nothing else (a misspelt name fails too).  Static, so
         the executor runs it in the caller's thread before sending (see ``WorkerSpec``);
         the forward runs it again for callers that reach the model directly.
         """
@@ -138,7 +148,10 @@ class TinyDiffusionWorker:
         trajectory: list[torch.Tensor] = []
         step_s = int(p.get("step_ms", 0)) / 1000.0
         honour_cancel = not p.get("ignore_cancel")
-        for _ in range(steps):
+        preview_every = int(p.get("preview_every", 0))
+        previews = preview_every > 0 and streaming_requested(request.request_id)
+        raise_at = int(p.get("raise_at_step", 0))
+        for step in range(1, steps + 1):
             if honour_cancel:
                 # Between denoising steps: stop once every request of the call is cancelled.
                 raise_if_cancelled()
@@ -147,6 +160,21 @@ class TinyDiffusionWorker:
             latent = torch.tanh(latent @ self.weight)
             if p.get("keep_trajectory"):
                 trajectory.append(latent.clone())
+            if previews and step % preview_every == 0:
+                # A fresh tensor the forward never writes again: the packer copies it
+                # while the next steps run.
+                preview = ((latent + 1) * 127.5).clamp(0, 255)
+                chunk: dict[str, Any] = {
+                    "image": preview,
+                    "digest": image_digest(preview),
+                    "latents": [],
+                    "info": {"step": step, "steps": steps, "preview": True},
+                }
+                if p.get("unpackable_preview"):
+                    chunk["unpackable"] = Unpackable()
+                emit_chunk(request.request_id, chunk)
+            if step == raise_at:
+                raise RuntimeError(f"forward of {request.request_id} failed on purpose at step {step}")
         image = ((latent + 1) * 127.5).clamp(0, 255)
         output: dict[str, Any] = {
             "image": image,

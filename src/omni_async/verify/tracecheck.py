@@ -16,8 +16,9 @@ Output ids are renumbered per trace (1, 2, ...) in order of first appearance;
 RPCs too, the submitted calls first, in submit order (AsyncOutput's engine
 submits call ``submitted + 1``), so TLC's state stays small and traces cannot
 interfere.  For each trace the encoder also works out what AsyncOutput needs as
-constants (``Batch``: the ids each call announced; ``Consumer``; the ranks and
-the reply rank) and marks the first event of each call with the step it opens
+constants (``Batch``: the ids each call announced; ``Chunks``: the chunks each
+streamed; ``Steps``: the steps of step mode; ``Consumer``; the ranks and the reply
+rank) and marks the first event of each call with the step it opens
 (see ``_steps``).
 
 When an event is not a step of the spec, TLC reports a deadlock; the last state
@@ -75,6 +76,7 @@ ACTIONS: Mapping[str, frozenset[str]] = {
     "Expire": frozenset({"count"}),
     "DispatchDrop": frozenset({"output_id", "rpc_id", "reason"}),
     "RpcCancel": frozenset({"rpc_id"}),
+    "StreamClose": frozenset({"rpc_id"}),
     "WorkerFire": frozenset({"output_id", "event", "src", "dst"}),
 }
 
@@ -195,7 +197,7 @@ def _csv(value: FieldValue) -> list[str]:
 class _Step:
     """The step of AsyncOutput a call makes: marked on the call's first event.
 
-    kind: submit | recv | wait | cancel | drop | expire | rpcexpire | unsent | release
+    kind: submit | abort | closestream | recv | wait | cancel | drop | expire | rpcexpire | unsent | release
     | failall.  ids: the records an expiry ends; cw / cr: the waiters (ids) and calls
     (rpc numbers) whose Future the engine cancelled before the call (the replay takes
     AsyncOutput's CancelWait / CancelRpc for them first); key: the consumer of a
@@ -245,6 +247,8 @@ def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
             new = _Step("submit")
         elif a == "RpcCancel":
             new = _Step("abort")
+        elif a == "StreamClose":
+            new = _Step("closestream")
         elif a == "WaiterAdd":
             new = _Step("wait")
         elif a == "Cancel":
@@ -291,7 +295,10 @@ def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
                 cur.close = bool(f.get("close"))
         elif a == "WaiterResolve" and f.get("outcome") == "cancelled":
             cur.cw.add(num.oid(f.get("output_id")))
-        elif a == "RpcResolve" and f.get("outcome") == "cancelled":
+        elif (a == "RpcResolve" and f.get("outcome") == "cancelled") or (
+            a == "DispatchDrop" and f.get("reason") == "cancelled"
+        ):
+            # The call's Future was cancelled (a chunk dropped on arrival for it says so too).
             cur.cr.add(num.rpc(f.get("rpc_id")))
         elif a == "Fire" and cur.kind == "expire" and f.get("event") in ("ABANDON", "FORCE_RELEASE"):
             cur.ids.add(num.oid(f.get("output_id")))
@@ -304,6 +311,8 @@ class _TraceConstants:
 
     batch: tuple[tuple[int, ...], ...]  # per rpc number: the ids it announced, in request order
     consumer: tuple[str, ...]  # per rpc number
+    chunks: tuple[tuple[int, ...], ...]  # per rpc number: the chunk ids its CHUNKs named, in order
+    steps: frozenset[int]  # the rpc numbers submitted as steps of step mode
     ranks: frozenset[int]
     reply_rank: int
     num_ids: int
@@ -313,8 +322,12 @@ def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceCons
     """Batch: each id belongs to the call whose COMPUTE_DONE (or the failure naming it)
     the registry accepted it from; an id no such message named goes to the first call
     that named it, or to a call of its own that was never submitted (an output nobody
-    announced); ids are numbered 1..num_ids, rpcs 1..len(batch)."""
+    announced); a chunk id (a CHUNK named it) belongs to that CHUNK's call, in its
+    Chunks; ids are numbered 1..num_ids, rpcs 1..len(batch)."""
     batch: dict[int, list[int]] = {}
+    chunks: dict[int, list[int]] = {}
+    chunk_of: dict[int, int] = {}
+    steps: set[int] = set()
     owner: dict[int, int] = {}
     named_by: dict[int, int] = {}
     ranks: set[int] = set()
@@ -327,6 +340,15 @@ def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceCons
             if reply is None:
                 reply = _int(ev, "reply_rank", 0)
             ranks.update(int(v) for v in _csv(f.get("ranks")))
+            if f.get("step") is True:
+                steps.add(num.rpc(f.get("rpc_id")))
+        elif ev.action == "PumpRecv" and f.get("kind") == "CHUNK":
+            seen_rank = max(seen_rank, _int(ev, "rank", 0))
+            msg_rpc = None
+            o = num.oid(f.get("output_id"))
+            if o not in chunk_of:
+                chunk_of[o] = num.rpc(f.get("rpc_id"))
+                chunks.setdefault(chunk_of[o], []).append(o)
         elif ev.action == "PumpRecv":
             seen_rank = max(seen_rank, _int(ev, "rank", 0))
             ids = [num.oid(v) for v in _csv(f.get("ids"))]
@@ -340,7 +362,7 @@ def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceCons
                 batch.setdefault(msg_rpc, []).append(o)
     num_rpcs = len(num.rpcs)
     for o in range(1, len(num.ids) + 1):
-        if o in owner:
+        if o in owner or o in chunk_of:
             continue
         if o in named_by:
             owner[o] = named_by[o]
@@ -348,7 +370,7 @@ def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceCons
             num_rpcs += 1
             owner[o] = num_rpcs
         batch.setdefault(owner[o], []).append(o)
-    num_rpcs = max([num_rpcs, len(num.rpcs), *batch.keys()] or [0])
+    num_rpcs = max([num_rpcs, len(num.rpcs), *batch.keys(), *chunks.keys()] or [0])
     consumer = ["" for _ in range(num_rpcs)]
     for ev in trace:
         if ev.action == "RpcSubmit":
@@ -360,6 +382,8 @@ def _trace_constants(trace: Sequence[TraceEvent], num: _Numbering) -> _TraceCons
     return _TraceConstants(
         tuple(tuple(batch.get(k, ())) for k in range(1, num_rpcs + 1)),
         tuple(consumer),
+        tuple(tuple(chunks.get(k, ())) for k in range(1, num_rpcs + 1)),
+        frozenset(steps),
         frozenset(ranks),
         0 if reply is None else reply,
         len(num.ids),
@@ -407,7 +431,7 @@ def _encode_event(ev: TraceEvent, num: _Numbering, step: _Step | None = None) ->
                 ranks = [int(v) for v in _csv(f.get("ranks"))]
             except ValueError:
                 raise TraceFormatError(f"RpcSubmit: ranks must be comma-separated ints: {f.get('ranks')!r}") from None
-        case "RpcAnswer" | "RpcCancel":
+        case "RpcAnswer" | "RpcCancel" | "StreamClose":
             k = num.rpc(f.get("rpc_id"))
         case "RpcResolve":
             k = num.rpc(f.get("rpc_id"))
@@ -458,8 +482,10 @@ def _seq(values: Iterable[str]) -> str:
 def _constants_module(consts: Sequence[_TraceConstants]) -> str:
     """The per-trace constants of AsyncOutput, as functions of the trace number."""
     if not consts:  # no trace: one empty one, so that the replay's definitions stay total
-        consts = [_TraceConstants((), (), frozenset({0}), 0, 0)]
+        consts = [_TraceConstants((), (), (), frozenset(), frozenset({0}), 0, 0)]
     batches = _seq(_seq(_seq(_s(str(o)) for o in b) for b in c.batch) for c in consts)
+    chunks = _seq(_seq(_seq(_s(str(o)) for o in b) for b in c.chunks) for c in consts)
+    steps = _seq(_set(c.steps) for c in consts)
     cons = _seq(_seq(_s(x) for x in c.consumer) for c in consts)
     ranks = _seq(_set(c.ranks) for c in consts)
     reply = _seq(str(c.reply_rank) for c in consts)
@@ -467,6 +493,8 @@ def _constants_module(consts: Sequence[_TraceConstants]) -> str:
     return (
         f"NumTraces == {len(consts)}\n"
         f"TBatch == {batches}\n"
+        f"TChunks == {chunks}\n"
+        f"TSteps == {steps}\n"
         f"TCons == {cons}\n"
         f"TRanks == {ranks}\n"
         f"TReply == {reply}\n"

@@ -15,6 +15,13 @@
   them rather than hold what the packer ships for nobody.
 * Everything else (and execute in step mode): the ordinary synchronous answer,
   an RPC_RESULT, packed on the main thread when it carries an output.
+* Streaming (``RpcRequest.stream``): while the forward runs, the model may ship
+  intermediate outputs with ``omni_async.worker.emit_chunk``; each gets an output id of
+  its own, waits for room in the packer like any output, and is announced with a CHUNK
+  message *before* it goes to the packer (so its OUTPUT_READY never overtakes it).
+* Final-step async (``RpcRequest.step``, step mode): a forward that returns no output
+  (an intermediate step) is answered with an ordinary RPC_RESULT; one that returns its
+  output (the final step) takes the asynchronous path above.
 * ``drop_outputs``: cancel packing of outputs that have not started (F15); no answer.
 * Cancellation (``omni_async.worker.cancel``): the executor's ``CancelMessage``s reach
   ``cancels`` (a ``CancelTable``) from another thread while the forward runs; the model
@@ -32,11 +39,13 @@ Failures travel as a typed ``Failure`` in the answer (F2), never as a string.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -67,6 +76,7 @@ from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
 from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
+from omni_async.worker.stream import ChunkScope, streaming
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +126,7 @@ class WorkerLoop:
         self._seq = itertools.count()
         self.cancels = CancelTable()
         self.aborted_calls = 0
+        self.chunks_sent = 0
 
     @property
     def is_reply_rank(self) -> bool:
@@ -166,6 +177,7 @@ class WorkerLoop:
                 "reply_rank": self._reply_rank,
                 "aborted_calls": self.aborted_calls,
                 "cancels_received": self.cancels.received,
+                "chunks_sent": self.chunks_sent,
             }
             if self._packer is not None:
                 info["packer"] = attrs.asdict(self._packer.metrics)
@@ -252,8 +264,10 @@ class WorkerLoop:
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
         try:
-            result = self._call(req)
-            outputs = self._split(result, requests)
+            with self._streaming(req, requests, scope):
+                result = self._call(req)
+            # A step call whose forward returned nothing: an intermediate step.
+            outputs = None if req.step and result is None else self._split(result, requests)
         except Exception as exc:
             if scope.all_cancelled():
                 # The model stopped at a cancellation check (whatever it raised).
@@ -266,8 +280,9 @@ class WorkerLoop:
                 req, scope, machines, "while computing; its forward ran to the end and its outputs were discarded"
             )
             return
-        if not self.is_reply_rank:
-            # Non-reply ranks computed the same forward (tensor parallel); their copy is not shipped.
+        if not self.is_reply_rank or outputs is None:
+            # Non-reply ranks computed the same forward (tensor parallel); their copy is not
+            # shipped.  An intermediate step (final-step async) has nothing to ship.
             self._abort(machines)
             self._send(AsyncDiffusionOutput.rpc_result(req.rpc_id, None, rank=self.rank), req.rpc_id)
             return
@@ -307,6 +322,58 @@ class WorkerLoop:
                 AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
                 req.rpc_id,
             )
+
+    @contextlib.contextmanager
+    def _streaming(self, req: RpcRequest, requests: list[DiffusionRequest], call: CallScope) -> Iterator[None]:
+        """Around a streaming call's forward: ``emit_chunk`` ships through ``_emit_chunk``."""
+        if not req.stream:
+            yield
+            return
+        seqs: dict[str, int] = {}
+        emit = functools.partial(self._emit_chunk, req.rpc_id, call, seqs)
+        with streaming(ChunkScope(req.rpc_id, tuple(r.request_id for r in requests), emit)):
+            yield
+
+    def _emit_chunk(
+        self, rpc_id: str, call: CallScope, seqs: dict[str, int], request_id: str, output: DiffusionOutput
+    ) -> int | None:
+        """One chunk of ``request_id`` (see ``omni_async.worker.stream``): room in the packer,
+        the device event, the CHUNK announcement, then the hand-off -- in that order, so
+        the chunk's OUTPUT_READY (the packer's) always follows its CHUNK on the channel."""
+        assert self._packer is not None
+        if not self.is_reply_rank or request_id in call.cancelled():
+            return None
+        m = request_machine(self.new_output_id())
+        self._fire(m, RequestEvent.FORWARD)
+        self._fire(m, RequestEvent.COMPUTE_DONE)
+        seq = seqs.get(request_id, 0)
+        nbytes = budget_nbytes(output)
+        try:
+            # Back-pressure, as before a forward: a slow consumer slows the forward here.
+            if not self._packer.wait_for_room(1, nbytes, timeout=self._backpressure_timeout):
+                raise RuntimeError(
+                    f"packer on rank {self.rank} has no room for chunk {seq} of request {request_id!r} "
+                    "(stopped or back-pressure timeout)"
+                )
+            event = self._record_event()
+            self._sender.put(AsyncDiffusionOutput.chunk(rpc_id, request_id, seq, m.key, rank=self.rank))
+        except BaseException:
+            self._fire(m, RequestEvent.FORCE_RELEASE)  # nothing of it left the worker
+            raise
+        seqs[request_id] = seq + 1
+        try:
+            self._packer.submit(m.key, output, m, event=event, nbytes=nbytes)
+        except Exception as exc:
+            # Announced, but the packer is gone (the worker is stopping): end its record
+            # with a typed failure instead of leaving it to its deadline.
+            self._fire(m, RequestEvent.OUTPUT_FAILED)
+            try:
+                self._sender.put(AsyncDiffusionOutput.output_failed(m.key, Failure.from_exception(exc), rank=self.rank))
+            except Exception:
+                log.debug("rank %d: cannot report the failure of chunk %s", self.rank, m.key, exc_info=True)
+            raise
+        self.chunks_sent += 1
+        return seq
 
     def _abort_call(
         self,
