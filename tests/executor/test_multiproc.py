@@ -20,7 +20,7 @@ from helpers.mp_workers import expected_image
 from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
+from omni_async.core.errors import ComputeTimeout, ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.errors import OutputStillViewed
@@ -182,6 +182,35 @@ def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> Non
         deadline = time.monotonic() + 10
         while ex.metrics()["pending_outputs"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        _assert_quiet(ex)
+
+
+def test_step_mode_call_failing_on_another_rank_gives_the_reply_ranks_output_back() -> None:
+    """Step mode packs on the reply rank's main thread; when another rank fails the call
+    (RpcFailed, F12) the output the reply rank packed has no owner: its segment goes
+    back to the pool at once (it stayed leased until shutdown)."""
+    spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", {"fail_rank": 1}, pass_rank=True)
+    with MultiprocDiffusionExecutor(spec, world_size=2, step_mode=True, deadlines=DEADLINES) as ex:
+        for i in range(3):
+            with pytest.raises(RpcFailed) as err:
+                ex.execute_request(_req(f"sf{i}", numel=1 << 18))
+            assert list(err.value.failures) == [1]
+        with pytest.raises(RpcFailed):
+            ex.execute_batch([_req("sfb1", numel=1 << 18), _req("sfb2", numel=1 << 18)])
+        _assert_quiet(ex)
+
+
+def test_step_mode_answer_that_comes_after_its_timeout_gives_its_output_back() -> None:
+    """A step-mode call that timed out: its answer, output packed, comes later and is
+    discarded as stale by the next call -- with its segment, not kept until shutdown."""
+    deadlines = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=0.5)
+    with MultiprocDiffusionExecutor(SPEC, step_mode=True, deadlines=deadlines) as ex:
+        with pytest.raises(ComputeTimeout):
+            ex.execute_request(_req("slow", numel=1 << 18, sleep=1.5))
+        time.sleep(1.5)
+        ro = ex.execute_request(_req("next", numel=1 << 18))
+        assert ro.result is not None and ex.stale_sync_answers == 1
+        ex.release_output(ro.result)
         _assert_quiet(ex)
 
 

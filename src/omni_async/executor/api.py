@@ -469,6 +469,11 @@ class DiffusionExecutor(abc.ABC):
         outputs = list(reply.per_request()) if hasattr(reply, "per_request") else [reply]
         return [RunnerOutput(request_id=o.request_id, finished=True, result=self._receive(o)) for o in outputs]
 
+    def _discard_answer(self, result: object) -> None:
+        """A plain answer nobody will take (its call failed or timed out): give back what it
+        holds.  Nothing to do in process; ``MultiprocDiffusionExecutor`` frees the segments
+        of the outputs a step-mode answer carries."""
+
     def _receive(self, output: DiffusionOutput) -> DiffusionOutput:
         """Turn an output as it travelled into what the engine gets (identity in process)."""
         return output
@@ -505,6 +510,10 @@ class DiffusionExecutor(abc.ABC):
             answers = self._collect(rpc_id, method, None if limit is None else time.monotonic() + limit)
         failures: dict[int, Failure] = {r: a.failure for r, a in answers.items() if a.failure is not None}
         if failures:
+            # The call failed (F12): what the other ranks returned has no owner, an
+            # output packed in step mode included.
+            for a in answers.values():
+                self._discard_answer(a.result)
             raise RpcFailed(rpc_id, method, failures)
         return [answers[r].result for r in range(self.world_size)]
 
@@ -513,6 +522,8 @@ class DiffusionExecutor(abc.ABC):
         while len(answers) < self.world_size:
             wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if wait <= 0:
+                for a in answers.values():
+                    self._discard_answer(a.result)
                 missing = sorted(set(range(self.world_size)) - answers.keys())
                 raise ComputeTimeout(f"rpc {method} ({rpc_id}): no answer from rank(s) {missing} in time")
             try:
@@ -522,8 +533,10 @@ class DiffusionExecutor(abc.ABC):
                 continue
             if msg.rpc_id != rpc_id or msg.rank in answers:
                 if msg.rpc_id != rpc_id and self._issued_here(msg.rpc_id):
-                    # The answer of an earlier call that timed out: discard it.
+                    # The answer of an earlier call that timed out: discard it, and
+                    # what it carries.
                     self.stale_sync_answers += 1
+                    self._discard_answer(msg.result)
                 else:
                     # A call never made, or a rank answering twice: a protocol error.
                     self.unexpected_sync_answers += 1

@@ -97,6 +97,7 @@ from omni_async.core.errors import (
 )
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
+    BatchDiffusionOutput,
     CancelMessage,
     DiffusionOutput,
     DiffusionRequest,
@@ -833,6 +834,12 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         except Exception as exc:
             self._release_failed_unpack(packed)
             raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
+
+    def _discard_answer(self, result: object) -> None:
+        outputs = result.per_request() if isinstance(result, BatchDiffusionOutput) else [result]
+        for out in outputs:
+            if isinstance(out, DiffusionOutput):
+                self._release_failed_unpack(out)
 
     def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
         lease = packed_lease(packed)
