@@ -81,6 +81,11 @@ class SyntheticForwardWorker:
     def __init__(self, *, device: str = "cpu", dim: int = 4096) -> None:
         self.device = torch.device(device)
         self.iteration_s: float | None = None
+        if self.device.type == "cpu":
+            # The CPU forward stands in for a device forward: it must not contend for the
+            # cores (two, on the CI machine) through torch's thread pool, whose parallel
+            # regions stall for tens of ms when the machine is loaded.
+            torch.set_num_threads(1)
         if self.device.type == "cuda":
             gen = torch.Generator().manual_seed(0)
             self.a = (torch.randn(dim, dim, generator=gen) / dim**0.5).to(self.device, torch.bfloat16)
