@@ -109,6 +109,7 @@ from omni_async.transport.packing import (
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
 from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
+from omni_async.worker.baselines import InvalidOutputPath
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
 from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
 from omni_async.worker.packer import Packer
@@ -157,6 +158,7 @@ __all__ = [
     "HistogramSnapshot",
     "IllegalTransition",
     "InProcessExecutor",
+    "InvalidOutputPath",
     "InvalidRequest",
     "Lease",
     "LeaseAlreadyReleased",

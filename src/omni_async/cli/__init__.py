@@ -1,6 +1,6 @@
 """``omni-async``: the command line.
 
-One module per command (``demo``, ``soak``, ``cleanup``), each registering its own options; ``options`` holds
+One module per command (``demo``, ``soak``, ``bench``, ``cleanup``), each registering its own options; ``options`` holds
 the option types they share.  ``omni-async --help`` lists the commands.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from omni_async.cli import cleanup, demo, soak
+from omni_async.cli import bench, cleanup, demo, soak
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (demo, soak, cleanup)
+_COMMANDS = (demo, soak, bench, cleanup)
 
 
 def build_parser() -> argparse.ArgumentParser:

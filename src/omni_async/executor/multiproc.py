@@ -120,8 +120,17 @@ from omni_async.transport.packing import (
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
+from omni_async.worker.baselines import (
+    OutputPath,
+    check_output_path,
+    discard_fresh_output,
+    is_fresh,
+    pack_reference_fresh,
+    pack_sync_fresh,
+    receive_fresh_output,
+)
 from omni_async.worker.loop import WorkerLoop
-from omni_async.worker.packer import Packer
+from omni_async.worker.packer import Packer, PackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
 
 if TYPE_CHECKING:
@@ -258,6 +267,13 @@ class WorkerOptions:
     # How long packing waits for room in the budget of held outputs before the output
     # fails with HeldOutputsFull (None: the pool's own lease timeout).
     lease_timeout: float | None = 30.0
+    # How outputs are shipped: ours ("omni"), or a baseline that ``omni-async bench``
+    # measures ours against ("sync": the seed's, step mode; "reference": the reference
+    # implementation's, request mode); see ``omni_async.worker.baselines``.
+    output_path: OutputPath = "omni"
+
+    def __attrs_post_init__(self) -> None:
+        check_output_path(self.output_path)
 
 
 def _device_setup(device: str) -> torch.device:
@@ -473,7 +489,7 @@ def _build_worker(
             return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
         return None
 
-    def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+    def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
         try:
             return pack_diffusion_output_shm(
                 output,
@@ -489,7 +505,18 @@ def _build_worker(
             raise _budget_full(output, exc, pool) from exc
 
     def release(packed: DiffusionOutput) -> None:
-        release_packed_output(packed, pool=pool)
+        if is_fresh(packed):
+            discard_fresh_output(packed)
+        else:
+            release_packed_output(packed, pool=pool)
+
+    baseline = pack_sync_fresh if opts.output_path == "sync" else pack_reference_fresh
+
+    def pack_baseline(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        return baseline(output, stream, event, prefix=pool.prefix, inline_threshold=opts.inline_threshold)
+
+    # A baseline path replaces ours for both the packer and step mode's answers.
+    pack: PackFn = pack_omni if opts.output_path == "omni" else pack_baseline
 
     worker = spec.build(rank)
     # After the build: importing the factory's module registers its post-processes here.
@@ -644,6 +671,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 f"WorkerSpec('mypkg.models:MyWorker', kwargs={{...}})"
             )
         opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
+        check_output_path(opts.output_path, step_mode=step_mode)
         if opts.reply_rank != reply_rank:
             opts = attrs.evolve(opts, reply_rank=reply_rank)
         self._ctx = multiprocessing.get_context("spawn")
@@ -830,6 +858,8 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         back here, so nothing of a corrupt output stays out of the pool.
         """
         try:
+            if is_fresh(packed):  # a baseline path (WorkerOptions.output_path): read and unlink
+                return receive_fresh_output(packed)
             return unpack_diffusion_output_shm(packed, copy=self._copy_outputs, pool=self.pool)
         except Exception as exc:
             self._release_failed_unpack(packed)
@@ -876,6 +906,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     def _release_packed(self, packed: DiffusionOutput) -> None:
         try:
+            if is_fresh(packed):
+                discard_fresh_output(packed)
+                return
             release_packed_output(packed, pool=self.pool)
         except Exception:
             log.exception("releasing the segment of %s failed", packed.async_output_id)

@@ -1,0 +1,615 @@
+"""``omni-async bench``: our output path against the seed's and the reference's, through real worker processes.
+
+Every mode runs through ``MultiprocDiffusionExecutor`` over ``SyntheticForwardWorker``
+(``omni_async.models.synthetic``: a forward of a set length, one output of a set shape
+per request), the worker shipping outputs one way (``WorkerOptions.output_path``):
+
+* ``sync``: the seed's original path, in step mode: ``.cpu()`` on the worker's main
+  thread, a fresh shared-memory segment per tensor, the answer carries the output;
+* ``reference``: the reference implementation's async path: side stream, bf16 upcast to
+  fp32, a fresh pinned buffer and a synchronize per tensor, then a fresh segment and a
+  second copy (``omni_async.worker.baselines``);
+* ``omni``: ours, the pooled pinned copy on a side stream;
+* ``omni-u8``: ours with the device-side post-process ``"bench-u8"`` (float to uint8 on
+  the side stream before the copy).
+
+The sweep: output sizes (``SIZES``) x forward lengths x concurrency (closed-loop clients,
+each: submit, take the output, release it, again), plus a copy-bound case per size list
+(the largest size behind a forward that only writes its output).  Per case, right before
+and after it and on the same worker, the forward alone (a sustained loop) and the pinned
+copy alone are measured; from them the ideal rate ``1 / max(forward, bytes / copy
+bandwidth)`` with ``bytes`` the output as the model produced it (so ``omni-u8``, which
+ships fewer, can pass 1.0).  Reported per case: requests/s (after the warm-up), p50/p95
+latency (submit to output in hand), copy GB/s (the worker's pack), the device's idle gap
+between forwards (worker-side forward timestamps), efficiency = throughput / ideal, and
+on CUDA the GPU's SM clock and power during the case.
+
+``--pump``: a CPU micro-benchmark of the protocol: real worker processes, tiny outputs,
+no forward: the latency from the end of the worker's forward (right before it sends
+COMPUTE_DONE) to the wake-up of the thread blocked in ``execute_request``, and the
+messages the pump handled per second.
+
+Output: a table, ``--json PATH`` (every case with every field, the environment, the
+command line) and a plot (``--plot PATH``; matplotlib, skipped with a note where it is
+not installed: ``--plot-from JSON`` draws it later from the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from omni_async.cli import bench_plot, options
+from omni_async.cli.bench_stats import (
+    efficiency,
+    ideal_rate,
+    idle_fraction,
+    idle_gaps,
+    median,
+    percentile,
+    steady_rate,
+)
+from omni_async.core.config import Deadlines
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.transport.shm.files import entries
+from omni_async.worker.baselines import OutputPath
+
+__all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
+
+MODES: Final = ("sync", "reference", "omni", "omni-u8")
+# name -> (shape, dtype): images are 3 x H x W, videos frames x 3 x H x W.
+SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
+    "image-1k-fp32": ((3, 1024, 1024), "float32"),
+    "image-2k-bf16": ((3, 2048, 2048), "bfloat16"),
+    "video-81x720p-bf16": ((81, 3, 720, 1280), "bfloat16"),
+    "video-121x1080p-bf16": ((121, 3, 1080, 1920), "bfloat16"),
+}
+TINY_SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
+    "tiny-image-fp32": ((3, 96, 128), "float32"),
+    "tiny-video-bf16": ((4, 3, 64, 96), "bfloat16"),
+}
+FORWARD_LABELS: Final = ("few-step", "long")
+COPY_BOUND: Final = "copy-bound"
+_SPEC: Final = "omni_async.models.synthetic:SyntheticForwardWorker"
+_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+
+
+@attrs.frozen
+class Case:
+    """One point of the sweep (the mode is run over each)."""
+
+    size: str
+    shape: tuple[int, ...]
+    dtype: str
+    forward_label: str
+    forward_ms: float
+    concurrency: int
+
+    @property
+    def nbytes(self) -> int:
+        n = _ELEMENT[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def build_cases(
+    sizes: dict[str, tuple[tuple[int, ...], str]],
+    forward_ms: Sequence[float],
+    concurrency: Sequence[int],
+    copy_bound: bool,
+) -> list[Case]:
+    """sizes x forward lengths x concurrency, then the copy-bound cases: the largest size
+    behind a forward of 0 ms (it only writes its output), at each concurrency."""
+    cases = []
+    for name, (shape, dtype) in sizes.items():
+        for i, ms in enumerate(forward_ms):
+            # Two lengths: the few-step distilled forward and the long one, named so.
+            label = f"{FORWARD_LABELS[i]} {ms:g}ms" if len(forward_ms) == 2 else f"{ms:g}ms"
+            for c in concurrency:
+                cases.append(Case(name, shape, dtype, label, ms, c))
+    if copy_bound and sizes:
+        name, (shape, dtype) = max(sizes.items(), key=lambda kv: Case(kv[0], kv[1][0], kv[1][1], "", 0, 1).nbytes)
+        cases += [Case(name, shape, dtype, COPY_BOUND, 0.0, c) for c in concurrency]
+    return cases
+
+
+# ------------------------------------------------------------------------------ options
+
+
+def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {name}, got {text!r}")
+        return [kind(t) for t in items]
+
+    return parse
+
+
+def _mode(text: str) -> str:
+    if text not in MODES:
+        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from {', '.join(MODES)}")
+    return text
+
+
+def _size(text: str) -> str:
+    if text not in SIZES and text not in TINY_SIZES:
+        raise argparse.ArgumentTypeError(f"unknown size {text!r}; choose from {', '.join([*SIZES, *TINY_SIZES])}")
+    return text
+
+
+def _ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
+    if not 0 <= value < 1e6:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1e6 ms, got {text!r}")
+    return value
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``omni-async bench``."""
+    cuda = torch.cuda.is_available()
+    d = sub.add_parser(
+        "bench",
+        help="measure our output path against the seed's and the reference's (throughput, latency, efficiency)",
+        description=(
+            "Run SyntheticForwardWorker behind MultiprocDiffusionExecutor and ship its outputs four ways: "
+            "sync (the seed: .cpu() and a fresh segment per tensor, step mode), reference (side stream, bf16 "
+            "upcast, fresh pinned buffer + sync per tensor, fresh segment + copy), omni (ours: pooled pinned "
+            "segment) and omni-u8 (ours with a uint8 device stage).  Sweep output sizes x forward lengths x "
+            "concurrency, plus a copy-bound case; per case print requests/s, p50/p95 latency, copy GB/s, the "
+            "device's idle gap between forwards and efficiency = throughput / (1 / max(forward, bytes / pinned "
+            "copy bandwidth)), forward and copy measured alone around each case.  --json writes every field, "
+            "--plot a PNG (needs matplotlib; --plot-from JSON draws it later from a saved report)."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument("--device", type=options.device, default="cuda" if cuda else "cpu", help="the worker's device")
+    d.add_argument("--modes", type=_csv(_mode, "modes"), default=list(MODES), help="comma-separated modes")
+    d.add_argument("--sizes", type=_csv(_size, "sizes"), default=list(SIZES), help="comma-separated output sizes")
+    d.add_argument(
+        "--forward-ms",
+        type=_csv(_ms, "milliseconds"),
+        default=[30.0, 300.0],
+        help="forward lengths: a few-step distilled one and a long one",
+    )
+    d.add_argument(
+        "--concurrency", type=_csv(options.positive_int, "ints"), default=[1, 2, 4], help="closed-loop clients"
+    )
+    d.add_argument("--requests", type=options.positive_int, default=16, help="measured requests per case")
+    d.add_argument(
+        "--warmup", type=options.positive_int, default=2, help="warm-up requests per client, before the measurement"
+    )
+    d.add_argument(
+        "--alone-reps", type=options.positive_int, default=5, help="forwards (and copies) alone, before and after a case"
+    )
+    d.add_argument(
+        "--max-case-s",
+        type=float,
+        default=20.0,
+        help="stop taking new requests in a case after this many seconds (slow modes on large outputs)",
+    )
+    d.add_argument("--no-copy-bound", dest="copy_bound", action="store_false", help="skip the copy-bound cases")
+    d.add_argument(
+        "--tiny",
+        action="store_true",
+        help="CI preset: tiny sizes, a 20 ms forward, concurrency 1 and 2, 6 requests, and a short --pump",
+    )
+    d.add_argument("--pump", action="store_true", help="also run the CPU micro-benchmark of the protocol")
+    d.add_argument("--pump-requests", type=options.positive_int, default=2000, help="requests of the --pump run")
+    d.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    d.add_argument("--plot", type=Path, default=None, help="draw the PNG here (default: the JSON's path, .png)")
+    d.add_argument(
+        "--plot-from", type=Path, default=None, help="only draw the plot of a saved JSON report (to --plot or beside it)"
+    )
+    d.set_defaults(run=run)
+
+
+def _apply_tiny(args: argparse.Namespace) -> None:
+    args.sizes = list(TINY_SIZES)
+    args.forward_ms = [20.0]
+    args.concurrency = [1, 2]
+    args.requests = min(args.requests, 6)
+    args.warmup = 1
+    args.alone_reps = 3
+    args.max_case_s = min(args.max_case_s, 10.0)
+    args.pump = True
+    args.pump_requests = min(args.pump_requests, 200)
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def gpu_sample(device: str) -> tuple[float | None, float | None]:
+    """(SM clock in MHz, power in W) of ``device`` now: torch's NVML helpers, else
+    ``nvidia-smi``, else (None, None)."""
+    index = torch.device(device).index or 0
+    try:
+        return float(torch.cuda.clock_rate(index)), float(torch.cuda.power_draw(index)) / 1e3
+    except Exception:  # noqa: BLE001  # no pynvml: try nvidia-smi
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, None
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-i", str(index)],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+        clock, power = (float(v) for v in out.strip().splitlines()[0].split(","))
+        return clock, power
+    except Exception:  # noqa: BLE001  # a query that fails records nothing
+        return None, None
+
+
+class _GpuSampler:
+    """Samples the GPU's clock and power every ``period`` seconds while a case runs."""
+
+    def __init__(self, device: str, period: float = 0.25) -> None:
+        self._device = device
+        self._period = period
+        self._stop = threading.Event()
+        self.samples: list[tuple[float, float]] = []
+        self._thread = threading.Thread(target=self._run, name="bench-gpu-sampler", daemon=True)
+
+    def __enter__(self) -> _GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            clock, power = gpu_sample(self._device)
+            if clock is None or power is None:
+                return
+            self.samples.append((clock, power))
+            self._stop.wait(self._period)
+
+    def summary(self) -> dict[str, float] | None:
+        if not self.samples:
+            return None
+        clocks = [c for c, _ in self.samples]
+        powers = [p for _, p in self.samples]
+        return {
+            "sm_clock_mhz_p50": median(clocks),
+            "sm_clock_mhz_min": min(clocks),
+            "power_w_p50": median(powers),
+            "power_w_max": max(powers),
+            "samples": float(len(self.samples)),
+        }
+
+
+def _executor(mode: str, device: str) -> MultiprocDiffusionExecutor:
+    path: OutputPath = "sync" if mode == "sync" else "reference" if mode == "reference" else "omni"
+    spec = WorkerSpec(_SPEC, {"device": device}, postprocess="bench-u8" if mode == "omni-u8" else None)
+    return MultiprocDiffusionExecutor(
+        spec,
+        step_mode=mode == "sync",
+        deadlines=Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600),
+        options=WorkerOptions(device=device, output_path=path, lease_timeout=120),
+    )
+
+
+@attrs.define
+class _Record:
+    index: int
+    submitted: float
+    done: float
+    metrics: dict[str, float]
+
+
+def _one_request(ex: MultiprocDiffusionExecutor, mode: str, request: DiffusionRequest) -> dict[str, float]:
+    """Submit, take the output, give it back; the output's metrics."""
+    ro = ex.execute_request(request)
+    out: DiffusionOutput
+    if mode == "sync":
+        assert ro.result is not None
+        out = ro.result
+    else:
+        assert ro.async_output_id is not None
+        out = ex.wait_output_ready(ro.async_output_id).result(timeout=600)
+    metrics = dict(out.metrics)
+    ex.release_output(out)  # nothing of it is viewed here: the segment goes back at once
+    return metrics
+
+
+def _alone(ex: MultiprocDiffusionExecutor, case: Case, reps: int) -> tuple[list[float], list[float]]:
+    fwd = ex.collective_rpc("forward_alone", (reps, case.forward_ms, case.shape, case.dtype))[0]
+    copy = ex.collective_rpc("copy_alone", (reps, case.shape, case.dtype))[0]
+    return list(fwd), list(copy)
+
+
+def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    """One mode on one case: the limits alone, the closed loop, the limits alone again."""
+    fwd_before, copy_before = _alone(ex, case, args.alone_reps)
+    warmup = args.warmup * case.concurrency
+    total = warmup + args.requests
+    counter = itertools.count()
+    records: list[_Record] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    t_start = time.monotonic()
+    stop_at = t_start + args.max_case_s
+    params: dict[str, Any] = {"forward_ms": case.forward_ms, "shape": list(case.shape), "dtype": case.dtype}
+
+    def client() -> None:
+        try:
+            while True:
+                i = next(counter)
+                if i >= total or (time.monotonic() > stop_at and i >= warmup + 2 * case.concurrency):
+                    return
+                t0 = time.monotonic()
+                metrics = _one_request(ex, mode, DiffusionRequest(f"{mode}-{i}", {**params, "seed": i}))
+                with lock:
+                    records.append(_Record(i, t0, time.monotonic(), metrics))
+        except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
+            errors.append(exc)
+
+    sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
+    threads = [threading.Thread(target=client, name=f"bench-client-{k}") for k in range(case.concurrency)]
+    if sampler is not None:
+        sampler.__enter__()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        if sampler is not None:
+            sampler.__exit__()
+    wall = time.monotonic() - t_start
+    if errors:
+        raise errors[0]
+    fwd_after, copy_after = _alone(ex, case, args.alone_reps)
+    return summarize(mode, case, records, warmup, fwd_before + fwd_after, copy_before + copy_after, wall) | {
+        "gpu": sampler.summary() if sampler is not None else None,
+        # Every output of the case was read: a baseline's fresh segment still here leaked.
+        "fresh_segments_left": len(entries(f"{ex.pool.prefix}fresh-")),
+    }
+
+
+def summarize(
+    mode: str,
+    case: Case,
+    records: Sequence[_Record],
+    warmup: int,
+    forward_alone_s: Sequence[float],
+    copy_alone_s: Sequence[float],
+    wall_s: float,
+) -> dict[str, Any]:
+    """A case's row: the measured window is every completion after the first ``warmup``."""
+    by_done = sorted(records, key=lambda r: r.done)
+    skip = min(warmup, len(by_done) - 1)
+    window = by_done[skip:]
+    latencies = [r.done - r.submitted for r in window]
+    forwards = [(r.metrics["forward_start"], r.metrics["forward_end"]) for r in window]
+    gaps = idle_gaps(forwards)
+    copied = [r.metrics.get("pack_shm_bytes", 0.0) + r.metrics.get("pack_inline_bytes", 0.0) for r in window]
+    pack_s = [r.metrics["pack_s"] for r in window if "pack_s" in r.metrics]
+    rates = [c / s for c, s in zip(copied, pack_s, strict=False) if s > 0]
+    throughput = steady_rate([r.done for r in by_done], skip)
+    fwd_s = median(forward_alone_s)
+    copy_s = median(copy_alone_s)
+    copy_bps = case.nbytes / copy_s
+    ideal = ideal_rate(fwd_s, case.nbytes, copy_bps)
+    return {
+        "mode": mode,
+        "size": case.size,
+        "shape": list(case.shape),
+        "dtype": case.dtype,
+        "output_bytes": case.nbytes,
+        "copied_bytes": median(copied),
+        "forward_label": case.forward_label,
+        "forward_ms": case.forward_ms,
+        "concurrency": case.concurrency,
+        "requests": len(window),
+        "warmup": skip,
+        "throughput_rps": throughput,
+        "latency_ms_p50": 1e3 * percentile(latencies, 50),
+        "latency_ms_p95": 1e3 * percentile(latencies, 95),
+        "latency_ms_max": 1e3 * max(latencies),
+        "copy_GBps": median(rates) / 1e9 if rates else None,
+        "pack_ms_p50": 1e3 * median(pack_s) if pack_s else None,
+        "idle_gap_ms_p50": 1e3 * median(gaps) if gaps else 0.0,
+        "idle_gap_ms_mean": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+        "idle_fraction": idle_fraction(forwards),
+        "forward_alone_ms": 1e3 * fwd_s,
+        "copy_alone_ms": 1e3 * copy_s,
+        "copy_alone_GBps": copy_bps / 1e9,
+        "ideal_rps": ideal,
+        "bound": "copy" if case.nbytes / copy_bps > fwd_s else "forward",
+        "efficiency": efficiency(throughput, ideal),
+        "wall_s": wall_s,
+    }
+
+
+def run_pump(requests: int, concurrency: int = 4) -> dict[str, Any]:
+    """The protocol alone (CPU, worker process, tiny inline outputs, no forward): latency from the
+    end of the worker's forward (right before COMPUTE_DONE is sent) to the wake-up of the
+    thread blocked in ``execute_request``; the pump's messages per second."""
+    with _executor("omni", "cpu") as ex:
+        params = {"forward_ms": 0, "shape": [4], "dtype": "float32"}
+        for i in range(20):  # warm-up
+            _one_request(ex, "omni", DiffusionRequest(f"w{i}", params))
+        counter = itertools.count()
+        wake: list[float] = []
+        lock = threading.Lock()
+
+        def client() -> None:
+            while (i := next(counter)) < requests:
+                ro = ex.execute_request(DiffusionRequest(f"p{i}", params))
+                woke = time.monotonic()
+                assert ro.async_output_id is not None
+                out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
+                with lock:
+                    wake.append(woke - out.metrics["forward_end"])
+                ex.release_output(out)
+
+        before = ex.pump.messages
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=client, name=f"bench-pump-{k}") for k in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.monotonic() - t0
+        messages = ex.pump.messages - before
+    return {
+        "requests": requests,
+        "concurrency": concurrency,
+        "messages": messages,
+        "messages_per_s": messages / wall,
+        "requests_per_s": requests / wall,
+        "compute_done_latency_us_p50": 1e6 * percentile(wake, 50),
+        "compute_done_latency_us_p99": 1e6 * percentile(wake, 99),
+        "wall_s": wall,
+    }
+
+
+# ------------------------------------------------------------------------------ reporting
+
+
+def environment(device: str) -> dict[str, Any]:
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "device_name": name,
+        "cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count(),
+        "matplotlib": bench_plot.have_matplotlib(),
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(cases: Sequence[dict[str, Any]], title: str) -> Table:
+    t = Table(title=title)
+    for col in (
+        "mode", "size", "forward", "c", "req/s", "p50 ms", "p95 ms", "copy GB/s", "idle ms",
+        "fwd ms", "pinned GB/s", "ideal req/s", "eff.",
+    ):  # fmt: skip
+        t.add_column(col, justify="left" if col in ("mode", "size", "forward") else "right")
+    for c in cases:
+        t.add_row(
+            c["mode"],
+            c["size"],
+            c["forward_label"],
+            str(c["concurrency"]),
+            _fmt(c["throughput_rps"], ".2f"),
+            _fmt(c["latency_ms_p50"], ".1f"),
+            _fmt(c["latency_ms_p95"], ".1f"),
+            _fmt(c["copy_GBps"], ".2f"),
+            _fmt(c["idle_gap_ms_p50"], ".2f"),
+            _fmt(c["forward_alone_ms"], ".1f"),
+            _fmt(c["copy_alone_GBps"], ".2f"),
+            _fmt(c["ideal_rps"], ".2f"),
+            _fmt(c["efficiency"], ".2f"),
+        )
+    return t
+
+
+def _plot(report: dict[str, Any], path: Path, console: Console) -> None:
+    if not bench_plot.have_matplotlib():
+        console.print(
+            f"note: matplotlib is not installed here: no plot.  Draw it where it is with "
+            f"omni-async bench --plot-from {report.get('json') or 'REPORT.json'}"
+        )
+        return
+    bench_plot.draw(report, path)
+    console.print(f"plot: {path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    # Wide enough for the table's 13 columns, also when the output goes to a file or CI log.
+    console = Console(width=max(Console().width, 150))
+    if args.plot_from is not None:
+        saved = json.loads(args.plot_from.read_text(encoding="utf-8"))
+        _plot(saved, args.plot or args.plot_from.with_suffix(".png"), console)
+        return 0
+    if args.tiny:
+        _apply_tiny(args)
+    t0 = time.monotonic()
+    argv = ["omni-async", *sys.argv[1:]] if sys.argv[1:2] == ["bench"] else ["omni-async", "bench"]
+    sizes = {name: {**SIZES, **TINY_SIZES}[name] for name in args.sizes}
+    cases = build_cases(sizes, args.forward_ms, args.concurrency, args.copy_bound)
+    report: dict[str, Any] = {
+        "command": shlex.join(argv),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(args.device),
+        "config": {
+            k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items()) if k not in ("run", "check")
+        },
+        "json": str(args.json) if args.json else None,
+        "cases": [],
+        "pump": None,
+    }
+    console.print(
+        f"omni-async bench: {len(cases)} case(s) x {len(args.modes)} mode(s) on {args.device} "
+        f"({report['environment']['device_name']})"
+    )
+    for mode in args.modes:
+        with _executor(mode, args.device) as ex:
+            for case in cases:
+                row = run_case(ex, mode, case, args)
+                report["cases"].append(row)
+                console.print(
+                    f"  {mode:9} {case.size:22} {case.forward_label:16} c={case.concurrency}: "
+                    f"{row['throughput_rps']:8.2f} req/s, efficiency {row['efficiency']:.2f}"
+                )
+    # Cases side by side: each case's modes together.
+    order = {(c.size, c.forward_label, c.concurrency): i for i, c in enumerate(cases)}
+    report["cases"].sort(key=lambda r: (order[(r["size"], r["forward_label"], r["concurrency"])], MODES.index(r["mode"])))
+    console.print(table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})"))
+    if args.pump:
+        report["pump"] = run_pump(args.pump_requests)
+        p = report["pump"]
+        console.print(
+            f"pump (CPU, worker process, {p['requests']} requests, {p['concurrency']} clients): COMPUTE_DONE "
+            f"send -> waiter wake-up p50 {p['compute_done_latency_us_p50']:.0f} us, p99 "
+            f"{p['compute_done_latency_us_p99']:.0f} us; {p['messages_per_s']:.0f} messages/s "
+            f"({p['requests_per_s']:.0f} requests/s)"
+        )
+    report["wall_s"] = time.monotonic() - t0
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        console.print(f"report: {args.json}")
+    plot_path = args.plot or (args.json.with_suffix(".png") if args.json is not None else None)
+    if plot_path is not None:
+        _plot(report, plot_path, console)
+    console.print(f"bench done in {report['wall_s']:.1f} s")
+    return 0
