@@ -17,7 +17,7 @@ from omni_async.transport.shm.files import entries
 FIELDS = {
     "mode", "size", "shape", "dtype", "output_bytes", "copied_bytes", "forward_label", "forward_ms", "concurrency",
     "requests", "warmup", "throughput_rps", "latency_ms_p50", "latency_ms_p95", "latency_ms_max", "copy_GBps",
-    "pack_ms_p50", "idle_gap_ms_p50", "idle_gap_ms_mean", "idle_fraction", "forward_alone_ms", "copy_alone_ms",
+    "pack_ms_p50", "idle_gap_ms_p50", "idle_gap_ms_mean", "idle_fraction", "forward_alone_ms", "forward_alone_before_ms", "copy_alone_ms",
     "copy_alone_GBps", "ideal_rps", "bound", "efficiency", "wall_s", "gpu", "fresh_segments_left",
 }  # fmt: skip
 

@@ -13,8 +13,10 @@ per request), the worker shipping outputs one way (``WorkerOptions.output_path``
 * ``omni-u8``: ours with the device-side post-process ``"bench-u8"`` (float to uint8 on
   the side stream before the copy).
 
-The sweep: output sizes (``SIZES``) x forward lengths x concurrency (closed-loop clients,
-each: submit, take the output, release it, again), plus a copy-bound case per size list
+The sweep: output sizes (``SIZES``) x forward lengths x concurrency (the running slots of
+an engine: each submits its next request as soon as the last one's forward is done, at
+COMPUTE_DONE, and hands the output to a consumer that takes it and releases it; in step
+mode the answer carries the output), plus a copy-bound case per size list
 (the largest size behind a forward that only writes its output).  Per case, right before
 and after it and on the same worker, the forward alone (a sustained loop) and the pinned
 copy alone are measured; from them the ideal rate ``1 / max(forward, bytes / copy
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import queue
 import json
 import os
 import platform
@@ -196,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="forward lengths: a few-step distilled one and a long one",
     )
     d.add_argument(
-        "--concurrency", type=_csv(options.positive_int, "ints"), default=[1, 2, 4], help="closed-loop clients"
+        "--concurrency", type=_csv(options.positive_int, "ints"), default=[1, 2, 4], help="running slots (each submits its next request at COMPUTE_DONE)"
     )
     d.add_argument("--requests", type=options.positive_int, default=16, help="measured requests per case")
     d.add_argument(
@@ -326,16 +329,9 @@ class _Record:
     metrics: dict[str, float]
 
 
-def _one_request(ex: MultiprocDiffusionExecutor, mode: str, request: DiffusionRequest) -> dict[str, float]:
-    """Submit, take the output, give it back; the output's metrics."""
-    ro = ex.execute_request(request)
-    out: DiffusionOutput
-    if mode == "sync":
-        assert ro.result is not None
-        out = ro.result
-    else:
-        assert ro.async_output_id is not None
-        out = ex.wait_output_ready(ro.async_output_id).result(timeout=600)
+def _take(ex: MultiprocDiffusionExecutor, output_id: str) -> dict[str, float]:
+    """Wait for an announced output, give it back; its metrics."""
+    out = ex.wait_output_ready(output_id).result(timeout=600)
     metrics = dict(out.metrics)
     ex.release_output(out)  # nothing of it is viewed here: the segment goes back at once
     return metrics
@@ -360,27 +356,54 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
     stop_at = t_start + args.max_case_s
     params: dict[str, Any] = {"forward_ms": case.forward_ms, "shape": list(case.shape), "dtype": case.dtype}
 
+    announced: queue.Queue[tuple[int, float, str] | None] = queue.Queue()
+
     def client() -> None:
+        # A running slot of an engine: it submits the next request as soon as the last
+        # one's forward is done (COMPUTE_DONE), and hands the output to a consumer.  In
+        # step mode (``sync``) the answer carries the output itself.
         try:
             while True:
                 i = next(counter)
                 if i >= total or (time.monotonic() > stop_at and i >= warmup + 2 * case.concurrency):
                     return
                 t0 = time.monotonic()
-                metrics = _one_request(ex, mode, DiffusionRequest(f"{mode}-{i}", {**params, "seed": i}))
-                with lock:
-                    records.append(_Record(i, t0, time.monotonic(), metrics))
+                ro = ex.execute_request(DiffusionRequest(f"{mode}-{i}", {**params, "seed": i}))
+                if ro.result is not None:
+                    metrics = dict(ro.result.metrics)
+                    ex.release_output(ro.result)
+                    with lock:
+                        records.append(_Record(i, t0, time.monotonic(), metrics))
+                else:
+                    assert ro.async_output_id is not None
+                    announced.put((i, t0, ro.async_output_id))
         except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
             errors.append(exc)
 
+    def consumer() -> None:
+        while (item := announced.get()) is not None:
+            i, t0, oid = item
+            try:
+                metrics = _take(ex, oid)
+            except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
+                errors.append(exc)
+                continue
+            with lock:
+                records.append(_Record(i, t0, time.monotonic(), metrics))
+
     sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
     threads = [threading.Thread(target=client, name=f"bench-client-{k}") for k in range(case.concurrency)]
+    consumers = [threading.Thread(target=consumer, name=f"bench-consumer-{k}") for k in range(case.concurrency)]
     if sampler is not None:
         sampler.__enter__()
     try:
-        for t in threads:
+        for t in threads + consumers:
             t.start()
         for t in threads:
+            t.join()
+        for _ in consumers:
+            announced.put(None)
+        for t in consumers:
             t.join()
     finally:
         if sampler is not None:
@@ -389,7 +412,12 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
     if errors:
         raise errors[0]
     fwd_after, copy_after = _alone(ex, case, args.alone_reps)
-    return summarize(mode, case, records, warmup, fwd_before + fwd_after, copy_before + copy_after, wall) | {
+    # The ideal's forward is the one measured right after the case, on a device in the
+    # state the case left it in (clocks, power: a GPU at its power limit runs a
+    # sustained forward several percent slower than a cold one); the one before is
+    # reported beside it.
+    return summarize(mode, case, records, warmup, fwd_after, copy_before + copy_after, wall) | {
+        "forward_alone_before_ms": 1e3 * median(fwd_before),
         "gpu": sampler.summary() if sampler is not None else None,
         # Every output of the case was read: a baseline's fresh segment still here leaked.
         "fresh_segments_left": len(entries(f"{ex.pool.prefix}fresh-")),
@@ -458,7 +486,9 @@ def run_pump(requests: int, concurrency: int = 4) -> dict[str, Any]:
     with _executor("omni", "cpu") as ex:
         params = {"forward_ms": 0, "shape": [4], "dtype": "float32"}
         for i in range(20):  # warm-up
-            _one_request(ex, "omni", DiffusionRequest(f"w{i}", params))
+            ro = ex.execute_request(DiffusionRequest(f"w{i}", params))
+            assert ro.async_output_id is not None
+            _take(ex, ro.async_output_id)
         counter = itertools.count()
         wake: list[float] = []
         lock = threading.Lock()
