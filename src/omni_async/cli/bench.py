@@ -344,79 +344,94 @@ def _alone(ex: MultiprocDiffusionExecutor, case: Case, reps: int) -> tuple[list[
 
 
 def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argparse.Namespace) -> dict[str, Any]:
-    """One mode on one case: the limits alone, the closed loop, the limits alone again."""
+    """One mode on one case: the limits alone, a warm-up run to its end, the measured run,
+    the limits alone again.
+
+    The warm-up makes the pool's segments (and, on CUDA, pins them) and is over, every
+    output taken, before the measured run starts: its slow first copies would otherwise
+    bunch the next completions together and inflate the rate measured after them.
+    """
     fwd_before, copy_before = _alone(ex, case, args.alone_reps)
-    warmup = args.warmup * case.concurrency
-    total = warmup + args.requests
-    counter = itertools.count()
-    records: list[_Record] = []
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-    t_start = time.monotonic()
-    stop_at = t_start + args.max_case_s
     params: dict[str, Any] = {"forward_ms": case.forward_ms, "shape": list(case.shape), "dtype": case.dtype}
+    sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
 
-    announced: queue.Queue[tuple[int, float, str] | None] = queue.Queue()
+    def closed_loop(phase: str, total: int, stop_at: float) -> list[_Record]:
+        counter = itertools.count()
+        records: list[_Record] = []
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+        announced: queue.Queue[tuple[int, float, str] | None] = queue.Queue()
 
-    def client() -> None:
-        # A running slot of an engine: it submits the next request as soon as the last
-        # one's forward is done (COMPUTE_DONE), and hands the output to a consumer.  In
-        # step mode (``sync``) the answer carries the output itself.
-        try:
-            while True:
-                i = next(counter)
-                if i >= total or (time.monotonic() > stop_at and i >= warmup + 2 * case.concurrency):
-                    return
-                t0 = time.monotonic()
-                ro = ex.execute_request(DiffusionRequest(f"{mode}-{i}", {**params, "seed": i}))
-                if ro.result is not None:
-                    metrics = dict(ro.result.metrics)
-                    ex.release_output(ro.result)
-                    with lock:
-                        records.append(_Record(i, t0, time.monotonic(), metrics))
-                else:
-                    assert ro.async_output_id is not None
-                    announced.put((i, t0, ro.async_output_id))
-        except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
-            errors.append(exc)
-
-    def consumer() -> None:
-        while (item := announced.get()) is not None:
-            i, t0, oid = item
+        def client() -> None:
+            # A running slot of an engine: it submits the next request as soon as the
+            # last one's forward is done (COMPUTE_DONE), and hands the output to a
+            # consumer.  In step mode (``sync``) the answer carries the output itself.
             try:
-                metrics = _take(ex, oid)
+                while True:
+                    i = next(counter)
+                    if i >= total or (time.monotonic() > stop_at and i >= 2 * case.concurrency + 1):
+                        return
+                    t0 = time.monotonic()
+                    ro = ex.execute_request(DiffusionRequest(f"{mode}-{phase}{i}", {**params, "seed": i}))
+                    if ro.result is not None:
+                        metrics = dict(ro.result.metrics)
+                        ex.release_output(ro.result)
+                        with lock:
+                            records.append(_Record(i, t0, time.monotonic(), metrics))
+                    else:
+                        assert ro.async_output_id is not None
+                        announced.put((i, t0, ro.async_output_id))
             except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
                 errors.append(exc)
-                continue
-            with lock:
-                records.append(_Record(i, t0, time.monotonic(), metrics))
 
-    sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
-    threads = [threading.Thread(target=client, name=f"bench-client-{k}") for k in range(case.concurrency)]
-    consumers = [threading.Thread(target=consumer, name=f"bench-consumer-{k}") for k in range(case.concurrency)]
-    if sampler is not None:
-        sampler.__enter__()
-    try:
-        for t in threads + consumers:
+        def consumer() -> None:
+            while (item := announced.get()) is not None:
+                i, t0, oid = item
+                try:
+                    metrics = _take(ex, oid)
+                except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
+                    errors.append(exc)
+                    continue
+                with lock:
+                    records.append(_Record(i, t0, time.monotonic(), metrics))
+
+        clients = [threading.Thread(target=client, name=f"bench-client-{k}") for k in range(case.concurrency)]
+        consumers = [threading.Thread(target=consumer, name=f"bench-consumer-{k}") for k in range(case.concurrency)]
+        for t in clients + consumers:
             t.start()
-        for t in threads:
+        for t in clients:
             t.join()
         for _ in consumers:
             announced.put(None)
         for t in consumers:
             t.join()
+        if errors:
+            raise errors[0]
+        return records
+
+    t_start = time.monotonic()
+    # The pooled modes hold up to the packer's budget of outputs in flight (4 by default):
+    # warm at least that many segments, and one more.
+    warm = args.warmup * case.concurrency
+    if mode in ("omni", "omni-u8"):
+        warm = max(warm, WorkerOptions().max_outputs_in_flight + 2)
+    closed_loop("warmup", warm, t_start + args.max_case_s)
+    if sampler is not None:
+        sampler.__enter__()
+    try:
+        t_run = time.monotonic()
+        records = closed_loop("", args.requests, t_run + args.max_case_s)
     finally:
         if sampler is not None:
             sampler.__exit__()
     wall = time.monotonic() - t_start
-    if errors:
-        raise errors[0]
     fwd_after, copy_after = _alone(ex, case, args.alone_reps)
     # The ideal's forward is the one measured right after the case, on a device in the
     # state the case left it in (clocks, power: a GPU at its power limit runs a
     # sustained forward several percent slower than a cold one); the one before is
     # reported beside it.
-    return summarize(mode, case, records, warmup, fwd_after, copy_before + copy_after, wall) | {
+    # The rate is measured after the first ``concurrency`` completions: the pipeline's fill.
+    return summarize(mode, case, records, case.concurrency, fwd_after, copy_before + copy_after, wall) | {
         "forward_alone_before_ms": 1e3 * median(fwd_before),
         "gpu": sampler.summary() if sampler is not None else None,
         # Every output of the case was read: a baseline's fresh segment still here leaked.
@@ -433,7 +448,8 @@ def summarize(
     copy_alone_s: Sequence[float],
     wall_s: float,
 ) -> dict[str, Any]:
-    """A case's row: the measured window is every completion after the first ``warmup``."""
+    """A case's row: the measured window is every completion after the first ``warmup`` (the
+    rate runs from the ``warmup``-th completion to the last)."""
     by_done = sorted(records, key=lambda r: r.done)
     skip = min(warmup, len(by_done) - 1)
     window = by_done[skip:]
