@@ -172,11 +172,11 @@ def draw_timeline(
             ax.barh([0] * len(idle), [g for _, g in idle], left=[b - t0 for b, _ in idle], height=0.8,
                     color=_COLORS["idle"], linewidth=0)  # fmt: skip
         ax.set_ylim(rows - 0.5, -0.5)
-        if rows <= 41:
+        if rows <= 65:
             ax.set_yticks(range(rows), ["worker", *order])
         else:
             ax.set_yticks([0], ["worker"])
-            ax.set_ylabel(f"{rows - 1} requests, in submission order")
+            ax.set_ylabel(f"{rows - 1} requests, in the order the worker ran them")
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlim(0, xmax if xmax is not None else max((s.end for s in spans), default=t0 + 1.0) - t0)
         ax.set_xlabel("seconds")
