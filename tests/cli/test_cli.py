@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,31 +15,37 @@ from omni_async.cli import demo as cli_demo
 from omni_async.models.tiny import image_digest
 
 
+# Small images, one step: seconds.  128 x 256 RGB uint8 (96 KiB) travel through shared memory.
+SMALL = ["--height", "128", "--width", "256", "--steps", "1"]
+
+
 @pytest.mark.parametrize("executor", ["multiproc", "inproc"])
-def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str) -> None:
-    cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6"]
-    done = subprocess.run([*cmd, "--max-running", "3"], capture_output=True, text=True, timeout=240)
+def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6", *SMALL]
+    done = subprocess.run([*cmd, "--max-running", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "6 requests:" in done.stdout and "; 0 mismatched" in done.stdout
-    assert "finished=6," in done.stdout and "waiting=0, running=0, holding=0" in done.stdout
-    assert "delivered=6," in done.stdout and "pending_outputs=0," in done.stdout
+    for mode in ("sync", "async"):
+        assert f"{mode}: 6 requests in " in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
+    # Each run: the 6 requests and a warm-up; nothing left in the engine.
+    assert done.stdout.count("finished=7,") == 2 and "waiting=0, running=0, holding=0" in done.stdout
+    assert "pending_outputs=0," in done.stdout and "held_payloads=0," in done.stdout
+    assert "checks: every output intact, nothing left behind" in done.stdout
     if executor == "multiproc":
         assert "0 still leased" in done.stdout
 
 
-def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory() -> None:
+def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory(tmp_path: Path) -> None:
     """Issue 9: more requests than the budget of held outputs (64), handed over at once.
     The demo before the engine submitted them all, then claimed: the packer waited for
     room, the forwards behind it too, and the first outputs expired unclaimed after 20 s
-    (OutputTimeout, exit status 1).  Through the engine the rest wait in its queue.
-    128 x 256 fp32 images (128 KiB: shared memory) and one step keep it quick."""
+    (OutputTimeout, exit status 1).  Through the engine the rest wait in its queue."""
     cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--requests", "100", "--output-timeout", "20"]
-    small = ["--height", "128", "--width", "256", "--steps", "1"]
-    done = subprocess.run([*cmd, *small], capture_output=True, text=True, timeout=240)
+    done = subprocess.run([*cmd, *SMALL, "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "100 requests:" in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
-    assert "finished=100," in done.stdout and "in_flight_limit=64," in done.stdout, done.stdout
-    assert "delivered=100," in done.stdout and "0 still leased" in done.stdout, done.stdout
+    assert "async: 100 requests in " in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
+    assert done.stdout.count("finished=101,") == 2 and "in_flight_limit=64," in done.stdout, done.stdout
+    assert "pending_outputs=0," in done.stdout and "0 still leased" in done.stdout, done.stdout
+    assert len(list((tmp_path / "images").glob("*.png"))) == 100
 
 
 def test_demo_refuses_cuda_without_a_gpu() -> None:

@@ -103,6 +103,7 @@ from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.worker.postprocess import HostStage, get_postprocess
+from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_STARTED_AT, PACK_ENDED_AT, PACK_STARTED_AT
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -203,7 +204,12 @@ class AsyncDiffusionEngine:
     ``EngineOverloaded`` at the call); ``max_in_flight``: cap on running requests plus
     outputs not yet released, in addition to the executor's budget of held outputs
     (default: that budget, or 64 for an executor without one); ``postprocess_workers``:
-    threads running host stages.
+    threads running host stages; ``async_output`` (True): False sends every request down
+    the executor's synchronous output path instead (``execute_request(sync_output=True)``:
+    the worker copies each output on its main thread before it answers, and the calls
+    run one at a time) -- the baseline the asynchronous path is measured against
+    (``omni-async demo``), not a way to serve: a request whose call is in flight cannot
+    be cancelled (an abort waits for its forward, then releases its output).
 
     Use on one event loop: ``async with engine:``, or ``await engine.start()`` ...
     ``await engine.close()``.  ``from_factory`` builds an engine that creates its
@@ -220,6 +226,7 @@ class AsyncDiffusionEngine:
         max_in_flight: int | None = None,
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
+        async_output: bool = True,
     ) -> None:
         if not isinstance(executor, DiffusionExecutor):
             raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
@@ -232,6 +239,7 @@ class AsyncDiffusionEngine:
             max_in_flight=max_in_flight,
             postprocess_workers=postprocess_workers,
             close_timeout=close_timeout,
+            async_output=async_output,
         )
 
     @classmethod
@@ -245,6 +253,7 @@ class AsyncDiffusionEngine:
         max_in_flight: int | None = None,
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
+        async_output: bool = True,
     ) -> AsyncDiffusionEngine:
         """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
         shuts the executor down, both on a worker thread (the executor's constructor and
@@ -261,6 +270,7 @@ class AsyncDiffusionEngine:
             max_in_flight=max_in_flight,
             postprocess_workers=postprocess_workers,
             close_timeout=close_timeout,
+            async_output=async_output,
         )
         return engine
 
@@ -275,6 +285,7 @@ class AsyncDiffusionEngine:
         max_in_flight: int | None,
         postprocess_workers: int,
         close_timeout: float,
+        async_output: bool,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -288,6 +299,9 @@ class AsyncDiffusionEngine:
                 raise UsageError(f"{name} must be a positive int, got {value!r}")
         if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or close_timeout <= 0:
             raise UsageError(f"close_timeout must be a number of seconds > 0, got {close_timeout!r}")
+        if not isinstance(async_output, bool):
+            raise UsageError(f"async_output must be a bool, got {async_output!r:.80}")
+        self._async_output = async_output
         self._executor = executor
         self._factory = factory
         self._owns_executor = factory is not None
@@ -309,6 +323,7 @@ class AsyncDiffusionEngine:
         self._loop_task: asyncio.Task[None] | None = None
         self._io: ThreadPoolExecutor | None = None
         self._post: ThreadPoolExecutor | None = None
+        self._sync: ThreadPoolExecutor | None = None  # async_output=False: the blocking calls
         self._closed = asyncio.Event()
         self._counts = dict.fromkeys(_OUTCOMES, 0)
         self._latency = {stage: LatencyHistogram() for stage in STAGES}
@@ -372,6 +387,8 @@ class AsyncDiffusionEngine:
             )
             self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-io")
             self._post = ThreadPoolExecutor(self._postprocess_workers, thread_name_prefix="omni-postprocess")
+            if not self._async_output:
+                self._sync = ThreadPoolExecutor(self._max_running, thread_name_prefix="omni-engine-sync")
             self._loop_task = self._loop.create_task(self._run(), name="omni-engine-loop")
             self._loop_task.add_done_callback(self._on_loop_end)
             self._state = "running"
@@ -417,7 +434,7 @@ class AsyncDiffusionEngine:
             if self._loop_task is not None:
                 self._loop_task.cancel()
                 await asyncio.gather(self._loop_task, return_exceptions=True)
-            for pool in (self._io, self._post):
+            for pool in (self._io, self._post, self._sync):
                 if pool is not None:
                     await asyncio.to_thread(pool.shutdown, True)
         finally:
@@ -519,6 +536,8 @@ class AsyncDiffusionEngine:
         cancelling the consuming task aborts the request and releases everything of it;
         ``aclose`` returns once nothing of it remains (bounded by ``close_timeout``).
         """
+        if not self._async_output:
+            raise UsageError("generate_stream: streaming takes the asynchronous output path (async_output=True)")
         rec = self._admit(request, deadlines, "generate_stream", streaming=True)
         done = False
         try:
@@ -590,7 +609,7 @@ class AsyncDiffusionEngine:
             self._postprocessing += 1
             try:
                 metrics = dict(output.metrics)
-                value, post_s = await self._loop.run_in_executor(
+                value, _, post_s = await self._loop.run_in_executor(
                     self._post, functools.partial(self._postprocess, rec.request_id, output, self._host, True)
                 )
             finally:
@@ -783,6 +802,9 @@ class AsyncDiffusionEngine:
         rid = rec.request_id
         if rec.ended():
             return  # aborted before it was sent: it never reaches a worker
+        if not self._async_output:
+            await self._walk_sync(rec)
+            return
         rec.stage = _Stage.SENDING
         rec.submitted_at = time.monotonic()
         try:
@@ -838,6 +860,53 @@ class AsyncDiffusionEngine:
                 self._fail(rec, exc)
             return
         rec.output_ready_at = time.monotonic()
+        await self._finish(rec, output)
+
+    async def _walk_sync(self, rec: _Request) -> None:
+        """``async_output=False``: the request's call on the synchronous output path, on
+        an ``omni-engine-sync`` thread; COMPUTE_DONE and the output arrive together."""
+        ex = self.executor
+        rid = rec.request_id
+        assert self._loop is not None and self._sync is not None and self._scheduler is not None
+        rec.stage = _Stage.RUNNING
+        rec.submitted_at = time.monotonic()
+        call = self._loop.run_in_executor(
+            self._sync, functools.partial(ex.execute_request, rec.request, sync_output=True)
+        )
+        try:
+            # Shielded: a cancelled driver cannot stop the call; its output is released
+            # when it arrives (below, or by _release_late).
+            announced: RunnerOutput = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(self._release_late)
+            raise
+        except Exception as exc:
+            self._fail(rec, exc)
+            return
+        rec.compute_done_at = rec.output_ready_at = time.monotonic()
+        self._scheduler.compute_done(rid)
+        self._wake.set()
+        output = announced.result
+        if output is None:
+            self._fail(rec, UsageError(f"request {rid!r}: the executor's synchronous answer carries no output"))
+            return
+        await self._finish(rec, output)
+
+    def _release_late(self, call: asyncio.Future[RunnerOutput]) -> None:
+        """The synchronous call of a driver that was cancelled ended: release its output."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        output = call.result().result
+        if output is not None and self._post is not None:
+            try:
+                self._post.submit(self._release_quietly, output)
+            except RuntimeError:  # the engine's threads are gone: release here
+                self._release_quietly(output)
+
+    async def _finish(self, rec: _Request, output: DiffusionOutput) -> None:
+        """Post-process ``output`` (the request's, here now) and hand the caller its result."""
+        rid = rec.request_id
+        assert self._scheduler is not None
         nbytes = output.metrics.get("pack_shm_bytes")
         if nbytes:
             self._scheduler.observe_output(int(nbytes))
@@ -847,7 +916,7 @@ class AsyncDiffusionEngine:
         try:
             assert self._post is not None and self._loop is not None
             try:
-                value, post_s = await self._loop.run_in_executor(
+                value, post_at, post_s = await self._loop.run_in_executor(
                     self._post, functools.partial(self._postprocess, rid, output, host, not rec.ended())
                 )
             finally:
@@ -876,6 +945,11 @@ class AsyncDiffusionEngine:
             compute_done_at=rec.compute_done_at,
             output_ready_at=rec.output_ready_at,
             finished_at=finished,
+            postprocess_started_at=post_at,
+            forward_started_at=metrics.get(FORWARD_STARTED_AT),
+            forward_ended_at=metrics.get(FORWARD_ENDED_AT),
+            pack_started_at=metrics.get(PACK_STARTED_AT),
+            pack_ended_at=metrics.get(PACK_ENDED_AT),
         )
         for stage in STAGES:
             seconds = getattr(timings, stage)
@@ -898,8 +972,10 @@ class AsyncDiffusionEngine:
 
     def _postprocess(
         self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
-    ) -> tuple[Any, float]:
-        """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the release."""
+    ) -> tuple[Any, float, float]:
+        """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the
+        release; the value, when it started (``time.monotonic()``) and its seconds."""
+        started = time.monotonic()
         t0 = time.perf_counter()
         value: Any = None
         try:
@@ -930,7 +1006,7 @@ class AsyncDiffusionEngine:
             ) from exc
         except Exception as exc:  # the pool closed under us (executor shut down): nothing to give back
             log.debug("engine: releasing the output of %r: %s", rid, exc)
-        return value, time.perf_counter() - t0
+        return value, started, time.perf_counter() - t0
 
     def _release_quietly(self, output: DiffusionOutput) -> None:
         try:

@@ -49,7 +49,16 @@ class RequestTimings:
 
     The ``*_at`` stamps are ``time.monotonic()`` values, comparable across requests of
     one process (to draw a timeline: one request's forward starting before the
-    previous one's output is ready).
+    previous one's output is ready): ``enqueued_at`` (``generate``), ``submitted_at``
+    (sent), ``compute_done_at`` (COMPUTE_DONE here), ``output_ready_at`` (the output
+    here: OUTPUT_READY, unpacked), ``postprocess_started_at`` (its host stage began, on
+    an ``omni-postprocess`` thread), ``finished_at`` (the result).  The worker's stamps
+    (``omni_async.worker.stamps``, carried in the output's metrics): ``forward_started_at``
+    / ``forward_ended_at`` (the model call on the worker's main thread) and
+    ``pack_started_at`` / ``pack_ended_at`` (device stage and copy: on the packer, or on
+    the main thread on the synchronous path); None when the output did not carry them.
+    CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the worker's
+    stamps and the engine's compare on one timeline.
     """
 
     queued: float
@@ -63,6 +72,11 @@ class RequestTimings:
     compute_done_at: float
     output_ready_at: float
     finished_at: float
+    postprocess_started_at: float | None = None
+    forward_started_at: float | None = None
+    forward_ended_at: float | None = None
+    pack_started_at: float | None = None
+    pack_ended_at: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return attrs.asdict(self)

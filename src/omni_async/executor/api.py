@@ -267,9 +267,20 @@ class DiffusionExecutor(abc.ABC):
         consumer: str | None = None,
         deadlines: Deadlines | None = None,
         final_step_async: bool | None = None,
+        sync_output: bool = False,
     ) -> RunnerOutput:
         """``submit_request(...).result()``; in step mode the synchronous answer, which
         ``deadlines`` does not bound (step mode's calls are bounded by ``rpc_timeout``).
+
+        ``sync_output=True`` (request mode too): the synchronous output path, the one an
+        executor without an asynchronous output path takes -- the worker copies the
+        output on its main thread before it answers, and the call returns with the
+        output in ``result`` (unpacked as ``wait_output_ready`` delivers it: give it
+        back with ``release_output``).  Such calls run one at a time (their answers come
+        through one buffer, as ``collective_rpc``'s), are bounded by ``rpc_timeout``, not
+        by ``deadlines``, and cannot be cancelled (``cancel_requests`` ignores them).
+        For comparisons (``AsyncDiffusionEngine(async_output=False)``, ``omni-async
+        demo``); ``UsageError`` with ``final_step_async=True``.
 
         Step mode: a forward that returns no output (None: an intermediate step of a
         model run step by step) gives ``RunnerOutput(finished=False)``; one that returns
@@ -285,6 +296,12 @@ class DiffusionExecutor(abc.ABC):
         self._check_request(request, "execute_request")
         self._check_consumer(consumer)
         self._check_deadlines(deadlines, "execute_request")
+        if not isinstance(sync_output, bool):
+            raise UsageError(f"execute_request: sync_output must be a bool, got {sync_output!r:.80}")
+        if sync_output:
+            if final_step_async:
+                raise UsageError("execute_request: sync_output=True and final_step_async=True exclude each other")
+            return self._execute_sync("execute_model", (request,), [request])[0]
         if self._final_async(final_step_async, "execute_request"):
             return self._submit("execute_model", (request,), consumer, [request], deadlines, step=True).result()[0]
         if self.step_mode:
@@ -461,7 +478,7 @@ class DiffusionExecutor(abc.ABC):
     def _execute_sync(
         self, method: str, args: tuple[Any, ...], requests: Sequence[DiffusionRequest]
     ) -> list[RunnerOutput]:
-        results = self.collective_rpc(method, args)
+        results = self._call_every_rank(method, args, None, None)
         reply = results[self.reply_rank]
         if reply is None:
             # An intermediate step of a model run step by step: no output yet.
@@ -502,6 +519,12 @@ class DiffusionExecutor(abc.ABC):
             # The workers never answer this control message: waiting for an answer
             # would only end in a ComputeTimeout after the whole rpc_timeout.
             raise UsageError(f"{method!r} has no answer; use drop_output/abort_outputs")
+        return self._call_every_rank(method, args, kwargs, timeout)
+
+    def _call_every_rank(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None, timeout: float | None
+    ) -> list[Any]:
+        """Path 2: send ``method`` with ``async_output=False`` and collect every rank's answer."""
         self.check_health()
         limit = self.deadlines.rpc_timeout if timeout is None else timeout
         with self._sync_lock:

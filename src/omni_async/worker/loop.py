@@ -44,6 +44,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -76,6 +77,13 @@ from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
 from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
+from omni_async.worker.stamps import (
+    FORWARD_ENDED_AT,
+    FORWARD_STARTED_AT,
+    PACK_ENDED_AT,
+    PACK_STARTED_AT,
+    stamped,
+)
 from omni_async.worker.stream import ChunkScope, streaming
 
 log = logging.getLogger(__name__)
@@ -197,8 +205,11 @@ class WorkerLoop:
         return True
 
     def _call_sync(self, req: RpcRequest) -> object:
+        started = time.monotonic()
         result = self._call(req)
-        return self._step_result(result) if req.method in ASYNC_METHODS else result
+        if req.method not in ASYNC_METHODS:
+            return result
+        return self._step_result(result, {FORWARD_STARTED_AT: started, FORWARD_ENDED_AT: time.monotonic()})
 
     def _call(self, req: RpcRequest) -> object:
         """Call the model's method; its result is whatever that method returns (any RPC result)."""
@@ -212,20 +223,23 @@ class WorkerLoop:
             raise UsageError(f"worker has no RPC method {req.method!r}")
         return fn(*req.args, **req.kwargs)
 
-    def _step_result(self, result: object) -> object:
-        """Step mode: only the reply rank ships its output, packed here on the main thread."""
+    def _step_result(self, result: object, forward: dict[str, float]) -> object:
+        """The synchronous output path (step mode, ``sync_output``): only the reply rank
+        ships its output, packed here on the main thread; ``forward``: the forward's
+        stamps (``omni_async.worker.stamps``), added to each output with the pack's."""
         if not self.is_reply_rank:
             return None
         pack = self._pack_sync
         stage = self._device_stage
-        if pack is None and stage is None:
-            return result
-        event = self._record_event()
+        event = self._record_event() if pack is not None or stage is not None else None
 
         def ship(o: DiffusionOutput) -> DiffusionOutput:
+            started = time.monotonic()
             if stage is not None:
                 o = run_device_stage(stage, o, None, event)
-            return o if pack is None else pack(o, None, event)
+            if pack is not None:
+                o = pack(o, None, event)
+            return stamped(o, **forward, **{PACK_STARTED_AT: started, PACK_ENDED_AT: time.monotonic()})
 
         if isinstance(result, BatchDiffusionOutput):
             return BatchDiffusionOutput(tuple(ship(o) for o in result.per_request()))
@@ -264,8 +278,10 @@ class WorkerLoop:
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
         try:
+            forward_started = time.monotonic()
             with self._streaming(req, requests, scope):
                 result = self._call(req)
+            forward = {FORWARD_STARTED_AT: forward_started, FORWARD_ENDED_AT: time.monotonic()}
             # A step call whose forward returned nothing: an intermediate step.
             outputs = None if req.step and result is None else self._split(result, requests)
         except Exception as exc:
@@ -301,6 +317,7 @@ class WorkerLoop:
         for m, out in zip(machines, outputs, strict=True):
             self._fire(m, RequestEvent.COMPUTE_DONE)
             skip = out.request_id in cancelled
+            out = stamped(out, **forward)
             self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
         ids = tuple(m.key for m in machines)
         try:

@@ -46,6 +46,7 @@ from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
+from omni_async.worker.stamps import PACK_ENDED_AT, PACK_STARTED_AT, stamped
 
 log = logging.getLogger(__name__)
 
@@ -303,12 +304,14 @@ class Packer:
     def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
         self._fire(job, RequestEvent.PACK)
         t0 = time.perf_counter()
+        started = time.monotonic()
         output = attrs.evolve(job.output, async_output_id=job.output_id)
         try:
             if self._device_stage is not None:
                 output = run_device_stage(self._device_stage, output, stream, job.event)
                 self._resize(job, budget_nbytes(output))
             packed = self._pack(output, stream, job.event)
+            packed = stamped(packed, **{PACK_STARTED_AT: started, PACK_ENDED_AT: time.monotonic()})
         except Exception as exc:
             self._fail(job, exc)
             return
