@@ -72,7 +72,7 @@ def test_every_path_delivers_the_models_bytes_and_leaves_no_fresh_segment(path: 
                 widened = 2 if path == "reference" and dtype == "bfloat16" else 1
                 assert out.metrics["pack_shm_bytes"] == nbytes * widened
                 assert _fresh_left(ex) == []
-            assert out.metrics["forward_end"] >= out.metrics["forward_start"] > 0
+            assert out.metrics["forward_ended_at"] >= out.metrics["forward_started_at"] > 0
             del video
             ex.release_output(out)
         assert _fresh_left(ex) == []

@@ -75,6 +75,7 @@ from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.shm.files import entries
 from omni_async.worker.baselines import OutputPath
+from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_STARTED_AT
 
 __all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
 
@@ -454,7 +455,7 @@ def summarize(
     skip = min(warmup, len(by_done) - 1)
     window = by_done[skip:]
     latencies = [r.done - r.submitted for r in window]
-    forwards = [(r.metrics["forward_start"], r.metrics["forward_end"]) for r in window]
+    forwards = [(r.metrics[FORWARD_STARTED_AT], r.metrics[FORWARD_ENDED_AT]) for r in window]
     gaps = idle_gaps(forwards)
     copied = [r.metrics.get("pack_shm_bytes", 0.0) + r.metrics.get("pack_inline_bytes", 0.0) for r in window]
     pack_s = [r.metrics["pack_s"] for r in window if "pack_s" in r.metrics]
@@ -516,7 +517,7 @@ def run_pump(requests: int, concurrency: int = 4) -> dict[str, Any]:
                 assert ro.async_output_id is not None
                 out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
                 with lock:
-                    wake.append(woke - out.metrics["forward_end"])
+                    wake.append(woke - out.metrics[FORWARD_ENDED_AT])
                 ex.release_output(out)
 
         before = ex.pump.messages

@@ -6,15 +6,14 @@ Each request names its forward length (``forward_ms``) and its output (``shape``
 * on CUDA, a real kernel loop: square bfloat16 matmuls, as many as take ``forward_ms``
   on this device (calibrated once per worker, ``iteration_s``), then the output is
   written (a fresh tensor per request, written last, as a pipeline's decoder does) and
-  the forward's own stream is synchronized, so that ``forward_end`` is when the
-  device finished -- not the whole device: the packer's side-stream copy of the
+  the forward's own stream is synchronized, so that the worker's ``forward_ended_at``
+  stamp (``omni_async.worker.stamps``) is when the device finished -- not the whole device: the packer's side-stream copy of the
   previous output goes on meanwhile, which is the overlap being measured;
 * on CPU, the output is written, then the forward sleeps out the rest of ``forward_ms``
   (a sleeping forward leaves the CPU to the packer, as a device forward leaves the host).
 
-Every output carries ``metrics["forward_start"]`` and ``metrics["forward_end"]``
-(``time.monotonic()``, one clock across the processes of a Linux machine), from which
-the bench computes the device's idle time between forwards.
+From the worker loop's stamps of every output (``forward_started_at``,
+``forward_ended_at``) the bench computes the device's idle time between forwards.
 
 Two RPCs measure the limits of one case under the same conditions (``collective_rpc``):
 ``forward_alone`` (the forward in a sustained loop, nothing shipped) and ``copy_alone``
@@ -119,16 +118,14 @@ class SyntheticForwardWorker:
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         self.validate_request(request)
         p = request.params
-        t0 = time.monotonic()
         video = self._forward(
             float(p.get("forward_ms", 0)) / 1e3,
             tuple(p.get("shape", (3, 64, 64))),
             DTYPES[p.get("dtype", "float32")],
             int(p.get("seed", 0)),
-            t0,
+            time.monotonic(),
         )
-        metrics = {"forward_start": t0, "forward_end": time.monotonic()}
-        return DiffusionOutput(request.request_id, {"video": video}, metrics=metrics)
+        return DiffusionOutput(request.request_id, {"video": video})
 
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
         return BatchDiffusionOutput(tuple(self.execute_model(r) for r in requests))
