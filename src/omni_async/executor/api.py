@@ -489,7 +489,7 @@ class DiffusionExecutor(abc.ABC):
     def _discard_answer(self, result: object) -> None:
         """A plain answer nobody will take (its call failed or timed out): give back what it
         holds.  Nothing to do in process; ``MultiprocDiffusionExecutor`` frees the segments
-        of the outputs a step-mode answer carries."""
+        of the outputs a synchronous answer carries (step mode, ``sync_output=True``)."""
 
     def _receive(self, output: DiffusionOutput) -> DiffusionOutput:
         """Turn an output as it travelled into what the engine gets (identity in process)."""
