@@ -208,7 +208,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--warmup", type=options.positive_int, default=2, help="warm-up requests per client, before the measurement"
     )
     d.add_argument(
-        "--alone-reps", type=options.positive_int, default=5, help="forwards (at least a second of them) and copies alone, before and after a case"
+        "--alone-reps", type=options.positive_int, default=5, help="forwards and copies alone, before and after a case"
+    )
+    d.add_argument(
+        "--alone-min-s",
+        type=float,
+        default=1.0,
+        help="and at least this many seconds of forwards alone (a sustained loop)",
     )
     d.add_argument(
         "--max-case-s",
@@ -238,6 +244,7 @@ def _apply_tiny(args: argparse.Namespace) -> None:
     args.concurrency = [1, 2]
     args.requests = min(args.requests, 6)
     args.warmup = 1
+    args.alone_min_s = 0.1
     args.alone_reps = 3
     args.max_case_s = min(args.max_case_s, 10.0)
     args.pump = True
@@ -339,10 +346,12 @@ def _take(ex: MultiprocDiffusionExecutor, output_id: str) -> dict[str, float]:
     return metrics
 
 
-def _alone(ex: MultiprocDiffusionExecutor, case: Case, reps: int) -> tuple[list[float], list[float]]:
-    """The forward alone (at least ``reps`` of them, and at least a second of them: a
-    short forward's median over a handful varied by 3-5% on the H200) and the copy alone."""
-    n_fwd = max(reps, math.ceil(1000.0 / case.forward_ms)) if case.forward_ms > 0 else reps
+def _alone(
+    ex: MultiprocDiffusionExecutor, case: Case, reps: int, min_s: float
+) -> tuple[list[float], list[float]]:
+    """The forward alone (at least ``reps`` of them, and at least ``min_s`` seconds of them:
+    a 30 ms forward's median over 5 varied by 3-5% on the H200) and the copy alone."""
+    n_fwd = max(reps, math.ceil(1000.0 * min_s / case.forward_ms)) if case.forward_ms > 0 else reps
     fwd = ex.collective_rpc("forward_alone", (n_fwd, case.forward_ms, case.shape, case.dtype))[0]
     copy = ex.collective_rpc("copy_alone", (reps, case.shape, case.dtype))[0]
     return list(fwd), list(copy)
@@ -356,7 +365,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
     output taken, before the measured run starts: its slow first copies would otherwise
     bunch the next completions together and inflate the rate measured after them.
     """
-    fwd_before, copy_before = _alone(ex, case, args.alone_reps)
+    fwd_before, copy_before = _alone(ex, case, args.alone_reps, args.alone_min_s)
     params: dict[str, Any] = {"forward_ms": case.forward_ms, "shape": list(case.shape), "dtype": case.dtype}
     sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
 
@@ -430,7 +439,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
         if sampler is not None:
             sampler.__exit__()
     wall = time.monotonic() - t_start
-    fwd_after, copy_after = _alone(ex, case, args.alone_reps)
+    fwd_after, copy_after = _alone(ex, case, args.alone_reps, args.alone_min_s)
     # The ideal's forward is the one measured right after the case, on a device in the
     # state the case left it in (clocks, power: a GPU at its power limit runs a
     # sustained forward several percent slower than a cold one); the one before is
