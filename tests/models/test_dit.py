@@ -3,6 +3,7 @@ and end to end through both executors (real threads; real worker processes)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +15,11 @@ from PIL import Image
 
 from omni_async import DiTPipelineWorker, InvalidRequest, UsageError, get_postprocess
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import RpcFailed
+from omni_async.core.errors import RequestAborted, RpcFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.metrics import GenerationResult
+from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.dit import POSTPROCESS, device_stage, host_stage, make_worker, pixels_to_uint8
@@ -329,6 +333,73 @@ def test_worker_process_end_to_end_with_the_postprocess(multiproc: MultiprocDiff
         else:
             assert result["frames"].shape == (3, 64, 64, 3)
     assert ex.pool.stats().outstanding == 0
+
+
+def test_previews_stream_through_the_engine_then_the_result() -> None:
+    """``preview_every=k`` on a stream: a preview after every k-th step but the last, each
+    decoded from that step's latents and post-processed by "dit" like the result; without
+    a stream the same request emits none."""
+    spec = WorkerSpec(
+        "omni_async.models.dit:make_worker", {**SMALL, "steps": 5, "device": "cpu", "dtype": "float32"}, postprocess="dit"
+    )
+    reference = DiTPipelineWorker(**{**SMALL, "steps": 5})
+    # The previews' expected pixels: the reference's latents after steps 2 and 4, decoded.
+    seen: dict[int, torch.Tensor] = {}
+    reference.step_callback = lambda reqs, step, latents: seen.__setitem__(step + 1, reference.decode(latents)[0, 0])
+    expected = reference.execute_model(_req("p", seed=7, height=64, width=64))
+
+    async def body() -> None:
+        engine = AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="dit"
+        )
+        async with engine:
+            items = [i async for i in engine.generate_stream(_req("p", seed=7, height=64, width=64, preview_every=2))]
+            *chunks, result = items
+            assert [type(c).__name__ for c in chunks] == ["GenerationChunk", "GenerationChunk"]
+            assert [c.output["info"]["step"] for c in chunks] == [2, 4]
+            for c in chunks:
+                assert c.output["info"]["preview"] is True and c.output["image"].size == (64, 64)
+                want = pixels_to_uint8(seen[c.output["info"]["step"]]).numpy()
+                assert np.abs(np.asarray(c.output["image"]).astype(int) - want.astype(int)).max() <= 1
+            assert isinstance(result, GenerationResult) and "preview" not in result.output["info"]
+            got = np.asarray(result.output["image"]).astype(int)
+            assert np.abs(got - pixels_to_uint8(_pixels(expected)).numpy().astype(int)).max() <= 1
+            plain = await engine.generate(_req("q", seed=7, height=64, width=64, preview_every=2))
+            assert np.array_equal(np.asarray(plain.output["image"]), np.asarray(result.output["image"]))
+            assert engine.metrics().chunks == 2
+
+    asyncio.run(body())
+
+
+def test_an_aborted_request_stops_at_the_next_denoising_step() -> None:
+    """Abort while computing: the forward checks for cancellation between steps, so a
+    request of many steps ends long before its forward would have (and the worker counts
+    an aborted call)."""
+    spec = WorkerSpec("omni_async.models.dit:make_worker", {**SMALL, "device": "cpu", "dtype": "float32"})
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine.from_factory(lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)) as engine:
+            took = []
+            for steps in (100, 300):
+                t0 = time.monotonic()
+                await engine.generate(_req(f"s{steps}", height=256, width=256, steps=steps))
+                took.append(time.monotonic() - t0)
+            full = 1000 * (took[1] - took[0]) / 200  # what the denoising of 1000 steps takes
+            task = asyncio.create_task(engine.generate(_req("long", height=256, width=256, steps=1000)))
+            while engine.phase_of("long") is not SchedulerPhase.RUNNING:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            t1 = time.monotonic()
+            await engine.abort(["long"], wait=True)
+            stopped_in = time.monotonic() - t1
+            with pytest.raises(RequestAborted):
+                await task
+            # The abort waits for one step, not for the rest of the forward.
+            assert stopped_in < max(1.0, full / 3), (stopped_in, full)
+            info = await asyncio.to_thread(engine.executor.worker_metrics)
+            assert info[0]["aborted_calls"] >= 1
+
+    asyncio.run(body())
 
 
 # --------------------------------------------------------------------------- measurement

@@ -45,7 +45,9 @@ from torch import Tensor, nn
 from omni_async.core.errors import InvalidRequest, UsageError
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.models.tiny import image_digest
+from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.postprocess import PostProcess, register_postprocess
+from omni_async.worker.stream import emit_chunk, streaming_requested
 
 #: The pipeline name the post-process is registered under (``get_postprocess("dit")``).
 PIPELINE = "dit"
@@ -63,6 +65,7 @@ _PARAMS: dict[str, tuple[type, int | None, int | None]] = {
     "steps": (int, 1, 1000),
     "seed": (int, 0, 2**64 - 1),
     "digest": (bool, None, None),
+    "preview_every": (int, 1, 1000),
 }
 DEFAULT_HEIGHT = 128
 DEFAULT_WIDTH = 128
@@ -241,8 +244,14 @@ class DiTPipelineWorker:
     (0; seeds the weights), ``decode_chunk`` (8; images decoded at once, bounding the
     decoder's memory for long videos), ``step_callback`` (None; called after every
     denoising step as ``step_callback(requests, step, latents)``: an exception raised
-    there stops the forward and fails the call, which is how a cooperative cancellation
-    check or a preview hooks in).
+    there stops the forward and fails the call).
+
+    Between denoising steps the forward checks for cancellation
+    (``raise_if_cancelled``): an aborted request stops at the next step.  A request with
+    ``preview_every=k`` run as a stream (``generate_stream``, ``submit_stream``) gets a
+    preview chunk after every k-th step but the last: its latents so far, decoded, in
+    the output's own layout (``image`` or ``frames``, with ``info["step"]`` and
+    ``info["preview"] = True``), post-processed like the final output.
     """
 
     pipeline: ClassVar[str] = PIPELINE
@@ -410,26 +419,46 @@ class DiTPipelineWorker:
         shape = _shape_of(requests[0], self.steps)
         noise = self.initial_latents(requests)
         latents = noise
+        previews = {
+            i: int(r.params["preview_every"])
+            for i, r in enumerate(requests)
+            if r.params.get("preview_every") and streaming_requested(r.request_id)
+        }
         for step, latents in enumerate(self.denoise(noise, shape.steps)):  # the last one is the result
             if self.step_callback is not None:
                 self.step_callback(requests, step, latents)
+            done = step + 1
+            if done < shape.steps:
+                # Between denoising steps: stop once every request of the call is cancelled.
+                raise_if_cancelled()
+                for i, every in previews.items():
+                    if done % every == 0:
+                        # A fresh decode the forward never writes again: the packer copies it
+                        # while the next steps run.
+                        px = self.decode(latents[i : i + 1])[0]
+                        emit_chunk(requests[i].request_id, self._output(requests[i], px, shape, preview_step=done))
         pixels = self.decode(latents)
-        outputs = []
-        for i, r in enumerate(requests):
-            px = pixels[i, 0] if shape.num_frames == 1 else pixels[i]
-            output: dict[str, Any] = {"image" if shape.num_frames == 1 else "frames": px}
-            if r.params.get("digest"):
-                output["digest"] = image_digest(px)
-            output["info"] = {
-                "height": shape.height,
-                "width": shape.width,
-                "num_frames": shape.num_frames,
-                "steps": shape.steps,
-                "seed": int(r.params.get("seed", 0)),
-                "dtype": str(self.dtype),
-            }
-            outputs.append(DiffusionOutput(request_id=r.request_id, output=output))
-        return outputs
+        return [DiffusionOutput(request_id=r.request_id, output=self._output(r, pixels[i], shape)) for i, r in enumerate(requests)]
+
+    def _output(
+        self, request: DiffusionRequest, pixels: Tensor, shape: _Shape, preview_step: int | None = None
+    ) -> dict[str, Any]:
+        """One request's output (or preview) structure from its pixels ``[T, 3, H, W]``."""
+        px = pixels[0] if shape.num_frames == 1 else pixels
+        output: dict[str, Any] = {"image" if shape.num_frames == 1 else "frames": px}
+        if request.params.get("digest"):
+            output["digest"] = image_digest(px)
+        output["info"] = {
+            "height": shape.height,
+            "width": shape.width,
+            "num_frames": shape.num_frames,
+            "steps": shape.steps,
+            "seed": int(request.params.get("seed", 0)),
+            "dtype": str(self.dtype),
+        }
+        if preview_step is not None:
+            output["info"].update(step=preview_step, preview=True)
+        return output
 
 
 def _shape_of(request: DiffusionRequest, default_steps: int) -> _Shape:
