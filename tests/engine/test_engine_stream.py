@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, executor_quiet, run
-from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.leaks import kept_for_the_module
 from prometheus_client import generate_latest
 
 from omni_async.core.config import Deadlines
@@ -44,15 +44,7 @@ def r(rid: str, **params: object) -> DiffusionRequest:
 
 @pytest.fixture(scope="module")
 def shared() -> Iterator[MultiprocDiffusionExecutor]:
-    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES)
-    prefix = ex.pool.prefix
-    LONG_LIVED.add(prefix)
-    try:
-        yield ex
-    finally:
-        ex.shutdown()
-        LONG_LIVED.discard(prefix)
-    assert not with_prefix(prefix), with_prefix(prefix)
+    yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES))
 
 
 def nothing_left(engine: AsyncDiffusionEngine) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
 
 from omni_async.core.config import Deadlines
@@ -55,15 +55,7 @@ def finish(ex: MultiprocDiffusionExecutor, result_id: str | None) -> DiffusionOu
 
 @pytest.fixture(scope="module")
 def ex() -> Iterator[MultiprocDiffusionExecutor]:
-    executor = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES)
-    prefix = executor.pool.prefix
-    LONG_LIVED.add(prefix)
-    try:
-        yield executor
-    finally:
-        executor.shutdown()
-        LONG_LIVED.discard(prefix)
-    assert not with_prefix(prefix), with_prefix(prefix)
+    yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES))
 
 
 def test_chunks_arrive_in_order_bit_exact_and_before_the_call_resolves(ex: MultiprocDiffusionExecutor) -> None:

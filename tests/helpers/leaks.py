@@ -7,11 +7,30 @@ checks, after its executor shut down, that no segment with it remains.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from omni_async.transport.shm import SHM_DIR, pid_alive
 from omni_async.transport.shm import SHM_PREFIX_ROOT as SHM_PREFIX
 
+if TYPE_CHECKING:
+    from omni_async.executor.multiproc import MultiprocDiffusionExecutor
+
 LONG_LIVED: set[str] = set()
+
+
+def kept_for_the_module(ex: MultiprocDiffusionExecutor) -> Iterator[MultiprocDiffusionExecutor]:
+    """The body of a module-scoped executor fixture (``yield from``): the per-test leak
+    check skips ``ex``'s pool while it lives; after its shutdown none of its segments
+    may remain."""
+    prefix = ex.pool.prefix
+    LONG_LIVED.add(prefix)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+        LONG_LIVED.discard(prefix)
+    assert not with_prefix(prefix), with_prefix(prefix)
 
 
 
