@@ -33,7 +33,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -246,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
                      for mode, r in runs.items()}  # fmt: skip
         _write(out, args, runs, summaries)
         m = ex.metrics()
-        print("executor: " + ", ".join(f"{k}={v:g}" for k, v in sorted(m.items())))
+        print(_executor_line(m))
         if m["pending_outputs"] or m["held_payloads"]:
             print("registry not empty at the end", file=sys.stderr)
             bad += 1
@@ -263,12 +263,31 @@ def _run(args: argparse.Namespace) -> int:
         print(_summary_text(summaries, out, args, ok=not bad))
         if args.json is not None:
             with open(args.json, "w") as fh:
-                json.dump(_summary_json(summaries, out, args, ok=not bad), fh, indent=2)
+                json.dump(_summary_json(summaries, out, args, ok=not bad) | {"executor_metrics": m}, fh, indent=2)
                 fh.write("\n")
     finally:
         with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
             ex.shutdown()
     return 1 if bad else 0
+
+
+# The executor's counters that say something went wrong (the JSON summary has them all).
+_PROBLEMS = (
+    "timeouts",
+    "compute_timeouts",
+    "protocol_errors",
+    "orphaned_outputs",
+    "dispatch_errors",
+    "pending_outputs",
+    "pending_rpcs",
+    "held_payloads",
+)
+
+
+def _executor_line(m: Mapping[str, float]) -> str:
+    """One line: what the executor delivered, and its problem counters that are not 0."""
+    bad = ", ".join(f"{k}={m[k]:g}" for k in _PROBLEMS if m.get(k))
+    return f"executor: {m.get('delivered', 0):g} outputs delivered; " + (bad or "no timeouts, protocol errors or outputs left")
 
 
 def _check_result(result: GenerationResult, args: argparse.Namespace) -> bool:
@@ -354,10 +373,16 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
                 result.bad += 1
                 print(f"{mode}: {request.request_id} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
         em = engine.metrics()
+    # Only the outcomes that happened, and what the engine still holds only if anything.
+    ended = ", ".join(f"{k}={v}" for k, v in sorted(em.requests.items()) if v) or "none"
+    left = (
+        "nothing left in it"
+        if not (em.waiting or em.running or em.holding)
+        else f"waiting={em.waiting}, running={em.running}, holding={em.holding}"
+    )
     print(
         f"{mode}: {len(requests)} requests in {result.finished - result.started:.2f}s; {result.bad} mismatched; "
-        f"engine: {', '.join(f'{k}={v}' for k, v in sorted(em.requests.items()))}; "
-        f"in_flight_limit={em.in_flight_limit}, waiting={em.waiting}, running={em.running}, holding={em.holding}"
+        f"engine (with the warm-up request): {ended}; in_flight_limit={em.in_flight_limit}; {left}"
     )
     if em.requests["finished"] != len(requests) + 1 or em.waiting or em.running or em.holding:
         print(f"{mode}: the engine did not finish every request, or holds one at the end", file=sys.stderr)
