@@ -3,6 +3,7 @@ each output counted against the packer's byte budget as the packer copies it (F5
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -164,3 +165,35 @@ def test_an_output_the_packer_refuses_counts_nothing_and_fails_typed(channel: In
     finally:
         assert held.stop()
     assert held.metrics.failed == 1 and held.metrics.in_flight_bytes == 0
+
+
+def test_the_packer_starts_on_a_forwards_outputs_only_after_its_compute_done(channel: InProcessChannel) -> None:
+    """``Packer.held``: the loop hands a forward's outputs to the packer before it sends
+    COMPUTE_DONE (the spec's order), but the packer thread starts on them only once the
+    COMPUTE_DONE is out, so that it does not take the interpreter from the main thread
+    while the announcement is being sent.  A slow pack function shows it: nothing is
+    packed while the block is open."""
+    started: list[str] = []
+
+    def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        started.append(output.request_id)
+        return output
+
+    packer = Packer(0, channel, pack=pack)
+    packer.start()
+    try:
+        machine = request_machine("h1")
+        for event in (RequestEvent.FORWARD, RequestEvent.COMPUTE_DONE):
+            machine.fire(event)
+        with packer.held():
+            packer.submit("h1", DiffusionOutput("h1", {"x": 1}), machine)
+            time.sleep(0.2)  # a packer woken by the submit would have packed by now
+            assert started == [], "the packer started while the hand-off was held"
+        assert _next(channel).kind is AsyncOutputKind.OUTPUT_READY and started == ["h1"]
+        # And through the loop: each COMPUTE_DONE is put before its output's OUTPUT_READY.
+        loop = WorkerLoop(0, Model(torch.ones(4)), channel, packer=packer)
+        for i in range(20):
+            loop.handle_rpc(_execute(f"q{i}"))
+            assert [_next(channel).kind for _ in range(2)] == [AsyncOutputKind.COMPUTE_DONE, AsyncOutputKind.OUTPUT_READY]
+    finally:
+        packer.stop()

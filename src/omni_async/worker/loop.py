@@ -314,31 +314,33 @@ class WorkerLoop:
         # A request of the batch cancelled meanwhile: its output is not packed (the
         # packer reports it cancelled; the executor drops its id with the call's end).
         cancelled = scope.cancelled()
-        for m, out in zip(machines, outputs, strict=True):
-            self._fire(m, RequestEvent.COMPUTE_DONE)
-            skip = out.request_id in cancelled
-            out = stamped(out, **forward)
-            self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
-        ids = tuple(m.key for m in machines)
-        try:
-            self._sender.put(
-                AsyncDiffusionOutput.compute_done(
-                    req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank
+        # The packer starts on the outputs once COMPUTE_DONE is out (Packer.held).
+        with self._packer.held():
+            for m, out in zip(machines, outputs, strict=True):
+                self._fire(m, RequestEvent.COMPUTE_DONE)
+                skip = out.request_id in cancelled
+                out = stamped(out, **forward)
+                self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
+            ids = tuple(m.key for m in machines)
+            try:
+                self._sender.put(
+                    AsyncDiffusionOutput.compute_done(
+                        req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank
+                    )
                 )
-            )
-        except ChannelClosed as exc:
-            # The executor closed its end (shutdown) or is gone: nobody reads the answer.
-            log.debug("rank %d: no COMPUTE_DONE for %s, the result channel is closed: %s", self.rank, req.rpc_id, exc)
-        except Exception as exc:
-            # The outputs are with the packer already: their OUTPUT_READY will come.  The
-            # failure that answers the call names them, so the executor registers and drops
-            # them (what arrives is released) instead of holding them for nobody (defect 3;
-            # tla/AsyncOutput.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
-            log.warning("rank %d: cannot send COMPUTE_DONE of %s: %s", self.rank, req.rpc_id, exc)
-            self._send(
-                AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
-                req.rpc_id,
-            )
+            except ChannelClosed as exc:
+                # The executor closed its end (shutdown) or is gone: nobody reads the answer.
+                log.debug("rank %d: no COMPUTE_DONE for %s, the result channel is closed: %s", self.rank, req.rpc_id, exc)
+            except Exception as exc:
+                # The outputs are with the packer already: their OUTPUT_READY will come.  The
+                # failure that answers the call names them, so the executor registers and drops
+                # them (what arrives is released) instead of holding them for nobody (defect 3;
+                # tla/AsyncOutput.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
+                log.warning("rank %d: cannot send COMPUTE_DONE of %s: %s", self.rank, req.rpc_id, exc)
+                self._send(
+                    AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
+                    req.rpc_id,
+                )
 
     @contextlib.contextmanager
     def _streaming(self, req: RpcRequest, requests: list[DiffusionRequest], call: CallScope) -> Iterator[None]:
