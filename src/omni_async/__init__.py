@@ -6,7 +6,8 @@ each name, ``spec/PROTOCOL.md`` the protocol.  The layers, from the top:
 * ``omni_async.engine``: the asyncio engine (``AsyncDiffusionEngine``), its scheduler,
   post-processing off the event loop, metrics, and the synchronous ``DiffusionEngine``;
 * ``omni_async.executor``: the executor API (``DiffusionExecutor``), the result pump,
-  ``InProcessExecutor`` and ``MultiprocDiffusionExecutor``;
+  ``InProcessExecutor``, ``MultiprocDiffusionExecutor`` and (imported lazily, it needs
+  the ray extra) ``RayDiffusionExecutor``;
 * ``omni_async.worker``: the worker loop and the background packer;
 * ``omni_async.transport``: the result channel, pooled shared memory, pack/unpack,
   device events;
@@ -18,7 +19,10 @@ and beside them ``omni_async.models`` (reference models) and ``omni_async.verify
 """
 
 from omni_async.core.config import Deadlines
+from typing import TYPE_CHECKING
+
 from omni_async.core.errors import (
+    ActorDied,
     ComputeTimeout,
     ExecutorShutdown,
     IllegalTransition,
@@ -122,10 +126,24 @@ from omni_async.worker.postprocess import (
 )
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
+if TYPE_CHECKING:
+    from omni_async.executor.ray_executor import RayDiffusionExecutor
+
+
+def __getattr__(name: str) -> object:
+    # Lazily: ``import omni_async`` must work without Ray (the ray extra).
+    if name == "RayDiffusionExecutor":
+        from omni_async.executor.ray_executor import RayDiffusionExecutor
+
+        return RayDiffusionExecutor
+    raise AttributeError(f"module 'omni_async' has no attribute {name!r}")
+
+
 __all__ = [
     "LIFECYCLE_TABLE",
     "REQUEST_TABLE",
     "AbortCause",
+    "ActorDied",
     "AsyncDiffusionEngine",
     "AsyncDiffusionOutput",
     "AsyncOutputKind",
@@ -183,6 +201,7 @@ __all__ = [
     "PostProcess",
     "PostProcessFailed",
     "ProtocolError",
+    "RayDiffusionExecutor",
     "RemoteError",
     "RequestAborted",
     "RequestEvent",

@@ -194,3 +194,13 @@ def test_a_rejected_executor_construction_sweeps_nothing(monkeypatch: pytest.Mon
     with pytest.raises(UsageError, match="max_held_outputs"):
         MultiprocDiffusionExecutor(WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker"), max_held_outputs=0)
     assert swept == []
+
+
+def test_import_omni_async_does_not_import_ray() -> None:
+    """``RayDiffusionExecutor`` is exported lazily: the package works without the ray extra."""
+    import subprocess
+    import sys
+
+    code = "import sys, omni_async; assert 'ray' not in sys.modules; print(omni_async.__all__.count('RayDiffusionExecutor'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr

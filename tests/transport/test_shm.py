@@ -357,3 +357,37 @@ def test_receive_never_raises_for_a_lease_that_is_not_shipped(segment_pool: Segm
     pool.release(lease)
     with pytest.raises(UsageError):
         pool.reclaim_shipped(0)
+
+
+_ATTACH_CHILD = """
+import pickle, sys
+pool = pickle.loads(sys.stdin.buffer.read())
+lease = pool.lease(100_000, timeout=5)
+pool.view(lease)[:100_000].fill_(0x5A)
+pool.hand_off(lease)
+sys.stdout.buffer.write(pickle.dumps(lease))
+"""
+
+
+def test_a_pool_attached_by_name_pickles_anywhere(no_shm_leak: None) -> None:
+    """``attach_by_name``: the table lives in the lock file, so a process that is no child
+    of ours (a Ray actor) attaches from the pickled pool; a default pool refuses."""
+    import pickle
+    import subprocess
+    import sys
+
+    with SegmentPool(max_bytes=16 << 20, max_segments=4) as plain:
+        with pytest.raises(pickle.PicklingError):  # its RawArray travels only by spawning
+            pickle.dumps(plain)
+    with SegmentPool(max_bytes=16 << 20, max_segments=4, attach_by_name=True) as pool:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        done = subprocess.run(
+            [sys.executable, "-c", _ATTACH_CHILD], input=pickle.dumps(pool), capture_output=True, env=env, timeout=60
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        lease: Lease = pickle.loads(done.stdout)
+        assert pool.stats().created == 1  # the stranger created it, in our table
+        assert pool.receive(lease)
+        assert int(pool.view(lease)[:100_000].to(torch.int64).sum()) == 0x5A * 100_000
+        pool.release(lease)
+        assert not pool.outstanding()

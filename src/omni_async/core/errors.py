@@ -220,6 +220,26 @@ class WorkerDied(OutputError):
         return f"{head} after {_remote(failure)}"
 
 
+class ActorDied(WorkerDied):
+    """The Ray actor hosting a worker rank died (``RayDiffusionExecutor``): killed, its
+    process crashed, or its node went away.  Names the rank and the node (id and
+    address); ``cause`` is Ray's word on it.  ``exitcode`` and ``failure`` are None."""
+
+    def __init__(self, rank: int, node: str, *, output_id: str | None = None, cause: str = "") -> None:
+        OutputError.__init__(
+            self,
+            f"worker rank {rank} (a Ray actor on node {node}) died"
+            + (f": {cause}" if cause else "")
+            + "; the executor cannot recover: shut it down and start a new one",
+            output_id=output_id,
+        )
+        self.rank = rank
+        self.exitcode = None
+        self.failure = None
+        self.node = node
+        self.cause = cause
+
+
 class WorkerStartupFailed(WorkerDied):
     """A worker process failed while it started (building its model), so the executor
     was never up; raised by the executor's constructor.

@@ -107,7 +107,7 @@ from omni_async.core.messages import (
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, check_final_step_async
 from omni_async.executor.futures import map_future
-from omni_async.transport.channel import PipeChannel, PipeSender
+from omni_async.transport.channel import PipeChannel, PipeSender, ResultSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
     carried_leases,
@@ -473,7 +473,7 @@ class _CancelSender:
 
 
 def _build_worker(
-    rank: int, spec: WorkerSpec, opts: WorkerOptions, pool: SegmentPool, sender: PipeSender
+    rank: int, spec: WorkerSpec, opts: WorkerOptions, pool: SegmentPool, sender: ResultSender
 ) -> tuple[Packer, WorkerLoop]:
     """The worker's model, packer and loop (the packer not started yet)."""
     import torch

@@ -230,7 +230,12 @@ class SegmentPool:
         prefix: str | None = None,
         pin_cuda: bool = True,
         mp_context: multiprocessing.context.BaseContext | None = None,
+        attach_by_name: bool = False,
     ) -> None:
+        """``attach_by_name``: keep the shared table in the pool's lock file under
+        ``/dev/shm`` instead of a ``multiprocessing.RawArray``, so that the pool pickles
+        anywhere, not only while a ``Process`` is spawned: any process of this machine
+        that unpickles it attaches by name (a Ray actor, ``RayDiffusionExecutor``)."""
         if max_segments < 1:
             raise UsageError(f"max_segments must be >= 1, got {max_segments}")
         if min_segment_bytes < mmap.PAGESIZE or min_segment_bytes & (min_segment_bytes - 1):
@@ -246,16 +251,16 @@ class SegmentPool:
         self._lock_timeout = lock_timeout
         self._pin_cuda = pin_cuda
         self._owner_pid = os.getpid()
-        self._raw: Any = ctx.RawArray("q", max_segments * _NF + _NC)
-        self._attach_shared()
+        # attach_by_name: the table lives in the lock file (no RawArray to inherit).
+        self._raw: Any = None if attach_by_name else ctx.RawArray("q", max_segments * _NF + _NC)
         self._open_lock_file(create=True)
         self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(self, _close_owner, self._prefix)
         self._register()
 
     # -- process plumbing ----------------------------------------------------------------
 
-    def _attach_shared(self) -> None:
-        flat: npt.NDArray[np.int64] = np.frombuffer(self._raw, dtype=np.int64)
+    def _attach_shared(self, table: Any) -> None:
+        flat: npt.NDArray[np.int64] = np.frombuffer(table, dtype=np.int64)
         self._slots = flat[: self._max_segments * _NF].reshape(self._max_segments, _NF)
         self._ctr = flat[self._max_segments * _NF :]
         self._local_closed = False
@@ -269,9 +274,21 @@ class SegmentPool:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         except FileNotFoundError:
             fd = -1  # the owner already closed the pool
-            self._local_closed = True
         else:
             weakref.finalize(self, os.close, fd)
+        nbytes = (self._max_segments * _NF + _NC) * 8
+        if self._raw is not None:
+            table: Any = self._raw
+        elif fd >= 0:
+            if create:
+                os.ftruncate(fd, nbytes)  # zeros, as a fresh RawArray
+            table = mmap.mmap(fd, nbytes)  # the mapping outlives the name's unlink
+        else:
+            table = bytearray(nbytes)  # closed before we came: a private table, marked closed below
+        self._attach_shared(table)
+        if fd < 0:
+            self._local_closed = True
+            self._ctr[_C_CLOSED] = 1
         self._lock_fd = fd
         self._lock = CrashSafeLock(
             f"segment pool {self._prefix}",
@@ -287,7 +304,8 @@ class SegmentPool:
 
     def __getstate__(self) -> dict[str, Any]:
         # RawArray pickles only while a Process is being spawned: that is the
-        # supported way to share a pool.  The copy is a non-owner: it never unlinks all.
+        # supported way to share a pool (``attach_by_name``: anywhere on this machine,
+        # ``_raw`` is None).  The copy is a non-owner: it never unlinks all.
         return {
             k: getattr(self, k)
             for k in (
@@ -307,7 +325,6 @@ class SegmentPool:
         for k, v in state.items():
             setattr(self, k, v)
         self._finalizer = None
-        self._attach_shared()
         self._open_lock_file(create=False)
         self._register()
 

@@ -1,0 +1,553 @@
+"""``RayDiffusionExecutor``: one Ray actor per rank, the same two-phase protocol.
+
+Only the transport differs from ``MultiprocDiffusionExecutor``: the registry, the
+dispatcher, the pump and the spec are the same, and each actor hosts the same
+``WorkerLoop`` and ``Packer`` built from a ``WorkerSpec``.  Ray is imported here
+only, when the executor is built (``pip install 'omni_async[ray]'``).
+
+Placement: a placement group of ``world_size`` bundles (``{"CPU": 1}``, plus
+``{"GPU": 1}`` when ``WorkerOptions.device`` is a CUDA device), one actor per bundle;
+shutdown kills every actor and removes the group.
+
+Who runs what:
+
+* Each actor (a threaded actor) runs the worker loop on a thread of its own
+  (``omni-worker-<rank>``), fed from an inbox; its packer on another.  Both put their
+  messages into the actor's *outbox*, which pickles each message in the caller's
+  thread (``dumps_message``: the result channel's contract, F5), numbers it and keeps
+  it, bounded, until the executor takes it (a full outbox blocks ``put``, and raises
+  ``ChannelFull`` after ``put_timeout``; back-pressure as on a pipe).
+* The executor's pump reads the results (``_RayReceiver``): for every rank exactly one
+  ``poll`` call is outstanding at any time; ``poll`` returns everything the outbox holds
+  (waiting up to a second for something), in outbox order, with the number of the
+  first message.  The pump takes whichever poll finished (``ray.wait``), queues its
+  messages in order, and issues that rank's next poll.
+
+Why per-rank FIFO holds (spec/PROTOCOL.md): a rank's messages enter its outbox in
+``put`` order (one lock), a poll takes a prefix of the outbox in that order, and the
+next poll of that rank is issued only after the previous one was received, so the
+batches of a rank reach the pump one after another, in order.  The numbers make it
+checked, not assumed: a batch that does not start where the previous one ended is a
+``ProtocolError``.  Messages of different ranks interleave freely, as on the pipes.
+RPCs travel the other way the same way round: every ``rpc`` call carries a per-rank
+sequence number and the actor's inbox hands them to the loop in that order, whatever
+order Ray runs the (concurrent) calls of a threaded actor in.
+
+Outputs: the actors that run on the executor's node (all of them, on one machine) pack
+into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is made
+with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
+and the engine gets zero-copy views, released as today.  An actor on another node
+cannot reach the pool: the constructor refuses it for now (``UsageError``; the
+object-store path, issue 11, is not built yet).
+
+Death: an actor that dies (``ray.kill``, a crash, its node lost) fails its outstanding
+poll with ``RayActorError``; the pump first handles every message of that rank it
+received before (they came before the failed poll), then fails every pending waiter
+with ``ActorDied`` naming the rank and node, closes the registry (what still arrives
+is released), reclaims the segments the actor held or shipped without a message that
+arrived (every message it sent was received by then), and ``check_health`` raises it
+from then on.  The actors are not detached: Ray kills them with the driver, and what
+they left in /dev/shm is swept by the next executor (its pid is in the names).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import pickle
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Final
+
+import attrs
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import (
+    ActorDied,
+    ComputeTimeout,
+    ExecutorShutdown,
+    OmniAsyncError,
+    ProtocolError,
+    UsageError,
+    WorkerStartupFailed,
+)
+from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, Failure, RpcRequest
+from omni_async.core.trace import Tracer
+from omni_async.executor.api import DiffusionExecutor, check_final_step_async
+from omni_async.executor.multiproc import (
+    DEFAULT_MAX_HELD_OUTPUTS,
+    MultiprocDiffusionExecutor,
+    WorkerOptions,
+    WorkerSpec,
+    _build_worker,
+)
+from omni_async.transport.channel import (
+    DEFAULT_CAPACITY_BYTES,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_PUT_TIMEOUT,
+    dumps_message,
+    loads_message,
+)
+from omni_async.transport.errors import ChannelClosed, ChannelFull
+from omni_async.transport.packing import carried_leases
+from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.worker.baselines import check_output_path
+
+if TYPE_CHECKING:
+    from omni_async.worker.loop import WorkerLoop
+    from omni_async.worker.packer import Packer
+
+__all__ = ["RayDiffusionExecutor"]
+
+log = logging.getLogger(__name__)
+
+# How long an actor's poll waits for a message before it answers with none.
+_POLL_WAIT_S: Final = 1.0
+# Threads of a threaded actor: the long polls, rpc and cancel calls, stop.
+_ACTOR_CONCURRENCY: Final = 8
+
+
+# ---------------------------------------------------------------------------- actor side
+
+
+class _Outbox:
+    """The actor's end of the result channel: numbered pickled messages, bounded, in put order."""
+
+    def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int, put_timeout: float | None) -> None:
+        self._cond = threading.Condition()
+        self._items: collections.deque[bytes] = collections.deque()
+        self._bytes = 0
+        self._first = 0  # the number of _items[0]
+        self._max_messages = max_messages
+        self._max_bytes = max_bytes
+        self._max_message_bytes = max_message_bytes
+        self._put_timeout = put_timeout
+        self._closed = False
+
+    def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
+        data = dumps_message(msg, self._max_message_bytes)  # the caller's thread (F5)
+        limit = self._put_timeout if timeout is None else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        with self._cond:
+            while not self._closed and (
+                len(self._items) >= self._max_messages or (self._items and self._bytes + len(data) > self._max_bytes)
+            ):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise ChannelFull(
+                        f"the result outbox is full ({len(self._items)} messages, {self._bytes} bytes): the "
+                        "executor's pump takes nothing",
+                        nbytes=len(data),
+                        timeout=limit,
+                    )
+                self._cond.wait(left)
+            if self._closed:
+                raise ChannelClosed("the result outbox is closed (the executor shut down)")
+            self._items.append(data)
+            self._bytes += len(data)
+            self._cond.notify_all()
+
+    def take(self, wait: float) -> tuple[int, list[bytes]]:
+        """Everything queued (waiting up to ``wait`` for something), and the number of the first."""
+        with self._cond:
+            if not self._items and not self._closed:
+                self._cond.wait(wait)
+            first, batch = self._first, list(self._items)
+            self._items.clear()
+            self._bytes = 0
+            self._first += len(batch)
+            self._cond.notify_all()
+            return first, batch
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class _OrderedInbox:
+    """RPCs in their sequence order, whatever order the actor's threads deliver them in."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._waiting: dict[int, RpcRequest | None] = {}
+        self._next = 0
+
+    def put(self, seq: int, req: RpcRequest | None) -> None:
+        with self._cond:
+            self._waiting[seq] = req
+            self._cond.notify_all()
+
+    def get(self) -> RpcRequest | None:
+        with self._cond:
+            while self._next not in self._waiting:
+                self._cond.wait()
+            self._next += 1
+            return self._waiting.pop(self._next - 1)
+
+
+class RankActor:
+    """The body of one rank's Ray actor: the worker loop on a thread, fed in RPC order."""
+
+    def __init__(self, rank: int, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes, outbox: dict[str, Any]):
+        self._rank = rank
+        self._outbox = _Outbox(**outbox)
+        self._inbox = _OrderedInbox()
+        self._built = threading.Event()
+        self._failure: Failure | None = None
+        self._loop: WorkerLoop | None = None
+        self._packer: Packer | None = None
+        self._thread = threading.Thread(
+            target=self._main, args=(spec, opts, pool_state), name=f"omni-worker-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _main(self, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes) -> None:
+        # Built on this thread: a CUDA worker's current device is set per thread.
+        try:
+            pool = pickle.loads(pool_state)
+            packer, loop = _build_worker(self._rank, spec, opts, pool, self._outbox)
+            packer.start()
+        except BaseException as exc:
+            self._failure = Failure.from_exception(exc)
+            self._built.set()
+            return
+        self._packer, self._loop = packer, loop
+        self._built.set()
+        try:
+            while (req := self._inbox.get()) is not None:
+                try:
+                    loop.handle_rpc(req)
+                except Exception:
+                    log.exception("worker rank %d: handling %s failed", self._rank, req.method)
+        finally:
+            packer.stop(timeout=10.0, abandon=True)  # exiting: a pack waiting for room must not hold it
+
+    def ready(self, timeout: float) -> tuple[Failure | None, int, str, str]:
+        """Once the model is built: the failure that stopped it (None), pid, node id and address."""
+        import ray
+
+        if not self._built.wait(timeout):
+            return Failure("ComputeTimeout", f"no model in {timeout} s", ""), os.getpid(), "", ""
+        ctx = ray.get_runtime_context()
+        return self._failure, os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+    def rpc(self, seq: int, req: RpcRequest | None) -> None:
+        self._inbox.put(seq, req)
+
+    def cancel(self, cancels: list[CancelMessage]) -> None:
+        if self._loop is not None:
+            for msg in cancels:
+                self._loop.cancel(msg)
+
+    def poll(self, wait: float) -> tuple[int, list[bytes]]:
+        return self._outbox.take(wait)
+
+    def stop(self, seq: int, timeout: float) -> bool:
+        """Finish the RPC in hand, stop the packer; True once the loop thread ended."""
+        self._inbox.put(seq, None)
+        self._outbox.close()  # nobody polls any more: a put fails at once
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+# ------------------------------------------------------------------------- executor side
+
+
+@attrs.frozen
+class _Death:
+    rank: int
+    cause: str
+
+
+class _RayReceiver:
+    """The pump's end: one outstanding poll per rank, batches queued in order (module docstring)."""
+
+    def __init__(self, pool: SegmentPool) -> None:
+        self._pool = pool
+        self._queue: collections.deque[AsyncDiffusionOutput | _Death | ProtocolError] = collections.deque()
+        self._pending: dict[Any, int] = {}  # poll ObjectRef -> rank
+        self._actors: list[Any] = []
+        self._next: list[int] = []
+        self._closed = False
+        self.on_death: Any = None  # (rank, cause) -> None, set by the executor
+
+    def start(self, actors: list[Any]) -> None:
+        self._actors = actors
+        self._next = [0] * len(actors)
+        for rank in range(len(actors)):
+            self._poll(rank)
+
+    def _poll(self, rank: int) -> None:
+        self._pending[self._actors[rank].poll.remote(_POLL_WAIT_S)] = rank
+
+    def get(self, timeout: float) -> AsyncDiffusionOutput | None:
+        import ray
+
+        if self._closed:
+            raise ChannelClosed("the result channel is closed")
+        if not self._queue:
+            if not self._pending:
+                time.sleep(timeout)
+                return None
+            done, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
+            for ref in done:
+                rank = self._pending.pop(ref)
+                try:
+                    first, batch = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    self._queue.append(_Death(rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+                    continue  # no next poll: the rank is gone
+                self._take(rank, first, batch)
+                self._poll(rank)
+        if not self._queue:
+            return None
+        item = self._queue.popleft()
+        if isinstance(item, _Death):
+            if self.on_death is not None:
+                self.on_death(item.rank, item.cause)
+            return None
+        if isinstance(item, ProtocolError):
+            raise item  # the pump counts it and reads on
+        return item
+
+    def _take(self, rank: int, first: int, batch: list[bytes]) -> None:
+        if first != self._next[rank]:
+            self._queue.append(
+                ProtocolError(f"rank {rank}: results {self._next[rank]}..{first - 1} never arrived (per-rank order)")
+            )
+        self._next[rank] = first + len(batch)
+        for data in batch:
+            try:
+                msg = loads_message(data)
+            except ProtocolError as exc:
+                self._queue.append(exc)
+                continue
+            for lease in carried_leases(msg):  # as _ReceivingEnd: received before dispatch
+                try:
+                    self._pool.receive(lease)
+                except Exception:  # noqa: BLE001  # the pool closed at shutdown
+                    log.debug("marking %s received failed", lease.name, exc_info=True)
+            self._queue.append(msg)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class RayDiffusionExecutor(MultiprocDiffusionExecutor):
+    """``world_size`` Ray actors built from ``spec`` (one per rank, in a placement group).
+
+    Same arguments as ``MultiprocDiffusionExecutor`` where they apply (``options``,
+    ``max_held_outputs``/``max_held_bytes``: the budget of held outputs, ``copy_outputs``,
+    ``start_timeout``), plus ``num_cpus_per_rank`` (each bundle's CPUs, default 1),
+    ``num_gpus_per_rank`` (default: 1 when ``options.device`` is a CUDA device, else 0)
+    and ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...).  Ray must be
+    initialised (``ray.init``) or it is started here with its defaults.  Every actor
+    must land on the executor's node for now (``UsageError`` otherwise: the
+    object-store path for remote nodes is not built yet).  See the module docstring.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        *,
+        world_size: int = 1,
+        reply_rank: int = 0,
+        step_mode: bool = False,
+        deadlines: Deadlines | None = None,
+        options: WorkerOptions | None = None,
+        max_held_outputs: int | None = None,
+        max_held_bytes: int | None = None,
+        copy_outputs: bool = False,
+        start_timeout: float = 120.0,
+        tracer: Tracer | None = None,
+        final_step_async: bool = False,
+        num_cpus_per_rank: float = 1.0,
+        num_gpus_per_rank: float | None = None,
+        placement_strategy: str = "PACK",
+    ) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise UsageError("RayDiffusionExecutor needs Ray: pip install 'omni_async[ray]'") from exc
+        if not isinstance(spec, WorkerSpec):
+            raise UsageError(f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}")
+        opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
+        check_output_path(opts.output_path, step_mode=step_mode)
+        if opts.output_path != "omni":
+            raise UsageError("RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)")
+        if opts.reply_rank != reply_rank:
+            opts = attrs.evolve(opts, reply_rank=reply_rank)
+        for name, value in (("max_held_outputs", max_held_outputs), ("max_held_bytes", max_held_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{name} must be a positive int, got {value!r}")
+        check_final_step_async(final_step_async, step_mode)
+        gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
+        if num_cpus_per_rank < 0 or gpus < 0:
+            raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
+        if not ray.is_initialized():
+            ray.init()
+        self.pool = SegmentPool(
+            max_bytes=max_held_bytes,
+            max_segments=max_held_outputs if max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS,
+            attach_by_name=True,
+        )
+        self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else self.pool.lease_timeout
+        self._budget_full_logged = False
+        self._copy_outputs = copy_outputs
+        self._receiver = _RayReceiver(self.pool)
+        self._receiver.on_death = self._on_actor_death
+        DiffusionExecutor.__init__(
+            self,
+            self._receiver,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            step_mode=step_mode,
+            deadlines=deadlines,
+            release_hook=self._release_packed,
+            tracer=tracer,
+            validate_request=spec.request_validator(),
+            final_step_async=final_step_async,
+        )
+        self._rpc_lock = threading.Lock()
+        self._actor_seq = [0] * world_size
+        self._failure: ActorDied | None = None
+        self.actors: list[Any] = []
+        self.nodes: list[str] = []  # per rank: "node id (address)"
+        self.pids: list[int] = []
+        self._stopped = False
+        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
+        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
+        try:
+            deadline = time.monotonic() + start_timeout
+            try:
+                ray.get(self.placement_group.ready(), timeout=start_timeout)
+            except ray.exceptions.GetTimeoutError as exc:
+                raise ComputeTimeout(
+                    f"Ray could not place {world_size} bundle(s) of {bundle} in {start_timeout} s "
+                    f"(strategy {placement_strategy}): not enough resources in the cluster"
+                ) from exc
+            actor_cls = ray.remote(RankActor)
+            state = pickle.dumps(self.pool)
+            outbox = {
+                "max_messages": DEFAULT_MAX_MESSAGES,
+                "max_bytes": DEFAULT_CAPACITY_BYTES,
+                "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
+                "put_timeout": DEFAULT_PUT_TIMEOUT,
+            }
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+                actor = actor_cls.options(
+                    num_cpus=num_cpus_per_rank,
+                    num_gpus=gpus,
+                    scheduling_strategy=strategy,
+                    max_concurrency=_ACTOR_CONCURRENCY,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    name=f"omni-worker-{self.token}-{rank}",
+                ).remote(rank, spec, opts, state, outbox)
+                self.actors.append(actor)
+            self._await_actors(deadline, start_timeout)
+            self._receiver.start(self.actors)
+            self.pump.start()
+            self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
+        except BaseException:
+            self.shutdown("the executor failed to start")
+            raise
+
+    def _await_actors(self, deadline: float, start_timeout: float) -> None:
+        import ray
+
+        here = ray.get_runtime_context().get_node_id()
+        refs = [a.ready.remote(max(1.0, deadline - time.monotonic())) for a in self.actors]
+        for rank, ref in enumerate(refs):
+            try:
+                failure, pid, node_id, address = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError as exc:
+                raise ComputeTimeout(f"worker rank {rank} did not build its model in {start_timeout} s") from exc
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerStartupFailed(rank, None, failure=Failure.from_exception(exc)) from exc
+            if failure is not None:
+                raise WorkerStartupFailed(rank, None, failure=failure)
+            self.pids.append(pid)
+            self.nodes.append(f"{node_id} ({address})")
+            if node_id != here:
+                raise UsageError(
+                    f"worker rank {rank} was placed on node {node_id} ({address}), not on the executor's node "
+                    f"{here}: RayDiffusionExecutor ships outputs through this node's shared memory and cannot "
+                    "reach another node yet; use placement_strategy='STRICT_PACK' or a single-node cluster"
+                )
+
+    # ----------------------------------------------------------------- transport
+
+    def _broadcast(self, req: RpcRequest) -> None:
+        with self._rpc_lock:
+            if self._closed:
+                raise ExecutorShutdown("the executor is shut down")
+            for rank, actor in enumerate(self.actors):
+                seq = self._actor_seq[rank]
+                self._actor_seq[rank] += 1
+                actor.rpc.remote(seq, req)  # a dead actor: its poll reports the death
+
+    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        for actor in self.actors:
+            actor.cancel.remote(cancels)  # returns at once
+
+    def _worker_failure(self) -> OmniAsyncError | None:
+        return self._failure
+
+    def _on_actor_death(self, rank: int, cause: str) -> None:
+        """Pump thread: rank's poll failed, after every message it sent before was received."""
+        if self._closed:
+            return
+        node = self.nodes[rank] if rank < len(self.nodes) else "?"
+        err = ActorDied(rank, node, cause=cause)
+        log.error("%s", err)
+        if self._failure is None:
+            self._failure = err
+        self.pump.fail_all(lambda oid: ActorDied(rank, node, output_id=oid, cause=cause), outcome="worker_died", close=True)
+        if rank < len(self.pids):
+            pid = self.pids[rank]
+            try:
+                n = self.pool.reclaim_owner(pid) + self.pool.reclaim_shipped(pid)
+            except Exception:
+                log.exception("reclaiming the segments of dead worker rank %d failed", rank)
+            else:
+                if n:
+                    log.warning("worker rank %d died holding %d segment(s); they went back to the pool", rank, n)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def _stop_workers(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._stopped:
+            return
+        self._stopped = True
+        self._receiver.close()
+        with self._rpc_lock:
+            stops = []
+            for rank, actor in enumerate(self.actors):
+                stops.append(actor.stop.remote(self._actor_seq[rank], 5.0))
+                self._actor_seq[rank] += 1
+        try:
+            ray.wait(stops, num_returns=len(stops), timeout=10.0)
+        except Exception:  # noqa: BLE001  # dead actors: killed below all the same
+            log.debug("stopping the actors failed", exc_info=True)
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  # already gone
+                log.debug("killing an actor failed", exc_info=True)
+        if hasattr(self, "placement_group"):
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                log.warning("removing the placement group failed", exc_info=True)
+        self.pool.close()
+        unlink_all_with_prefix(self.pool.prefix)

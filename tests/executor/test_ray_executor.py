@@ -1,0 +1,168 @@
+"""``RayDiffusionExecutor`` on a real local Ray cluster: actors, placement group, the pool.
+
+One Ray instance for the module (its start is the dear part); every test ends with no
+segment of ours left in /dev/shm, and every executor with no actor and no placement
+group left.  Skipped where Ray is not installed (CI installs it with ``.[dev]``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers.executor_harness import exc_of, wait_until
+from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.mp_workers import expected_image
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import ActorDied, RequestAborted, RpcFailed, WorkerDied, WorkerStartupFailed
+from omni_async.core.messages import DiffusionRequest, RunnerOutput
+from omni_async.executor.multiproc import WorkerSpec
+
+ray = pytest.importorskip("ray")
+
+from omni_async.executor.ray_executor import RayDiffusionExecutor  # noqa: E402  # after the skip
+
+SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
+DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60, cancel_grace=1.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    # Logical CPUs: two executors of two ranks may be up at once; the machine has 2.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _gone(ex: RayDiffusionExecutor) -> None:
+    """After shutdown: no actor answers, the placement group is removed, no segment is left."""
+    from ray.util import placement_group_table
+
+    for actor in ex.actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ready.remote(1.0), timeout=30)
+    assert placement_group_table(ex.placement_group)["state"] == "REMOVED"
+    assert not with_prefix(ex.pool.prefix), with_prefix(ex.pool.prefix)
+
+
+@pytest.fixture(scope="module")
+def ex2() -> Iterator[RayDiffusionExecutor]:
+    """Two ranks, reply rank 0, shared by the tests that leave it healthy."""
+    ex = RayDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
+    LONG_LIVED.add(ex.pool.prefix)
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+        LONG_LIVED.discard(ex.pool.prefix)
+    _gone(ex)
+
+
+def _quiet(ex: RayDiffusionExecutor) -> bool:
+    m = ex.metrics()
+    return (
+        m["pending_outputs"] == 0
+        and m["pending_rpcs"] == 0
+        and m["held_payloads"] == 0
+        and ex.pool.stats().outstanding == 0
+    )
+
+
+def _req(rid: str, **params: object) -> DiffusionRequest:
+    return DiffusionRequest(rid, params)
+
+
+def _take(ex: RayDiffusionExecutor, ro: RunnerOutput, params: dict[str, Any]) -> None:
+    """Wait for the output, check it bit for bit, release it."""
+    assert ro.async_output_id is not None and not ro.aborted
+    out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+    assert out.request_id == ro.request_id
+    exp = expected_image(params)
+    got = out.output["image"]
+    assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+    del got  # no view may outlive the release
+    assert ex.release_output(out) == 1  # it travelled in a pooled segment
+
+
+def test_end_to_end_two_phase(ex2: RayDiffusionExecutor) -> None:
+    assert len(ex2.actors) == 2 and len(set(ex2.pids)) == 2
+    params = {"numel": 1 << 18, "seed": 7}
+    ro = ex2.submit_request(_req("r1", **params)).result(timeout=30)  # COMPUTE_DONE
+    _take(ex2, ro, params)
+    wait_until(lambda: _quiet(ex2), timeout=10)
+    assert [i["rank"] for i in ex2.worker_metrics()] == [0, 1]
+
+
+def test_a_batch(ex2: RayDiffusionExecutor) -> None:
+    params = [{"numel": (1 << 17) + i, "seed": i} for i in range(4)]
+    ros = ex2.submit_batch([_req(f"b{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    assert [ro.request_id for ro in ros] == ["b0", "b1", "b2", "b3"]
+    for ro, p in zip(ros, params, strict=True):
+        _take(ex2, ro, p)
+    wait_until(lambda: _quiet(ex2), timeout=10)
+
+
+def test_many_requests_keep_each_ranks_order(ex2: RayDiffusionExecutor) -> None:
+    """Twenty calls in flight at once: every COMPUTE_DONE and OUTPUT_READY of a rank in put
+    order through the polls (a gap or reorder would fail the dispatcher or the numbers)."""
+    params = [{"numel": 1 << 17, "seed": 100 + i} for i in range(20)]
+    futs = [ex2.submit_request(_req(f"m{i}", **p)) for i, p in enumerate(params)]
+    for fut, p in zip(futs, params, strict=True):
+        _take(ex2, fut.result(timeout=60), p)
+    wait_until(lambda: _quiet(ex2), timeout=10)
+    m = ex2.metrics()
+    assert m["protocol_errors"] == 0 and m["dispatch_errors"] == 0, m
+
+
+def test_a_failing_forward_is_a_typed_error(ex2: RayDiffusionExecutor) -> None:
+    with pytest.raises(RpcFailed) as err:
+        ex2.execute_request(_req("boom", **{"raise": True}))
+    assert err.value.failures[0].type_name == "RuntimeError"
+    assert "forward of boom failed" in err.value.failures[0].traceback
+    wait_until(lambda: _quiet(ex2), timeout=10)
+    ex2.check_health()
+
+
+def test_abort_of_a_running_forward(ex2: RayDiffusionExecutor) -> None:
+    fut = ex2.submit_request(_req("long", sleep=1.5))
+    time.sleep(0.3)
+    ex2.cancel_requests(["long"])
+    err = exc_of(fut)
+    assert isinstance(err, RequestAborted) and err.request_id == "long", err
+    wait_until(lambda: _quiet(ex2), timeout=10)
+    params = {"numel": 1 << 16, "seed": 1}
+    _take(ex2, ex2.submit_request(_req("after", **params)).result(timeout=30), params)
+
+
+def test_an_actor_killed_mid_forward_fails_its_waiters_naming_rank_and_node() -> None:
+    ex = RayDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
+    try:
+        done = ex.submit_request(_req("ok", numel=1 << 17)).result(timeout=30)
+        assert done.async_output_id is not None
+        waiter = ex.wait_output_ready(done.async_output_id).result(timeout=30)  # delivered before the death
+        running = ex.submit_request(_req("victim", sleep=30))
+        time.sleep(0.3)
+        ray.kill(ex.actors[1], no_restart=True)
+        err = exc_of(running)
+        assert isinstance(err, ActorDied) and isinstance(err, WorkerDied), err
+        assert err.rank == 1 and ex.nodes[1] in str(err) and "rank 1" in str(err), err
+        with pytest.raises(ActorDied):
+            ex.check_health()
+        del waiter
+    finally:
+        ex.shutdown()
+    _gone(ex)
+
+
+def test_a_model_that_fails_to_build_fails_the_constructor_and_leaves_nothing() -> None:
+    spec = WorkerSpec("helpers.mp_workers:BrokenWorker", {"fail_rank": 1}, pass_rank=True)
+    with pytest.raises(WorkerStartupFailed) as err:
+        RayDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, start_timeout=60)
+    assert err.value.rank == 1 and err.value.failure is not None
+    assert err.value.failure.type_name == "FileNotFoundError"
