@@ -481,3 +481,14 @@ def test_an_output_id_is_delivered_to_exactly_one_waiter(ex2: MultiprocDiffusion
         later.result(timeout=1)
     assert ex2.release_output(out) == 1
     _assert_quiet(ex2)
+
+
+def test_each_rank_gets_its_own_gpu_when_there_are_enough() -> None:
+    """``device="cuda"`` without an index: rank r on ``cuda:r``, round-robin over fewer GPUs;
+    an explicit index or another device is used as given."""
+    from omni_async.executor.multiproc import device_for_rank
+
+    assert [device_for_rank("cuda", r, 2) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert [device_for_rank("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert device_for_rank("cuda:1", 0, 2) == "cuda:1" and device_for_rank("cpu", 1, 2) == "cpu"
+    assert device_for_rank("cuda", 1, 0) == "cuda"  # no GPU counted: left to the process's current device

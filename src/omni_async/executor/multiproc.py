@@ -276,13 +276,23 @@ class WorkerOptions:
         check_output_path(self.output_path)
 
 
-def _device_setup(device: str) -> torch.device:
-    """Select the worker's device on the calling thread; returns it."""
+def device_for_rank(device: str, rank: int, device_count: int) -> str:
+    """The device rank ``rank`` computes on: ``"cuda"`` without an index puts rank r on
+    ``cuda:r`` when the machine has that many GPUs, round-robin when it has fewer
+    (``cuda:{r % count}``); an explicit index, or another device, is used as given."""
+    if device == "cuda" and device_count > 0:
+        return f"cuda:{rank % device_count}"
+    return device
+
+
+def _device_setup(device: str, rank: int = 0) -> torch.device:
+    """Select rank ``rank``'s device (``device_for_rank``) on the calling thread; returns it."""
     import torch
 
-    dev = torch.device(device)
+    count = torch.cuda.device_count() if device == "cuda" else 0
+    dev = torch.device(device_for_rank(device, rank, count))
     if dev.type == "cuda":
-        if str(dev) == "cuda":  # no index given: the process's current device
+        if str(dev) == "cuda":  # no GPU counted: the process's current device
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
     return dev
@@ -480,7 +490,7 @@ def _build_worker(
 
     from omni_async.transport.platform import record_device_event
 
-    dev = _device_setup(opts.device)
+    dev = _device_setup(opts.device, rank)
 
     def make_stream() -> CopyStream:
         # Runs on the packer thread: the current device is per thread, set it first.

@@ -141,6 +141,10 @@ class SyntheticForwardWorker:
             times.append(time.monotonic() - t0)
         return times
 
+    def where(self) -> str:
+        """The device this rank computes on (``cuda:<index>`` or ``cpu``)."""
+        return f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda" else str(self.device)
+
     def copy_alone(self, n: int, shape: Sequence[int], dtype: str) -> list[float]:
         """One output copied ``n`` times into one pinned host buffer (CUDA: on a side
         stream, synchronized each time; CPU: a reused host buffer); the seconds of each."""
