@@ -316,6 +316,9 @@ def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest
         call = ex.submit_batch(batch)
         victim = ex.procs[0]
         victim.join(WAIT)
+        # The executor's monitor joins the same process: when its waitpid reaps the child
+        # first, ours can return before the exit code is stored (it reads None once).
+        _until(lambda: victim.exitcode is not None, what="the exit code")
         assert victim.exitcode == -signal.SIGKILL
         call.exception(timeout=WAIT)  # WorkerDied, or (COMPUTE_DONE came first) the outputs' ids
         _until(lambda: ex._failure is not None, what="the death to be handled")

@@ -406,6 +406,7 @@ def _worker_main(
     _report(status, None)
     packer.start()
     threading.Thread(target=_read_control, args=(loop, control), name=f"omni-cancel-{rank}", daemon=True).start()
+    code = 0
     try:
         while True:
             try:
@@ -421,11 +422,18 @@ def _worker_main(
     except BaseException as exc:
         if not _report(status, Failure.from_exception(exc)):
             raise
-        sys.exit(1)
+        code = 1
     finally:
         # Exiting: a pack still waiting for room must not hold the exit (F16).
         packer.stop(timeout=10.0, abandon=True)
         sender.close()
+    # Leave without the interpreter's finalization: an abandoned packer (or a torch
+    # thread pool) may still be inside C++ code, and tearing the runtime down under it
+    # aborts the process ("terminate called without an active exception", seen once
+    # when Ctrl-C stopped the demo mid-run).  Everything the worker owns is closed above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _read_control(loop: WorkerLoop, control: multiprocessing.connection.Connection) -> None:
