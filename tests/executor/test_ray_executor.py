@@ -1,6 +1,6 @@
 """``RayDiffusionExecutor`` on a real local Ray cluster: actors, placement group, the pool.
 
-One Ray instance for the module (its start is the dear part); every test ends with no
+One Ray instance for the session (tests/conftest.py: its start is the dear part); every test ends with no
 segment of ours left in /dev/shm, and every executor with no actor and no placement
 group left.  Skipped where Ray is not installed (CI installs it with ``.[dev]``).
 """
@@ -31,13 +31,8 @@ DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60, can
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    # Logical CPUs: two executors of two ranks may be up at once; the machine has 2.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def ray_cluster(ray_session: object) -> None:
+    """The session's Ray instance (tests/conftest.py)."""
 
 
 def _gone(ex: RayDiffusionExecutor) -> None:
