@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, eventually, run
+from helpers.executors import KINDS, executor_class, worker_pids
 from helpers.leaks import kept_for_the_module
 from prometheus_client import generate_latest
 
@@ -49,23 +50,10 @@ def r(rid: str, **params: object) -> DiffusionRequest:
 Make = Callable[..., MultiprocDiffusionExecutor]
 
 
-@pytest.fixture(scope="module", params=["multiproc", "ray"])
+@pytest.fixture(scope="module", params=KINDS)
 def make(request: pytest.FixtureRequest) -> Make:
     """The executor class under test (both take the same arguments here)."""
-    if request.param == "ray":
-        request.getfixturevalue("ray_session")  # skips where Ray is not installed
-        from omni_async.executor.ray_executor import RayDiffusionExecutor
-
-        return RayDiffusionExecutor
-    return MultiprocDiffusionExecutor
-
-
-def worker_pid(ex: MultiprocDiffusionExecutor, rank: int = 0) -> int:
-    """The pid of rank's worker: its process, or the process of its Ray actor."""
-    pids: list[int] | None = getattr(ex, "pids", None)  # RayDiffusionExecutor's
-    pid = pids[rank] if pids is not None else ex.procs[rank].pid
-    assert pid is not None
-    return pid
+    return executor_class(request.param, request)
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +313,7 @@ def test_a_dead_worker_fails_its_request_and_health(make: Make) -> None:
             task = asyncio.create_task(engine.generate(r("doomed", steps=200, step_ms=50)))
             await eventually(lambda: engine.phase_of("doomed") is SchedulerPhase.RUNNING)
             await asyncio.sleep(0.2)
-            os.kill(worker_pid(ex), signal.SIGKILL)
+            os.kill(worker_pids(ex)[0], signal.SIGKILL)
             with pytest.raises(WorkerDied):
                 await task
             with pytest.raises(WorkerDied):
