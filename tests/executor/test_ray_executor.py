@@ -161,3 +161,7 @@ def test_a_model_that_fails_to_build_fails_the_constructor_and_leaves_nothing() 
         RayDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, start_timeout=60)
     assert err.value.rank == 1 and err.value.failure is not None
     assert err.value.failure.type_name == "FileNotFoundError"
+    assert err.value.actor and err.value.exitcode is None
+    # An actor has no exit code of ours: the message says what it is instead of "exit code None".
+    assert str(err.value).startswith("worker rank 1 (a Ray actor) failed to start: FileNotFoundError"), err.value
+    assert "exit code" not in str(err.value)
