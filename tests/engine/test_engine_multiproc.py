@@ -3,7 +3,12 @@ the reference model on CPU, real shared memory): results and timings, many more
 requests than the budget of held outputs, aborts and cancelled tasks with a slow
 forward, deadlines, worker death, close with work in flight, the event loop never
 blocked, Prometheus.  Every test ends with nothing in the registry and no segment
-left (conftest's autouse fixture checks /dev/shm)."""
+left (conftest's autouse fixture checks /dev/shm).
+
+The tests that take ``make`` (directly or through ``shared``) run over both transports:
+``MultiprocDiffusionExecutor`` and ``RayDiffusionExecutor`` (one actor per rank, on the
+session's Ray instance; skipped where Ray is not installed).  The model checks
+cancellation between its steps (``step_ms``), so an abort stops the forward on both."""
 
 from __future__ import annotations
 
@@ -12,12 +17,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, eventually, run
+from helpers.executors import KINDS, executor_class, worker_pids
 from helpers.leaks import kept_for_the_module
 from prometheus_client import generate_latest
 
@@ -41,10 +47,19 @@ def r(rid: str, **params: object) -> DiffusionRequest:
     return DiffusionRequest(rid, {"height": 256, **params})
 
 
+Make = Callable[..., MultiprocDiffusionExecutor]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def make(request: pytest.FixtureRequest) -> Make:
+    """The executor class under test (both take the same arguments here)."""
+    return executor_class(request.param, request)
+
+
 @pytest.fixture(scope="module")
-def shared() -> Iterator[MultiprocDiffusionExecutor]:
+def shared(make: Make) -> Iterator[MultiprocDiffusionExecutor]:
     """One executor for the tests that leave it healthy (each checks it quiescent)."""
-    yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES))
+    yield from kept_for_the_module(make(SPEC, deadlines=DEADLINES))
 
 
 def test_results_are_owned_copies_with_their_timings(shared: MultiprocDiffusionExecutor) -> None:
@@ -288,17 +303,17 @@ def test_prometheus_export_of_one_engine(shared: MultiprocDiffusionExecutor) -> 
     run(body())
 
 
-def test_a_dead_worker_fails_its_request_and_health() -> None:
-    ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES)
+def test_a_dead_worker_fails_its_request_and_health(make: Make) -> None:
+    """SIGKILL of the worker (on Ray: of its actor's process) mid-forward: the typed death
+    error (``ActorDied`` is a ``WorkerDied``) for the request and every later call."""
+    ex = make(SPEC, deadlines=DEADLINES)
 
     async def body() -> None:
         async with AsyncDiffusionEngine(ex) as engine:
             task = asyncio.create_task(engine.generate(r("doomed", steps=200, step_ms=50)))
             await eventually(lambda: engine.phase_of("doomed") is SchedulerPhase.RUNNING)
             await asyncio.sleep(0.2)
-            pid = ex.procs[0].pid
-            assert pid is not None
-            os.kill(pid, signal.SIGKILL)
+            os.kill(worker_pids(ex)[0], signal.SIGKILL)
             with pytest.raises(WorkerDied):
                 await task
             with pytest.raises(WorkerDied):
@@ -314,7 +329,7 @@ def test_a_dead_worker_fails_its_request_and_health() -> None:
         ex.shutdown()
 
 
-def test_close_with_work_in_flight_fails_it_and_leaves_nothing() -> None:
+def test_close_with_work_in_flight_fails_it_and_leaves_nothing(make: Make) -> None:
     entered, release = threading.Event(), threading.Event()
 
     def slow(out: DiffusionOutput) -> float:
@@ -326,7 +341,7 @@ def test_close_with_work_in_flight_fails_it_and_leaves_nothing() -> None:
 
     async def body() -> None:
         engine = AsyncDiffusionEngine.from_factory(
-            lambda: MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES), pipeline="engine-mp-close", max_running=1
+            lambda: make(SPEC, deadlines=DEADLINES), pipeline="engine-mp-close", max_running=1
         )
         await engine.start()
         ex = engine.executor

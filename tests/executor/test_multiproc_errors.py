@@ -13,7 +13,7 @@ import pytest
 import omni_async.core.errors as errors
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RpcFailed, UsageError, WorkerDied
-from omni_async.core.messages import DiffusionRequest
+from omni_async.core.messages import DiffusionRequest, Failure
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.transport.shm import SegmentPool
 from omni_async.transport.shm.files import entries
@@ -80,3 +80,18 @@ def test_worker_killed_by_an_exception_reports_it_with_worker_died() -> None:
         assert "the device fell off the bus" in str(e)
         with pytest.raises(WorkerDied, match="Fatal: forward of doomed"):
             ex.check_health()
+
+
+def test_a_worker_startup_failure_of_a_ray_actor_says_actor_not_exit_code() -> None:
+    """RayDiffusionExecutor's actors have no exit code of ours (it is None): "(a Ray actor)"
+    replaces "exit code None" in both forms of the message; a process's stay as they were."""
+    failure = Failure("FileNotFoundError", "no weights", "Traceback ...")
+    started = errors.WorkerStartupFailed(2, None, failure=failure, actor=True)
+    assert str(started).startswith("worker rank 2 (a Ray actor) failed to start: FileNotFoundError: no weights")
+    silent = errors.WorkerStartupFailed(2, None, actor=True)
+    assert str(silent) == "worker rank 2 (a Ray actor) died while starting"
+    for err in (started, silent):
+        assert err.actor and err.exitcode is None and err.rank == 2 and "exit code" not in str(err)
+    assert isinstance(silent, errors.WorkerDied)
+    process = errors.WorkerStartupFailed(2, 1, failure=failure)
+    assert not process.actor and "failed to start (exit code 1): FileNotFoundError" in str(process)

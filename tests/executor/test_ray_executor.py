@@ -1,6 +1,6 @@
 """``RayDiffusionExecutor`` on a real local Ray cluster: actors, placement group, the pool.
 
-One Ray instance for the module (its start is the dear part); every test ends with no
+One Ray instance for the session (tests/conftest.py: its start is the dear part); every test ends with no
 segment of ours left in /dev/shm, and every executor with no actor and no placement
 group left.  Skipped where Ray is not installed (CI installs it with ``.[dev]``).
 """
@@ -31,13 +31,8 @@ DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60, can
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    # Logical CPUs: two executors of two ranks may be up at once; the machine has 2.
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+def ray_cluster(ray_session: object) -> None:
+    """The session's Ray instance (tests/conftest.py)."""
 
 
 def _gone(ex: RayDiffusionExecutor) -> None:
@@ -166,3 +161,7 @@ def test_a_model_that_fails_to_build_fails_the_constructor_and_leaves_nothing() 
         RayDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, start_timeout=60)
     assert err.value.rank == 1 and err.value.failure is not None
     assert err.value.failure.type_name == "FileNotFoundError"
+    assert err.value.actor and err.value.exitcode is None
+    # An actor has no exit code of ours: the message says what it is instead of "exit code None".
+    assert str(err.value).startswith("worker rank 1 (a Ray actor) failed to start: FileNotFoundError"), err.value
+    assert "exit code" not in str(err.value)

@@ -12,6 +12,10 @@ Sources, each checked in one TLC run:
   their traces also hold the worker-side machines), aborted calls, streaming calls
   (CHUNK messages, closed streams, failed chunks and calls, cancels, deadlines) and
   step mode's final-step async;
+* runs of ``RayDiffusionExecutor`` (actors, the numbered per-rank outbox polled one
+  batch at a time): the transport must keep the spec's per-rank FIFO; calls, batches,
+  many in flight, a cancelled waiter, a failing forward, aborts (one honoured between
+  steps, one ignored), an actor killed mid-forward; skipped without Ray;
 * whatever the other test modules collected in this session: the Hypothesis
   stateful runs (tests/core/test_registry_stateful.py) and the multiprocess integration
   tests (tests/_traces.py).  pytest runs this module after them (file order).
@@ -634,13 +638,99 @@ def test_streaming_and_step_calls_are_behaviours() -> None:
     print(f"\nstreaming and step calls: {res.summary()}")
 
 
+def _ray_runs() -> list[list[TraceEvent]]:
+    """Two recorded RayDiffusionExecutor runs on the session's Ray instance (see the module docstring)."""
+    import os
+    import signal
+
+    from omni_async.core.errors import RpcFailed, WorkerDied
+    from omni_async.executor.multiproc import WorkerSpec
+    from omni_async.executor.ray_executor import RayDiffusionExecutor
+
+    deadlines = Deadlines(compute_timeout=30, output_timeout=30, rpc_timeout=30, cancel_grace=0.5)
+
+    def rq(rid: str, **params: object) -> DiffusionRequest:
+        return DiffusionRequest(rid, params)
+
+    def consume(ex: RayDiffusionExecutor, ro: RunnerOutput) -> None:
+        assert ro.async_output_id is not None
+        out = ex.wait_output_ready(ro.async_output_id).result(30)
+        ex.release_output(out)
+
+    traces: list[list[TraceEvent]] = []
+    tracer = ListTracer()
+    spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
+    ex = RayDiffusionExecutor(spec, world_size=2, deadlines=deadlines, tracer=tracer)
+    try:
+        consume(ex, ex.execute_request(rq("one", numel=1 << 17)))
+        for ro in ex.submit_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]).result(30):
+            consume(ex, ro)
+        calls = [ex.submit_request(rq(f"m{i}", numel=1 << 16, seed=i)) for i in range(12)]
+        ros = [c.result(30) for c in calls]
+        for i, ro in enumerate(ros):
+            if i % 4 == 0:  # a consumer that leaves: the output is abandoned
+                assert ro.async_output_id is not None
+                ex.wait_output_ready(ro.async_output_id).cancel()
+            else:
+                consume(ex, ro)
+        with pytest.raises(RpcFailed, match="RuntimeError"):
+            ex.execute_request(rq("boom", **{"raise": True}))
+        ignored = ex.submit_request(rq("ignored", sleep=1.0))  # no cancellation checks: a late answer
+        time.sleep(0.2)
+        ex.cancel_requests(["ignored"])
+        assert isinstance(ignored.exception(30), RequestAborted)
+        consume(ex, ex.execute_request(rq("after", numel=1 << 12)))
+    finally:
+        ex.shutdown()
+    traces.append(tracer.snapshot())
+
+    tracer = ListTracer()
+    tiny = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
+    ex = RayDiffusionExecutor(tiny, deadlines=deadlines, tracer=tracer)
+    try:
+        stopped = ex.submit_request(rq("stopped", height=64, steps=200, step_ms=20))
+        time.sleep(0.3)
+        ex.cancel_requests(["stopped"])
+        assert isinstance(stopped.exception(30), RequestAborted)
+        consume(ex, ex.execute_request(rq("ok", height=64)))
+        done = ex.execute_request(rq("unclaimed", height=64))
+        doomed = ex.submit_request(rq("doomed", height=64, steps=200, step_ms=20))
+        time.sleep(0.3)
+        os.kill(ex.pids[0], signal.SIGKILL)
+        assert isinstance(doomed.exception(30), WorkerDied)
+        assert done.async_output_id is not None
+        assert isinstance(ex.wait_output_ready(done.async_output_id).exception(30), WorkerDied)
+    finally:
+        ex.shutdown()
+    traces.append(tracer.snapshot())
+    return traces
+
+
+@pytest.mark.tlc
+def test_ray_executor_runs_are_behaviours(request: pytest.FixtureRequest) -> None:
+    tc = require_tlc()
+    request.getfixturevalue("ray_session")  # skips where Ray is not installed
+    t0 = time.monotonic()
+    traces = _ray_runs()
+    runs_s = time.monotonic() - t0
+    outcomes = {e.fields.get("outcome") for t in traces for e in t if e.action in ("RpcResolve", "FailAll")}
+    assert {"ok", "failed", "aborted", "worker_died"} <= outcomes, outcomes
+    res = check_traces(traces, toolchain=tc)
+    assert res.ok, res.summary()
+    print(f"\nRay executor runs ({runs_s:.1f} s of runs): {res.summary()}")
+
+
 def _collected() -> dict[str, list[list[TraceEvent]]]:
+    import sys
+
     import helpers.traces as _traces
-    import test_registry_stateful
 
     found = {name: list(ts) for name, ts in _traces.COLLECTED.items() if ts}
-    if test_registry_stateful.COLLECTED_TRACES:
-        found["stateful"] = list(test_registry_stateful.COLLECTED_TRACES)
+    # Collected in this session only if pytest imported it (tests/core is then on sys.path):
+    # importing it here fails when tests/core was not collected.
+    stateful = sys.modules.get("test_registry_stateful")
+    if stateful is not None and stateful.COLLECTED_TRACES:
+        found["stateful"] = list(stateful.COLLECTED_TRACES)
     return found
 
 

@@ -246,7 +246,31 @@ class WorkerStartupFailed(WorkerDied):
 
     ``failure`` carries the remote exception's type, message and traceback; it is None
     only when the worker died without being able to report one (killed, crashed).
+    ``actor``: the worker is a Ray actor (``RayDiffusionExecutor``), which has no exit
+    code of ours: the message says "a Ray actor" where a process's says its exit code.
     """
+
+    def __init__(
+        self,
+        rank: int,
+        exitcode: int | None,
+        *,
+        output_id: str | None = None,
+        failure: Failure | None = None,
+        actor: bool = False,
+    ) -> None:
+        if actor:
+            head = f"worker rank {rank} (a Ray actor)"
+            message = (
+                f"{head} died while starting" if failure is None else f"{head} failed to start: {_remote(failure)}"
+            )
+            OutputError.__init__(self, message, output_id=output_id)
+            self.rank = rank
+            self.exitcode = exitcode
+            self.failure = failure
+        else:
+            super().__init__(rank, exitcode, output_id=output_id, failure=failure)
+        self.actor = actor
 
     @classmethod
     def _describe(cls, rank: int, exitcode: int | None, failure: Failure | None) -> str:

@@ -470,9 +470,9 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             except ray.exceptions.GetTimeoutError as exc:
                 raise ComputeTimeout(f"worker rank {rank} did not build its model in {start_timeout} s") from exc
             except ray.exceptions.RayActorError as exc:
-                raise WorkerStartupFailed(rank, None, failure=Failure.from_exception(exc)) from exc
+                raise WorkerStartupFailed(rank, None, failure=Failure.from_exception(exc), actor=True) from exc
             if failure is not None:
-                raise WorkerStartupFailed(rank, None, failure=failure)
+                raise WorkerStartupFailed(rank, None, failure=failure, actor=True)
             self.pids.append(pid)
             self.nodes.append(f"{node_id} ({address})")
             if node_id != here:
