@@ -165,3 +165,26 @@ def test_a_model_that_fails_to_build_fails_the_constructor_and_leaves_nothing() 
     # An actor has no exit code of ours: the message says what it is instead of "exit code None".
     assert str(err.value).startswith("worker rank 1 (a Ray actor) failed to start: FileNotFoundError"), err.value
     assert "exit code" not in str(err.value)
+
+
+def test_an_actor_imports_what_the_driver_can(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A factory importable in the driver through ``sys.path`` alone (not ``PYTHONPATH``, which
+    Ray's workers inherit) is importable in the actors too, as in a spawned worker process:
+    the executor hands the driver's import path to each actor.  Without it every actor failed
+    to start in CI (``No module named 'helpers'``: pytest puts ``tests/`` on sys.path only)."""
+    (tmp_path / "only_on_the_drivers_path.py").write_text(
+        "from omni_async.models.tiny import TinyDiffusionWorker\n"
+        "def make(rank: int = 0) -> TinyDiffusionWorker:\n"
+        "    return TinyDiffusionWorker(width=64, steps=1)\n",
+        encoding="utf-8",
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = WorkerSpec("only_on_the_drivers_path:make")
+    with RayDiffusionExecutor(spec, deadlines=DEADLINES) as ex:
+        ro = ex.execute_request(DiffusionRequest("p", {"height": 64}))
+        assert ro.async_output_id is not None
+        out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+        assert tuple(out.output["image"].shape) == (64, 64)
+        del out.output["image"]
+        ex.release_output(out)
+    _gone(ex)

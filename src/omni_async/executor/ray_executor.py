@@ -56,6 +56,7 @@ import collections
 import logging
 import os
 import pickle
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Final
@@ -191,7 +192,20 @@ class _OrderedInbox:
 class RankActor:
     """The body of one rank's Ray actor: the worker loop on a thread, fed in RPC order."""
 
-    def __init__(self, rank: int, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes, outbox: dict[str, Any]):
+    def __init__(
+        self,
+        rank: int,
+        spec: WorkerSpec,
+        opts: WorkerOptions,
+        pool_state: bytes,
+        outbox: dict[str, Any],
+        driver_path: list[str] | None = None,
+    ):
+        # The driver's import path, as a spawned worker process inherits it: a factory the
+        # driver can import (its own package, a test's helpers) is importable here too.
+        for entry in reversed(driver_path or []):
+            if entry and entry not in sys.path:
+                sys.path.insert(0, entry)
         self._rank = rank
         self._outbox = _Outbox(**outbox)
         self._inbox = _OrderedInbox()
@@ -449,7 +463,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
                     max_restarts=0,
                     max_task_retries=0,
                     name=f"omni-worker-{self.token}-{rank}",
-                ).remote(rank, spec, opts, state, outbox)
+                ).remote(rank, spec, opts, state, outbox, list(sys.path))
                 self.actors.append(actor)
             self._await_actors(deadline, start_timeout)
             self._receiver.start(self.actors)
