@@ -50,7 +50,7 @@ def main() -> int:
         params = {"forward_ms": args.forward_ms, "shape": shape, "dtype": args.dtype}
         # Warm the pool with as many outputs in flight as the run will hold (two running,
         # two taken late): a segment made (and pinned) inside the run stalls it ~150 ms.
-        warm = [ex.submit_request(DiffusionRequest(f"w{i}", {**params, "seed": i})) for i in range(6)]
+        warm = [ex.submit_request(DiffusionRequest(f"w{i}", {**params, "seed": i})) for i in range(10)]
         for w in warm:
             ro = w.result(300)
             assert ro.async_output_id is not None
