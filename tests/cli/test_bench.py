@@ -125,3 +125,15 @@ def test_nothing_of_the_run_is_left_in_dev_shm(tiny: tuple[subprocess.CompletedP
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], message: str) -> None:
     done = _bench(*argv, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_pump_only_runs_the_protocol_micro_benchmark_alone(tmp_path: Path) -> None:
+    out = tmp_path / "pump.json"
+    cmd = [sys.executable, "-m", "omni_async.cli", "bench", "--pump-only", "--pump-requests", "200", "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report["cases"] == [] and report["pump"]["concurrency"] == 1 and report["pump"]["requests"] == 200
+    assert 0 < report["pump"]["compute_done_latency_us_p50"] <= report["pump"]["compute_done_latency_us_p99"]
+    assert not out.with_suffix(".png").exists()  # no cases, no plot
+

@@ -230,6 +230,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     d.add_argument("--pump", action="store_true", help="also run the CPU micro-benchmark of the protocol")
     d.add_argument("--pump-requests", type=options.positive_int, default=2000, help="requests of the --pump run")
+    d.add_argument("--pump-only", action="store_true", help="run only the --pump micro-benchmark (no sweep)")
+    d.add_argument(
+        "--pump-clients",
+        type=options.positive_int,
+        default=1,
+        help="threads submitting in the --pump run (1: the latency of one message, uncontended)",
+    )
     d.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     d.add_argument("--plot", type=Path, default=None, help="draw the PNG here (default: the JSON's path, .png)")
     d.add_argument(
@@ -509,7 +516,7 @@ def summarize(
     }
 
 
-def run_pump(requests: int, concurrency: int = 4) -> dict[str, Any]:
+def run_pump(requests: int, concurrency: int = 1) -> dict[str, Any]:
     """The protocol alone (CPU, worker process, tiny inline outputs, no forward): latency from the
     end of the worker's forward (right before COMPUTE_DONE is sent) to the wake-up of the
     thread blocked in ``execute_request``; the pump's messages per second."""
@@ -622,6 +629,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.tiny:
         _apply_tiny(args)
+    if args.pump_only:
+        args.pump, args.modes = True, []
     t0 = time.monotonic()
     argv = ["omni-async", *sys.argv[1:]] if sys.argv[1:2] == ["bench"] else ["omni-async", "bench"]
     sizes = {name: {**SIZES, **TINY_SIZES}[name] for name in args.sizes}
@@ -637,10 +646,11 @@ def run(args: argparse.Namespace) -> int:
         "cases": [],
         "pump": None,
     }
-    console.print(
-        f"omni-async bench: {len(cases)} case(s) x {len(args.modes)} mode(s) on {args.device} "
-        f"({report['environment']['device_name']})"
-    )
+    if args.modes:
+        console.print(
+            f"omni-async bench: {len(cases)} case(s) x {len(args.modes)} mode(s) on {args.device} "
+            f"({report['environment']['device_name']})"
+        )
     for mode in args.modes:
         with _executor(mode, args.device) as ex:
             for case in cases:
@@ -653,9 +663,10 @@ def run(args: argparse.Namespace) -> int:
     # Cases side by side: each case's modes together.
     order = {(c.size, c.forward_label, c.concurrency): i for i, c in enumerate(cases)}
     report["cases"].sort(key=lambda r: (order[(r["size"], r["forward_label"], r["concurrency"])], MODES.index(r["mode"])))
-    console.print(table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})"))
+    if report["cases"]:
+        console.print(table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})"))
     if args.pump:
-        report["pump"] = run_pump(args.pump_requests)
+        report["pump"] = run_pump(args.pump_requests, args.pump_clients)
         p = report["pump"]
         console.print(
             f"pump (CPU, worker process, {p['requests']} requests, {p['concurrency']} clients): COMPUTE_DONE "
@@ -669,7 +680,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         console.print(f"report: {args.json}")
     plot_path = args.plot or (args.json.with_suffix(".png") if args.json is not None else None)
-    if plot_path is not None:
+    if plot_path is not None and report["cases"]:
         _plot(report, plot_path, console)
     console.print(f"bench done in {report['wall_s']:.1f} s")
     return 0
