@@ -7,8 +7,13 @@ group left.  Skipped where Ray is not installed (CI installs it with ``.[dev]``)
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +23,13 @@ from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.mp_workers import expected_image
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ActorDied, RequestAborted, RpcFailed, WorkerDied, WorkerStartupFailed
+from omni_async.core.errors import (
+    ActorDied,
+    RequestAborted,
+    RpcFailed,
+    WorkerDied,
+    WorkerStartupFailed,
+)
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import WorkerSpec
 
@@ -297,3 +308,29 @@ def test_transport_is_checked() -> None:
 
     with pytest.raises(UsageError, match="transport must be one of"):
         RayDiffusionExecutor(SPEC, transport="tcp")
+
+
+_PROBE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "ray_cross_node.py"
+
+
+def _probe(*args: str) -> subprocess.CompletedProcess[str]:
+    """bench/probes/ray_cross_node.py in a process of its own: a real two-node Ray cluster
+    (two raylets, two object stores) needs its own Ray, beside the session's."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_PROBE.parents[2] / "src"), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, str(_PROBE), *args], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+
+
+def test_a_rank_on_another_node_ships_its_outputs_through_the_object_store() -> None:
+    done = _probe("--mib", "8", "--requests", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["remote"] == [True] and result["via_store"] == [True], result  # chosen at start-up
+    assert result["bit_exact"] and result["all_sizes_ok"] and result["stored_outputs_after"] == 0, result
+
+
+def test_transport_shm_refuses_a_rank_on_another_node() -> None:
+    done = _probe("--mib", "1", "--requests", "1", "--transport", "shm")
+    assert done.returncode != 0
+    assert "UsageError" in done.stderr and "transport='shm'" in done.stderr, done.stderr[-3000:]
