@@ -33,12 +33,29 @@ RPCs travel the other way the same way round: every ``rpc`` call carries a per-r
 sequence number and the actor's inbox hands them to the loop in that order, whatever
 order Ray runs the (concurrent) calls of a threaded actor in.
 
-Outputs: the actors that run on the executor's node (all of them, on one machine) pack
-into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is made
-with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
-and the engine gets zero-copy views, released as today.  An actor on another node
-cannot reach the pool: the constructor refuses it for now (``UsageError``; the
-object-store path, issue 11, is not built yet).
+Outputs, two paths, chosen per actor at start-up (``transport``): an actor on the
+executor's node (``ray.get_runtime_context().get_node_id()`` of actor and driver equal)
+packs into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is
+made with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
+and the engine gets zero-copy views, released as today.  An actor on another node cannot
+reach the pool (``transport="auto"``, the default) or is told not to
+(``transport="object_store"``, which tests the path on one machine): its packer copies
+each output into one host buffer (``pack_diffusion_output_host``: the same skeleton,
+inline leaves and ordering after the forward's event on the side stream as the pool's
+pack) and ``ray.put``\s it; the actor owns the ref in a table until a message carrying
+the output is put in the outbox, which takes the ref along *beside* the message bytes: a
+poll returns ``(bytes, {key: ref})`` pairs.  The refs never travel pickled inside the
+message, where Ray's reference counting would pin them forever.  The receiver puts them
+into the executor's table (``stored_outputs()`` counts it) before queueing the message;
+the unpack for a waiter takes the ref out and ``ray.get``\s the buffer (zero-copy views
+on the executor's node: they keep it alive; a transfer across nodes), and every other
+end -- dropped, expired, waiter gone, an unpack answer discarded -- takes it out through
+the registry's release hook; shutdown empties the table.  One table entry, taken out
+once: each buffer is freed exactly once.  A pack that is never sent (the packer
+abandoned it) drops the actor's ref; ``stop`` drops what is left.  ``release_output`` of
+such an output returns 0 (nothing pooled).  ``transport="shm"`` refuses a rank placed
+on another node (``UsageError``).  The ``ray.get`` runs where the waiter's output is
+unpacked (the pump's thread), bounded by ``output_timeout``.
 
 Death: an actor that dies (``ray.kill``, a crash, its node lost) fails its outstanding
 poll with ``RayActorError``; the pump first handles every message of that rank it
@@ -451,9 +468,11 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
     ``start_timeout``), plus ``num_cpus_per_rank`` (each bundle's CPUs, default 1),
     ``num_gpus_per_rank`` (default: 1 when ``options.device`` is a CUDA device, else 0)
     and ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...).  Ray must be
-    initialised (``ray.init``) or it is started here with its defaults.  Every actor
-    must land on the executor's node for now (``UsageError`` otherwise: the
-    object-store path for remote nodes is not built yet).  See the module docstring.
+    initialised (``ray.init``) or it is started here with its defaults.  ``transport``:
+``"auto"`` (outputs of an actor on the executor's node through its shared-memory pool,
+of one on another node through Ray's object store), ``"shm"`` (the pool only: a rank on
+another node is a ``UsageError``) or ``"object_store"`` (every rank through the object
+store); ``via_store`` says per rank what was chosen.  See the module docstring.
     """
 
     def __init__(
