@@ -210,7 +210,8 @@ def _plasma_objects() -> int:
 
     from ray._private.internal_api import memory_summary
 
-    found = re.search(r"Plasma memory usage \S+ MiB, (\d+) objects", memory_summary(stats_only=True))  # type: ignore[no-untyped-call]
+    summary = memory_summary(stats_only=True)  # type: ignore[no-untyped-call]
+    found = re.search(r"Plasma memory usage \S+ MiB, (\d+) objects", summary)
     assert found, "Ray's memory summary changed"
     return int(str(found.group(1)))
 
@@ -316,7 +317,8 @@ _PROBE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "ray_cross_n
 def _probe(*args: str) -> subprocess.CompletedProcess[str]:
     """bench/probes/ray_cross_node.py in a process of its own: a real two-node Ray cluster
     (two raylets, two object stores) needs its own Ray, beside the session's."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_PROBE.parents[2] / "src"), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(_PROBE.parents[2] / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     return subprocess.run(
         [sys.executable, str(_PROBE), *args], capture_output=True, text=True, timeout=300, env=env, check=False
     )
@@ -334,3 +336,25 @@ def test_transport_shm_refuses_a_rank_on_another_node() -> None:
     done = _probe("--mib", "1", "--requests", "1", "--transport", "shm")
     assert done.returncode != 0
     assert "UsageError" in done.stderr and "transport='shm'" in done.stderr, done.stderr[-3000:]
+
+
+def test_step_mode_answers_over_the_object_store() -> None:
+    """Step mode packs on the worker's main thread and answers in the RPC result: the same
+    object-store path, the refs beside the message, none left after the answers."""
+    with RayDiffusionExecutor(
+        SPEC, step_mode=True, deadlines=DEADLINES, transport="object_store", num_cpus_per_rank=0.5
+    ) as ex:
+        params: dict[str, Any] = {"seed": 21, "dtype": "bfloat16", "numel": 1 << 18}
+        ro = ex.execute_request(_req("st", **params))
+        assert ro.async_output_id is None and ro.result is not None
+        assert torch.equal(ro.result.output["image"].view(torch.uint8), expected_image(params).view(torch.uint8))
+        assert ex.release_output(ro.result) == 0
+        ros = ex.execute_batch([_req("st1", seed=1, numel=1 << 18), _req("st2", seed=2, numel=1 << 18)])
+        assert [r.request_id for r in ros] == ["st1", "st2"]
+        for r in ros:
+            assert r.result is not None
+            exp = expected_image({"seed": int(r.request_id[-1]), "numel": 1 << 18})
+            assert torch.equal(r.result.output["image"], exp)
+        wait_until(lambda: _stored_everywhere(ex) == 0, timeout=10)
+    assert ex.stored_outputs() == 0
+    _gone(ex)

@@ -42,12 +42,12 @@ reach the pool (``transport="auto"``, the default) or is told not to
 (``transport="object_store"``, which tests the path on one machine): its packer copies
 each output into one host buffer (``pack_diffusion_output_host``: the same skeleton,
 inline leaves and ordering after the forward's event on the side stream as the pool's
-pack) and ``ray.put``\s it; the actor owns the ref in a table until a message carrying
+pack) and puts it with ``ray.put``; the actor owns the ref in a table until a message carrying
 the output is put in the outbox, which takes the ref along *beside* the message bytes: a
 poll returns ``(bytes, {key: ref})`` pairs.  The refs never travel pickled inside the
 message, where Ray's reference counting would pin them forever.  The receiver puts them
 into the executor's table (``stored_outputs()`` counts it) before queueing the message;
-the unpack for a waiter takes the ref out and ``ray.get``\s the buffer (zero-copy views
+the unpack for a waiter takes the ref out and reads the buffer with ``ray.get`` (zero-copy views
 on the executor's node: they keep it alive; a transfer across nodes), and every other
 end -- dropped, expired, waiter gone, an unpack answer discarded -- takes it out through
 the registry's release hook; shutdown empties the table.  One table entry, taken out
