@@ -7,8 +7,13 @@ group left.  Skipped where Ray is not installed (CI installs it with ``.[dev]``)
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +23,13 @@ from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.mp_workers import expected_image
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ActorDied, RequestAborted, RpcFailed, WorkerDied, WorkerStartupFailed
+from omni_async.core.errors import (
+    ActorDied,
+    RequestAborted,
+    RpcFailed,
+    WorkerDied,
+    WorkerStartupFailed,
+)
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import WorkerSpec
 
@@ -187,4 +198,163 @@ def test_an_actor_imports_what_the_driver_can(tmp_path: Any, monkeypatch: pytest
         assert tuple(out.output["image"].shape) == (64, 64)
         del out.output["image"]
         ex.release_output(out)
+    _gone(ex)
+
+
+# ------------------------------------------------------------ the object-store path (issue 11)
+
+
+def _plasma_objects() -> int:
+    """Objects in this node's object store now (Ray's own memory summary)."""
+    import re
+
+    from ray._private.internal_api import memory_summary
+
+    summary = memory_summary(stats_only=True)  # type: ignore[no-untyped-call]
+    found = re.search(r"Plasma memory usage \S+ MiB, (\d+) objects", summary)
+    assert found, "Ray's memory summary changed"
+    return int(str(found.group(1)))
+
+
+def _stored_everywhere(ex: RayDiffusionExecutor) -> int:
+    """Refs to stored output buffers still held: the executor's table and every actor's."""
+    held: list[int] = ray.get([a.stored_refs.remote() for a in ex.actors], timeout=30)
+    return ex.stored_outputs() + sum(held)
+
+
+@pytest.fixture(scope="module")
+def ex_store() -> Iterator[RayDiffusionExecutor]:
+    """Two ranks forced onto the object-store path (as ranks on another node would be)."""
+    # Half a CPU per rank: with ex2 up too, the session's 4 logical CPUs leave room for one more executor.
+    ex = RayDiffusionExecutor(
+        SPEC, world_size=2, deadlines=DEADLINES, transport="object_store", num_cpus_per_rank=0.5
+    )
+    try:
+        yield ex
+    finally:
+        ex.shutdown()
+    assert ex.stored_outputs() == 0
+    _gone(ex)
+
+
+def _take_stored(ex: RayDiffusionExecutor, ro: RunnerOutput, params: dict[str, Any]) -> torch.Tensor:
+    assert ro.async_output_id is not None and not ro.aborted
+    out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+    assert out.request_id == ro.request_id and out.output["note"] == ro.request_id
+    got: torch.Tensor = out.output["image"]
+    assert torch.equal(got.view(torch.uint8), expected_image(params).view(torch.uint8))
+    assert ex.release_output(out) == 0  # no segment: the buffer went with the unpack
+    return got
+
+
+def test_object_store_outputs_are_bit_exact_and_their_refs_go(ex_store: RayDiffusionExecutor) -> None:
+    assert ex_store.via_store == [True, True]
+    params: list[dict[str, Any]] = [
+        {"numel": (1 << 18) + 3, "seed": 5, "dtype": "bfloat16"},
+        {"numel": 1 << 20, "seed": 6},
+        {"numel": 100, "seed": 7, "dtype": "int8"},  # inline only: nothing stored
+    ]
+    kept = []
+    for i, p in enumerate(params):
+        kept.append(_take_stored(ex_store, ex_store.execute_request(_req(f"s{i}", **p)), p))
+    ros = ex_store.submit_batch([_req(f"sb{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    for ro, p in zip(ros, params, strict=True):
+        _take_stored(ex_store, ro, p)
+    wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=10)
+    assert ex_store.pool.stats().leased == 0  # the pool was never used
+    # The tensors kept past the release still read their bytes: they hold the buffer.
+    for _ in range(3):
+        _take_stored(ex_store, ex_store.execute_request(_req("more", **params[1])), params[1])
+    for got, p in zip(kept, params, strict=True):
+        assert torch.equal(got.view(torch.uint8), expected_image(p).view(torch.uint8))
+
+
+def test_object_store_outputs_dropped_or_aborted_in_flight_free_their_refs(ex_store: RayDiffusionExecutor) -> None:
+    big: dict[str, Any] = {"numel": 1 << 22, "seed": 9}
+    before = _plasma_objects()
+    ros = [ex_store.execute_request(_req(f"d{i}", **big)) for i in range(4)]
+    ids = [ro.async_output_id for ro in ros]
+    assert all(ids)
+    for oid in ids[:2]:
+        assert oid is not None
+        ex_store.drop_output(oid).result(timeout=30)  # in flight, or arrived and undelivered
+    ex_store.abort_outputs([oid for oid in ids[2:] if oid is not None], timeout=30)
+    wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=20)
+    # A waiter cancelled before delivery: the registry's release drops the ref.
+    ro = ex_store.execute_request(_req("w", **big))
+    assert ro.async_output_id is not None
+    fut = ex_store.wait_output_ready(ro.async_output_id)
+    fut.cancel()
+    wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=20)
+    wait_until(lambda: _plasma_objects() <= before, timeout=20)  # Ray freed every buffer
+
+
+def test_object_store_outputs_undelivered_at_shutdown_are_freed() -> None:
+    before = _plasma_objects()
+    ex = RayDiffusionExecutor(SPEC, world_size=1, deadlines=DEADLINES, transport="object_store")
+    try:
+        for i in range(3):
+            ex.execute_request(_req(f"u{i}", numel=1 << 20))
+        wait_until(lambda: ex.stored_outputs() == 3, timeout=20)  # arrived, never waited for
+        assert _plasma_objects() >= 3
+    finally:
+        ex.shutdown()
+    assert ex.stored_outputs() == 0
+    wait_until(lambda: _plasma_objects() <= before, timeout=20)
+    _gone(ex)
+
+
+def test_transport_is_checked() -> None:
+    from omni_async.core.errors import UsageError
+
+    with pytest.raises(UsageError, match="transport must be one of"):
+        RayDiffusionExecutor(SPEC, transport="tcp")
+
+
+_PROBE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "ray_cross_node.py"
+
+
+def _probe(*args: str) -> subprocess.CompletedProcess[str]:
+    """bench/probes/ray_cross_node.py in a process of its own: a real two-node Ray cluster
+    (two raylets, two object stores) needs its own Ray, beside the session's."""
+    path = os.pathsep.join([str(_PROBE.parents[2] / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run(
+        [sys.executable, str(_PROBE), *args], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+
+
+def test_a_rank_on_another_node_ships_its_outputs_through_the_object_store() -> None:
+    done = _probe("--mib", "8", "--requests", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["remote"] == [True] and result["via_store"] == [True], result  # chosen at start-up
+    assert result["bit_exact"] and result["all_sizes_ok"] and result["stored_outputs_after"] == 0, result
+
+
+def test_transport_shm_refuses_a_rank_on_another_node() -> None:
+    done = _probe("--mib", "1", "--requests", "1", "--transport", "shm")
+    assert done.returncode != 0
+    assert "UsageError" in done.stderr and "transport='shm'" in done.stderr, done.stderr[-3000:]
+
+
+def test_step_mode_answers_over_the_object_store() -> None:
+    """Step mode packs on the worker's main thread and answers in the RPC result: the same
+    object-store path, the refs beside the message, none left after the answers."""
+    with RayDiffusionExecutor(
+        SPEC, step_mode=True, deadlines=DEADLINES, transport="object_store", num_cpus_per_rank=0.5
+    ) as ex:
+        params: dict[str, Any] = {"seed": 21, "dtype": "bfloat16", "numel": 1 << 18}
+        ro = ex.execute_request(_req("st", **params))
+        assert ro.async_output_id is None and ro.result is not None
+        assert torch.equal(ro.result.output["image"].view(torch.uint8), expected_image(params).view(torch.uint8))
+        assert ex.release_output(ro.result) == 0
+        ros = ex.execute_batch([_req("st1", seed=1, numel=1 << 18), _req("st2", seed=2, numel=1 << 18)])
+        assert [r.request_id for r in ros] == ["st1", "st2"]
+        for r in ros:
+            assert r.result is not None
+            exp = expected_image({"seed": int(r.request_id[-1]), "numel": 1 << 18})
+            assert torch.equal(r.result.output["image"], exp)
+        wait_until(lambda: _stored_everywhere(ex) == 0, timeout=10)
+    assert ex.stored_outputs() == 0
     _gone(ex)

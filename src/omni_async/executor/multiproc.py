@@ -491,9 +491,19 @@ class _CancelSender:
 
 
 def _build_worker(
-    rank: int, spec: WorkerSpec, opts: WorkerOptions, pool: SegmentPool, sender: ResultSender
+    rank: int,
+    spec: WorkerSpec,
+    opts: WorkerOptions,
+    pool: SegmentPool | None,
+    sender: ResultSender,
+    *,
+    packing: tuple[PackFn, Callable[[DiffusionOutput], None]] | None = None,
 ) -> tuple[Packer, WorkerLoop]:
-    """The worker's model, packer and loop (the packer not started yet)."""
+    """The worker's model, packer and loop (the packer not started yet).
+
+    ``packing``: (pack, release) replacing the pool's (the Ray executor's object-store
+    path, where ``pool`` is None: a remote node cannot attach to it).
+    """
     import torch
 
     from omni_async.transport.platform import record_device_event
@@ -508,6 +518,7 @@ def _build_worker(
         return None
 
     def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        assert pool is not None
         try:
             return pack_diffusion_output_shm(
                 output,
@@ -522,7 +533,8 @@ def _build_worker(
                 raise
             raise _budget_full(output, exc, pool) from exc
 
-    def release(packed: DiffusionOutput) -> None:
+    def release_pooled(packed: DiffusionOutput) -> None:
+        assert pool is not None
         if is_fresh(packed):
             discard_fresh_output(packed)
         else:
@@ -531,10 +543,14 @@ def _build_worker(
     baseline = pack_sync_fresh if opts.output_path == "sync" else pack_reference_fresh
 
     def pack_baseline(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        assert pool is not None
         return baseline(output, stream, event, prefix=pool.prefix, inline_threshold=opts.inline_threshold)
 
     # A baseline path replaces ours for both the packer and step mode's answers.
     pack: PackFn = pack_omni if opts.output_path == "omni" else pack_baseline
+    release: Callable[[DiffusionOutput], None] = release_pooled
+    if packing is not None:
+        pack, release = packing
 
     worker = spec.build(rank)
     # After the build: importing the factory's module registers its post-processes here.
@@ -547,7 +563,7 @@ def _build_worker(
         make_stream=make_stream,
         max_outputs=opts.max_outputs_in_flight,
         max_bytes=opts.max_bytes_in_flight,
-        interrupt=pool.cancel_waits,
+        interrupt=pool.cancel_waits if pool is not None else None,
         device_stage=stage,
     )
     loop = WorkerLoop(

@@ -33,12 +33,29 @@ RPCs travel the other way the same way round: every ``rpc`` call carries a per-r
 sequence number and the actor's inbox hands them to the loop in that order, whatever
 order Ray runs the (concurrent) calls of a threaded actor in.
 
-Outputs: the actors that run on the executor's node (all of them, on one machine) pack
-into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is made
-with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
-and the engine gets zero-copy views, released as today.  An actor on another node
-cannot reach the pool: the constructor refuses it for now (``UsageError``; the
-object-store path, issue 11, is not built yet).
+Outputs, two paths, chosen per actor at start-up (``transport``): an actor on the
+executor's node (``ray.get_runtime_context().get_node_id()`` of actor and driver equal)
+packs into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is
+made with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
+and the engine gets zero-copy views, released as today.  An actor on another node cannot
+reach the pool (``transport="auto"``, the default) or is told not to
+(``transport="object_store"``, which tests the path on one machine): its packer copies
+each output into one host buffer (``pack_diffusion_output_host``: the same skeleton,
+inline leaves and ordering after the forward's event on the side stream as the pool's
+pack) and puts it with ``ray.put``; the actor owns the ref in a table until a message carrying
+the output is put in the outbox, which takes the ref along *beside* the message bytes: a
+poll returns ``(bytes, {key: ref})`` pairs.  The refs never travel pickled inside the
+message, where Ray's reference counting would pin them forever.  The receiver puts them
+into the executor's table (``stored_outputs()`` counts it) before queueing the message;
+the unpack for a waiter takes the ref out and reads the buffer with ``ray.get`` (zero-copy views
+on the executor's node: they keep it alive; a transfer across nodes), and every other
+end -- dropped, expired, waiter gone, an unpack answer discarded -- takes it out through
+the registry's release hook; shutdown empties the table.  One table entry, taken out
+once: each buffer is freed exactly once.  A pack that is never sent (the packer
+abandoned it) drops the actor's ref; ``stop`` drops what is left.  ``release_output`` of
+such an output returns 0 (nothing pooled).  ``transport="shm"`` refuses a rank placed
+on another node (``UsageError``).  The ``ray.get`` runs where the waiter's output is
+unpacked (the pump's thread), bounded by ``output_timeout``.
 
 Death: an actor that dies (``ray.kill``, a crash, its node lost) fails its outstanding
 poll with ``RayActorError``; the pump first handles every message of that rank it
@@ -69,11 +86,12 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
+    OutputUnpackFailed,
     ProtocolError,
     UsageError,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, Failure, RpcRequest
+from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, check_final_step_async
 from omni_async.executor.multiproc import (
@@ -92,13 +110,20 @@ from omni_async.transport.channel import (
     loads_message,
 )
 from omni_async.transport.errors import ChannelClosed, ChannelFull
-from omni_async.transport.packing import carried_leases
+from omni_async.transport.packing import (
+    StoredPayload,
+    carried_leases,
+    carried_stored_keys,
+    pack_diffusion_output_host,
+    unpack_diffusion_output_host,
+)
+from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.worker.baselines import check_output_path
 
 if TYPE_CHECKING:
     from omni_async.worker.loop import WorkerLoop
-    from omni_async.worker.packer import Packer
+    from omni_async.worker.packer import Packer, PackFn
 
 __all__ = ["RayDiffusionExecutor"]
 
@@ -108,6 +133,13 @@ log = logging.getLogger(__name__)
 _POLL_WAIT_S: Final = 1.0
 # Threads of a threaded actor: the long polls, rpc and cancel calls, stop.
 _ACTOR_CONCURRENCY: Final = 8
+_TRANSPORTS: Final = ("auto", "shm", "object_store")
+
+
+def _get_stored(ref: Any, timeout: float | None) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- actor side
@@ -118,7 +150,10 @@ class _Outbox:
 
     def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int, put_timeout: float | None) -> None:
         self._cond = threading.Condition()
-        self._items: collections.deque[bytes] = collections.deque()
+        self._items: collections.deque[tuple[bytes, dict[str, Any]]] = collections.deque()
+        # Object-store path: key -> ObjectRef of each stored buffer not yet in a message
+        # (``ray.put`` by the packer); a message takes its refs along, out of band.
+        self.stored: dict[str, Any] = {}
         self._bytes = 0
         self._first = 0  # the number of _items[0]
         self._max_messages = max_messages
@@ -129,6 +164,7 @@ class _Outbox:
 
     def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
         data = dumps_message(msg, self._max_message_bytes)  # the caller's thread (F5)
+        keys = carried_stored_keys(msg)
         limit = self._put_timeout if timeout is None else timeout
         deadline = None if limit is None else time.monotonic() + limit
         with self._cond:
@@ -146,12 +182,22 @@ class _Outbox:
                 self._cond.wait(left)
             if self._closed:
                 raise ChannelClosed("the result outbox is closed (the executor shut down)")
-            self._items.append(data)
+            self._items.append((data, {k: self.stored.pop(k) for k in keys if k in self.stored}))
             self._bytes += len(data)
             self._cond.notify_all()
 
-    def take(self, wait: float) -> tuple[int, list[bytes]]:
-        """Everything queued (waiting up to ``wait`` for something), and the number of the first."""
+    def store(self, ref: Any, key: str) -> None:
+        with self._cond:
+            self.stored[key] = ref
+
+    def drop(self, key: str) -> None:
+        with self._cond:
+            self.stored.pop(key, None)
+
+    def take(self, wait: float) -> tuple[int, list[tuple[bytes, dict[str, Any]]]]:
+        """Everything queued (waiting up to ``wait`` for something), and the number of the first:
+        each message with the refs of the buffers it refers to (returned in band, never
+        pickled inside the message, where Ray's reference counting would pin them forever)."""
         with self._cond:
             if not self._items and not self._closed:
                 self._cond.wait(wait)
@@ -200,6 +246,8 @@ class RankActor:
         pool_state: bytes,
         outbox: dict[str, Any],
         driver_path: list[str] | None = None,
+        driver_node: str = "",
+        transport: str = "auto",
     ):
         # The driver's import path, as a spawned worker process inherits it: a factory the
         # driver can import (its own package, a test's helpers) is importable here too.
@@ -213,6 +261,13 @@ class RankActor:
         self._failure: Failure | None = None
         self._loop: WorkerLoop | None = None
         self._packer: Packer | None = None
+        import ray
+
+        self._node = ray.get_runtime_context().get_node_id()
+        self._remote = self._node != driver_node
+        # Decided once, here: the pool where the executor's node is ours, Ray's object store otherwise.
+        self._via_store = transport == "object_store" or (transport == "auto" and self._remote)
+        self._stored_n = 0
         self._thread = threading.Thread(
             target=self._main, args=(spec, opts, pool_state), name=f"omni-worker-{rank}", daemon=True
         )
@@ -221,8 +276,15 @@ class RankActor:
     def _main(self, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes) -> None:
         # Built on this thread: a CUDA worker's current device is set per thread.
         try:
-            pool = pickle.loads(pool_state)
-            packer, loop = _build_worker(self._rank, spec, opts, pool, self._outbox)
+            if self._via_store:
+                packer, loop = _build_worker(
+                    self._rank, spec, opts, None, self._outbox, packing=(self._pack_stored(opts), self._release_stored)
+                )
+            elif self._remote:
+                raise UsageError("transport='shm' on another node than the executor's")  # the executor says more
+            else:
+                pool = pickle.loads(pool_state)
+                packer, loop = _build_worker(self._rank, spec, opts, pool, self._outbox)
             packer.start()
         except BaseException as exc:
             self._failure = Failure.from_exception(exc)
@@ -239,14 +301,42 @@ class RankActor:
         finally:
             packer.stop(timeout=10.0, abandon=True)  # exiting: a pack waiting for room must not hold it
 
-    def ready(self, timeout: float) -> tuple[Failure | None, int, str, str]:
-        """Once the model is built: the failure that stopped it (None), pid, node id and address."""
+    def _pack_stored(self, opts: WorkerOptions) -> PackFn:
         import ray
 
+        def put(buf: Any) -> str:
+            key = f"{self._rank}.{self._stored_n}"
+            self._stored_n += 1  # the packer's thread, or the loop's in step mode: one at a time
+            self._outbox.store(ray.put(buf), key)
+            return key
+
+        def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+            return pack_diffusion_output_host(
+                output, stream, put=put, inline_threshold=opts.inline_threshold, ready_event=event
+            )
+
+        return pack
+
+    def _release_stored(self, packed: DiffusionOutput) -> None:
+        if isinstance(packed.output, StoredPayload) and packed.output.key:
+            self._outbox.drop(packed.output.key)  # never sent: the ref goes here
+
+    def ready(self, timeout: float) -> tuple[Failure | None, int, str, str, bool]:
+        """Once the model is built: the failure that stopped it (None), pid, node id, address,
+        and whether its outputs go through the object store."""
+        import ray
+
+        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        if self._remote and not self._via_store:
+            return None, os.getpid(), self._node, address, False  # the executor refuses it
         if not self._built.wait(timeout):
-            return Failure("ComputeTimeout", f"no model in {timeout} s", ""), os.getpid(), "", ""
-        ctx = ray.get_runtime_context()
-        return self._failure, os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+            return Failure("ComputeTimeout", f"no model in {timeout} s", ""), os.getpid(), "", "", False
+        return self._failure, os.getpid(), self._node, address, self._via_store
+
+    def stored_refs(self) -> int:
+        """How many stored buffers this actor still holds a ref to (not yet in a polled message)."""
+        with self._outbox._cond:
+            return len(self._outbox.stored) + sum(len(refs) for _, refs in self._outbox._items)
 
     def rpc(self, seq: int, req: RpcRequest | None) -> None:
         self._inbox.put(seq, req)
@@ -256,7 +346,7 @@ class RankActor:
             for msg in cancels:
                 self._loop.cancel(msg)
 
-    def poll(self, wait: float) -> tuple[int, list[bytes]]:
+    def poll(self, wait: float) -> tuple[int, list[tuple[bytes, dict[str, Any]]]]:
         return self._outbox.take(wait)
 
     def stop(self, seq: int, timeout: float) -> bool:
@@ -264,6 +354,9 @@ class RankActor:
         self._inbox.put(seq, None)
         self._outbox.close()  # nobody polls any more: a put fails at once
         self._thread.join(timeout)
+        with self._outbox._cond:
+            self._outbox.stored.clear()  # what was stored and never sent
+            self._outbox._items.clear()
         return not self._thread.is_alive()
 
 
@@ -281,6 +374,10 @@ class _RayReceiver:
 
     def __init__(self, pool: SegmentPool) -> None:
         self._pool = pool
+        # Object-store path: key -> ObjectRef of each received output's stored buffer, until
+        # its unpack or its release (the executor's); emptied at shutdown.
+        self.stored: dict[str, Any] = {}
+        self.stored_lock = threading.Lock()
         self._queue: collections.deque[AsyncDiffusionOutput | _Death | ProtocolError] = collections.deque()
         self._pending: dict[Any, int] = {}  # poll ObjectRef -> rank
         self._actors: list[Any] = []
@@ -327,16 +424,22 @@ class _RayReceiver:
             raise item  # the pump counts it and reads on
         return item
 
-    def _take(self, rank: int, first: int, batch: list[bytes]) -> None:
+    def _take(self, rank: int, first: int, batch: list[tuple[bytes, dict[str, Any]]]) -> None:
         if first != self._next[rank]:
             self._queue.append(
                 ProtocolError(f"rank {rank}: results {self._next[rank]}..{first - 1} never arrived (per-rank order)")
             )
         self._next[rank] = first + len(batch)
-        for data in batch:
+        for data, refs in batch:
+            with self.stored_lock:
+                if not self._closed:
+                    self.stored.update(refs)  # before the message: its release finds them
             try:
                 msg = loads_message(data)
             except ProtocolError as exc:
+                with self.stored_lock:
+                    for key in refs:
+                        self.stored.pop(key, None)
                 self._queue.append(exc)
                 continue
             for lease in carried_leases(msg):  # as _ReceivingEnd: received before dispatch
@@ -347,7 +450,14 @@ class _RayReceiver:
             self._queue.append(msg)
 
     def close(self) -> None:
-        self._closed = True
+        with self.stored_lock:
+            self._closed = True
+            self.stored.clear()  # every stored buffer still referenced goes
+
+    def take_stored(self, key: str) -> Any:
+        """The ref of a stored buffer, out of the table (None when already taken): once."""
+        with self.stored_lock:
+            return self.stored.pop(key, None)
 
 
 class RayDiffusionExecutor(MultiprocDiffusionExecutor):
@@ -358,9 +468,11 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
     ``start_timeout``), plus ``num_cpus_per_rank`` (each bundle's CPUs, default 1),
     ``num_gpus_per_rank`` (default: 1 when ``options.device`` is a CUDA device, else 0)
     and ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...).  Ray must be
-    initialised (``ray.init``) or it is started here with its defaults.  Every actor
-    must land on the executor's node for now (``UsageError`` otherwise: the
-    object-store path for remote nodes is not built yet).  See the module docstring.
+    initialised (``ray.init``) or it is started here with its defaults.  ``transport``:
+``"auto"`` (outputs of an actor on the executor's node through its shared-memory pool,
+of one on another node through Ray's object store), ``"shm"`` (the pool only: a rank on
+another node is a ``UsageError``) or ``"object_store"`` (every rank through the object
+store); ``via_store`` says per rank what was chosen.  See the module docstring.
     """
 
     def __init__(
@@ -381,6 +493,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float | None = None,
         placement_strategy: str = "PACK",
+        transport: str = "auto",
     ) -> None:
         try:
             import ray
@@ -400,6 +513,9 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a positive int, got {value!r}")
         check_final_step_async(final_step_async, step_mode)
+        if transport not in _TRANSPORTS:
+            raise UsageError(f"transport must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
+        self.transport = transport
         gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
         if num_cpus_per_rank < 0 or gpus < 0:
             raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
@@ -433,6 +549,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         self.actors: list[Any] = []
         self.nodes: list[str] = []  # per rank: "node id (address)"
         self.pids: list[int] = []
+        self.via_store: list[bool] = []  # per rank: outputs through Ray's object store
         self._stopped = False
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
@@ -446,6 +563,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
                     f"(strategy {placement_strategy}): not enough resources in the cluster"
                 ) from exc
             actor_cls = ray.remote(RankActor)
+            here = ray.get_runtime_context().get_node_id()
             state = pickle.dumps(self.pool)
             outbox = {
                 "max_messages": DEFAULT_MAX_MESSAGES,
@@ -463,7 +581,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
                     max_restarts=0,
                     max_task_retries=0,
                     name=f"omni-worker-{self.token}-{rank}",
-                ).remote(rank, spec, opts, state, outbox, list(sys.path))
+                ).remote(rank, spec, opts, state, outbox, list(sys.path), here, transport)
                 self.actors.append(actor)
             self._await_actors(deadline, start_timeout)
             self._receiver.start(self.actors)
@@ -480,21 +598,25 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         refs = [a.ready.remote(max(1.0, deadline - time.monotonic())) for a in self.actors]
         for rank, ref in enumerate(refs):
             try:
-                failure, pid, node_id, address = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+                failure, pid, node_id, address, via_store = ray.get(
+                    ref, timeout=max(1.0, deadline - time.monotonic())
+                )
             except ray.exceptions.GetTimeoutError as exc:
                 raise ComputeTimeout(f"worker rank {rank} did not build its model in {start_timeout} s") from exc
             except ray.exceptions.RayActorError as exc:
                 raise WorkerStartupFailed(rank, None, failure=Failure.from_exception(exc), actor=True) from exc
+            if node_id and node_id != here and not via_store and failure is None:
+                raise UsageError(
+                    f"worker rank {rank} was placed on node {node_id} ({address}), not on the executor's node "
+                    f"{here}: transport='shm' ships outputs through this node's shared memory, which another "
+                    "node cannot reach; use transport='auto' (the object store for remote ranks), or "
+                    "placement_strategy='STRICT_PACK'"
+                )
             if failure is not None:
                 raise WorkerStartupFailed(rank, None, failure=failure, actor=True)
             self.pids.append(pid)
             self.nodes.append(f"{node_id} ({address})")
-            if node_id != here:
-                raise UsageError(
-                    f"worker rank {rank} was placed on node {node_id} ({address}), not on the executor's node "
-                    f"{here}: RayDiffusionExecutor ships outputs through this node's shared memory and cannot "
-                    "reach another node yet; use placement_strategy='STRICT_PACK' or a single-node cluster"
-                )
+            self.via_store.append(via_store)
 
     # ----------------------------------------------------------------- transport
 
@@ -513,6 +635,44 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
 
     def _worker_failure(self) -> OmniAsyncError | None:
         return self._failure
+
+    # ------------------------------------------------------- object-store outputs
+
+    def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
+        payload = packed.output
+        if not isinstance(payload, StoredPayload):
+            return super()._receive(packed)
+        try:
+            buf = None
+            if payload.key:
+                ref = self._receiver.take_stored(payload.key)  # freed once: the views hold the buffer now
+                if ref is None:
+                    raise UsageError(f"stored buffer {payload.key} is gone (released, or the executor shut down)")
+                buf = _get_stored(ref, self.deadlines.output_timeout)
+            return unpack_diffusion_output_host(packed, buf, copy=self._copy_outputs)
+        except Exception as exc:
+            raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
+
+    def _release_stored(self, packed: DiffusionOutput) -> bool:
+        if isinstance(packed.output, StoredPayload):
+            if packed.output.key:
+                self._receiver.take_stored(packed.output.key)
+            return True
+        return False
+
+    def _release_packed(self, packed: DiffusionOutput) -> None:
+        if not self._release_stored(packed):
+            super()._release_packed(packed)
+
+    def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
+        if not self._release_stored(packed):
+            super()._release_failed_unpack(packed)
+
+    def stored_outputs(self) -> int:
+        """How many received outputs' buffers in Ray's object store the executor still
+        references (neither unpacked for a waiter nor released)."""
+        with self._receiver.stored_lock:
+            return len(self._receiver.stored)
 
     def _on_actor_death(self, rank: int, cause: str) -> None:
         """Pump thread: rank's poll failed, after every message it sent before was received."""

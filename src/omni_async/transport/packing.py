@@ -68,6 +68,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Final, TypeAlias
@@ -100,14 +101,18 @@ __all__ = [
     "ShmArray",
     "ShmBytes",
     "ShmTensor",
+    "StoredPayload",
     "carried_leases",
+    "carried_stored_keys",
     "is_packed",
+    "pack_diffusion_output_host",
     "pack_diffusion_output_shm",
     "packed_lease",
     "packed_nbytes",
     "release_packed_output",
     "release_unpacked_output",
     "settle_releases",
+    "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
 ]
 
@@ -185,6 +190,21 @@ class PackedPayload:
     def __repr__(self) -> str:
         seg = self.lease.name if self.lease is not None else None
         return f"PackedPayload(segment={seg}, shm_bytes={self.shm_bytes}, inline_bytes={self.inline_bytes})"
+
+
+@attrs.frozen
+class StoredPayload:
+    """What ``DiffusionOutput.output`` holds on the object-store path: the skeleton, with
+    ``Shm*`` leaves at offsets in ONE host buffer stored elsewhere under ``key`` (a Ray
+    object, see ``pack_diffusion_output_host``); the buffer never travels in the message."""
+
+    tree: Any
+    key: str
+    nbytes: int  # of the stored buffer
+    inline_bytes: int
+
+    def __repr__(self) -> str:
+        return f"StoredPayload(key={self.key}, nbytes={self.nbytes}, inline_bytes={self.inline_bytes})"
 
 
 _PLAIN: Final[tuple[type, ...]] = (
@@ -387,6 +407,55 @@ def packed_nbytes(output: DiffusionOutput) -> int:
     return sum(sizes)
 
 
+def _ordered_streams(
+    d2h_stream: CopyStream, ready_event: DeviceEvent | None
+) -> Callable[[torch.device], torch.cuda.Stream]:
+    """The stream to copy from ``dev`` on, ordered after the forward: a device-side wait on
+    the stream that will copy, or a host synchronize (now) where no event exists (F1)."""
+
+    def stream_for(dev: torch.device) -> torch.cuda.Stream:
+        if d2h_stream is not None and d2h_stream.device == dev:
+            return d2h_stream
+        return torch.cuda.current_stream(dev)
+
+    waited: list[torch.cuda.Stream] = []
+
+    def ordered_stream(dev: torch.device) -> torch.cuda.Stream:
+        s = stream_for(dev)
+        if s not in waited:
+            if isinstance(ready_event, torch.cuda.Event):
+                wait_device_event(ready_event, s)
+            waited.append(s)
+        return s
+
+    if ready_event is not None and not isinstance(ready_event, torch.cuda.Event):
+        wait_device_event(ready_event)
+    return ordered_stream
+
+
+def _stage_and_sync(
+    plan: _Plan, ordered_stream: Callable[[torch.device], torch.cuda.Stream], streams: list[torch.cuda.Stream]
+) -> None:
+    """Copy the small (inline) device tensors to host, then synchronize every stream once."""
+    staging: list[tuple[torch.Tensor, bytearray]] = []
+    for t, buf in plan.staged:
+        s = ordered_stream(t.device) if t.device.type == "cuda" else None
+        if s is not None:
+            if s not in streams:
+                streams.append(s)
+            host = torch.empty((t.numel(),), dtype=t.dtype, pin_memory=True)
+            with torch.cuda.device(t.device), torch.cuda.stream(s):
+                host.copy_(t.reshape(-1), non_blocking=True)
+        else:
+            host = t.reshape(-1).to("cpu")
+        staging.append((host, buf))
+    # One synchronize per stream per output, not per tensor.
+    for s in streams:
+        s.synchronize()
+    for host, buf in staging:
+        buf[:] = host.view(torch.uint8).numpy().tobytes()
+
+
 def pack_diffusion_output_shm(
     output: DiffusionOutput,
     d2h_stream: CopyStream = None,
@@ -410,26 +479,7 @@ def pack_diffusion_output_shm(
     plan = _Plan(inline_threshold, max_inline_bytes)
     tree = _walk(output.output, plan.pack_leaf, "output", 0)
 
-    # Order every read of the output after the forward: a device-side wait on the
-    # stream that will copy, or a host synchronize where no event exists (F1).
-    def stream_for(dev: torch.device) -> torch.cuda.Stream:
-        if d2h_stream is not None and d2h_stream.device == dev:
-            return d2h_stream
-        return torch.cuda.current_stream(dev)
-
-    waited: list[torch.cuda.Stream] = []
-
-    def ordered_stream(dev: torch.device) -> torch.cuda.Stream:
-        s = stream_for(dev)
-        if s not in waited:
-            if isinstance(ready_event, torch.cuda.Event):
-                wait_device_event(ready_event, s)
-            waited.append(s)
-        return s
-
-    if ready_event is not None and not isinstance(ready_event, torch.cuda.Event):
-        wait_device_event(ready_event)
-
+    ordered_stream = _ordered_streams(d2h_stream, ready_event)
     lease: Lease | None = None
     pinned = True
     streams: list[torch.cuda.Stream] = []
@@ -446,23 +496,7 @@ def pack_diffusion_output_shm(
             else:
                 seg = pool.view(lease)
             streams = _copy_in(seg, plan, ordered_stream)
-        staging: list[tuple[torch.Tensor, bytearray]] = []
-        for t, buf in plan.staged:
-            s = ordered_stream(t.device) if t.device.type == "cuda" else None
-            if s is not None:
-                if s not in streams:
-                    streams.append(s)
-                host = torch.empty((t.numel(),), dtype=t.dtype, pin_memory=True)
-                with torch.cuda.device(t.device), torch.cuda.stream(s):
-                    host.copy_(t.reshape(-1), non_blocking=True)
-            else:
-                host = t.reshape(-1).to("cpu")
-            staging.append((host, buf))
-        # One synchronize per stream per output, not per tensor.
-        for s in streams:
-            s.synchronize()
-        for host, buf in staging:
-            buf[:] = host.view(torch.uint8).numpy().tobytes()
+        _stage_and_sync(plan, ordered_stream, streams)
         if lease is not None:
             assert pool is not None
             pool.hand_off(lease)
@@ -481,6 +515,98 @@ def pack_diffusion_output_shm(
         pack_pinned=1.0 if pinned else 0.0,
     )
     return attrs.evolve(output, output=payload, metrics=metrics)
+
+
+def pack_diffusion_output_host(
+    output: DiffusionOutput,
+    d2h_stream: CopyStream = None,
+    *,
+    put: Callable[[np.ndarray[Any, Any]], str],
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+    ready_event: DeviceEvent | None = None,
+) -> DiffusionOutput:
+    """Pack ``output`` as ``pack_diffusion_output_shm`` does, but into one fresh host buffer
+    (a ``uint8`` ndarray) handed to ``put``, which stores it and returns its key (the Ray
+    executor's object-store path: ``put`` is a ``ray.put`` kept in a table).  Small leaves
+    travel inline as on the shared-memory path; the copies are ordered after
+    ``ready_event`` on ``d2h_stream``, synchronized once.  The payload is a ``StoredPayload``
+    (``unpack_diffusion_output_host``); nothing is stored when every leaf is inline.
+    """
+    _check_unpacked(output, "pack_diffusion_output_host")
+    t0 = time.perf_counter()
+    plan = _Plan(inline_threshold, max_inline_bytes)
+    tree = _walk(output.output, plan.pack_leaf, "output", 0)
+    ordered_stream = _ordered_streams(d2h_stream, ready_event)
+    buf = torch.empty((plan.size,), dtype=torch.uint8)
+    streams = _copy_in(buf, plan, ordered_stream) if plan.shm else []
+    _stage_and_sync(plan, ordered_stream, streams)
+    key = put(buf.numpy()) if plan.shm else ""
+    payload = StoredPayload(tree, key, plan.size if plan.shm else 0, plan.inline_bytes)
+    metrics = dict(output.metrics)
+    metrics.update(
+        pack_s=time.perf_counter() - t0,
+        pack_stored_bytes=float(plan.shm_bytes),
+        pack_inline_bytes=float(plan.inline_bytes),
+    )
+    return attrs.evolve(output, output=payload, metrics=metrics)
+
+
+def carried_stored_keys(msg: AsyncDiffusionOutput) -> list[str]:
+    """The keys of the stored buffers a result-channel message's outputs refer to (as
+    ``carried_leases`` for segments)."""
+    found: list[str] = []
+    for item in (msg.output, msg.result):
+        outputs: tuple[DiffusionOutput, ...]
+        if isinstance(item, DiffusionOutput):
+            outputs = (item,)
+        elif isinstance(item, BatchDiffusionOutput):
+            outputs = item.outputs
+        else:
+            continue
+        found += [o.output.key for o in outputs if isinstance(o.output, StoredPayload) and o.output.key]
+    return found
+
+
+class _BufferViews:
+    """Leaf builder over a stored buffer: zero-copy views of it, or owned copies."""
+
+    def __init__(self, buf: np.ndarray[Any, Any], copy: bool) -> None:
+        self.buf = buf
+        self.copy = copy
+
+    def tensor(self, x: ShmTensor) -> torch.Tensor:
+        part = self.buf[x.offset : x.offset + x.nbytes]
+        if self.copy:
+            part = part.copy()
+        with warnings.catch_warnings():
+            # Ray hands the buffer read-only, and torch has no read-only tensors: the view
+            # is writable, and a write reaches only this consumer's own stored copy.
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+            return torch.from_numpy(part).view(x.dtype).view(x.shape)
+
+    def array(self, x: ShmArray) -> np.ndarray[Any, Any]:
+        a = self.buf[x.offset : x.offset + x.nbytes].view(x.dtype).reshape(x.shape)
+        return a.copy() if self.copy else a  # read-only where the buffer is
+
+    def raw(self, x: ShmBytes) -> bytes:
+        return self.buf[x.offset : x.offset + x.nbytes].tobytes()
+
+
+def unpack_diffusion_output_host(
+    packed: DiffusionOutput, buf: np.ndarray[Any, Any] | None, *, copy: bool = False
+) -> DiffusionOutput:
+    """Restore a ``StoredPayload`` output from its stored buffer (None when nothing was
+    stored).  Zero copy unless ``copy``: tensors and arrays view ``buf`` (arrays read-only
+    where it is, as Ray returns it), and keep it alive as long as they are."""
+    payload = packed.output
+    if not isinstance(payload, StoredPayload):
+        raise UsageError(f"output of {packed.request_id!r} is not packed for the object store")
+    if payload.key and (buf is None or buf.dtype != np.uint8 or buf.shape != (payload.nbytes,)):
+        got = None if buf is None else (buf.dtype, buf.shape)
+        raise UsageError(f"output {_output_id(packed)!r}: its stored buffer is {got}, not {payload.nbytes} bytes")
+    src = _BufferViews(buf if buf is not None else np.empty((0,), np.uint8), copy)
+    return attrs.evolve(packed, output=_unwalk(payload.tree, src))
 
 
 # -- unpack / release ----------------------------------------------------------------------
@@ -727,7 +853,7 @@ class _ViewsOf:
         return self.anchor[x.offset : x.offset + x.nbytes].tobytes()
 
 
-def _unwalk(x: Any, src: _Copies | _ViewsOf) -> Any:
+def _unwalk(x: Any, src: _Copies | _ViewsOf | _BufferViews) -> Any:
     if isinstance(x, ShmTensor):
         return src.tensor(x) if x.nbytes else torch.empty(x.shape, dtype=x.dtype)
     if isinstance(x, InlineTensor):
