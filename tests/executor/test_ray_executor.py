@@ -210,7 +210,10 @@ def _plasma_objects() -> int:
 
     from ray._private.internal_api import memory_summary
 
-    summary = memory_summary(stats_only=True)  # type: ignore[no-untyped-call]
+    # This session's Ray by its address: without one, Ray looks for running instances on
+    # the machine and refuses when it finds more than one (another run's, a CI beside it).
+    address = ray.get_runtime_context().gcs_address
+    summary = memory_summary(address=address, stats_only=True)  # type: ignore[no-untyped-call]
     found = re.search(r"Plasma memory usage \S+ MiB, (\d+) objects", summary)
     assert found, "Ray's memory summary changed"
     return int(str(found.group(1)))
