@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.finalizers import quiet_finalizers
-from helpers.leaks import LONG_LIVED, with_prefix
+from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
 from helpers.traces import keep
 
@@ -57,22 +57,16 @@ def _assert_quiet(ex: MultiprocDiffusionExecutor) -> None:
 
 @pytest.fixture(scope="module")
 def ex2() -> Iterator[MultiprocDiffusionExecutor]:
-    tracer = ListTracer()
     """Two ranks, reply rank 0: shared by the tests that leave it healthy.
 
     Its pool lives for the whole module, so the per-test /dev/shm check skips its
-    prefix; this fixture checks after shutdown that none of its segments remain.
+    prefix; after shutdown none of its segments may remain (``kept_for_the_module``).
     """
-    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer)
-    prefix = ex.pool.prefix
-    LONG_LIVED.add(prefix)
+    tracer = ListTracer()
     try:
-        yield ex
+        yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer))
     finally:
-        ex.shutdown()
-        LONG_LIVED.discard(prefix)
         keep("multiproc", tracer)
-    assert not with_prefix(prefix), with_prefix(prefix)
 
 
 @pytest.fixture
