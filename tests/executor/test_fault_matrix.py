@@ -6,7 +6,10 @@ repeated; the parametrised suites below add the missing ones.
 
 SIGKILL of a worker (``WorkerDied`` naming the rank and the exit code within a second for
 every affected waiter; no process and nothing in /dev/shm left after shutdown; the first
-case also over ``RayDiffusionExecutor``, where it is ``ActorDied`` naming rank and node):
+case also over ``RayDiffusionExecutor`` on two nodes -- the reply rank's actor on the other
+node, its outputs through the object store, the other rank's on the executor's -- where it
+is ``ActorDied`` naming rank and node; a whole node lost:
+``test_ray_executor.py::test_a_node_lost_with_outputs_in_every_stage_fails_its_waiters_and_leaves_nothing``):
 
 * before the forward, during it, after COMPUTE_DONE while packing, after OUTPUT_READY:
   ``test_sigkill_fails_the_waiters_of_every_stage_within_a_second`` (one kill with work in
@@ -68,7 +71,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from helpers.executors import KINDS, executor_class, worker_pids
+from helpers.executors import KINDS, executor_class, waits_for_room, worker_pids
 from helpers.leaks import LONG_LIVED
 from helpers.mp_workers import expected_image
 
@@ -276,7 +279,7 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
         kept_params = {"seed": 2, **SHM}
         kept = deliver(ex, "kept", kept_params)
         packing = ex.wait_output_ready(_oid(ex.execute_request(_req("packing", seed=3, **SHM))))
-        _until(lambda: ex.metrics()["pool_full"] == 1.0, what="the pack to wait for room")
+        _until(lambda: waits_for_room(ex), what="the pack to wait for room")
         forward = ex.submit_request(_req("forward", sleep=2.0))
         queued = ex.submit_request(_req("queued", seed=4, **SHM))
         time.sleep(0.5)  # the forward is running; the next call waits behind it
@@ -304,7 +307,7 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
         # Delivered before the kill: the engine's, intact and releasable.
         assert _intact(kept, kept_params)
         assert ex.release_output(kept) == 1
-        _until(lambda: ex.pool.stats().outstanding == 0, what="every lease back")
+        _until(lambda: ex.metrics()["held_outputs"] == 0, what="every held output back")
     finally:
         finish(ex)
 

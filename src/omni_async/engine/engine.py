@@ -73,7 +73,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -184,6 +184,12 @@ class _Request:
         field: it changes across the driver's awaits, and a type checker narrows a
         field (or a property) once tested."""
         return self.ending is not None
+
+
+def _held_bytes(metrics: Mapping[str, float]) -> float:
+    """The bytes an output holds outside the message: in a pooled segment, or a buffer in
+    Ray's object store (``RayDiffusionExecutor``)."""
+    return metrics.get("pack_shm_bytes", 0.0) + metrics.get("pack_stored_bytes", 0.0)
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -907,7 +913,7 @@ class AsyncDiffusionEngine:
         """Post-process ``output`` (the request's, here now) and hand the caller its result."""
         rid = rec.request_id
         assert self._scheduler is not None
-        nbytes = output.metrics.get("pack_shm_bytes")
+        nbytes = _held_bytes(output.metrics)
         if nbytes:
             self._scheduler.observe_output(int(nbytes))
         rec.stage = _Stage.POSTPROCESSING
@@ -957,7 +963,7 @@ class AsyncDiffusionEngine:
                 self._latency[stage].observe(seconds)
         if pack_s is not None:
             self._pack_s_total += pack_s
-            self._pack_bytes_total += metrics.get("pack_shm_bytes", 0.0) + metrics.get("pack_inline_bytes", 0.0)
+            self._pack_bytes_total += _held_bytes(metrics) + metrics.get("pack_inline_bytes", 0.0)
         rec.result.set_result(GenerationResult(rid, value, timings, metrics, self.pipeline))
         self._count(_Outcome.FINISHED)
 

@@ -14,18 +14,23 @@ T = TypeVar("T")
 U = TypeVar("U")
 
 
-def map_future(inner: Future[T], fn: Callable[[T], U], discard: Callable[[U], object] | None = None) -> Future[U]:
+def map_future(
+    inner: Future[T],
+    fn: Callable[[T], U],
+    discard: Callable[[U], object] | None = None,
+    run: Callable[[T, Callable[[], None]], None] | None = None,
+) -> Future[U]:
     """``inner`` mapped by ``fn``; cancelling the outer future cancels the inner one.
 
     ``discard`` receives a mapped value whose outer future was cancelled meanwhile
-    (so an output mapped for nobody still gives its segment back).
+    (so an output mapped for nobody still gives its segment back).  ``fn`` runs in the
+    thread that resolves ``inner``, unless ``run`` is given: ``run(value, finish)`` is
+    called there instead and must call ``finish()`` once, on any thread (a slow mapping
+    -- a transfer -- handed to a thread of its own).
     """
     outer: Future[U] = Future()
 
-    def on_inner(f: Future[T]) -> None:
-        if f.cancelled():
-            outer.cancel()
-            return
+    def finish(f: Future[T]) -> None:
         exc = f.exception()
         value: U | None = None
         if exc is None:
@@ -41,6 +46,14 @@ def map_future(inner: Future[T], fn: Callable[[T], U], discard: Callable[[U], ob
             outer.set_exception(exc)
         else:
             outer.set_result(value)  # type: ignore[arg-type]  # set above whenever exc is None
+
+    def on_inner(f: Future[T]) -> None:
+        if f.cancelled():
+            outer.cancel()
+        elif run is None or f.exception() is not None:
+            finish(f)
+        else:
+            run(f.result(), lambda: finish(f))
 
     # Weakly: with a strong reference the two futures would hold each other (through
     # their callback lists) until a garbage collection, and with them the mapped value --

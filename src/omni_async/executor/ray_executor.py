@@ -52,10 +52,22 @@ on the executor's node: they keep it alive; a transfer across nodes), and every 
 end -- dropped, expired, waiter gone, an unpack answer discarded -- takes it out through
 the registry's release hook; shutdown empties the table.  One table entry, taken out
 once: each buffer is freed exactly once.  A pack that is never sent (the packer
-abandoned it) drops the actor's ref; ``stop`` drops what is left.  ``release_output`` of
-such an output returns 0 (nothing pooled).  ``transport="shm"`` refuses a rank placed
-on another node (``UsageError``).  The ``ray.get`` runs where the waiter's output is
-unpacked (the pump's thread), bounded by ``output_timeout``.
+abandoned it) drops the actor's ref; ``stop`` drops what is left.  ``release_output``
+takes the delivered output's views back, as for a pooled one (1; ``OutputStillViewed``
+while another view is alive).  ``transport="shm"`` refuses a rank placed on another
+node (``UsageError``).
+
+Back-pressure, worker-side as with the pool: each actor counts its stored buffers that
+the executor has not released yet, and its packer waits for room before it puts one
+more (``max_held_outputs``/``max_held_bytes``, per rank); an output still without room
+after ``lease_timeout`` fails with ``HeldOutputsFull``.  The executor gives room back
+(``released``, from its ``omni-credit`` thread) when it drops a buffer unread, or when
+the last view of a read one is gone (a finalizer on the unpack's anchor, as for the
+pool's segments); ``held_outputs`` in ``metrics()`` counts both paths.  The ``ray.get`` (a transfer across nodes: seconds for
+a large video) runs on one of the executor's fetch threads (``omni-fetch``,
+``fetch_threads`` of them), never on the pump's: a slow transfer holds up only its own
+waiter, not the messages of the other requests and ranks.  It is bounded by
+``output_timeout``.
 
 Death: an actor that dies (``ray.kill``, a crash, its node lost) fails its outstanding
 poll with ``RayActorError``; the pump first handles every message of that rank it
@@ -73,9 +85,12 @@ import collections
 import logging
 import os
 import pickle
+import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 import attrs
@@ -91,9 +106,16 @@ from omni_async.core.errors import (
     UsageError,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    CancelMessage,
+    DiffusionOutput,
+    Failure,
+    RpcRequest,
+)
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, check_final_step_async
+from omni_async.executor.futures import map_future
 from omni_async.executor.multiproc import (
     DEFAULT_MAX_HELD_OUTPUTS,
     MultiprocDiffusionExecutor,
@@ -109,7 +131,7 @@ from omni_async.transport.channel import (
     dumps_message,
     loads_message,
 )
-from omni_async.transport.errors import ChannelClosed, ChannelFull
+from omni_async.transport.errors import ChannelClosed, ChannelFull, HeldOutputsFull
 from omni_async.transport.packing import (
     StoredPayload,
     carried_leases,
@@ -145,6 +167,30 @@ def _get_stored(ref: Any, timeout: float | None) -> Any:
 # ---------------------------------------------------------------------------- actor side
 
 
+@attrs.frozen
+class _StoreBudget:
+    """Per rank, the budget of its buffers in Ray's object store: put by its packer and not
+    yet released by the executor (dropped unread, or read and every view of it gone),
+    as the pool's budget of held outputs is for shared memory."""
+
+    max_outputs: int
+    max_bytes: int | None
+    timeout: float
+    rank: int
+
+    def full(self, output: DiffusionOutput, held: int, held_bytes: int, nbytes: int) -> HeldOutputsFull:
+        return HeldOutputsFull(
+            f"output {output.async_output_id} of request {output.request_id!r} found no room in rank {self.rank}'s "
+            f"budget of outputs in Ray's object store within lease_timeout={self.timeout} s: {held} of "
+            f"max_held_outputs={self.max_outputs} outputs and {held_bytes} of max_held_bytes={self.max_bytes} bytes "
+            f"are held (put, and not yet released: read by a waiter whose views are still alive, or not read yet); "
+            f"it needs {nbytes} bytes.  Drop the views of delivered outputs sooner (or drop_output), or raise "
+            "RayDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)",
+            nbytes=nbytes,
+            timeout=self.timeout,
+        )
+
+
 class _Outbox:
     """The actor's end of the result channel: numbered pickled messages, bounded, in put order."""
 
@@ -161,6 +207,10 @@ class _Outbox:
         self._max_message_bytes = max_message_bytes
         self._put_timeout = put_timeout
         self._closed = False
+        # The budget of stored buffers (``_StoreBudget``): key -> bytes of each buffer put
+        # and not yet released by the executor.
+        self.held: dict[str, int] = {}
+        self.waiting = 0  # packs waiting for room now
 
     def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
         data = dumps_message(msg, self._max_message_bytes)  # the caller's thread (F5)
@@ -193,6 +243,35 @@ class _Outbox:
     def drop(self, key: str) -> None:
         with self._cond:
             self.stored.pop(key, None)
+            self.held.pop(key, None)
+            self._cond.notify_all()
+
+    def hold(self, key: str, nbytes: int, budget: _StoreBudget, output: DiffusionOutput) -> None:
+        """Room for one more stored buffer of ``nbytes`` (the packer's thread): waits while
+        the budget is full; ``HeldOutputsFull`` after its timeout."""
+        deadline = time.monotonic() + budget.timeout
+        with self._cond:
+            self.waiting += 1
+            try:
+                while not self._closed and (
+                    len(self.held) >= budget.max_outputs
+                    or (budget.max_bytes is not None and self.held and sum(self.held.values()) + nbytes > budget.max_bytes)
+                ):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise budget.full(output, len(self.held), sum(self.held.values()), nbytes)
+                    self._cond.wait(left)
+            finally:
+                self.waiting -= 1
+            if self._closed:
+                raise ChannelClosed("the result outbox is closed (the executor shut down)")
+            self.held[key] = nbytes
+
+    def released(self, keys: list[str]) -> None:
+        with self._cond:
+            for key in keys:
+                self.held.pop(key, None)
+            self._cond.notify_all()
 
     def take(self, wait: float) -> tuple[int, list[tuple[bytes, dict[str, Any]]]]:
         """Everything queued (waiting up to ``wait`` for something), and the number of the first:
@@ -248,6 +327,7 @@ class RankActor:
         driver_path: list[str] | None = None,
         driver_node: str = "",
         transport: str = "auto",
+        budget: _StoreBudget | None = None,
     ):
         # The driver's import path, as a spawned worker process inherits it: a factory the
         # driver can import (its own package, a test's helpers) is importable here too.
@@ -268,6 +348,7 @@ class RankActor:
         # Decided once, here: the pool where the executor's node is ours, Ray's object store otherwise.
         self._via_store = transport == "object_store" or (transport == "auto" and self._remote)
         self._stored_n = 0
+        self._budget = budget or _StoreBudget(DEFAULT_MAX_HELD_OUTPUTS, None, 30.0, rank)
         self._thread = threading.Thread(
             target=self._main, args=(spec, opts, pool_state), name=f"omni-worker-{rank}", daemon=True
         )
@@ -304,13 +385,19 @@ class RankActor:
     def _pack_stored(self, opts: WorkerOptions) -> PackFn:
         import ray
 
-        def put(buf: Any) -> str:
-            key = f"{self._rank}.{self._stored_n}"
-            self._stored_n += 1  # the packer's thread, or the loop's in step mode: one at a time
-            self._outbox.store(ray.put(buf), key)
-            return key
-
         def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+            def put(buf: Any) -> str:
+                key = f"{self._rank}.{self._stored_n}"
+                self._stored_n += 1  # the packer's thread, or the loop's in step mode: one at a time
+                self._outbox.hold(key, int(buf.nbytes), self._budget, output)  # back-pressure: waits for room
+                try:
+                    ref = ray.put(buf)
+                except BaseException:
+                    self._outbox.released([key])
+                    raise
+                self._outbox.store(ref, key)
+                return key
+
             return pack_diffusion_output_host(
                 output, stream, put=put, inline_threshold=opts.inline_threshold, ready_event=event
             )
@@ -338,6 +425,16 @@ class RankActor:
         with self._outbox._cond:
             return len(self._outbox.stored) + sum(len(refs) for _, refs in self._outbox._items)
 
+    def store_budget(self) -> tuple[int, int]:
+        """This actor's budget of stored buffers (``_StoreBudget``) now: how many are held,
+        and how many packs wait for room."""
+        with self._outbox._cond:
+            return len(self._outbox.held), self._outbox.waiting
+
+    def released(self, keys: list[str]) -> None:
+        """The executor is done with these stored buffers: room in the budget again."""
+        self._outbox.released(keys)
+
     def rpc(self, seq: int, req: RpcRequest | None) -> None:
         self._inbox.put(seq, req)
 
@@ -356,6 +453,7 @@ class RankActor:
         self._thread.join(timeout)
         with self._outbox._cond:
             self._outbox.stored.clear()  # what was stored and never sent
+            self._outbox.held.clear()
             self._outbox._items.clear()
         return not self._thread.is_alive()
 
@@ -378,6 +476,7 @@ class _RayReceiver:
         # its unpack or its release (the executor's); emptied at shutdown.
         self.stored: dict[str, Any] = {}
         self.stored_lock = threading.Lock()
+        self.received_stored = 0  # stored buffers received in all (the held count's one side)
         self._queue: collections.deque[AsyncDiffusionOutput | _Death | ProtocolError] = collections.deque()
         self._pending: dict[Any, int] = {}  # poll ObjectRef -> rank
         self._actors: list[Any] = []
@@ -434,6 +533,7 @@ class _RayReceiver:
             with self.stored_lock:
                 if not self._closed:
                     self.stored.update(refs)  # before the message: its release finds them
+                    self.received_stored += len(refs)
             try:
                 msg = loads_message(data)
             except ProtocolError as exc:
@@ -460,19 +560,93 @@ class _RayReceiver:
             return self.stored.pop(key, None)
 
 
+def _check_bundles(bundles: list[dict[str, float]], world_size: int, need: dict[str, float]) -> None:
+    """A caller's placement group: a bundle per rank, each with room for the rank's actor."""
+    if len(bundles) < world_size:
+        raise UsageError(
+            f"placement_group has {len(bundles)} bundle(s), world_size={world_size} needs one per rank "
+            "(rank r runs in bundle r)"
+        )
+    for rank, b in enumerate(bundles[:world_size]):
+        short = {k: v for k, v in need.items() if v and b.get(k, 0.0) < v}
+        if short:
+            raise UsageError(
+                f"placement_group bundle {rank} ({b}) has no room for worker rank {rank}'s actor, which needs "
+                f"{need}: make the bundles larger, or lower num_cpus_per_rank/num_gpus_per_rank"
+            )
+
+
+class _Credits:
+    """Room given back to the actors' budgets (``_StoreBudget``): keys of stored buffers the
+    executor is done with, sent to their rank's actor (``released``) by a thread of its own
+    (``omni-credit``): ``give`` may run in a finalizer, inside a garbage collection."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # put() is reentrant
+        self._actors: list[Any] = []
+        self.given = 0  # keys given back in all (this thread's count)
+        self._thread = threading.Thread(target=self._run, name="omni-credit", daemon=True)
+
+    def start(self, actors: list[Any]) -> None:
+        self._actors = actors
+        self._thread.start()
+
+    def give(self, key: str) -> None:
+        self._queue.put(key)
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            keys: list[str] = []
+            item = self._queue.get()
+            while item is not None:  # everything queued, in one call per rank
+                keys.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            stop = item is None
+            self.given += len(keys)
+            per_rank: dict[int, list[str]] = collections.defaultdict(list)
+            for k in keys:
+                prefix = k.partition(".")[0]
+                if prefix.isdigit() and int(prefix) < len(self._actors):
+                    per_rank[int(prefix)].append(k)
+            for rank, ks in per_rank.items():
+                try:
+                    self._actors[rank].released.remote(ks)  # returns at once; a dead actor: nothing to give
+                except Exception:  # noqa: BLE001  # Ray shut down
+                    log.debug("giving %d stored buffer(s) back to rank %d failed", len(ks), rank, exc_info=True)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+
 class RayDiffusionExecutor(MultiprocDiffusionExecutor):
     """``world_size`` Ray actors built from ``spec`` (one per rank, in a placement group).
 
     Same arguments as ``MultiprocDiffusionExecutor`` where they apply (``options``,
     ``max_held_outputs``/``max_held_bytes``: the budget of held outputs, ``copy_outputs``,
-    ``start_timeout``), plus ``num_cpus_per_rank`` (each bundle's CPUs, default 1),
-    ``num_gpus_per_rank`` (default: 1 when ``options.device`` is a CUDA device, else 0)
-    and ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...).  Ray must be
-    initialised (``ray.init``) or it is started here with its defaults.  ``transport``:
-``"auto"`` (outputs of an actor on the executor's node through its shared-memory pool,
-of one on another node through Ray's object store), ``"shm"`` (the pool only: a rank on
-another node is a ``UsageError``) or ``"object_store"`` (every rank through the object
-store); ``via_store`` says per rank what was chosen.  See the module docstring.
+    ``start_timeout``), plus:
+
+    * ``num_cpus_per_rank`` (each actor's CPUs, default 1) and ``num_gpus_per_rank``
+      (default: 1 when ``options.device`` is a CUDA device, else 0);
+    * ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...) of the placement
+      group the executor makes (one bundle per rank) and removes at shutdown; or
+      ``placement_group``, one the caller made (and removes): rank r runs in its bundle
+      r, which must hold the rank's CPUs and GPUs;
+    * ``transport``: ``"auto"`` (the outputs of an actor on the executor's node through
+      its shared-memory pool, of one on another node through Ray's object store),
+      ``"shm"`` (the pool only: a rank on another node is a ``UsageError``) or
+      ``"object_store"`` (every rank through the object store); ``via_store`` says per
+      rank what was chosen.  ``max_held_outputs``/``max_held_bytes`` bound each rank's
+      buffers in the object store as they bound the pool;
+    * ``fetch_threads``: the threads that read stored outputs (default 4).
+
+    Ray must be initialised (``ray.init``) or it is started here with its defaults.
+    See the module docstring.
     """
 
     def __init__(
@@ -493,11 +667,14 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float | None = None,
         placement_strategy: str = "PACK",
+        placement_group: Any = None,
         transport: str = "auto",
+        fetch_threads: int = 4,
     ) -> None:
         try:
             import ray
-            from ray.util.placement_group import placement_group
+            from ray.util.placement_group import PlacementGroup
+            from ray.util.placement_group import placement_group as make_placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError as exc:
             raise UsageError("RayDiffusionExecutor needs Ray: pip install 'omni_async[ray]'") from exc
@@ -513,12 +690,19 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{name} must be a positive int, got {value!r}")
         check_final_step_async(final_step_async, step_mode)
+        if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
+            raise UsageError(f"fetch_threads must be a positive int, got {fetch_threads!r}")
         if transport not in _TRANSPORTS:
             raise UsageError(f"transport must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
         self.transport = transport
         gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
         if num_cpus_per_rank < 0 or gpus < 0:
             raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
+        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
+        if placement_group is not None:
+            if not isinstance(placement_group, PlacementGroup):
+                raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
+            _check_bundles(placement_group.bundle_specs, world_size, bundle)
         if not ray.is_initialized():
             ray.init()
         self.pool = SegmentPool(
@@ -530,6 +714,8 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
         self._budget_full_logged = False
         self._copy_outputs = copy_outputs
         self._receiver = _RayReceiver(self.pool)
+        self._credits = _Credits()
+        self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="omni-fetch")
         self._receiver.on_death = self._on_actor_death
         DiffusionExecutor.__init__(
             self,
@@ -551,8 +737,10 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
         self.pids: list[int] = []
         self.via_store: list[bool] = []  # per rank: outputs through Ray's object store
         self._stopped = False
-        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
-        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
+        self._own_placement = placement_group is None
+        if placement_group is None:
+            placement_group = make_placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
+        self.placement_group = placement_group
         try:
             deadline = time.monotonic() + start_timeout
             try:
@@ -571,6 +759,11 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
                 "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
                 "put_timeout": DEFAULT_PUT_TIMEOUT,
             }
+            held_outputs = max_held_outputs if max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS
+
+            def budget(rank: int) -> _StoreBudget:
+                return _StoreBudget(held_outputs, max_held_bytes, self._lease_timeout, rank)
+
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
                 actor = actor_cls.options(
@@ -581,10 +774,11 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
                     max_restarts=0,
                     max_task_retries=0,
                     name=f"omni-worker-{self.token}-{rank}",
-                ).remote(rank, spec, opts, state, outbox, list(sys.path), here, transport)
+                ).remote(rank, spec, opts, state, outbox, list(sys.path), here, transport, budget(rank))
                 self.actors.append(actor)
             self._await_actors(deadline, start_timeout)
             self._receiver.start(self.actors)
+            self._credits.start(self.actors)
             self.pump.start()
             self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
         except BaseException:
@@ -638,6 +832,21 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
 
     # ------------------------------------------------------- object-store outputs
 
+    def _deliver(self, packed: Future[DiffusionOutput]) -> Future[DiffusionOutput]:
+        return map_future(packed, self._receive, discard=self._discard, run=self._run_unpack)
+
+    def _run_unpack(self, packed: DiffusionOutput, finish: Callable[[], None]) -> None:
+        """The pump's thread: a stored output's unpack goes to a fetch thread (its
+        ``ray.get`` is a transfer); a pooled one is unpacked here, as by the multiprocess
+        executor."""
+        if not (isinstance(packed.output, StoredPayload) and packed.output.key):
+            finish()
+            return
+        try:
+            self._fetchers.submit(finish)
+        except RuntimeError:  # shut down: unpack here (the table is empty, it fails at once)
+            finish()
+
     def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
         payload = packed.output
         if not isinstance(payload, StoredPayload):
@@ -648,15 +857,23 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
                 ref = self._receiver.take_stored(payload.key)  # freed once: the views hold the buffer now
                 if ref is None:
                     raise UsageError(f"stored buffer {payload.key} is gone (released, or the executor shut down)")
-                buf = _get_stored(ref, self.deadlines.output_timeout)
-            return unpack_diffusion_output_host(packed, buf, copy=self._copy_outputs)
+                try:
+                    buf = _get_stored(ref, self.deadlines.output_timeout)
+                except BaseException:
+                    self._credits.give(payload.key)
+                    raise
+                key = payload.key
+                return unpack_diffusion_output_host(
+                    packed, buf, copy=self._copy_outputs, on_gone=lambda: self._credits.give(key)
+                )
+            return unpack_diffusion_output_host(packed, None, copy=self._copy_outputs)
         except Exception as exc:
             raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
 
     def _release_stored(self, packed: DiffusionOutput) -> bool:
         if isinstance(packed.output, StoredPayload):
-            if packed.output.key:
-                self._receiver.take_stored(packed.output.key)
+            if packed.output.key and self._receiver.take_stored(packed.output.key) is not None:
+                self._credits.give(packed.output.key)
             return True
         return False
 
@@ -667,6 +884,17 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
     def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
         if not self._release_stored(packed):
             super()._release_failed_unpack(packed)
+
+    def metrics(self) -> dict[str, float]:
+        """``MultiprocDiffusionExecutor.metrics``, where ``held_outputs`` also counts the
+        outputs held in Ray's object store (received and not yet released: unread, or read
+        and some view of them still alive); ``stored_outputs`` counts the unread ones."""
+        m = super().metrics()
+        with self._receiver.stored_lock:
+            received, unread = self._receiver.received_stored, len(self._receiver.stored)
+        m["held_outputs"] = m.get("held_outputs", 0.0) + float(max(0, received - self._credits.given))
+        m["stored_outputs"] = float(unread)
+        return m
 
     def stored_outputs(self) -> int:
         """How many received outputs' buffers in Ray's object store the executor still
@@ -718,10 +946,12 @@ store); ``via_store`` says per rank what was chosen.  See the module docstring.
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001  # already gone
                 log.debug("killing an actor failed", exc_info=True)
-        if hasattr(self, "placement_group"):
+        if hasattr(self, "placement_group") and self._own_placement:
             try:
                 remove_placement_group(self.placement_group)
             except Exception:  # noqa: BLE001
                 log.warning("removing the placement group failed", exc_info=True)
+        self._fetchers.shutdown(wait=False)
+        self._credits.close()  # what is queued still runs, and fails at once: the table is empty
         self.pool.close()
         unlink_all_with_prefix(self.pool.prefix)

@@ -78,7 +78,11 @@ import numpy as np
 import torch
 
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, BatchDiffusionOutput, DiffusionOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    BatchDiffusionOutput,
+    DiffusionOutput,
+)
 from omni_async.transport.errors import (
     LeaseAlreadyReleased,
     OutputStillViewed,
@@ -569,16 +573,20 @@ def carried_stored_keys(msg: AsyncDiffusionOutput) -> list[str]:
 
 
 class _BufferViews:
-    """Leaf builder over a stored buffer: zero-copy views of it, or owned copies."""
+    """Leaf builder over a stored buffer: zero-copy views of it (counted in ``leaves``, as
+    ``_ViewsOf`` does), or owned copies."""
 
-    def __init__(self, buf: np.ndarray[Any, Any], copy: bool) -> None:
+    def __init__(self, buf: np.ndarray[Any, Any], copy: bool, leaves: list[weakref.ref[Any]] | None = None) -> None:
         self.buf = buf
         self.copy = copy
+        self.leaves = leaves if leaves is not None else []
 
     def tensor(self, x: ShmTensor) -> torch.Tensor:
         part = self.buf[x.offset : x.offset + x.nbytes]
         if self.copy:
             part = part.copy()
+        else:
+            self.leaves.append(weakref.ref(part))
         with warnings.catch_warnings():
             # Ray hands the buffer read-only, and torch has no read-only tensors: the view
             # is writable, and a write reaches only this consumer's own stored copy.
@@ -587,26 +595,56 @@ class _BufferViews:
 
     def array(self, x: ShmArray) -> np.ndarray[Any, Any]:
         a = self.buf[x.offset : x.offset + x.nbytes].view(x.dtype).reshape(x.shape)
-        return a.copy() if self.copy else a  # read-only where the buffer is
+        if self.copy:
+            return a.copy()
+        self.leaves.append(weakref.ref(a))
+        return a  # read-only where the buffer is
 
     def raw(self, x: ShmBytes) -> bytes:
         return self.buf[x.offset : x.offset + x.nbytes].tobytes()
 
 
 def unpack_diffusion_output_host(
-    packed: DiffusionOutput, buf: np.ndarray[Any, Any] | None, *, copy: bool = False
+    packed: DiffusionOutput,
+    buf: np.ndarray[Any, Any] | None,
+    *,
+    copy: bool = False,
+    on_gone: Callable[[], object] | None = None,
 ) -> DiffusionOutput:
     """Restore a ``StoredPayload`` output from its stored buffer (None when nothing was
     stored).  Zero copy unless ``copy``: tensors and arrays view ``buf`` (arrays read-only
-    where it is, as Ray returns it), and keep it alive as long as they are."""
+    where it is, as Ray returns it), and keep it alive as long as they are.
+
+    ``on_gone`` is called exactly once, on whatever thread drops the last view of
+    ``buf`` (at once when this raises, or copies): the moment the buffer is no longer
+    held (the object store's budget, ``RayDiffusionExecutor``).  It must not block or
+    raise; it may run inside a garbage collection.
+    """
     payload = packed.output
-    if not isinstance(payload, StoredPayload):
-        raise UsageError(f"output of {packed.request_id!r} is not packed for the object store")
-    if payload.key and (buf is None or buf.dtype != np.uint8 or buf.shape != (payload.nbytes,)):
-        got = None if buf is None else (buf.dtype, buf.shape)
-        raise UsageError(f"output {_output_id(packed)!r}: its stored buffer is {got}, not {payload.nbytes} bytes")
-    src = _BufferViews(buf if buf is not None else np.empty((0,), np.uint8), copy)
-    return attrs.evolve(packed, output=_unwalk(payload.tree, src))
+    try:
+        if not isinstance(payload, StoredPayload):
+            raise UsageError(f"output of {packed.request_id!r} is not packed for the object store")
+        if payload.key and (buf is None or buf.dtype != np.uint8 or buf.shape != (payload.nbytes,)):
+            got = None if buf is None else (buf.dtype, buf.shape)
+            raise UsageError(f"output {_output_id(packed)!r}: its stored buffer is {got}, not {payload.nbytes} bytes")
+    except BaseException:
+        if on_gone is not None:
+            on_gone()
+        raise
+    # The anchor: every view is a slice of it (numpy stops collapsing bases at an array
+    # over a memoryview), so it dies with the last view, and its finalizer says so.
+    anchor = np.frombuffer(memoryview(buf.data), np.uint8) if buf is not None else np.empty((0,), np.uint8)
+    if on_gone is None:
+        return attrs.evolve(packed, output=_unwalk(payload.tree, _BufferViews(anchor, copy)))
+    views = _Views(None, _output_id(packed), None, anchor, name=f"stored buffer {payload.key}", on_gone=on_gone)
+    weakref.finalize(anchor, _views_gone, views)
+    src = _BufferViews(anchor, copy, views.leaves)
+    del anchor  # from here the views hold it: copied, it is gone once the unpack returns
+    out = attrs.evolve(packed, output=_unwalk(payload.tree, src))
+    del src
+    if not copy and views.leaves:
+        _remember_unpacked(out, views)  # release_unpacked_output takes them back
+    return out
 
 
 # -- unpack / release ----------------------------------------------------------------------
@@ -684,14 +722,27 @@ class ReleasedOutput:
 
 
 class _Views:
-    """This process's zero-copy views of one leased segment (see the comment above)."""
+    """This process's zero-copy views of one leased segment (see the comment above), or of
+    one stored buffer (``unpack_diffusion_output_host``: no lease, no pool; ``on_gone``
+    says it is no longer held)."""
 
-    __slots__ = ("anchor", "gone", "lease", "leaves", "output_id", "pool")
+    __slots__ = ("anchor", "gone", "lease", "leaves", "name", "on_gone", "output_id", "pool")
 
-    def __init__(self, lease: Lease, output_id: str, pool: SegmentPool, anchor: np.ndarray[Any, Any]) -> None:
+    def __init__(
+        self,
+        lease: Lease | None,
+        output_id: str,
+        pool: SegmentPool | None,
+        anchor: np.ndarray[Any, Any],
+        *,
+        name: str = "",
+        on_gone: Callable[[], object] | None = None,
+    ) -> None:
         self.lease = lease
+        self.name = lease.name if lease is not None else name  # the segment's, or the stored buffer's key
+        self.on_gone = on_gone
         self.output_id = output_id
-        self.pool: weakref.ref[SegmentPool] = weakref.ref(pool)
+        self.pool: weakref.ref[SegmentPool] | None = None if pool is None else weakref.ref(pool)
         self.anchor: weakref.ref[np.ndarray[Any, Any]] = weakref.ref(anchor)
         # One weak reference per tensor/array leaf handed out: for counting, never for lifetime.
         self.leaves: list[weakref.ref[Any]] = []
@@ -713,18 +764,18 @@ def _log(level: int, msg: str, *args: object, exc_info: bool = False) -> None:
 def _give_back(views: _Views) -> None:
     """Release ``views``' lease to its pool, once; never raises (a finalizer's work)."""
     try:
-        pool = views.pool()
-        if pool is not None and not pool.closed:
+        pool = None if views.pool is None else views.pool()
+        if pool is not None and views.lease is not None and not pool.closed:
             pool.release(views.lease)
     except (PoolClosed, UnknownSegment):
         pass  # closed meanwhile: its owner unlinked every segment, nothing to give back
     except LeaseAlreadyReleased:
-        _log(logging.ERROR, "segment %s of output %r was released behind its views' back", views.lease.name, views.output_id)
+        _log(logging.ERROR, "segment %s of output %r was released behind its views' back", views.name, views.output_id)
     except Exception:  # noqa: BLE001 -- a finalizer must never raise; logged
-        _log(logging.ERROR, "releasing segment %s of output %r failed", views.lease.name, views.output_id, exc_info=True)
+        _log(logging.ERROR, "releasing segment %s of output %r failed", views.name, views.output_id, exc_info=True)
     finally:
         with _LOCK:
-            if _LIVE.get(views.lease) is views:
+            if views.lease is not None and _LIVE.get(views.lease) is views:
                 del _LIVE[views.lease]
 
 
@@ -736,7 +787,9 @@ def _views_gone(views: _Views) -> None:
     """
     try:
         views.gone = True
-        if _IN_GC[0]:
+        if views.on_gone is not None:
+            views.on_gone()  # a stored buffer's: non-blocking, reentrant (its contract)
+        elif _IN_GC[0]:
             _DEFERRED.put(views)  # maybe inside the pool's lock on this thread: not here
         else:
             _give_back(views)
@@ -1035,9 +1088,9 @@ def release_unpacked_output(output: DiffusionOutput, *, pool: SegmentPool | None
     views = entry[1]
     # Dropping the output's own references may drop the last view: the finalizer then
     # releases, on this thread, before setattr returns.
-    object.__setattr__(output, "output", ReleasedOutput(_output_id(output), views.lease.name))
+    object.__setattr__(output, "output", ReleasedOutput(_output_id(output), views.name))
     if _still_viewed(views):
-        raise OutputStillViewed(_output_id(output), views.alive(), views.lease.name)
+        raise OutputStillViewed(_output_id(output), views.alive(), views.name)
     if _DEFERRED.qsize():
         settle_releases()  # the collection above deferred it: it is done when we return
     return 1
