@@ -12,8 +12,9 @@ Sources, each checked in one TLC run:
   their traces also hold the worker-side machines), aborted calls, streaming calls
   (CHUNK messages, closed streams, failed chunks and calls, cancels, deadlines) and
   step mode's final-step async;
-* runs of ``RayDiffusionExecutor`` (actors, the numbered per-rank outbox polled one
-  batch at a time): the transport must keep the spec's per-rank FIFO; calls, batches,
+* runs of ``RayDiffusionExecutor`` on two nodes (actors, the numbered per-rank outbox
+  polled one batch at a time; the reply rank on the other node, its outputs through the
+  object store): the transport must keep the spec's per-rank FIFO; calls, batches,
   many in flight, a cancelled waiter, a failing forward, aborts (one honoured between
   steps, one ignored), an actor killed mid-forward; skipped without Ray;
 * whatever the other test modules collected in this session: the Hypothesis
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 import pytest
+from helpers.executors import executor_class, worker_pids
 from helpers.tlc import require_tlc
 from helpers.trace_driver import coverage, drive
 from hypothesis import HealthCheck, Phase, given, settings
@@ -47,6 +49,7 @@ from omni_async.core.messages import (
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import FieldValue, TraceEvent
 from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 from omni_async.verify.recorder import ListTracer
 from omni_async.verify.tracecheck import TraceFormatError, check_traces, encode_traces
 from omni_async.worker.cancel import raise_if_cancelled
@@ -638,21 +641,21 @@ def test_streaming_and_step_calls_are_behaviours() -> None:
     print(f"\nstreaming and step calls: {res.summary()}")
 
 
-def _ray_runs() -> list[list[TraceEvent]]:
-    """Two recorded RayDiffusionExecutor runs on the session's Ray instance (see the module docstring)."""
+def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[TraceEvent]]:
+    """Two recorded RayDiffusionExecutor runs on the session's two-node cluster, the reply
+    rank on the other node (outputs through the object store; tests/helpers/executors.py),
+    see the module docstring."""
     import os
     import signal
 
     from omni_async.core.errors import RpcFailed, WorkerDied
     from omni_async.executor.multiproc import WorkerSpec
-    from omni_async.executor.ray_executor import RayDiffusionExecutor
-
     deadlines = Deadlines(compute_timeout=30, output_timeout=30, rpc_timeout=30, cancel_grace=0.5)
 
     def rq(rid: str, **params: object) -> DiffusionRequest:
         return DiffusionRequest(rid, params)
 
-    def consume(ex: RayDiffusionExecutor, ro: RunnerOutput) -> None:
+    def consume(ex: MultiprocDiffusionExecutor, ro: RunnerOutput) -> None:
         assert ro.async_output_id is not None
         out = ex.wait_output_ready(ro.async_output_id).result(30)
         ex.release_output(out)
@@ -660,7 +663,7 @@ def _ray_runs() -> list[list[TraceEvent]]:
     traces: list[list[TraceEvent]] = []
     tracer = ListTracer()
     spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
-    ex = RayDiffusionExecutor(spec, world_size=2, deadlines=deadlines, tracer=tracer)
+    ex = ray_executor(spec, world_size=2, deadlines=deadlines, tracer=tracer)
     try:
         consume(ex, ex.execute_request(rq("one", numel=1 << 17)))
         for ro in ex.submit_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]).result(30):
@@ -686,7 +689,7 @@ def _ray_runs() -> list[list[TraceEvent]]:
 
     tracer = ListTracer()
     tiny = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
-    ex = RayDiffusionExecutor(tiny, deadlines=deadlines, tracer=tracer)
+    ex = ray_executor(tiny, deadlines=deadlines, tracer=tracer)
     try:
         stopped = ex.submit_request(rq("stopped", height=64, steps=200, step_ms=20))
         time.sleep(0.3)
@@ -696,7 +699,7 @@ def _ray_runs() -> list[list[TraceEvent]]:
         done = ex.execute_request(rq("unclaimed", height=64))
         doomed = ex.submit_request(rq("doomed", height=64, steps=200, step_ms=20))
         time.sleep(0.3)
-        os.kill(ex.pids[0], signal.SIGKILL)
+        os.kill(worker_pids(ex)[0], signal.SIGKILL)
         assert isinstance(doomed.exception(30), WorkerDied)
         assert done.async_output_id is not None
         assert isinstance(ex.wait_output_ready(done.async_output_id).exception(30), WorkerDied)
@@ -709,9 +712,9 @@ def _ray_runs() -> list[list[TraceEvent]]:
 @pytest.mark.tlc
 def test_ray_executor_runs_are_behaviours(request: pytest.FixtureRequest) -> None:
     tc = require_tlc()
-    request.getfixturevalue("ray_session")  # skips where Ray is not installed
+    ray_executor = executor_class("ray", request)  # skips where Ray is not installed
     t0 = time.monotonic()
-    traces = _ray_runs()
+    traces = _ray_runs(ray_executor)
     runs_s = time.monotonic() - t0
     outcomes = {e.fields.get("outcome") for t in traces for e in t if e.action in ("RpcResolve", "FailAll")}
     assert {"ok", "failed", "aborted", "worker_died"} <= outcomes, outcomes
