@@ -505,7 +505,7 @@ def test_a_placement_group_of_the_caller_is_checked() -> None:
         with pytest.raises(UsageError, match="no room for worker rank 0"):
             RayDiffusionExecutor(SPEC, placement_group=pg, num_cpus_per_rank=0.5)
         with pytest.raises(UsageError, match="must be a Ray PlacementGroup"):
-            RayDiffusionExecutor(SPEC, placement_group="pg-1")
+            RayDiffusionExecutor(SPEC, placement_group="pg-1")  # type: ignore[arg-type]
     finally:
         remove_placement_group(pg)
 

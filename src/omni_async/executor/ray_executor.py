@@ -144,6 +144,8 @@ from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.worker.baselines import check_output_path
 
 if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
     from omni_async.worker.loop import WorkerLoop
     from omni_async.worker.packer import Packer, PackFn
 
@@ -667,13 +669,13 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         num_cpus_per_rank: float = 1.0,
         num_gpus_per_rank: float | None = None,
         placement_strategy: str = "PACK",
-        placement_group: Any = None,
+        placement_group: PlacementGroup | None = None,
         transport: str = "auto",
         fetch_threads: int = 4,
     ) -> None:
         try:
             import ray
-            from ray.util.placement_group import PlacementGroup
+            from ray.util.placement_group import PlacementGroup as RayPlacementGroup
             from ray.util.placement_group import placement_group as make_placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError as exc:
@@ -700,7 +702,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
         bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
         if placement_group is not None:
-            if not isinstance(placement_group, PlacementGroup):
+            if not isinstance(placement_group, RayPlacementGroup):
                 raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
             _check_bundles(placement_group.bundle_specs, world_size, bundle)
         if not ray.is_initialized():
