@@ -15,14 +15,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from helpers.shm_fixtures import no_shm_leak
 
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.packing import (
+    pack_diffusion_output_host,
     pack_diffusion_output_shm,
     release_packed_output,
+    unpack_diffusion_output_host,
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.platform import DeviceSync, record_device_event
@@ -115,6 +118,34 @@ def test_the_copy_is_ordered_after_the_forward(pool: SegmentPool, side: torch.cu
         got = unpack_diffusion_output_shm(packed).output["x"]
         assert bool((got == value).all()), f"try {i}: stale bytes reached the consumer"
         del got  # the last view: the segment goes back by itself
+
+
+def test_the_object_store_pack_copies_into_pinned_memory_after_the_forward(side: torch.cuda.Stream) -> None:
+    """The Ray executor's host pack (a node without the executor's pool): a CUDA output is
+    copied into a pinned buffer (the link's speed), ordered after the forward's event,
+    bit for bit; an output on the CPU gets a plain buffer.  ``put`` copies it, as
+    ``ray.put`` does."""
+    out = torch.zeros(8 << 20, device="cuda", dtype=torch.bfloat16)  # 16 MB
+    torch.cuda.synchronize()
+    seen: list[tuple[bool, bytes]] = []
+
+    def put(buf: Any) -> str:
+        seen.append((torch.from_numpy(buf).is_pinned(), buf.tobytes()))
+        return f"k{len(seen)}"
+
+    for i in range(2):
+        value = float(i + 3)
+        slow_forward(out, value)
+        ev = record_device_event(out.device)
+        packed = pack_diffusion_output_host(DiffusionOutput("r", {"x": out, "n": i}), side, put=put, ready_event=ev)
+        pinned, data = seen[-1]
+        assert pinned, "the buffer of a CUDA output was pageable"
+        got = unpack_diffusion_output_host(packed, np.frombuffer(data, np.uint8)).output
+        assert bool((got["x"] == value).all()) and got["n"] == i, f"try {i}: stale bytes"
+        assert raw(got["x"]) == raw(out)
+    cpu = torch.arange(1 << 20, dtype=torch.float32)
+    pack_diffusion_output_host(DiffusionOutput("c", {"x": cpu}), None, put=put)
+    assert seen[-1][0] is False
 
 
 def test_without_the_event_the_race_is_real(pool: SegmentPool, side: torch.cuda.Stream) -> None:

@@ -529,6 +529,7 @@ def pack_diffusion_output_host(
     inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
     max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
     ready_event: DeviceEvent | None = None,
+    pin_memory: bool | None = None,
 ) -> DiffusionOutput:
     """Pack ``output`` as ``pack_diffusion_output_shm`` does, but into one fresh host buffer
     (a ``uint8`` ndarray) handed to ``put``, which stores it and returns its key (the Ray
@@ -536,13 +537,20 @@ def pack_diffusion_output_host(
     travel inline as on the shared-memory path; the copies are ordered after
     ``ready_event`` on ``d2h_stream``, synchronized once.  The payload is a ``StoredPayload``
     (``unpack_diffusion_output_host``); nothing is stored when every leaf is inline.
+
+    The buffer is pinned (page-locked, from torch's caching host allocator, so a size
+    seen before costs no new registration) when a leaf is on a CUDA device, so the
+    device-to-host copy runs at the link's speed; ``pin_memory`` overrides that.  It
+    lives only until ``put`` returned: ``put`` must copy it (``ray.put`` does).
     """
     _check_unpacked(output, "pack_diffusion_output_host")
     t0 = time.perf_counter()
     plan = _Plan(inline_threshold, max_inline_bytes)
     tree = _walk(output.output, plan.pack_leaf, "output", 0)
     ordered_stream = _ordered_streams(d2h_stream, ready_event)
-    buf = torch.empty((plan.size,), dtype=torch.uint8)
+    if pin_memory is None:
+        pin_memory = any(isinstance(src, torch.Tensor) and src.device.type == "cuda" for src, _, _ in plan.shm)
+    buf = torch.empty((plan.size,), dtype=torch.uint8, pin_memory=pin_memory)
     streams = _copy_in(buf, plan, ordered_stream) if plan.shm else []
     _stage_and_sync(plan, ordered_stream, streams)
     key = put(buf.numpy()) if plan.shm else ""
