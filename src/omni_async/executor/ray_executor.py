@@ -586,7 +586,10 @@ class _Credits:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # put() is reentrant
         self._actors: list[Any] = []
-        self.given = 0  # keys given back in all (this thread's count)
+        # Keys given back in all, counted at once (``metrics()``' held outputs): under a
+        # reentrant lock, since ``give`` may run in a finalizer on a thread inside it.
+        self.given = 0
+        self._count_lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="omni-credit", daemon=True)
 
     def start(self, actors: list[Any]) -> None:
@@ -594,6 +597,8 @@ class _Credits:
         self._thread.start()
 
     def give(self, key: str) -> None:
+        with self._count_lock:
+            self.given += 1
         self._queue.put(key)
 
     def _run(self) -> None:
@@ -608,7 +613,6 @@ class _Credits:
                 except queue.Empty:
                     break
             stop = item is None
-            self.given += len(keys)
             per_rank: dict[int, list[str]] = collections.defaultdict(list)
             for k in keys:
                 prefix = k.partition(".")[0]
