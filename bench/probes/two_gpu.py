@@ -43,6 +43,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.synthetic import SyntheticForwardWorker
+from omni_async.transport.shm import SegmentPool
 
 # (process, what, key, started, ended, extra) -- process: "client", "rank0", "rank1".
 Event = tuple[str, str, str, float, float, dict[str, Any]]
@@ -307,6 +308,13 @@ def main() -> int:
         default="torch",
         help="the workers' cudaHostRegister: as the library calls it, or through ctypes (GIL released)",
     )
+    p.add_argument(
+        "--prewarm",
+        type=int,
+        default=0,
+        help="segments of the output's size made before the executor starts (pool.prewarm): rank 0 maps "
+        "and pins them while starting (SegmentPool.map_segments)",
+    )
     p.add_argument("--show", type=int, default=0, help="print the timeline of the first SHOW requests")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -325,8 +333,16 @@ def main() -> int:
         "warm_mode": args.warm_mode,
     }
     gc.callbacks.append(_gc_recorder("client"))
-    with MultiprocDiffusionExecutor(spec, world_size=2, options=opts, deadlines=deadlines) as ex:
+    pool = None
+    if args.prewarm:
+        pool = SegmentPool(max_segments=64)
+        pool.prewarm(nbytes, args.prewarm)
+    result["prewarm"] = args.prewarm
+    with MultiprocDiffusionExecutor(spec, world_size=2, options=opts, deadlines=deadlines, pool=pool) as ex:
         result["rank_devices"] = ex.collective_rpc("where")
+        result["loop_info_rank0"] = {
+            k: v for k, v in ex.collective_rpc("loop_info")[0].items() if k.endswith("_segments")
+        }
         # Both ranks copy at once (a collective call runs on every rank): each GPU's own bandwidth.
         ex.collective_rpc("copy_alone", (2, shape, args.dtype))  # warm (pinned buffers)
         per_rank = ex.collective_rpc("copy_alone", (10, shape, args.dtype))
@@ -386,7 +402,7 @@ def main() -> int:
     ]
     gaps = result["rank0_gap_ms"]
     print(
-        f"consumer={args.consumer} register={args.register} warm={args.warm_mode}: "
+        f"consumer={args.consumer} register={args.register} warm={args.warm_mode} prewarm={args.prewarm}: "
         f"{steady:.2f} req/s of {result['ideal_per_s']:.2f} ideal ({result['efficiency']:.3f}; outputs ready "
         f"{result['outputs_ready_per_s']:.2f}/s); "
         f"rank 0 gaps: max {max(gaps):.1f} ms at #{gaps.index(max(gaps))}, median {statistics.median(gaps):.2f} ms"

@@ -486,3 +486,20 @@ def test_each_rank_gets_its_own_gpu_when_there_are_enough() -> None:
     assert [device_for_rank("cuda", r, 2) for r in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
     assert device_for_rank("cuda:1", 0, 2) == "cuda:1" and device_for_rank("cpu", 1, 2) == "cpu"
     assert device_for_rank("cuda", 1, 0) == "cuda"  # no GPU counted: left to the process's current device
+
+
+def test_the_packing_rank_maps_the_segments_made_ahead_while_starting() -> None:
+    """Segments made ahead (``pool.prewarm`` before the executor starts) are mapped -- and
+    on CUDA registered as pinned memory -- by the rank that packs, while it starts: its
+    first packs pay neither (on an H200 a 512 MB segment first used inside a run cost its
+    pack ~175 ms and held the rank's next CUDA call as long).  Ranks that never pack map
+    nothing."""
+    pool = SegmentPool(max_segments=8)
+    pool.prewarm(1 << 20, 2)
+    with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, pool=pool) as ex:
+        info = ex.collective_rpc("loop_info")
+        assert info[0]["mapped_segments"] == 2, info[0]
+        assert info[0]["pinned_segments"] == (2 if torch.cuda.is_available() else 0), info[0]
+        assert "mapped_segments" not in info[1], info[1]
+        _wait_ok(ex, ex.execute_request(_req("r", numel=1 << 17)), {"numel": 1 << 17})
+        assert pool.stats().created == 2  # the request used a segment made ahead

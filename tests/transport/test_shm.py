@@ -174,6 +174,30 @@ def test_free_segments_of_other_classes_are_evicted_for_room(no_shm_leak: None) 
         pool.release(big)
 
 
+def test_map_segments_maps_what_the_pool_holds_in_another_process(no_shm_leak: None) -> None:
+    """The segments made ahead, mapped by a process that did not make them (a worker): the
+    mapping it then leases is the one already made (no mmap in the pack)."""
+    from omni_async.transport.shm import mapping
+
+    pool = SegmentPool(max_bytes=8 << 20, max_segments=4)
+    try:
+        pool.prewarm(100_000, 2)
+        names = pool.segment_names()
+        mapping.drop_mappings(pool.prefix)  # as a process that never mapped them
+        assert [mapping.find_mapping(n) for n in names] == [None, None]
+        mapped, pinned = pool.map_segments(pin=False)
+        assert (mapped, pinned) == (2, 0)
+        found = [mapping.find_mapping(n) for n in names]
+        assert all(m is not None for m in found)
+        lease = pool.lease(100_000)
+        assert any(pool.view(lease).data_ptr() == m.base.data_ptr() for m in found if m is not None)
+        pool.release(lease)
+    finally:
+        pool.close()
+    with pytest.raises(PoolClosed):
+        pool.map_segments()
+
+
 def test_closed_pool(no_shm_leak: None) -> None:
     pool = SegmentPool(max_bytes=4 << 20)
     lease = pool.lease(10_000)

@@ -577,6 +577,11 @@ def _build_worker(
         backpressure_timeout=opts.backpressure_timeout,
         device_stage=stage,
     )
+    if pool is not None and packing is None and opts.output_path == "omni" and rank == opts.reply_rank:
+        # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now
+        # rather than in its first packs (SegmentPool.map_segments).
+        mapped, pinned = pool.map_segments()
+        loop.info.update(mapped_segments=mapped, pinned_segments=pinned)
     return packer, loop
 
 

@@ -121,6 +121,9 @@ class WorkerLoop:
         """``device_stage``: a post-process's device stage, run on step mode's outputs
         before ``pack_sync`` (request mode's run in the packer, which has its own)."""
         self._device_stage = device_stage
+        # What the process that hosts the loop adds to ``loop_info`` (the segments it
+        # mapped and pinned while starting, ``_build_worker``).
+        self.info: dict[str, object] = {}
         self.rank = rank
         self.worker = worker
         self._sender = sender
@@ -186,6 +189,7 @@ class WorkerLoop:
                 "aborted_calls": self.aborted_calls,
                 "cancels_received": self.cancels.received,
                 "chunks_sent": self.chunks_sent,
+                **self.info,
             }
             if self._packer is not None:
                 info["packer"] = attrs.asdict(self._packer.metrics)
