@@ -7,7 +7,8 @@ only, when the executor is built (``pip install 'omni_async[ray]'``).
 
 Placement: a placement group of ``world_size`` bundles (``{"CPU": 1}``, plus
 ``{"GPU": 1}`` when ``WorkerOptions.device`` is a CUDA device), one actor per bundle;
-shutdown kills every actor and removes the group.
+shutdown kills every actor and removes the group.  Or the caller's group
+(``placement_group=``): rank r in its bundle r, the group left to its owner.
 
 Who runs what:
 
@@ -37,25 +38,25 @@ Outputs, two paths, chosen per actor at start-up (``transport``): an actor on th
 executor's node (``ray.get_runtime_context().get_node_id()`` of actor and driver equal)
 packs into the executor's ``SegmentPool`` exactly as worker processes do -- the pool is
 made with ``attach_by_name`` so that the actor, not a child of ours, can attach to it --
-and the engine gets zero-copy views, released as today.  An actor on another node cannot
+and the engine gets zero-copy views, released as today. An actor on another node cannot
 reach the pool (``transport="auto"``, the default) or is told not to
 (``transport="object_store"``, which tests the path on one machine): its packer copies
 each output into one host buffer (``pack_diffusion_output_host``: the same skeleton,
 inline leaves and ordering after the forward's event on the side stream as the pool's
-pack) and puts it with ``ray.put``; the actor owns the ref in a table until a message carrying
-the output is put in the outbox, which takes the ref along *beside* the message bytes: a
-poll returns ``(bytes, {key: ref})`` pairs.  The refs never travel pickled inside the
-message, where Ray's reference counting would pin them forever.  The receiver puts them
-into the executor's table (``stored_outputs()`` counts it) before queueing the message;
-the unpack for a waiter takes the ref out and reads the buffer with ``ray.get`` (zero-copy views
-on the executor's node: they keep it alive; a transfer across nodes), and every other
-end -- dropped, expired, waiter gone, an unpack answer discarded -- takes it out through
-the registry's release hook; shutdown empties the table.  One table entry, taken out
-once: each buffer is freed exactly once.  A pack that is never sent (the packer
-abandoned it) drops the actor's ref; ``stop`` drops what is left.  ``release_output``
-takes the delivered output's views back, as for a pooled one (1; ``OutputStillViewed``
-while another view is alive).  ``transport="shm"`` refuses a rank placed on another
-node (``UsageError``).
+pack; pinned when the output is on a GPU) and puts it with ``ray.put``; the actor owns
+the ref in a table until a message carrying the output is put in the outbox, which takes
+the ref along *beside* the message bytes: a poll returns ``(bytes, {key: ref})`` pairs.
+The refs never travel pickled inside the message, where Ray's reference counting would
+pin them forever. The receiver puts them into the executor's table (``stored_outputs()``
+counts it) before queueing the message; the unpack for a waiter takes the ref out and
+reads the buffer with ``ray.get`` (zero-copy views on the executor's node: they keep it
+alive; a transfer across nodes), and every other end -- dropped, expired, waiter gone,
+an unpack answer discarded -- takes it out through the registry's release hook; shutdown
+empties the table. One table entry, taken out once: each buffer is freed exactly once. A
+pack that is never sent (the packer abandoned it) drops the actor's ref; ``stop`` drops
+what is left. ``release_output`` takes the delivered output's views back, as for a
+pooled one (1; ``OutputStillViewed`` while another view is alive). ``transport="shm"``
+refuses a rank placed on another node (``UsageError``).
 
 Back-pressure, worker-side as with the pool: each actor counts its stored buffers that
 the executor has not released yet, and its packer waits for room before it puts one
@@ -63,11 +64,12 @@ more (``max_held_outputs``/``max_held_bytes``, per rank); an output still withou
 after ``lease_timeout`` fails with ``HeldOutputsFull``.  The executor gives room back
 (``released``, from its ``omni-credit`` thread) when it drops a buffer unread, or when
 the last view of a read one is gone (a finalizer on the unpack's anchor, as for the
-pool's segments); ``held_outputs`` in ``metrics()`` counts both paths.  The ``ray.get`` (a transfer across nodes: seconds for
-a large video) runs on one of the executor's fetch threads (``omni-fetch``,
-``fetch_threads`` of them), never on the pump's: a slow transfer holds up only its own
-waiter, not the messages of the other requests and ranks.  It is bounded by
-``output_timeout``.
+pool's segments); ``held_outputs`` in ``metrics()`` counts both paths.
+
+Reads: the ``ray.get`` of a stored output (a transfer across nodes: seconds for a large
+video) runs on one of the executor's fetch threads (``omni-fetch``, ``fetch_threads`` of
+them), never on the pump's: a slow transfer holds up only its own waiter, not the
+messages of the other requests and ranks.  It is bounded by ``output_timeout``.
 
 Death: an actor that dies (``ray.kill``, a crash, its node lost) fails its outstanding
 poll with ``RayActorError``; the pump first handles every message of that rank it
