@@ -567,17 +567,7 @@ def pack_diffusion_output_host(
 def carried_stored_keys(msg: AsyncDiffusionOutput) -> list[str]:
     """The keys of the stored buffers a result-channel message's outputs refer to (as
     ``carried_leases`` for segments)."""
-    found: list[str] = []
-    for item in (msg.output, msg.result):
-        outputs: tuple[DiffusionOutput, ...]
-        if isinstance(item, DiffusionOutput):
-            outputs = (item,)
-        elif isinstance(item, BatchDiffusionOutput):
-            outputs = item.outputs
-        else:
-            continue
-        found += [o.output.key for o in outputs if isinstance(o.output, StoredPayload) and o.output.key]
-    return found
+    return [o.output.key for o in _carried_outputs(msg) if isinstance(o.output, StoredPayload) and o.output.key]
 
 
 class _BufferViews:
@@ -857,16 +847,18 @@ def carried_leases(msg: AsyncDiffusionOutput) -> list[Lease]:
     RPC_RESULT (packed on the worker's main thread: one output or a batch).  The
     executor marks each received (``SegmentPool.receive``) as it reads the message.
     """
-    found: list[Lease] = []
+    return [lease for lease in map(packed_lease, _carried_outputs(msg)) if lease is not None]
+
+
+def _carried_outputs(msg: AsyncDiffusionOutput) -> list[DiffusionOutput]:
+    """The packed outputs a result-channel message carries: its OUTPUT_READY's output, or
+    a step-mode RPC_RESULT's output or batch."""
+    found: list[DiffusionOutput] = []
     for item in (msg.output, msg.result):
-        outputs: tuple[DiffusionOutput, ...]
         if isinstance(item, DiffusionOutput):
-            outputs = (item,)
+            found.append(item)
         elif isinstance(item, BatchDiffusionOutput):
-            outputs = item.outputs
-        else:
-            continue
-        found += [lease for lease in map(packed_lease, outputs) if lease is not None]
+            found += item.outputs
     return found
 
 
