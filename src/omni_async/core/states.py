@@ -30,7 +30,7 @@ the Hypothesis tests and the ``transitions`` oracle all read the same data.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Final, Generic, TypeVar
 
 from omni_async.core.errors import IllegalTransition
@@ -199,7 +199,7 @@ class Machine(Generic[StateT, EventT]):
     is the independent oracle in the tests, not the runtime engine.
     """
 
-    __slots__ = ("_kind", "_key", "_state", "_table", "_terminal")
+    __slots__ = ("_kind", "_key", "_observer", "_state", "_table", "_terminal")
 
     def __init__(
         self,
@@ -208,12 +208,16 @@ class Machine(Generic[StateT, EventT]):
         table: Mapping[tuple[StateT, EventT], StateT],
         initial: StateT,
         terminal: frozenset[StateT],
+        observer: Callable[[str, EventT, StateT, StateT], None] | None = None,
     ) -> None:
         self._kind = kind
         self._key = key
         self._table = table
         self._state = initial
         self._terminal = terminal
+        # Called after each transition with (key, event, src, dst): how a component
+        # records its machine's steps for trace validation (off when None).
+        self._observer = observer
 
     @property
     def state(self) -> StateT:
@@ -235,7 +239,9 @@ class Machine(Generic[StateT, EventT]):
             nxt = self._table[(self._state, event)]
         except KeyError:
             raise IllegalTransition(self._kind, self._key, self._state, event) from None
-        self._state = nxt
+        src, self._state = self._state, nxt
+        if self._observer is not None:
+            self._observer(self._key, event, src, nxt)
         return nxt
 
 

@@ -381,6 +381,13 @@ class DiffusionExecutor(abc.ABC):
     # Argument checks: API misuse fails here, at once, with a UsageError naming the
     # argument -- never after a round trip to a worker.
 
+    def validate_request(self, request: DiffusionRequest) -> None:
+        """Check ``request`` as ``submit_*`` would, without sending it: a ``UsageError``
+        for a non-request, the model's ``validate_request`` (``InvalidRequest``) for bad
+        parameters.  An engine calls it before queueing, so a bad request fails at the
+        call instead of when a running slot frees."""
+        self._check_request(request, "validate_request")
+
     def _check_request(self, request: object, method: str, argument: str = "request") -> None:
         if not isinstance(request, DiffusionRequest):
             raise UsageError(
