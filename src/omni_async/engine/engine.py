@@ -67,7 +67,6 @@ on arrival.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
 import threading
@@ -80,7 +79,19 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import attrs
 
 from omni_async.core.config import Deadlines
+from omni_async.core.engine_states import (
+    OUTCOME_OF,
+    STAGE_TERMINAL,
+    EngineEvent,
+    EngineState,
+    StageEvent,
+    StageState,
+    engine_machine,
+    stage_machine,
+)
 from omni_async.core.errors import OmniAsyncError, OutputDropped, RequestAborted, UsageError
+from omni_async.core.states import Machine
+from omni_async.core.trace import Tracer, emit
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.engine.errors import (
     EngineClosed,
@@ -113,6 +124,10 @@ __all__ = ["AsyncDiffusionEngine"]
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SS = StageState
+SE = StageEvent
+EE = EngineEvent
+ES = EngineState
 
 DEFAULT_MAX_RUNNING = 2
 DEFAULT_MAX_WAITING = 4096
@@ -121,25 +136,17 @@ DEFAULT_MAX_WAITING = 4096
 DEFAULT_MAX_IN_FLIGHT = 64
 
 
-class _Stage(enum.Enum):
-    WAITING = "waiting"
-    ADMITTED = "admitted"  # the scheduler let it run; its driver has not sent it yet
-    SENDING = "sending"
-    RUNNING = "running"
-    AWAITING_OUTPUT = "awaiting_output"
-    POSTPROCESSING = "postprocessing"
-    ENDING = "ending"
+_OUTCOMES = (*(st.value for st in STAGE_TERMINAL), "rejected")
 
-
-class _Outcome(enum.Enum):
-    FINISHED = "finished"
-    FAILED = "failed"
-    ABORTED = "aborted"
-    CANCELLED = "cancelled"
-    CLOSED = "closed"
-
-
-_OUTCOMES = (*(o.value for o in _Outcome), "rejected")
+# What an abort's error says of where the request was.
+_WHERE: dict[StageState, str] = {
+    SS.WAITING: "while waiting in the engine's queue; it never reached a worker",
+    SS.SUBMITTED: "while it was being sent",
+    SS.COMPUTING: "during its forward",
+    SS.COMPUTED: "after its forward, before its output arrived",
+    SS.POSTPROCESSING: "while its output was post-processed",
+    SS.RESOLVED: "while its stream was read",
+}
 
 
 @attrs.define(eq=False)
@@ -148,10 +155,12 @@ class _Request:
     deadlines: Deadlines | None
     result: asyncio.Future[GenerationResult]
     enqueued_at: float
-    stage: _Stage = _Stage.WAITING
-    # Set when an abort, a cancelled caller or close decided the outcome early; the
-    # driver then only cleans up.
-    ending: _Outcome | None = None
+    # Where the request is, and how it ended: the only state that decides what the
+    # engine does with it (``omni_async.core.engine_states``).
+    machine: Machine[StageState, StageEvent]
+    # The error an early end gave the caller (an abort, close, a failed chunk): what a
+    # stream's consumer raises instead of a result set before that end.
+    error: BaseException | None = None
     output_id: str | None = None
     drop: asyncio.Future[Future[None]] | None = None
     driver: asyncio.Task[None] | None = None
@@ -164,9 +173,9 @@ class _Request:
     # consumer (a chunk, the stream's end, the request's end); ``consumed``: the consumer
     # is done with the stream (took every chunk, or went away); ``taking``: chunks the
     # consumer took and has not yet post-processed (each holds an output); ``close``: the
-    # stream's close, on the I/O thread (its result: the drops' acknowledgement).  The
-    # driver forgets the request once the consumer is done, or the stream is closed and
-    # the consumer holds no chunk (``poke`` wakes it when either may have happened).
+    # stream's close, on the control thread (its result: the drops' acknowledgement).
+    # The driver forgets the request once the consumer is done, or the stream is closed
+    # and the consumer holds no chunk (``poke`` wakes it when either may have happened).
     streaming: bool = False
     stream: RequestStream | None = None
     changed: asyncio.Event = attrs.field(factory=asyncio.Event)
@@ -179,11 +188,15 @@ class _Request:
     def request_id(self) -> str:
         return self.request.request_id
 
+    @property
+    def stage(self) -> StageState:
+        return self.machine.state
+
     def ended(self) -> bool:
-        """An abort, a cancelled caller or close decided the outcome.  A call, not the
-        field: it changes across the driver's awaits, and a type checker narrows a
-        field (or a property) once tested."""
-        return self.ending is not None
+        """An end was decided (abort, cancelled caller, close, failure), or the request
+        is over.  A call, not a property: it changes across the driver's awaits, and a
+        type checker narrows a property once tested."""
+        return self.machine.state in OUTCOME_OF or self.machine.terminal
 
 
 def _held_bytes(metrics: Mapping[str, float]) -> float:
@@ -233,6 +246,7 @@ class AsyncDiffusionEngine:
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
         async_output: bool = True,
+        tracer: Tracer | None = None,
     ) -> None:
         if not isinstance(executor, DiffusionExecutor):
             raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
@@ -246,6 +260,7 @@ class AsyncDiffusionEngine:
             postprocess_workers=postprocess_workers,
             close_timeout=close_timeout,
             async_output=async_output,
+            tracer=tracer,
         )
 
     @classmethod
@@ -260,6 +275,7 @@ class AsyncDiffusionEngine:
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
         async_output: bool = True,
+        tracer: Tracer | None = None,
     ) -> AsyncDiffusionEngine:
         """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
         shuts the executor down, both on a worker thread (the executor's constructor and
@@ -277,6 +293,7 @@ class AsyncDiffusionEngine:
             postprocess_workers=postprocess_workers,
             close_timeout=close_timeout,
             async_output=async_output,
+            tracer=tracer,
         )
         return engine
 
@@ -292,6 +309,7 @@ class AsyncDiffusionEngine:
         postprocess_workers: int,
         close_timeout: float,
         async_output: bool,
+        tracer: Tracer | None,
     ) -> None:
         for name, value in (
             ("max_running", max_running),
@@ -320,17 +338,27 @@ class AsyncDiffusionEngine:
         self._max_in_flight = max_in_flight
         self._postprocess_workers = postprocess_workers
         self._close_timeout = float(close_timeout)
-        self._state = "new"
+        self._tracer = tracer
+        self._life = engine_machine(f"engine-{id(self):x}", self._trace_engine if tracer is not None else None)
+        # The start-up and the close, each a task of its own: a caller that cancels its
+        # ``start`` or ``close`` stops waiting, never the work (what was built is shut
+        # down when the factory returns, whoever waits).
+        self._starting: asyncio.Task[None] | None = None
+        self._start_given_up = False
+        self._closing: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._scheduler: Scheduler | None = None
         self._records: dict[str, _Request] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        # Sends (a request's data: it can block on a full pipe) and control (cancels,
+        # drops, stream closes) on threads of their own, so an abort never waits behind
+        # a send.
         self._io: ThreadPoolExecutor | None = None
+        self._control: ThreadPoolExecutor | None = None
         self._post: ThreadPoolExecutor | None = None
         self._sync: ThreadPoolExecutor | None = None  # async_output=False: the blocking calls
-        self._closed = asyncio.Event()
         self._counts = dict.fromkeys(_OUTCOMES, 0)
         self._latency = {stage: LatencyHistogram() for stage in STAGES}
         self._pack_s_total = 0.0
@@ -350,28 +378,73 @@ class AsyncDiffusionEngine:
 
     @property
     def started(self) -> bool:
-        return self._state == "running"
+        return self._life.state is ES.RUNNING
 
     @property
     def closed(self) -> bool:
-        return self._state in ("closing", "closed")
+        """Closing, closed, or failed to start: nothing new is served."""
+        return self._life.state in (ES.CLOSING, ES.CLOSED, ES.FAILED)
+
+    @property
+    def state(self) -> EngineState:
+        """Where the engine's lifecycle is (``omni_async.core.engine_states``)."""
+        return self._life.state
+
+    def _trace_engine(self, key: str, event: EngineEvent, src: EngineState, dst: EngineState) -> None:
+        emit(self._tracer, "EngineFire", event=event.name, src=src.name, dst=dst.name)
+
+    def _trace_stage(self, key: str, event: StageEvent, src: StageState, dst: StageState) -> None:
+        emit(self._tracer, "StageFire", request=key, event=event.name, src=src.name, dst=dst.name)
 
     async def start(self) -> None:
-        """Build the executor (factory), read its budget, start the loop task.  Idempotent."""
-        if self._state == "running":
+        """Build the executor (factory), read its budget, start the loop task.
+
+        Idempotent while it runs; a second caller during the start waits for the first.
+        A start that fails shuts down what it built before it raises, and the engine is
+        then FAILED (``close`` returns at once; build a new engine).  Cancelling the
+        caller gives the start up: an executor the factory is still building is shut
+        down the moment it is built.  ``close`` during the start wins: the start raises
+        ``EngineClosed`` and nothing it built survives."""
+        state = self._life.state
+        if state is ES.RUNNING:
             return
-        if self._state != "new":
+        if state is ES.STARTING and self._starting is not None:
+            await asyncio.shield(self._starting)
+            return
+        if state is ES.FAILED:
+            raise EngineClosed("the engine failed to start; build a new one")
+        if state is not ES.NEW:
             raise EngineClosed("the engine is closed; build a new one")
-        self._state = "starting"
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._life.fire(EE.START)
+        self._starting = self._loop.create_task(self._start_up(), name="omni-engine-start")
+        self._starting.add_done_callback(_retrieve)
         try:
-            self._loop = asyncio.get_running_loop()
-            self._loop_thread = threading.get_ident()
+            await asyncio.shield(self._starting)
+        except asyncio.CancelledError:
+            if not self._starting.done():
+                self._start_given_up = True  # the start-up sees it when its awaits return
+            raise
+
+    def _check_start_wanted(self) -> None:
+        """Inside the start-up, after each await: has the caller or a close given it up?"""
+        if self._life.state is ES.CLOSING:
+            raise EngineClosed("the engine was closed while it started")
+        if self._start_given_up:
+            raise EngineClosed("the engine's start was cancelled")
+
+    async def _start_up(self) -> None:
+        assert self._loop is not None
+        try:
             if self._executor is None:
                 assert self._factory is not None
+                # The factory runs to its end on its thread, whatever happens here.
                 built = await asyncio.to_thread(self._factory)
                 if not isinstance(built, DiffusionExecutor):
                     raise UsageError(f"the executor factory returned {type(built).__name__}, not a DiffusionExecutor")
                 self._executor = built
+            self._check_start_wanted()
             ex = self._executor
             if ex.step_mode:
                 raise UsageError(
@@ -379,30 +452,34 @@ class AsyncDiffusionEngine:
                     "output's copy with the next forward"
                 )
             budget = await asyncio.to_thread(ex.metrics)
-            held_outputs = budget.get("max_held_outputs")
-            held_bytes = budget.get("max_held_bytes")
-            cap = self._max_in_flight
-            if cap is None and held_outputs is None:
-                cap = DEFAULT_MAX_IN_FLIGHT
-            self._scheduler = Scheduler(
-                max_waiting=self._max_waiting,
-                max_running=self._max_running,
-                max_in_flight=cap,
-                max_held_outputs=None if held_outputs is None else int(held_outputs),
-                max_held_bytes=None if held_bytes is None else int(held_bytes),
-            )
-            self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-io")
-            self._post = ThreadPoolExecutor(self._postprocess_workers, thread_name_prefix="omni-postprocess")
-            if not self._async_output:
-                self._sync = ThreadPoolExecutor(self._max_running, thread_name_prefix="omni-engine-sync")
-            self._loop_task = self._loop.create_task(self._run(), name="omni-engine-loop")
-            self._loop_task.add_done_callback(self._on_loop_end)
-            self._state = "running"
+            self._check_start_wanted()
         except BaseException:
-            self._state = "closed"
+            # What the start built goes before the lifecycle says FAILED: a failed start
+            # never leaves a live executor behind.
             if self._owns_executor and self._executor is not None:
                 await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
+            self._life.fire(EE.START_FAILED)
             raise
+        held_outputs = budget.get("max_held_outputs")
+        held_bytes = budget.get("max_held_bytes")
+        cap = self._max_in_flight
+        if cap is None and held_outputs is None:
+            cap = DEFAULT_MAX_IN_FLIGHT
+        self._scheduler = Scheduler(
+            max_waiting=self._max_waiting,
+            max_running=self._max_running,
+            max_in_flight=cap,
+            max_held_outputs=None if held_outputs is None else int(held_outputs),
+            max_held_bytes=None if held_bytes is None else int(held_bytes),
+        )
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-send")
+        self._control = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-control")
+        self._post = ThreadPoolExecutor(self._postprocess_workers, thread_name_prefix="omni-postprocess")
+        if not self._async_output:
+            self._sync = ThreadPoolExecutor(self._max_running, thread_name_prefix="omni-engine-sync")
+        self._loop_task = self._loop.create_task(self._run(), name="omni-engine-loop")
+        self._loop_task.add_done_callback(self._on_loop_end)
+        self._life.fire(EE.STARTED)
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -413,44 +490,75 @@ class AsyncDiffusionEngine:
 
     async def close(self, *, timeout: float | None = None) -> None:
         """Fail every request not finished with ``EngineClosed``, abort the work in flight,
-        and return once nothing of it remains (registry empty, segments back); then shut
-        down an executor the engine owns.  Idempotent; a second caller waits for the first.
+        and return once nothing of it remains (registry empty, segments back); an engine
+        that owns its executor shuts it down.  Idempotent; a second caller waits for the
+        first.  In every state: before ``start`` it only marks the engine closed; after a
+        failed start it returns at once; during a start it stops the start (which shuts
+        down what it built) and waits for it.
 
-        ``timeout`` (default: the constructor's ``close_timeout``) bounds the wait for
-        the workers to give up their requests; past it the remaining outputs are
-        abandoned to the executor (released as they arrive) and a warning names them.
+        ``timeout`` (default: the constructor's ``close_timeout``) bounds all of it: the
+        requests' release, the executor's shutdown (cancel, then terminate, each rank in
+        parallel) and the host stages, which are abandoned with a warning when they do
+        not return in time (their outputs are released when they do).
         """
-        if self._state in ("closing", "closed"):
-            await self._closed.wait()
-            return
-        if self._state == "new":
-            self._state = "closed"
-            self._closed.set()
-            return
-        self._state = "closing"
         limit = self._close_timeout if timeout is None else timeout
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+            raise UsageError(f"close: timeout must be a number of seconds > 0, got {timeout!r}")
+        state = self._life.state
+        if state is ES.CLOSING and self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
+        self._life.fire(EE.CLOSE)
+        if self._life.state is not ES.CLOSING:
+            return  # NEW -> CLOSED, or already CLOSED / FAILED: nothing to release
+        assert self._loop is not None
+        self._closing = self._loop.create_task(self._shut_down(time.monotonic() + limit), name="omni-engine-close")
+        self._closing.add_done_callback(_retrieve)
+        await asyncio.shield(self._closing)
+
+    async def _shut_down(self, deadline: float) -> None:
         try:
+            if self._starting is not None and not self._starting.done():
+                # The start sees CLOSING after its await and shuts down what it built.
+                await asyncio.wait([self._starting], timeout=max(0.0, deadline - time.monotonic()))
+                if not self._starting.done():
+                    log.warning(
+                        "engine close: the executor factory did not return within the close timeout; the "
+                        "executor it builds is shut down when it returns"
+                    )
+                return
             for rec in list(self._records.values()):
-                self._end_early(rec, _Outcome.CLOSED)
+                self._end_early(rec, SE.CLOSE)
             if self._owns_executor:
                 # Shutting the executor down fails every pending future at once and
                 # unlinks every segment: the drivers only have to notice.
                 await asyncio.to_thread(self.executor.shutdown, "the engine closed")
-            await self._await_gone(list(self._records.values()), limit)
+            await self._await_gone(list(self._records.values()), deadline)
             if self._loop_task is not None:
                 self._loop_task.cancel()
                 await asyncio.gather(self._loop_task, return_exceptions=True)
-            for pool in (self._io, self._post, self._sync):
-                if pool is not None:
-                    await asyncio.to_thread(pool.shutdown, True)
+            self._stop_threads()
         finally:
-            self._state = "closed"
-            self._closed.set()
+            self._life.fire(EE.CLOSED)
 
-    async def _await_gone(self, recs: list[_Request], limit: float) -> None:
+    def _stop_threads(self) -> None:
+        """The engine's threads, without waiting: a host stage still running is abandoned
+        (its output is released when it returns), with a warning."""
+        if self._postprocessing:
+            log.warning(
+                "engine close: %d host stage(s) still running; abandoned (their outputs are released when they "
+                "return)",
+                self._postprocessing,
+            )
+        for pool in (self._io, self._control, self._post, self._sync):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _await_gone(self, recs: list[_Request], deadline: float) -> None:
         if not recs:
             return
         waits = [asyncio.ensure_future(r.gone.wait()) for r in recs]
+        limit = max(0.0, deadline - time.monotonic())
         _, pending = await asyncio.wait(waits, timeout=limit)
         for w in pending:
             w.cancel()
@@ -466,30 +574,47 @@ class AsyncDiffusionEngine:
             for r in left:
                 if r.driver is not None:
                     r.driver.cancel()  # cancels the executor futures it awaits: abandoned (F9)
+            # A driver stuck in a host stage returns from its cancel at once (the
+            # stage's thread is abandoned): this gather does not wait for the stage.
             await asyncio.gather(*(r.driver for r in left if r.driver is not None), return_exceptions=True)
 
     # ---------------------------------------------------------------- requests
 
     def _check_open(self, what: str) -> None:
-        if self._state in ("closing", "closed"):
+        state = self._life.state
+        if state in (ES.CLOSING, ES.CLOSED):
             raise EngineClosed(f"{what}: the engine is closed")
-        if self._state != "running":
+        if state is ES.FAILED:
+            raise EngineClosed(f"{what}: the engine failed to start; build a new one")
+        if state is not ES.RUNNING:
             raise EngineNotStarted(f"{what}: the engine is not started (await engine.start() or use async with)")
         task = self._loop_task
         if task is not None and task.done():
             raise self._dead()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise UsageError(
+                f"{what}: called from another event loop than the engine's (the one that ran start()); the engine "
+                "serves one loop: call it there (asyncio.run_coroutine_threadsafe from another thread), or use "
+                "the blocking DiffusionEngine"
+            )
 
     async def generate(self, request: DiffusionRequest, *, deadlines: Deadlines | None = None) -> GenerationResult:
         """Run ``request`` to its finished, post-processed result.
 
         Raises what ended it: ``RequestAborted`` (``abort``), ``EngineClosed``,
-        ``EngineOverloaded`` (refused at the call), ``PostProcessFailed``, or the
-        executor's typed error (``RpcFailed``, ``ComputeTimeout``, ``OutputTimeout``,
-        ``RemoteError``, ``WorkerDied``, ...).  ``deadlines``: this request's compute and
-        output deadlines instead of the executor's.  Cancelling the calling task aborts
-        the request and releases everything of it.  Request ids are unique among the
-        requests in the engine (``UsageError`` otherwise); an aborted request's id is free
-        again once ``abort(..., wait=True)`` returned.
+        ``EngineOverloaded`` (refused at the call), ``InvalidRequest`` (the model's
+        ``validate_request`` refused its parameters, at the call, before it queues),
+        ``PostProcessFailed``, or the executor's typed error (``RpcFailed``,
+        ``ComputeTimeout``, ``OutputTimeout``, ``RemoteError``, ``WorkerDied``, ...).
+        ``deadlines``: this request's compute and output deadlines instead of the
+        executor's.  Cancelling the calling task aborts the request and releases
+        everything of it.  Request ids are unique among the requests in the engine
+        (``UsageError`` otherwise); an aborted request's id is free again once
+        ``abort(..., wait=True)`` returned.
         """
         rec = self._admit(request, deadlines, "generate", streaming=False)
         try:
@@ -497,13 +622,14 @@ class AsyncDiffusionEngine:
             return await asyncio.shield(rec.result)
         except asyncio.CancelledError:
             if not rec.result.done():
-                self._end_early(rec, _Outcome.CANCELLED)
+                self._end_early(rec, SE.CANCEL)
             raise
 
     def _admit(
         self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, *, streaming: bool
     ) -> _Request:
-        """Check the call and queue the request (``generate``, ``generate_stream``)."""
+        """Check the call and queue the request (``generate``, ``generate_stream``).
+        Everything that can refuse it does so here, before anything of it exists."""
         if not isinstance(request, DiffusionRequest):
             raise UsageError(f"{what}: request must be a DiffusionRequest, got {type(request).__name__}")
         if deadlines is not None and not isinstance(deadlines, Deadlines):
@@ -514,11 +640,13 @@ class AsyncDiffusionEngine:
         if rid in self._records:
             raise UsageError(f"{what}: request id {rid!r} is already in the engine; request ids must be unique")
         try:
+            self.executor.validate_request(request)
             self._scheduler.add(rid)
-        except EngineOverloaded:
+        except (EngineOverloaded, UsageError):
             self._counts["rejected"] += 1
             raise
-        rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic(), streaming=streaming)
+        machine = stage_machine(rid, self._trace_stage if self._tracer is not None else None)
+        rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic(), machine, streaming=streaming)
         rec.result.add_done_callback(_retrieve)
         rec.result.add_done_callback(lambda _: rec.changed.set())
         self._records[rid] = rec
@@ -553,9 +681,12 @@ class AsyncDiffusionEngine:
                     await rec.changed.wait()
             while (chunk := await self._next_chunk(rec)) is not None:
                 yield await self._chunk_item(rec, chunk)
-            self._consumed(rec)
             result = await asyncio.shield(rec.result)
+            if rec.error is not None:
+                raise rec.error  # ended (aborted, closed) after its result was set: that end counts
             done = True
+            # The consumer has its result: the driver may forget the request (FINISHED).
+            self._consumed(rec)
             yield result
         except GeneratorExit:
             # aclose(): abort what is left, and return once nothing of it remains.
@@ -571,7 +702,7 @@ class AsyncDiffusionEngine:
         except BaseException as exc:
             if not done:
                 # A chunk failed: the stream ends with its error, and the request with it.
-                self._end_early(rec, _Outcome.FAILED, error=exc)
+                self._end_early(rec, SE.FAIL, error=exc)
                 self._stop_stream(rec)
             raise
         finally:
@@ -583,7 +714,7 @@ class AsyncDiffusionEngine:
 
     def _stop_stream(self, rec: _Request) -> None:
         """The consumer of ``rec``'s stream went away (or failed): abort what is left."""
-        self._end_early(rec, _Outcome.CANCELLED)
+        self._end_early(rec, SE.CANCEL)
         self._close_stream(rec)
         self._consumed(rec)
 
@@ -635,12 +766,12 @@ class AsyncDiffusionEngine:
             self._post.submit(self._release_quietly, fut.result())
 
     def _close_stream(self, rec: _Request) -> None:
-        """Close ``rec``'s stream on the I/O thread (once): the chunks not taken are dropped."""
+        """Close ``rec``'s stream on the control thread (once): the chunks not taken are dropped."""
         if rec.stream is None or rec.close is not None:
             rec.changed.set()
             return
-        assert self._loop is not None and self._io is not None
-        rec.close = self._loop.run_in_executor(self._io, rec.stream.close)
+        assert self._loop is not None and self._control is not None
+        rec.close = self._loop.run_in_executor(self._control, rec.stream.close)
         rec.changed.set()
         rec.poke.set()
 
@@ -664,75 +795,81 @@ class AsyncDiffusionEngine:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are
         ignored).  Their ``generate`` raises ``RequestAborted`` at once.  ``wait=True``
         returns only when nothing of them remains on any worker or in the executor (what
-        a caller needs before swapping model weights)."""
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        a caller needs before swapping model weights).  ``request_ids``: one id, or an
+        iterable of ids (``UsageError`` for anything else, before anything is aborted).
+        The abort never waits behind another request's send: cancels and drops travel
+        on the engine's control thread."""
+        if isinstance(request_ids, str):
+            ids = [request_ids]
+        elif isinstance(request_ids, (bytes, bytearray, Mapping)) or not isinstance(request_ids, Iterable):
+            raise UsageError(
+                f"abort: request_ids must be a request id (str) or an iterable of them, got "
+                f"{type(request_ids).__name__} {request_ids!r:.60}"
+            )
+        else:
+            ids = list(request_ids)
         for rid in ids:
             if not isinstance(rid, str):
                 raise UsageError(f"abort: request ids must be str, got {type(rid).__name__} {rid!r:.60}")
         self._check_open("abort")
         recs = [self._records[rid] for rid in ids if rid in self._records]
         for rec in recs:
-            self._end_early(rec, _Outcome.ABORTED)
+            self._end_early(rec, SE.ABORT)
         if wait:
             await asyncio.gather(*(r.gone.wait() for r in recs))
 
-    def _end_early(self, rec: _Request, outcome: _Outcome, *, error: BaseException | None = None) -> None:
-        """Decide ``rec``'s outcome now (abort, cancelled caller, close, a failed chunk:
-        ``error``) and start its clean-up."""
-        if outcome is _Outcome.CLOSED:
+    def _end_early(self, rec: _Request, event: StageEvent, *, error: BaseException | None = None) -> None:
+        """Decide ``rec``'s end now (``ABORT``, ``CANCEL``: its caller went away,
+        ``CLOSE``, ``FAIL`` with ``error``) unless one is decided already, fail its caller,
+        and start its clean-up."""
+        if event is SE.CLOSE:
             self._close_stream(rec)  # also after its result: the chunks nobody took go
-        if rec.ending is not None or rec.result.done():
-            return
-        rec.ending = outcome
+        if rec.ended():
+            return  # the first end decided counts
         rid = rec.request_id
+        where = rec.stage
+        self._fire(rec, event)
+        if error is None:
+            if event is SE.CLOSE:
+                error = EngineClosed(f"the engine closed before request {rid!r} finished", request_id=rid)
+            elif event is SE.ABORT:
+                error = RequestAborted(rid, by="abort", detail=f"aborted in the engine {_WHERE[where]}")
+        rec.error = error
+        if not rec.result.done():
+            if error is not None:
+                rec.result.set_exception(error)
+            else:
+                rec.result.cancel()
         self._close_stream(rec)
-        if error is not None:
-            self._fail(rec, error)
-        elif outcome is _Outcome.CLOSED:
-            self._fail(rec, EngineClosed(f"the engine closed before request {rid!r} finished", request_id=rid))
-        elif outcome is _Outcome.ABORTED:
-            where = {
-                _Stage.WAITING: "while waiting in the engine's queue; it never reached a worker",
-                _Stage.ADMITTED: "before it was sent; it never reached a worker",
-                _Stage.SENDING: "while it was being sent",
-                _Stage.RUNNING: "during its forward",
-                _Stage.AWAITING_OUTPUT: "after its forward, before its output arrived",
-                _Stage.POSTPROCESSING: "while its output was post-processed",
-                _Stage.ENDING: "as it ended",
-            }[rec.stage]
-            self._fail(rec, RequestAborted(rid, by="abort", detail=f"aborted in the engine {where}"))
-        else:
-            self._count(outcome)
-            rec.result.cancel()
-        match rec.stage:
-            case _Stage.WAITING:
-                assert self._scheduler is not None
-                self._scheduler.remove(rid)
-                self._forget(rec)
-            case _Stage.ADMITTED | _Stage.SENDING | _Stage.POSTPROCESSING | _Stage.ENDING:
-                pass  # the driver sees ``ending`` at its next step
-            case _Stage.RUNNING:
+        match where:
+            case SS.WAITING:
+                self._forget(rec)  # nothing of it reached a worker
+            case SS.SUBMITTED | SS.POSTPROCESSING | SS.RESOLVED:
+                pass  # the driver sees the end at its next step
+            case SS.COMPUTING:
                 self._cancel_forward(rec)
-            case _Stage.AWAITING_OUTPUT:
+            case SS.COMPUTED:
                 self._drop_output(rec)
+            case _:
+                raise AssertionError(f"request {rid!r}: an end decided in stage {where}")
+
+    def _fire(self, rec: _Request, event: StageEvent) -> None:
+        """Move ``rec``'s machine; the step that decides its end counts its outcome, so
+        every request is counted exactly once (``metrics().requests``)."""
+        was_ended = rec.ended()
+        rec.machine.fire(event)
+        if not was_ended and rec.ended():
+            self._counts[OUTCOME_OF.get(rec.stage, rec.stage).value] += 1
 
     def _fail(self, rec: _Request, error: BaseException) -> None:
-        if rec.result.done():
-            return
-        rec.result.set_exception(error)
-        if isinstance(error, RequestAborted) and rec.ending is _Outcome.ABORTED:
-            self._count(_Outcome.ABORTED)
-        elif isinstance(error, EngineClosed):
-            self._count(_Outcome.CLOSED)
-        else:
-            self._count(_Outcome.FAILED)
-
-    def _count(self, outcome: _Outcome) -> None:
-        self._counts[outcome.value] += 1
+        self._end_early(rec, SE.FAIL, error=error)
 
     def _forget(self, rec: _Request) -> None:
-        """Nothing of ``rec`` remains: free its place and wake the loop."""
+        """Nothing of ``rec`` remains: it reaches its terminal state, frees its place and
+        wakes the loop."""
         assert self._scheduler is not None
+        if not rec.machine.terminal:
+            self._fire(rec, SE.GONE)
         self._scheduler.remove(rec.request_id)
         if self._records.get(rec.request_id) is rec:
             del self._records[rec.request_id]
@@ -747,16 +884,19 @@ class AsyncDiffusionEngine:
 
     def _cancel_forward(self, rec: _Request) -> None:
         """Ask the workers to stop ``rec``'s forward (fire and forget: the driver awaits
-        the execute future, which fails with ``RequestAborted`` or resolves anyway)."""
-        assert self._loop is not None and self._io is not None
+        the execute future, which fails with ``RequestAborted`` or resolves anyway).  On
+        the control thread: never behind a send that a full pipe holds up."""
+        assert self._loop is not None and self._control is not None
         ex = self.executor
-        fut = self._loop.run_in_executor(self._io, functools.partial(ex.cancel_requests, [rec.request_id]))
+        fut = self._loop.run_in_executor(self._control, functools.partial(ex.cancel_requests, [rec.request_id]))
         fut.add_done_callback(functools.partial(self._log_io_error, "cancel_requests", rec.request_id))
 
     def _drop_output(self, rec: _Request) -> None:
-        assert self._loop is not None and self._io is not None and rec.output_id is not None
+        assert self._loop is not None and self._control is not None and rec.output_id is not None
         if rec.drop is None:
-            rec.drop = self._loop.run_in_executor(self._io, functools.partial(self.executor.drop_output, rec.output_id))
+            rec.drop = self._loop.run_in_executor(
+                self._control, functools.partial(self.executor.drop_output, rec.output_id)
+            )
 
     @staticmethod
     def _log_io_error(what: str, rid: str, fut: asyncio.Future[Any]) -> None:
@@ -771,7 +911,7 @@ class AsyncDiffusionEngine:
             self._wake.clear()
             for rid in self._scheduler.schedule(time.monotonic()):
                 rec = self._records[rid]
-                rec.stage = _Stage.ADMITTED
+                self._fire(rec, SE.ADMIT)
                 rec.driver = self._loop.create_task(self._drive(rec), name=f"omni-engine-request-{rid}")
             await self._wake.wait()
 
@@ -779,28 +919,27 @@ class AsyncDiffusionEngine:
         """The loop task ended: at close, by design; otherwise it died (a bug of ours).
         Nobody would admit the waiting requests any more: fail them with ``EngineDead``
         (the ones already sent go on with their drivers)."""
-        if task.cancelled() or self._state != "running":
+        if task.cancelled() or self._life.state is not ES.RUNNING:
             return
         err = self._dead()
         log.error("engine: %s", err)
         for rec in list(self._records.values()):
-            if rec.stage is _Stage.WAITING and rec.ending is None:
-                rec.ending = _Outcome.FAILED
-                self._fail(rec, err)
-                self._forget(rec)
+            if rec.stage is SS.WAITING:
+                self._fail(rec, err)  # WAITING -> FAILED: forgotten at once
 
     async def _drive(self, rec: _Request) -> None:
         try:
             await self._walk(rec)
             await self._finish_stream(rec)
         except asyncio.CancelledError:
-            self._end_early(rec, _Outcome.CLOSED)
+            self._end_early(rec, SE.CLOSE)
             raise
         except BaseException as exc:  # a bug of ours: fail the caller, never hang it
             log.exception("engine: the driver of request %r failed", rec.request_id)
             self._fail(rec, exc)
         finally:
-            rec.stage = _Stage.ENDING
+            if not rec.ended() and rec.stage is not SS.RESOLVED:
+                self._fail(rec, AssertionError(f"request {rec.request_id!r}: its driver ended in stage {rec.stage}"))
             self._forget(rec)
 
     async def _walk(self, rec: _Request) -> None:
@@ -811,7 +950,6 @@ class AsyncDiffusionEngine:
         if not self._async_output:
             await self._walk_sync(rec)
             return
-        rec.stage = _Stage.SENDING
         rec.submitted_at = time.monotonic()
         try:
             if rec.streaming:
@@ -834,7 +972,7 @@ class AsyncDiffusionEngine:
         except Exception as exc:
             self._fail(rec, exc)
             return
-        rec.stage = _Stage.RUNNING
+        self._fire(rec, SE.SENT)
         if rec.ended():
             self._cancel_forward(rec)
             self._close_stream(rec)
@@ -851,7 +989,7 @@ class AsyncDiffusionEngine:
         if rec.output_id is None:
             self._fail(rec, UsageError(f"request {rid!r}: the executor answered without an output id"))
             return
-        rec.stage = _Stage.AWAITING_OUTPUT
+        self._fire(rec, SE.COMPUTE_DONE)
         if rec.ended():
             self._drop_output(rec)
             await self._await_drop(rec)
@@ -874,7 +1012,7 @@ class AsyncDiffusionEngine:
         ex = self.executor
         rid = rec.request_id
         assert self._loop is not None and self._sync is not None and self._scheduler is not None
-        rec.stage = _Stage.RUNNING
+        self._fire(rec, SE.SENT)  # the call is in flight on its thread
         rec.submitted_at = time.monotonic()
         call = self._loop.run_in_executor(
             self._sync, functools.partial(ex.execute_request, rec.request, sync_output=True)
@@ -892,6 +1030,7 @@ class AsyncDiffusionEngine:
         rec.compute_done_at = rec.output_ready_at = time.monotonic()
         self._scheduler.compute_done(rid)
         self._wake.set()
+        self._fire(rec, SE.COMPUTE_DONE)
         output = announced.result
         if output is None:
             self._fail(rec, UsageError(f"request {rid!r}: the executor's synchronous answer carries no output"))
@@ -916,7 +1055,7 @@ class AsyncDiffusionEngine:
         nbytes = _held_bytes(output.metrics)
         if nbytes:
             self._scheduler.observe_output(int(nbytes))
-        rec.stage = _Stage.POSTPROCESSING
+        self._fire(rec, SE.OUTPUT)
         host = None if rec.ended() else self._host  # aborted: only release
         self._postprocessing += 1
         try:
@@ -964,8 +1103,9 @@ class AsyncDiffusionEngine:
         if pack_s is not None:
             self._pack_s_total += pack_s
             self._pack_bytes_total += _held_bytes(metrics) + metrics.get("pack_inline_bytes", 0.0)
+        # A plain request is FINISHED here; a stream's consumer still decides (RESOLVED).
+        self._fire(rec, SE.STREAM_RESULT if rec.streaming else SE.RESULT)
         rec.result.set_result(GenerationResult(rid, value, timings, metrics, self.pipeline))
-        self._count(_Outcome.FINISHED)
 
     async def _await_drop(self, rec: _Request) -> None:
         """Until the executor acknowledged the drop of ``rec``'s output (nothing of it left)."""
@@ -1033,9 +1173,10 @@ class AsyncDiffusionEngine:
         """Raise if the engine cannot make progress: closed (``EngineClosed``), its loop
         task ended (``EngineDead``), or the executor's pump or a worker is dead (the
         executor's ``check_health``: ``WorkerDied``, ``ExecutorShutdown``, ...)."""
-        if self._state in ("closing", "closed"):
-            raise EngineClosed("the engine is closed")
-        if self._state != "running":
+        state = self._life.state
+        if state in (ES.CLOSING, ES.CLOSED, ES.FAILED):
+            raise EngineClosed("the engine is closed" if state is not ES.FAILED else "the engine failed to start")
+        if state is not ES.RUNNING:
             raise EngineNotStarted("the engine is not started")
         task = self._loop_task
         if task is not None and task.done():
