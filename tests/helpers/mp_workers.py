@@ -12,6 +12,7 @@ from typing import NoReturn
 import torch
 
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+from omni_async.worker.cancel import raise_if_cancelled
 
 
 class Unpackable:
@@ -40,7 +41,8 @@ class Fatal(BaseException):
 
 
 class ScriptedWorker:
-    """Does what each request's params say: sleep, raise, exit, or return an output of a given size
+    """Does what each request's params say: sleep (``cancellable_sleep``: one that
+    honours cancellation), raise, exit, or return an output of a given size
     (``die_in_send``: one that kills the worker as its OUTPUT_READY is sent, see ``KillOnSend``)."""
 
     def __init__(self, rank: int = 0, fail_rank: int | None = None) -> None:
@@ -66,6 +68,12 @@ class ScriptedWorker:
         p = request.params
         if p.get("sleep"):
             time.sleep(float(p["sleep"]))
+        if p.get("cancellable_sleep"):
+            # A forward that honours cancellation: checks every 10 ms.
+            end = time.monotonic() + float(p["cancellable_sleep"])
+            while time.monotonic() < end:
+                raise_if_cancelled()
+                time.sleep(0.01)
         if p.get("raise") or (self.fail_rank is not None and self.rank == self.fail_rank):
             raise RuntimeError(f"forward of {request.request_id} failed on rank {self.rank}")
         if p.get("exit"):

@@ -364,10 +364,18 @@ class AsyncDiffusionEngine:
         self._pack_s_total = 0.0
         self._pack_bytes_total = 0.0
         self._postprocessing = 0
+        # Host stages running on their threads, by request (what close abandons).
+        self._host_lock = threading.Lock()
+        self._host_running: dict[str, int] = {}
         self._chunks = 0
         self._prometheus: CollectorRegistry | None = None
 
     # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def close_timeout(self) -> float:
+        """The default bound of ``close`` (and of a stream's ``aclose``), in seconds."""
+        return self._close_timeout
 
     @property
     def executor(self) -> DiffusionExecutor:
@@ -544,11 +552,14 @@ class AsyncDiffusionEngine:
     def _stop_threads(self) -> None:
         """The engine's threads, without waiting: a host stage still running is abandoned
         (its output is released when it returns), with a warning."""
-        if self._postprocessing:
+        with self._host_lock:
+            running = sorted(self._host_running)
+        if running:
             log.warning(
-                "engine close: %d host stage(s) still running; abandoned (their outputs are released when they "
-                "return)",
-                self._postprocessing,
+                "engine close: the host stage of %d request(s) still running (%s); abandoned: their outputs are "
+                "released when they return",
+                len(running),
+                running[:10],
             )
         for pool in (self._io, self._control, self._post, self._sync):
             if pool is not None:
@@ -1121,6 +1132,19 @@ class AsyncDiffusionEngine:
     ) -> tuple[Any, float, float]:
         """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the
         release; the value, when it started (``time.monotonic()``) and its seconds."""
+        with self._host_lock:
+            self._host_running[rid] = self._host_running.get(rid, 0) + 1
+        try:
+            return self._run_host_stage(rid, output, host, wanted)
+        finally:
+            with self._host_lock:
+                left = self._host_running.pop(rid) - 1
+                if left:
+                    self._host_running[rid] = left
+
+    def _run_host_stage(
+        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
+    ) -> tuple[Any, float, float]:
         started = time.monotonic()
         t0 = time.perf_counter()
         value: Any = None
@@ -1248,6 +1272,11 @@ class AsyncDiffusionEngine:
 
             self._prometheus = engine_registry(self.metrics)
         return self._prometheus
+
+    def stage_of(self, request_id: str) -> StageState | None:
+        """The stage of ``request_id`` in the engine (None: unknown, or over and gone)."""
+        rec = self._records.get(request_id)
+        return None if rec is None else rec.stage
 
     def phase_of(self, request_id: str) -> SchedulerPhase | None:
         """Where the scheduler has ``request_id`` (None: unknown or finished)."""

@@ -9,6 +9,7 @@ concurrently, as concurrent ``generate`` calls do).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
@@ -94,7 +95,20 @@ class DiffusionEngine:
         ``timeout``: how long this call waits; when it runs out the request is aborted
         (everything of it released) and ``TimeoutError`` is raised.
         """
-        return self._run(self._engine.generate(request, deadlines=deadlines), timeout)
+        try:
+            return self._run(self._engine.generate(request, deadlines=deadlines), timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(request, timeout) from None
+
+    def _timed_out(self, request: DiffusionRequest, timeout: float | None) -> TimeoutError:
+        """Our wait for ``request`` ran out: the cancel of its task is on its way; return
+        once nothing of it is left, so its id is free for a retry."""
+        rid = request.request_id
+        try:
+            self._run(self._engine.abort(rid, wait=True), self._engine.close_timeout)
+        except Exception as exc:  # closed meanwhile, or the release took too long
+            return TimeoutError(f"request {rid!r}: no result within {timeout} s; aborting it failed: {exc}")
+        return TimeoutError(f"request {rid!r}: no result within {timeout} s; it was aborted and released")
 
     def add_req_and_wait_for_response(
         self, request: DiffusionRequest, *, deadlines: Deadlines | None = None, timeout: float | None = None
@@ -114,10 +128,13 @@ class DiffusionEngine:
         ``timeout``: how long each item is waited for; when it runs out the request is
         aborted and ``TimeoutError`` is raised.
         """
-        return self._iterate(self._engine.generate_stream(request, deadlines=deadlines), timeout)
+        return self._iterate(request, self._engine.generate_stream(request, deadlines=deadlines), timeout)
 
     def _iterate(
-        self, agen: AsyncGenerator[GenerationChunk | GenerationResult, None], timeout: float | None
+        self,
+        request: DiffusionRequest,
+        agen: AsyncGenerator[GenerationChunk | GenerationResult, None],
+        timeout: float | None,
     ) -> Generator[GenerationChunk | GenerationResult, None, None]:
         async def step() -> GenerationChunk | GenerationResult:
             return await agen.__anext__()
@@ -130,6 +147,9 @@ class DiffusionEngine:
                 except StopAsyncIteration:
                     ended = True
                     return
+                except concurrent.futures.TimeoutError:
+                    ended = True
+                    raise self._timed_out(request, timeout) from None
                 except BaseException:
                     ended = True  # the stream raised (or our wait ended and cancelled it): it is over
                     raise
@@ -141,7 +161,7 @@ class DiffusionEngine:
                 self._run(agen.aclose())
 
     def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
-        self._run(self._engine.abort(request_ids if isinstance(request_ids, str) else list(request_ids), wait=wait))
+        self._run(self._engine.abort(request_ids, wait=wait))
 
     def metrics(self) -> EngineMetrics:
         return self._engine.metrics()
