@@ -18,6 +18,22 @@ import transitions
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omni_async.core.engine_states import (
+    ENDING_OF,
+    ENGINE_INITIAL,
+    ENGINE_TABLE,
+    ENGINE_TERMINAL,
+    OUTCOME_OF,
+    STAGE_INITIAL,
+    STAGE_TABLE,
+    STAGE_TERMINAL,
+    EngineEvent,
+    EngineState,
+    StageEvent,
+    StageState,
+    engine_machine,
+    stage_machine,
+)
 from omni_async.core.errors import IllegalTransition
 from omni_async.core.states import (
     AWAITING_COMPUTE_DONE,
@@ -45,6 +61,8 @@ E = RequestEvent
 TABLES: dict[str, tuple[Mapping[Any, Any], type[enum.Enum], type[enum.Enum], Any, frozenset[Any]]] = {
     "request": (REQUEST_TABLE, RequestState, RequestEvent, REQUEST_INITIAL, REQUEST_TERMINAL),
     "lifecycle": (LIFECYCLE_TABLE, LifecycleState, LifecycleEvent, LIFECYCLE_INITIAL, LIFECYCLE_TERMINAL),
+    "engine": (ENGINE_TABLE, EngineState, EngineEvent, ENGINE_INITIAL, ENGINE_TERMINAL),
+    "engine request": (STAGE_TABLE, StageState, StageEvent, STAGE_INITIAL, STAGE_TERMINAL),
 }
 
 
@@ -64,6 +82,16 @@ def test_request_machine_moves_per_table_or_raises(state: RequestState, event: R
 @given(st.sampled_from(list(LifecycleState)), st.sampled_from(list(LifecycleEvent)), st.text(min_size=1, max_size=8))
 def test_lifecycle_machine_moves_per_table_or_raises(state: LifecycleState, event: LifecycleEvent, key: str) -> None:
     _check_pair("lifecycle", key, state, event)
+
+
+@given(st.sampled_from(list(EngineState)), st.sampled_from(list(EngineEvent)), st.text(min_size=1, max_size=8))
+def test_engine_machine_moves_per_table_or_raises(state: EngineState, event: EngineEvent, key: str) -> None:
+    _check_pair("engine", key, state, event)
+
+
+@given(st.sampled_from(list(StageState)), st.sampled_from(list(StageEvent)), st.text(min_size=1, max_size=8))
+def test_engine_request_machine_moves_per_table_or_raises(state: StageState, event: StageEvent, key: str) -> None:
+    _check_pair("engine request", key, state, event)
 
 
 def _check_pair(name: str, key: str, state: Any, event: Any) -> None:
@@ -234,6 +262,59 @@ def test_transitions_oracle_agrees_on_request_sequences(start: RequestState, eve
 @given(st.sampled_from(list(RequestState)), st.lists(st.sampled_from(list(RequestEvent)), max_size=10))
 def test_transitions_oracle_agrees_from_any_request_state(start: RequestState, events: list[RequestEvent]) -> None:
     _agree("request", start, events)
+
+
+@given(st.sampled_from(list(EngineState)), st.lists(st.sampled_from(list(EngineEvent)), max_size=12))
+def test_transitions_oracle_agrees_on_engine_sequences(start: EngineState, events: list[EngineEvent]) -> None:
+    _agree("engine", start, events)
+
+
+@given(st.sampled_from(list(StageState)), st.lists(st.sampled_from(list(StageEvent)), max_size=14))
+def test_transitions_oracle_agrees_on_engine_request_sequences(start: StageState, events: list[StageEvent]) -> None:
+    _agree("engine request", start, events)
+
+
+@given(st.lists(st.sampled_from(list(StageEvent)), max_size=20))
+def test_an_engine_request_decides_its_end_once_and_keeps_it(events: list[StageEvent]) -> None:
+    """Whatever happens to a request, the first end decided is its outcome: an *-ING state
+    (or, from WAITING, its terminal state at once) that no later event changes but GONE,
+    which takes it to that outcome's terminal state."""
+    m = stage_machine("r")
+    decided: StageState | None = None
+    for ev in events:
+        if not m.can(ev):
+            continue
+        before = m.state
+        after = m.fire(ev)
+        if decided is None and (after in OUTCOME_OF or after in STAGE_TERMINAL) and after is not StageState.FINISHED:
+            decided = OUTCOME_OF.get(after, after)
+        elif decided is not None:
+            assert OUTCOME_OF.get(after, after) is decided, (before, ev, after)
+        if after is StageState.FINISHED:
+            assert decided is None and ev in (StageEvent.RESULT, StageEvent.GONE)
+    if m.terminal and decided is not None:
+        assert m.state is decided
+
+
+def test_an_end_is_decided_from_every_stage_at_work() -> None:
+    at_work = {StageState.SUBMITTED, StageState.COMPUTING, StageState.COMPUTED, StageState.POSTPROCESSING,
+               StageState.RESOLVED}
+    for stage in at_work:
+        for event, ending in ENDING_OF.items():
+            assert STAGE_TABLE[(stage, event)] is ending
+    for event in ENDING_OF:
+        assert STAGE_TABLE[(StageState.WAITING, event)] is OUTCOME_OF[ENDING_OF[event]]
+
+
+def test_a_close_during_start_can_never_reach_running() -> None:
+    """Defect 2 by construction: the table has no way from CLOSING to RUNNING."""
+    m = engine_machine("e")
+    m.fire(EngineEvent.START)
+    m.fire(EngineEvent.CLOSE)
+    with pytest.raises(IllegalTransition, match="STARTED is illegal in state CLOSING"):
+        m.fire(EngineEvent.STARTED)
+    assert m.state is EngineState.CLOSING
+    assert EngineState.RUNNING not in reachable(ENGINE_TABLE, EngineState.CLOSING)
 
 
 @given(st.sampled_from(list(LifecycleState)), st.lists(st.sampled_from(list(LifecycleEvent)), max_size=12))

@@ -11,8 +11,8 @@ generator (``tla/EngineTable.tla``), the diagrams and the tests.
 **Lifecycle.**  ``NEW -START-> STARTING -STARTED-> RUNNING -CLOSE-> CLOSING -CLOSED->
 CLOSED``.  A start that fails (the factory raised, the executor is in step mode, the
 caller cancelled ``start``) fires ``START_FAILED`` only once everything it built is shut
-down, so FAILED never has a live executor; FAILED and CLOSED are terminal and
-``close()`` returns at once in both.  ``close()`` during STARTING moves to CLOSING: the
+down, so FAILED never has a live executor; FAILED and CLOSED are terminal (no event
+leaves them) and ``close()`` returns at once in both.  ``close()`` during STARTING moves to CLOSING: the
 start, when its awaits return, sees CLOSING, shuts down what it built and fires
 ``START_FAILED`` (CLOSING stays CLOSING); it can never reach RUNNING afterwards, because
 ``(CLOSING, STARTED)`` is not in the table.
@@ -90,8 +90,6 @@ ENGINE_TABLE: Final[Mapping[tuple[EngineState, EngineEvent], EngineState]] = {
     (ES.CLOSING, EE.START_FAILED): ES.CLOSING,  # a start overtaken by close gave up
     (ES.CLOSING, EE.CLOSE): ES.CLOSING,  # a second close waits for the first
     (ES.CLOSING, EE.CLOSED): ES.CLOSED,
-    (ES.CLOSED, EE.CLOSE): ES.CLOSED,
-    (ES.FAILED, EE.CLOSE): ES.FAILED,
 }
 ENGINE_INITIAL: Final = ES.NEW
 ENGINE_TERMINAL: Final[frozenset[EngineState]] = frozenset({ES.CLOSED, ES.FAILED})

@@ -513,12 +513,14 @@ class AsyncDiffusionEngine:
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
             raise UsageError(f"close: timeout must be a number of seconds > 0, got {timeout!r}")
         state = self._life.state
+        if self._life.terminal:
+            return  # closed already, or a failed start (which shut down what it built)
         if state is ES.CLOSING and self._closing is not None:
             await asyncio.shield(self._closing)
             return
         self._life.fire(EE.CLOSE)
         if self._life.state is not ES.CLOSING:
-            return  # NEW -> CLOSED, or already CLOSED / FAILED: nothing to release
+            return  # NEW -> CLOSED: nothing to release
         assert self._loop is not None
         self._closing = self._loop.create_task(self._shut_down(time.monotonic() + limit), name="omni-engine-close")
         self._closing.add_done_callback(_retrieve)
