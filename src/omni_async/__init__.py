@@ -81,6 +81,7 @@ from omni_async.engine.metrics import (
     RequestTimings,
 )
 from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.core.engine_states import EngineState, StageState
 from omni_async.engine.sync import DiffusionEngine
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
@@ -168,6 +169,7 @@ __all__ = [
     "EngineMetrics",
     "EngineNotStarted",
     "EngineOverloaded",
+    "EngineState",
     "ExecutorShutdown",
     "Failure",
     "GenerationChunk",
@@ -212,6 +214,7 @@ __all__ = [
     "RpcRequest",
     "RunnerOutput",
     "SchedulerPhase",
+    "StageState",
     "SegmentPool",
     "SegmentTooLarge",
     "SyntheticVideoWorker",
