@@ -171,10 +171,12 @@ StartCancelled ==
 \* CLOSE, then by the state it found: NEW -> CLOSED, nothing to release;
 \* STARTING -> CLOSING, wait for the start to give up; RUNNING -> CLOSING,
 \* end every request; CLOSING (a second close) waits for the first;
-\* CLOSED or FAILED: return at once.
+\* CLOSED or FAILED (terminal: no event leaves them): return at once, firing nothing.
 CloseCall(c) ==
     /\ closePc[c] = "idle"
-    /\ EngineFire("CLOSE")
+    /\ IF eng \in EngineTerminal
+          THEN /\ Silent /\ UNCHANGED eng
+          ELSE EngineFire("CLOSE")
     /\ closePc' = [closePc EXCEPT ![c] =
           CASE eng = "NEW" -> "returned"
             [] eng = "STARTING" -> "waitstart"

@@ -36,9 +36,7 @@ EngineTransitions ==
       <<"RUNNING", "CLOSE", "CLOSING">>,
       <<"CLOSING", "START_FAILED", "CLOSING">>,
       <<"CLOSING", "CLOSE", "CLOSING">>,
-      <<"CLOSING", "CLOSED", "CLOSED">>,
-      <<"CLOSED", "CLOSE", "CLOSED">>,
-      <<"FAILED", "CLOSE", "FAILED">>
+      <<"CLOSING", "CLOSED", "CLOSED">>
     }
 
 EngineTable ==

@@ -77,11 +77,11 @@ VALID: dict[str, list[Step]] = {
                                       ("y", S.CLOSE), ("z", S.CLOSE), ("y", S.GONE), ("x", S.GONE), E.CLOSED],
     "close also on an aborting request": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.ABORT), E.CLOSE,
                                           ("x", S.CLOSE), ("x", S.GONE), E.CLOSED],
-    "close twice": [*UP, E.CLOSE, E.CLOSE, E.CLOSED, E.CLOSE],
-    "close before start": [E.CLOSE, E.CLOSE],
-    "a failed start, then close": [E.START, E.START_FAILED, E.CLOSE],
+    "close twice": [*UP, E.CLOSE, E.CLOSE, E.CLOSED],
+    "close before start": [E.CLOSE],
+    "a failed start": [E.START, E.START_FAILED],
     "close during start": [E.START, E.CLOSE, E.START_FAILED, E.CLOSED],
-    "close twice during start": [E.START, E.CLOSE, E.CLOSE, E.START_FAILED, E.CLOSED, E.CLOSE],
+    "close twice during start": [E.START, E.CLOSE, E.CLOSE, E.START_FAILED, E.CLOSED],
 }
 
 # (name, trace, index of the event that must be refused, what the verdict says)

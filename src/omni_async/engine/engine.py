@@ -91,7 +91,8 @@ from omni_async.core.engine_states import (
 )
 from omni_async.core.errors import OmniAsyncError, OutputDropped, RequestAborted, UsageError
 from omni_async.core.states import Machine
-from omni_async.core.trace import Tracer, emit
+from omni_async.core.engine_trace import trace_observers
+from omni_async.core.trace import Tracer
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.engine.errors import (
     EngineClosed,
@@ -338,8 +339,9 @@ class AsyncDiffusionEngine:
         self._max_in_flight = max_in_flight
         self._postprocess_workers = postprocess_workers
         self._close_timeout = float(close_timeout)
-        self._tracer = tracer
-        self._life = engine_machine(f"engine-{id(self):x}", self._trace_engine if tracer is not None else None)
+        # With a tracer, every step of the machines is recorded (EngineFire, StageFire).
+        self._trace_life, self._trace_stage = trace_observers(tracer)
+        self._life = engine_machine(f"engine-{id(self):x}", self._trace_life)
         # The start-up and the close, each a task of its own: a caller that cancels its
         # ``start`` or ``close`` stops waiting, never the work (what was built is shut
         # down when the factory returns, whoever waits).
@@ -397,12 +399,6 @@ class AsyncDiffusionEngine:
     def state(self) -> EngineState:
         """Where the engine's lifecycle is (``omni_async.core.engine_states``)."""
         return self._life.state
-
-    def _trace_engine(self, key: str, event: EngineEvent, src: EngineState, dst: EngineState) -> None:
-        emit(self._tracer, "EngineFire", event=event.name, src=src.name, dst=dst.name)
-
-    def _trace_stage(self, key: str, event: StageEvent, src: StageState, dst: StageState) -> None:
-        emit(self._tracer, "StageFire", request=key, event=event.name, src=src.name, dst=dst.name)
 
     async def start(self) -> None:
         """Build the executor (factory), read its budget, start the loop task.
@@ -516,6 +512,7 @@ class AsyncDiffusionEngine:
         if self._life.terminal:
             return  # closed already, or a failed start (which shut down what it built)
         if state is ES.CLOSING and self._closing is not None:
+            self._life.fire(EE.CLOSE)  # CLOSING stays CLOSING: wait for the first close
             await asyncio.shield(self._closing)
             return
         self._life.fire(EE.CLOSE)
@@ -658,7 +655,7 @@ class AsyncDiffusionEngine:
         except (EngineOverloaded, UsageError):
             self._counts["rejected"] += 1
             raise
-        machine = stage_machine(rid, self._trace_stage if self._tracer is not None else None)
+        machine = stage_machine(rid, self._trace_stage)
         rec = _Request(request, deadlines, self._loop.create_future(), time.monotonic(), machine, streaming=streaming)
         rec.result.add_done_callback(_retrieve)
         rec.result.add_done_callback(lambda _: rec.changed.set())
