@@ -142,8 +142,14 @@ class DiffusionExecutor(abc.ABC):
             self._notify_drop(drops)
         self._broadcast(req)
 
-    def _stop_workers(self) -> None:
-        """Stop the workers (after the pump stopped). Must be idempotent."""
+    def _stop_workers(self, deadline: float | None) -> None:
+        """Stop the workers (after the pump stopped). Must be idempotent.
+
+        ``deadline`` (``time.monotonic()``): when the whole shutdown must be over; None:
+        the transport's own defaults.  Ask every rank to stop, then force the ones still
+        running, all ranks at once against that one deadline (never one rank's wait
+        after another's).
+        """
 
     def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
         """Send ``cancels`` to every rank on the control channel; must not block.
@@ -770,20 +776,43 @@ class DiffusionExecutor(abc.ABC):
 
     # --------------------------------------------------------------- shutdown
 
-    def shutdown(self, reason: str = "the executor shut down") -> None:
-        """Idempotent: fail every pending waiter (F16), stop the pump, stop the workers."""
+    def shutdown(self, reason: str = "the executor shut down", *, timeout: float | None = None) -> None:
+        """Idempotent: fail every pending waiter (F16), stop the pump, stop the workers.
+
+        ``timeout`` bounds the whole call (seconds): the pump's stop, then every rank asked
+        to stop, terminated, killed, in parallel, against one deadline; the shared memory
+        is unlinked all the same.  A rank still in a forward that ignores cancellation is
+        not waited for beyond it.  None: each step's default (a worker process gets 5 s to
+        exit by itself, then 2 s after SIGTERM, then 2 s after SIGKILL).  A second call
+        returns at once.
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise UsageError(f"shutdown: timeout must be a number of seconds >= 0 or None, got {timeout!r:.80}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._shutdown_lock:
             if self._closed:
                 return
             self._closed = True
-        self.pump.stop(reason)
-        self._stop_workers()
+        # The pump's thread leaves within its poll interval unless a callback holds it;
+        # it gets a fifth of the time at most, the workers the rest.
+        self.pump.stop(reason, timeout=stop_budget(deadline, 5.0, 0.2))
+        self._stop_workers(deadline)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def stop_budget(deadline: float | None, default: float, fraction: float = 1.0) -> float:
+    """How long one step of a shutdown may wait: ``default`` seconds without a deadline,
+    else ``fraction`` of what is left of it (at most ``default``, never negative)."""
+    if deadline is None:
+        return default
+    return min(default, max(0.0, deadline - time.monotonic()) * fraction)
 
 
 def check_final_step_async(final_step_async: object, step_mode: bool) -> None:
@@ -806,4 +835,4 @@ def _requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:
     return [r for r in found if isinstance(r, DiffusionRequest)]
 
 
-__all__ = ["DiffusionExecutor"]
+__all__ = ["DiffusionExecutor", "stop_budget"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,7 +14,7 @@ from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError
 from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.api import DiffusionExecutor, stop_budget
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -133,13 +134,22 @@ class InProcessExecutor(DiffusionExecutor):
                 return ExecutorShutdown(f"worker thread of rank {rank} is not running")
         return None
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, deadline: float | None) -> None:
+        # Threads cannot be terminated: each gets what is left of the deadline (5 s
+        # without one), all at once, and one still in a forward is left behind (a
+        # daemon thread), logged.
+        end = time.monotonic() + stop_budget(deadline, 5.0, 0.7)
         for inbox in self._inboxes:
             inbox.put(None)
         for t in self._threads:
-            t.join(5.0)
+            t.join(max(0.0, end - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
         # Close before stopping the packers: nobody reads any more, so a packer's put
         # must fail at once rather than wait for room (F16: joins never hang).
         self.channel.close()
+        end = time.monotonic() + stop_budget(deadline, 5.0)
         for p in self.packers:
-            p.stop(5.0)
+            if not p.stop(max(0.0, end - time.monotonic())):
+                stuck.append(f"omni-packer-{p.rank}")
+        if stuck:
+            log.warning("shutdown: thread(s) %s still running; left behind (daemon threads)", stuck)

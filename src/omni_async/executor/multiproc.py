@@ -105,7 +105,7 @@ from omni_async.core.messages import (
     RpcRequest,
 )
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor, check_final_step_async
+from omni_async.executor.api import DiffusionExecutor, check_final_step_async, stop_budget
 from omni_async.executor.futures import map_future
 from omni_async.transport.channel import PipeChannel, PipeSender, ResultSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
@@ -605,6 +605,17 @@ def _sigint_blocked() -> Iterator[None]:
 _NO_REPORT = object()  # a worker that died without reporting how its start-up went
 
 
+def _join_all(
+    procs: list[multiprocessing.process.BaseProcess], until: float
+) -> list[multiprocessing.process.BaseProcess]:
+    """Wait for all of ``procs`` at once, until ``until`` (monotonic); returns those still alive."""
+    alive = [p for p in procs if p.is_alive()]
+    while alive and (left := until - time.monotonic()) > 0:
+        multiprocessing.connection.wait([p.sentinel for p in alive], left)
+        alive = [p for p in alive if p.is_alive()]
+    return alive
+
+
 def _sweep_dead_pools() -> None:
     try:
         removed = remove_dead_executor_files()
@@ -1077,7 +1088,16 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     # ------------------------------------------------------------------ shutdown
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, deadline: float | None) -> None:
+        # Phases, every rank at once: ask (a None on its RPC pipe), then SIGTERM, then
+        # SIGKILL.  Without a deadline each phase has its old length (5 s, 2 s, 2 s);
+        # with one, half, three tenths and a fifth of what is left of it.
+        t0 = time.monotonic()
+        span = None if deadline is None else max(0.0, deadline - t0)
+
+        def phase_end(default: float, fraction: float, after: float) -> float:
+            return after + (default if span is None else span * fraction)
+
         try:
             self._monitor_stop_w.send(None)
         except OSError:
@@ -1085,25 +1105,42 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         # Nobody reads the result pipes any more: close them so a worker's put fails
         # at once instead of waiting for room.
         self._channel.close()
-        self._cancel_sender.stop()
-        with self._rpc_lock:
-            for conn in self._rpc_conns:
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-                conn.close()
-        for p in self.procs:
-            p.join(5.0)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
+        asked = phase_end(5.0, 0.5, t0)
+        self._cancel_sender.stop(timeout=max(0.0, min(1.0, asked - time.monotonic())))
+        # A caller's send may be blocked on a full RPC pipe (a large request) and hold the
+        # lock: then that rank is not asked, it is terminated below, and the broken pipe
+        # frees the sender (why the lock is taken with a timeout, and the pipes closed last).
+        polite = self._rpc_lock.acquire(timeout=max(0.0, min(1.0, asked - time.monotonic())))
+        if polite:
+            try:
+                for conn in self._rpc_conns:
+                    try:
+                        conn.send(None)
+                    except OSError:
+                        pass
+            finally:
+                self._rpc_lock.release()
+        alive = _join_all(self.procs, asked)
+        for p in alive:
+            p.terminate()
+        terminated = phase_end(2.0, 0.3, asked if span is None else max(time.monotonic(), asked))
+        alive = _join_all(alive, terminated)
+        for p in alive:
+            p.kill()
+        alive = _join_all(alive, phase_end(2.0, 0.2, terminated) if deadline is None else deadline)
+        if alive:
+            log.warning(
+                "shutdown: worker process(es) %s still running after SIGKILL; not waited for",
+                [p.pid for p in alive],
+            )
+        if self._rpc_lock.acquire(timeout=stop_budget(deadline, 2.0)):
+            try:
+                for conn in self._rpc_conns:
+                    conn.close()
+            finally:
+                self._rpc_lock.release()
         if hasattr(self, "_monitor"):
-            self._monitor.join(5.0)
+            self._monitor.join(stop_budget(deadline, 5.0))
         self._monitor_stop_r.close()
         self._monitor_stop_w.close()
         # Every worker is gone: the lifeline has nobody left to warn.
