@@ -123,14 +123,20 @@ class DiffusionExecutor(abc.ABC):
     # --------------------------------------------------------------- transport
 
     @abc.abstractmethod
-    def _broadcast(self, req: RpcRequest) -> None:
-        """Deliver ``req`` to every rank (raises if it cannot)."""
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+        """Deliver ``req`` to every rank (raises if it cannot); ``wire``: what ``_encode``
+        made of it, when the caller encoded it already."""
+
+    def _encode(self, req: RpcRequest) -> list[bytes] | None:
+        """``req`` as each rank gets it, for a transport that pickles (None: one that does
+        not).  Raises ``RequestNotSendable`` when it cannot travel, before any rank got it."""
+        return None
 
     def _worker_failure(self) -> OmniAsyncError | None:
         """An error naming a dead worker, or None while all are alive."""
         return None
 
-    def _send_rpc(self, req: RpcRequest) -> None:
+    def _send_rpc(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         """Broadcast ``req``, preceded by the drops the workers have not heard of yet.
 
         Drops the dispatcher makes itself (a failed or timed-out call, an orphan
@@ -140,7 +146,7 @@ class DiffusionExecutor(abc.ABC):
         drops = self.pump.call(lambda d: d.take_worker_drops())
         if drops:
             self._notify_drop(drops)
-        self._broadcast(req)
+        self._broadcast(req, wire)
 
     def _stop_workers(self, deadline: float | None) -> None:
         """Stop the workers (after the pump stopped). Must be idempotent.
@@ -456,6 +462,10 @@ class DiffusionExecutor(abc.ABC):
             raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
         self.check_health()
         rpc_id = self.next_rpc_id()
+        req = RpcRequest(rpc_id, method, args, async_output=True, stream=bool(streams), step=step)
+        # Encoded before the dispatcher hears of the call: one that cannot travel
+        # (RequestNotSendable) leaves nothing behind, and no rank got any of it.
+        wire = self._encode(req)
         now = self.pump.now()
         rids = tuple(r.request_id for r in requests)
         inner = self.pump.call(
@@ -471,7 +481,7 @@ class DiffusionExecutor(abc.ABC):
             )
         )
         try:
-            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True, stream=bool(streams), step=step))
+            self._send_rpc(req, wire)
         except BaseException as exc:
             err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
             self.pump.call(lambda d: d.forget(rpc_id, err))

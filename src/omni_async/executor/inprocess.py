@@ -115,7 +115,7 @@ class InProcessExecutor(DiffusionExecutor):
             except Exception:
                 log.exception("worker %d: handling %s failed", loop.rank, req.method)
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         if self._closed:
             raise ExecutorShutdown("the executor is shut down")
         for inbox in self._inboxes:

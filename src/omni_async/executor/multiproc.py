@@ -118,6 +118,7 @@ from omni_async.transport.packing import (
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.transport.rpc import encode_rpc
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.baselines import (
@@ -858,13 +859,19 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _encode(self, req: RpcRequest) -> list[bytes]:
+        return encode_rpc(req, len(self._rpc_conns))
+
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+        # Pickled for every rank before the first write, outside the lock: an argument
+        # that does not pickle fails here, with no rank holding half a call.
+        data = wire if wire is not None else self._encode(req)
         with self._rpc_lock:
             if self._closed:
                 raise ExecutorShutdown("the executor is shut down")
             for rank, conn in enumerate(self._rpc_conns):
                 try:
-                    conn.send(req)
+                    conn.send_bytes(data[rank])
                 except (BrokenPipeError, OSError) as exc:
                     raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
 

@@ -822,7 +822,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         with self._rpc_lock:
             if self._closed:
                 raise ExecutorShutdown("the executor is shut down")
