@@ -15,6 +15,7 @@ from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, stop_budget
+from omni_async.executor.validation import model_validator
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -56,8 +57,10 @@ class InProcessExecutor(DiffusionExecutor):
         every output before it travels (as ``WorkerSpec.postprocess``; ignored by a
         packer from ``make_packer``, which chooses its own).
         ``validate_request``: checked on every request in the caller's thread before it is
-        sent; by default the model's own ``validate_request`` (rank 0's), as with worker
-        processes, so a bad request fails at the call on both executors."""
+        sent; by default the model's own ``validate_request``, found as with worker
+        processes: a static or class method of the model's class (or an attribute of
+        ``make_worker``).  A model whose class defines it as an instance method is refused
+        (``UsageError``), as ``WorkerSpec`` refuses it: one rule for both executors."""
         if postprocess is not None and (not isinstance(postprocess, str) or not postprocess):
             raise UsageError(f"postprocess must be a registered pipeline name (str) or None, got {postprocess!r}")
         stage = get_postprocess(postprocess).device if postprocess is not None else None
@@ -99,9 +102,14 @@ class InProcessExecutor(DiffusionExecutor):
             self.loops.append(loop)
             self._inboxes.append(inbox)
             self._threads.append(t)
+        # One rule with worker processes (omni_async.executor.validation): the model's
+        # validate_request runs without an instance; an instance method is refused.
+        found = model_validator(make_worker, "InProcessExecutor(make_worker)")
+        for loop in self.loops:
+            in_class = model_validator(type(loop.worker), "InProcessExecutor")
+            found = found if found is not None else in_class
         if validate_request is None:
-            hook = getattr(self.loops[0].worker, "validate_request", None)
-            self._validate_request = hook if callable(hook) else None
+            self._validate_request = found
         self.pump.start()
         for p, t in zip(self.packers, self._threads, strict=True):
             p.start()

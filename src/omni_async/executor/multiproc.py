@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import queue
-import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -107,6 +106,7 @@ from omni_async.core.messages import (
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, check_final_step_async, stop_budget
 from omni_async.executor.futures import map_future
+from omni_async.executor.validation import model_validator
 from omni_async.transport.channel import PipeChannel, PipeSender, ResultSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
@@ -118,7 +118,7 @@ from omni_async.transport.packing import (
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent
-from omni_async.transport.rpc import encode_rpc
+from omni_async.transport.rpc import encode_rpc, pickle_problem
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.baselines import (
@@ -165,7 +165,10 @@ class WorkerSpec:
     A factory with a static (or class) method ``validate_request(request)`` -- or, for
     a factory function, such an attribute -- gets it called by the executor on every
     request before sending it (``request_validator``): a bad request fails in the
-    caller's thread, and no worker sees it.
+    caller's thread, and no worker sees it.  A factory class whose ``validate_request``
+    is an instance method is refused here (``UsageError``): the executor could not run
+    it, and a bad request would reach the model unchecked.  The kwargs must pickle (they
+    travel to every worker): one that does not is refused here, named.
 
     ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
     stage the worker's packer runs on every output before the copy (see
@@ -198,6 +201,14 @@ class WorkerSpec:
         bad_keys = [k for k in self.kwargs if not isinstance(k, str)]
         if bad_keys:
             raise UsageError(f"WorkerSpec.kwargs keys must be str (keyword arguments), got {bad_keys!r}")
+        for key, value in self.kwargs.items():
+            problem = pickle_problem(value, spawning=True)
+            if problem is not None:
+                raise UsageError(
+                    f"WorkerSpec.kwargs[{key!r}] does not pickle ({type(problem).__name__}: {problem}): the "
+                    "kwargs travel to every worker process by pickle; pass data (or an import path) and "
+                    "build the object in the factory"
+                )
         for field in ("pass_rank", "check_import"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
@@ -206,7 +217,7 @@ class WorkerSpec:
                 f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
             )
         if self.check_import:
-            self.resolve()
+            model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")  # the one rule, checked now
             self.device_stage()
 
     def device_stage(self) -> DeviceStage | None:
@@ -236,16 +247,13 @@ class WorkerSpec:
         return cast("Callable[..., object]", obj)
 
     def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
-        """The factory's ``validate_request`` when it needs no worker instance; else None."""
+        """The factory's ``validate_request`` (a static or class method, or a factory
+        function's attribute), run by the executor in the caller's thread; None without
+        one, and without ``check_import`` (the factory is not imported here).  An instance
+        method is refused (``UsageError``): see ``omni_async.executor.validation``."""
         if not self.check_import:
             return None
-        factory = self.resolve()
-        if isinstance(factory, type):
-            hook = inspect.getattr_static(factory, "validate_request", None)
-            if not isinstance(hook, (staticmethod, classmethod)):
-                return None
-        hook = getattr(factory, "validate_request", None)
-        return cast("Callable[[DiffusionRequest], None]", hook) if callable(hook) else None
+        return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
 
     def build(self, rank: int) -> object:
         factory = self.resolve()

@@ -18,7 +18,7 @@ from multiprocessing.reduction import ForkingPickler
 from omni_async.core.errors import RequestNotSendable
 from omni_async.core.messages import DiffusionRequest, RpcRequest
 
-__all__ = ["encode_rpc", "unsendable"]
+__all__ = ["encode_rpc", "pickle_problem", "unsendable"]
 
 
 def encode_rpc(req: RpcRequest, ranks: int) -> list[bytes]:
@@ -57,16 +57,29 @@ def _requests(args: tuple[object, ...]) -> list[DiffusionRequest]:
     return found
 
 
-def _pickles(value: object) -> bool:
-    # Plain pickle first: what it takes, ForkingPickler takes too, and it shares no file
-    # descriptor (a tensor's) that nobody would ever collect.
+def pickle_problem(value: object, *, spawning: bool = False) -> BaseException | None:
+    """Why ``value`` cannot travel to another process by pickle, or None when it can.
+
+    Plain pickle first (what it takes, ``ForkingPickler`` takes too, and it hands out
+    no file descriptor, a tensor's, that nobody would collect); then
+    ``ForkingPickler``, as ``multiprocessing`` pickles.  ``spawning``: the value travels
+    as an argument of a process being spawned, where an object that pickles only then
+    (a ``multiprocessing`` lock, event or queue: ``RuntimeError`` "... through
+    inheritance") travels too.
+    """
     try:
         pickle.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001  # any failure is the answer
+        return None
+    except Exception:  # noqa: BLE001  # try the pickler multiprocessing uses
         pass
     try:
         ForkingPickler.dumps(value)
-        return True
-    except Exception:  # noqa: BLE001
-        return False
+        return None
+    except RuntimeError as exc:
+        return None if spawning and "through inheritance" in str(exc) else exc
+    except Exception as exc:  # noqa: BLE001  # PicklingError, TypeError, AttributeError, ...
+        return exc
+
+
+def _pickles(value: object) -> bool:
+    return pickle_problem(value) is None
