@@ -633,7 +633,7 @@ def _sweep_dead_pools() -> None:
         return
     if removed:
         pids = sorted({f.pid for f in removed})
-        segments = sum(not f.is_lock for f in removed)
+        segments = sum(f.is_segment for f in removed)
         log.warning(
             "swept %d shared-memory file(s) (%d segment(s), %d bytes) left in /dev/shm by %d executor(s) "
             "that died without cleaning up: pid(s) %s",
@@ -810,6 +810,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self.procs.append(proc)
             lifeline_r.close()
             self._await_models(deadline, start_timeout)
+            # Every worker opened its credit semaphore by name while unpickling its
+            # arguments: the names can go (a SIGKILL of the whole group leaves none).
+            self._channel.unlink_names()
             self._cancel_sender.start()
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
@@ -1119,7 +1122,7 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
             pass
         # Nobody reads the result pipes any more: close them so a worker's put fails
         # at once instead of waiting for room.
-        self._channel.close()
+        self._channel.close()  # unlinks the credit semaphores' names too (a failed start)
         asked = phase_end(5.0, 0.5, t0)
         self._cancel_sender.stop(timeout=max(0.0, min(1.0, asked - time.monotonic())))
         # A caller's send may be blocked on a full RPC pipe (a large request) and hold the
