@@ -46,6 +46,7 @@ from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
 from omni_async.executor.futures import all_done, map_future
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.channel import ResultReceiver
@@ -267,10 +268,85 @@ class DiffusionExecutor(abc.ABC):
         return all_done(acks)
 
     def _submit_one(
-        self, request: DiffusionRequest, consumer: str | None, deadlines: Deadlines | None
+        self,
+        request: DiffusionRequest,
+        consumer: str | None,
+        deadlines: Deadlines | None,
+        first: Callable[[Future[tuple[RunnerOutput, ...]]], None] | None = None,
     ) -> Future[RunnerOutput]:
-        inner = self._submit("execute_model", (request,), consumer, [request], deadlines)
+        inner = self._submit("execute_model", (request,), consumer, [request], deadlines, first=first)
         return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+
+    def submit_handle(
+        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+    ) -> RequestHandle:
+        """Start a forward; a ``RequestHandle`` with both phases of its output (request mode).
+
+        ``handle.computed`` is ``submit_request``'s future; ``handle.output`` the output,
+        claimed for the handle when the pump dispatches the call's COMPUTE_DONE -- before
+        ``computed`` resolves, so no ``wait_output_ready`` is needed (one for the same id
+        gets ``OutputAlreadyClaimed``).  ``output`` fails with the forward's error when
+        the forward fails; cancelling it abandons the output (released on arrival, F9);
+        ``drop_output`` of its id fails it.  Delivered as ``wait_output_ready`` delivers
+        (release it with ``release_output``).
+        """
+        self._check_request(request, "submit_handle")
+        self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "submit_handle")
+        output: Future[DiffusionOutput] = Future()
+        computed = self._submit_one(request, consumer, deadlines, first=lambda f: self._claim_for(f, output))
+        return RequestHandle(request.request_id, computed, output)
+
+    def _claim_for(self, call: Future[tuple[RunnerOutput, ...]], output: Future[DiffusionOutput]) -> None:
+        """On the thread that resolved ``call`` (the pump's, right after its COMPUTE_DONE),
+        before anyone else sees the id: claim the output for ``output``."""
+        if call.cancelled():
+            output.cancel()
+            return
+        exc = call.exception()
+        oid = None if exc is not None else call.result()[0].async_output_id
+        if exc is not None or oid is None:
+            if output.set_running_or_notify_cancel():
+                output.set_exception(exc if exc is not None else UsageError("the request has no output"))
+            return
+        # Claimed even when ``output`` was cancelled already: ``on_output`` below then
+        # cancels the claim at once, and the registry releases the output on arrival
+        # (F9) -- never a drop sent from here, which would write a pipe on the pump thread.
+        t0 = time.monotonic()
+        status = ["waiting"]
+        try:
+            delivered = self._watch_claim(self.pump.call(lambda d: self._claim(d, oid, status)), oid, t0, status)
+        except Exception as err:  # a callback's exception would be logged and lost: fail the future
+            if output.set_running_or_notify_cancel():
+                output.set_exception(err)
+            return
+
+        def relay(g: Future[DiffusionOutput]) -> None:
+            if g.cancelled():
+                output.cancel()
+                return
+            err = g.exception()
+            if not output.set_running_or_notify_cancel():
+                if err is None:  # cancelled as it was delivered: nobody else holds it
+                    self._release_abandoned(g.result())
+                return
+            if err is not None:
+                output.set_exception(err)
+            else:
+                output.set_result(g.result())
+
+        def on_output(o: Future[DiffusionOutput]) -> None:
+            if o.cancelled():
+                delivered.cancel()  # before arrival: the registry releases it when it comes
+
+        output.add_done_callback(on_output)
+        delivered.add_done_callback(relay)
+
+    def _release_abandoned(self, output: DiffusionOutput) -> None:
+        try:
+            self.release_output(output)
+        except Exception:
+            log.exception("releasing the abandoned output %s failed", output.async_output_id)
 
     def execute_request(
         self,
@@ -457,7 +533,10 @@ class DiffusionExecutor(abc.ABC):
         *,
         streams: Sequence[ChunkFeed] = (),
         step: bool = False,
+        first: Callable[[Future[tuple[RunnerOutput, ...]]], None] | None = None,
     ) -> Future[list[RunnerOutput]]:
+        """``first``: a callback on the call's own future, run before any other (on the
+        thread that resolves it: the pump's, for a COMPUTE_DONE)."""
         if self.step_mode and not step:
             raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
         self.check_health()
@@ -480,6 +559,8 @@ class DiffusionExecutor(abc.ABC):
                 step=step,
             )
         )
+        if first is not None:
+            inner.add_done_callback(first)  # ahead of map_future's below
         try:
             self._send_rpc(req, wire)
         except BaseException as exc:
