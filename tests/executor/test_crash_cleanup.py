@@ -8,16 +8,18 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
 
 import pytest
-from helpers.crash_children import gone, kill_all, start
+from helpers.crash_children import gone, group_members, kill_all, kill_group, mapped_semaphores, sem_files_of, start
 
 from omni_async.core.config import Deadlines
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
-from omni_async.transport.shm.files import entries, unlink_all_with_prefix
+from omni_async.cli import cleanup
+from omni_async.transport.shm.files import dead_executor_files, entries, unlink_all_with_prefix
 
 TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
 
@@ -75,3 +77,40 @@ def test_new_executor_sweeps_the_pools_of_dead_owners(caplog: pytest.LogCaptureF
             assert "died without cleaning up" in swept[0], swept
             return
     pytest.fail(f"no sweep of the dead owner's pool was logged: {[r.getMessage() for r in caplog.records]}")
+
+
+def test_sigkill_of_the_whole_group_leaves_no_semaphore() -> None:
+    """Issue 17, defect 14: the result channel's credit semaphores (one per worker) are
+    named files in /dev/shm; killing the driver, its workers and multiprocessing's
+    resource tracker at once used to leave one ``sem.mp-*`` per sender."""
+    proc, owner = start("owner", "2")
+    try:
+        members = group_members(proc.pid)
+        assert proc.pid in members and set(owner["workers"]) <= set(members), members
+        made = mapped_semaphores(members)  # this child's group's semaphores, nobody else's
+        assert len(made) >= 2, made  # one credit semaphore per worker at least
+        kill_group(proc)
+        left = sem_files_of(made)
+        assert not left, f"left in /dev/shm by the killed group: {sorted(left)}"
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+        unlink_all_with_prefix(owner["prefix"])
+
+
+def test_cleanup_removes_the_named_semaphore_of_a_dead_executor(capsys: pytest.CaptureFixture[str]) -> None:
+    """An executor killed while its workers start leaves its credit semaphore named: its
+    name carries the dead executor's pid, and ``omni-async cleanup`` removes it."""
+    proc, _ = start("channel")
+    try:
+        made = sem_files_of(mapped_semaphores([proc.pid]))
+        assert len(made) == 1 and next(iter(made)).startswith(f"sem.omni-{proc.pid}-sem-"), made
+        kill_group(proc)
+        assert made <= {n for n in os.listdir("/dev/shm")}  # nobody unlinked it: the resource tracker died too
+        assert made <= {f.name for f in dead_executor_files()}
+        assert cleanup.run(argparse.Namespace(dry_run=False)) == 0
+        assert not made & set(os.listdir("/dev/shm"))
+        assert f"removed /dev/shm/{next(iter(made))}" in capsys.readouterr().out
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)

@@ -562,7 +562,7 @@ class _SilentExecutor(DiffusionExecutor):
         self.sent: list[RpcRequest] = []
         self.pump.start()
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         self.sent.append(req)
 
 

@@ -5,6 +5,9 @@ over the reference model, holds one delivered output (its segment leased), leave
 more outputs in flight, prints one JSON line ``{"prefix", "pid", "workers"}`` and
 sleeps until it is killed.
 
+``python crash_children.py channel``: a result channel with a sender never handed to a
+worker (its credit semaphore still named); prints the JSON line (empty prefix) and sleeps.
+
 ``python crash_children.py pool``: a bare ``SegmentPool`` with one leased, filled
 segment; prints the same JSON line (no workers) and sleeps.  A cheap leftover for the
 ``omni-async cleanup`` test.
@@ -55,6 +58,20 @@ def _owner(world_size: int) -> None:
     workers = [p.pid for p in ex.procs if p.pid is not None]
     _announce(ex.pool.prefix, workers)
     time.sleep(600)
+
+
+def _channel() -> None:
+    """A result channel with one sender made and never handed over: its credit semaphore's
+    name stays, as in an executor killed while its workers start."""
+    import multiprocessing
+
+    from omni_async.transport.channel import PipeChannel
+
+    channel = PipeChannel(mp_context=multiprocessing.get_context("spawn"))
+    sender = channel.new_sender("never-handed-over")
+    _announce("", [])
+    time.sleep(600)
+    sender.close()
 
 
 def _pool() -> None:
@@ -115,6 +132,47 @@ def kill_all(proc: subprocess.Popen[str], owner: Owner) -> None:
         time.sleep(0.02)
 
 
+def mapped_semaphores(pids: list[int]) -> set[int]:
+    """The inodes of the ``/dev/shm/sem.*`` files these processes have mapped: a named POSIX
+    semaphore is a mapped file, so these are exactly the semaphores they made or opened,
+    whatever the neighbours do.  Inodes, not names: glibc creates the file under a
+    temporary name and links it to the real one, and the mapping keeps the first."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and fields[5].startswith("/dev/shm/sem."):
+                        found.add(int(fields[4]))
+        except OSError:
+            continue
+    return found
+
+
+def sem_files_of(inodes: set[int]) -> set[str]:
+    """The ``/dev/shm/sem.*`` names that are one of these files (see ``mapped_semaphores``)."""
+    names = set()
+    for name in os.listdir("/dev/shm"):
+        if name.startswith("sem."):
+            try:
+                if os.stat(os.path.join("/dev/shm", name)).st_ino in inodes:
+                    names.add(name)
+            except FileNotFoundError:
+                continue
+    return names
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the child's whole process group (it leads its own session): the driver, its
+    workers and multiprocessing's resource tracker at once, as a crash or OOM kill does."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def group_members(pgid: int) -> list[int]:
     """Live processes of process group ``pgid`` (zombies excluded)."""
     pids = []
@@ -136,5 +194,7 @@ if __name__ == "__main__":
         _owner(int(sys.argv[2]))
     elif sys.argv[1] == "pool":
         _pool()
+    elif sys.argv[1] == "channel":
+        _channel()
     else:
         raise SystemExit(f"unknown mode {sys.argv[1]!r}")

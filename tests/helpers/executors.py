@@ -59,8 +59,8 @@ def _cross_node_class() -> type[MultiprocDiffusionExecutor]:
                 raise
             assert self.via_store == [r % 2 == 0 for r in range(world_size)], self.via_store
 
-        def shutdown(self, reason: str = "the executor shut down") -> None:
-            super().shutdown(reason)
+        def shutdown(self, reason: str = "the executor shut down", *, timeout: float | None = None) -> None:
+            super().shutdown(reason, timeout=timeout)
             if self._test_pg is not None:
                 remove_placement_group(self._test_pg)
                 self._test_pg = None

@@ -140,3 +140,34 @@ class StepwiseWorker:
 
     def pending(self) -> int:
         return len(self.progress)
+
+
+def _check_size(request: DiffusionRequest) -> None:
+    from omni_async.core.errors import InvalidRequest
+
+    size = request.params.get("size", 1)
+    if not isinstance(size, int) or size < 1:
+        raise InvalidRequest(request.request_id, "size", f"must be a positive int, got {size!r}")
+
+
+class InstanceValidated(ScriptedWorker):
+    """Checks its requests in an instance method: refused by both executors (issue 17, defect 12)."""
+
+    def validate_request(self, request: DiffusionRequest) -> None:
+        _check_size(request)
+
+
+class ClassValidated(ScriptedWorker):
+    """Checks its requests in a class method: run by the executor in the caller's thread."""
+
+    @classmethod
+    def validate_request(cls, request: DiffusionRequest) -> None:
+        _check_size(request)
+
+
+def make_validated(rank: int = 0) -> ScriptedWorker:
+    """A factory function carrying the check as an attribute (as ``omni_async.models.dit:make_worker``)."""
+    return ScriptedWorker(rank)
+
+
+make_validated.validate_request = _check_size  # type: ignore[attr-defined]

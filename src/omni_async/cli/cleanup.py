@@ -1,7 +1,7 @@
 """``omni-async cleanup``: remove what crashed executors left in ``/dev/shm``.
 
-The segments and lock files of pools whose executor (the pid in their names) no longer
-runs.  ``--dry-run`` only lists them.  A live executor's files are never touched.
+The segments and lock files of pools, and the result channels' credit semaphores
+(``sem.omni-<pid>-sem-...``), whose executor (the pid in their names) no longer runs.  ``--dry-run`` only lists them.  A live executor's files are never touched.
 """
 
 from __future__ import annotations

@@ -38,6 +38,31 @@ class InvalidRequest(MessageValidationError):
         self.parameter = parameter
 
 
+class RequestNotSendable(UsageError):
+    """A call whose arguments cannot travel to the worker processes: one does not pickle.
+
+    Raised at the call (``submit_request``, ``execute_request``, ``collective_rpc``...),
+    before any rank got it and with nothing of the call left in the executor, which
+    stays healthy.  Names the request and the parameter that fails (``request_id``,
+    ``parameter``: a key of its ``params``), or for an RPC that carries no request
+    (``request_id`` None) the argument (``"args[0]"``, ``"kwargs['x']"``); ``parameter``
+    is None when no single one fails alone.  Parameters are data: numbers, strings,
+    tensors, arrays -- not functions, locks or open handles.
+    """
+
+    def __init__(self, method: str, request_id: str | None, parameter: str | None, cause: BaseException) -> None:
+        what = f"request {request_id!r}" if request_id is not None else f"the {method} call"
+        where = f": parameter {parameter!r} does not pickle" if parameter is not None else " does not pickle"
+        super().__init__(
+            f"{what} cannot be sent to the worker processes{where} ({type(cause).__name__}: {cause}); "
+            "parameters travel by pickle: pass data (numbers, strings, tensors, arrays), not functions, "
+            "locks or open handles"
+        )
+        self.method = method
+        self.request_id = request_id
+        self.parameter = parameter
+
+
 class ProtocolError(OmniAsyncError):
     """A peer sent a message the protocol does not allow (duplicate, unknown id, ...)."""
 

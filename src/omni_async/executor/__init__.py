@@ -1,1 +1,5 @@
 """executor layer."""
+
+from omni_async.executor.handle import RequestHandle
+
+__all__ = ["RequestHandle"]

@@ -46,6 +46,7 @@ from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
 from omni_async.executor.futures import all_done, map_future
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.channel import ResultReceiver
@@ -123,14 +124,20 @@ class DiffusionExecutor(abc.ABC):
     # --------------------------------------------------------------- transport
 
     @abc.abstractmethod
-    def _broadcast(self, req: RpcRequest) -> None:
-        """Deliver ``req`` to every rank (raises if it cannot)."""
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+        """Deliver ``req`` to every rank (raises if it cannot); ``wire``: what ``_encode``
+        made of it, when the caller encoded it already."""
+
+    def _encode(self, req: RpcRequest) -> list[bytes] | None:
+        """``req`` as each rank gets it, for a transport that pickles (None: one that does
+        not).  Raises ``RequestNotSendable`` when it cannot travel, before any rank got it."""
+        return None
 
     def _worker_failure(self) -> OmniAsyncError | None:
         """An error naming a dead worker, or None while all are alive."""
         return None
 
-    def _send_rpc(self, req: RpcRequest) -> None:
+    def _send_rpc(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         """Broadcast ``req``, preceded by the drops the workers have not heard of yet.
 
         Drops the dispatcher makes itself (a failed or timed-out call, an orphan
@@ -140,10 +147,16 @@ class DiffusionExecutor(abc.ABC):
         drops = self.pump.call(lambda d: d.take_worker_drops())
         if drops:
             self._notify_drop(drops)
-        self._broadcast(req)
+        self._broadcast(req, wire)
 
-    def _stop_workers(self) -> None:
-        """Stop the workers (after the pump stopped). Must be idempotent."""
+    def _stop_workers(self, deadline: float | None) -> None:
+        """Stop the workers (after the pump stopped). Must be idempotent.
+
+        ``deadline`` (``time.monotonic()``): when the whole shutdown must be over; None:
+        the transport's own defaults.  Ask every rank to stop, then force the ones still
+        running, all ranks at once against that one deadline (never one rank's wait
+        after another's).
+        """
 
     def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
         """Send ``cancels`` to every rank on the control channel; must not block.
@@ -255,10 +268,85 @@ class DiffusionExecutor(abc.ABC):
         return all_done(acks)
 
     def _submit_one(
-        self, request: DiffusionRequest, consumer: str | None, deadlines: Deadlines | None
+        self,
+        request: DiffusionRequest,
+        consumer: str | None,
+        deadlines: Deadlines | None,
+        first: Callable[[Future[tuple[RunnerOutput, ...]]], None] | None = None,
     ) -> Future[RunnerOutput]:
-        inner = self._submit("execute_model", (request,), consumer, [request], deadlines)
+        inner = self._submit("execute_model", (request,), consumer, [request], deadlines, first=first)
         return map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+
+    def submit_handle(
+        self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
+    ) -> RequestHandle:
+        """Start a forward; a ``RequestHandle`` with both phases of its output (request mode).
+
+        ``handle.computed`` is ``submit_request``'s future; ``handle.output`` the output,
+        claimed for the handle when the pump dispatches the call's COMPUTE_DONE -- before
+        ``computed`` resolves, so no ``wait_output_ready`` is needed (one for the same id
+        gets ``OutputAlreadyClaimed``).  ``output`` fails with the forward's error when
+        the forward fails; cancelling it abandons the output (released on arrival, F9);
+        ``drop_output`` of its id fails it.  Delivered as ``wait_output_ready`` delivers
+        (release it with ``release_output``).
+        """
+        self._check_request(request, "submit_handle")
+        self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "submit_handle")
+        output: Future[DiffusionOutput] = Future()
+        computed = self._submit_one(request, consumer, deadlines, first=lambda f: self._claim_for(f, output))
+        return RequestHandle(request.request_id, computed, output)
+
+    def _claim_for(self, call: Future[tuple[RunnerOutput, ...]], output: Future[DiffusionOutput]) -> None:
+        """On the thread that resolved ``call`` (the pump's, right after its COMPUTE_DONE),
+        before anyone else sees the id: claim the output for ``output``."""
+        if call.cancelled():
+            output.cancel()
+            return
+        exc = call.exception()
+        oid = None if exc is not None else call.result()[0].async_output_id
+        if exc is not None or oid is None:
+            if output.set_running_or_notify_cancel():
+                output.set_exception(exc if exc is not None else UsageError("the request has no output"))
+            return
+        # Claimed even when ``output`` was cancelled already: ``on_output`` below then
+        # cancels the claim at once, and the registry releases the output on arrival
+        # (F9) -- never a drop sent from here, which would write a pipe on the pump thread.
+        t0 = time.monotonic()
+        status = ["waiting"]
+        try:
+            delivered = self._watch_claim(self.pump.call(lambda d: self._claim(d, oid, status)), oid, t0, status)
+        except Exception as err:  # a callback's exception would be logged and lost: fail the future
+            if output.set_running_or_notify_cancel():
+                output.set_exception(err)
+            return
+
+        def relay(g: Future[DiffusionOutput]) -> None:
+            if g.cancelled():
+                output.cancel()
+                return
+            err = g.exception()
+            if not output.set_running_or_notify_cancel():
+                if err is None:  # cancelled as it was delivered: nobody else holds it
+                    self._release_abandoned(g.result())
+                return
+            if err is not None:
+                output.set_exception(err)
+            else:
+                output.set_result(g.result())
+
+        def on_output(o: Future[DiffusionOutput]) -> None:
+            if o.cancelled():
+                delivered.cancel()  # before arrival: the registry releases it when it comes
+
+        output.add_done_callback(on_output)
+        delivered.add_done_callback(relay)
+
+    def _release_abandoned(self, output: DiffusionOutput) -> None:
+        try:
+            self.release_output(output)
+        except Exception:
+            log.exception("releasing the abandoned output %s failed", output.async_output_id)
 
     def execute_request(
         self,
@@ -445,11 +533,18 @@ class DiffusionExecutor(abc.ABC):
         *,
         streams: Sequence[ChunkFeed] = (),
         step: bool = False,
+        first: Callable[[Future[tuple[RunnerOutput, ...]]], None] | None = None,
     ) -> Future[list[RunnerOutput]]:
+        """``first``: a callback on the call's own future, run before any other (on the
+        thread that resolves it: the pump's, for a COMPUTE_DONE)."""
         if self.step_mode and not step:
             raise UsageError("submit_* is the request-mode path; step mode uses execute_request/collective_rpc")
         self.check_health()
         rpc_id = self.next_rpc_id()
+        req = RpcRequest(rpc_id, method, args, async_output=True, stream=bool(streams), step=step)
+        # Encoded before the dispatcher hears of the call: one that cannot travel
+        # (RequestNotSendable) leaves nothing behind, and no rank got any of it.
+        wire = self._encode(req)
         now = self.pump.now()
         rids = tuple(r.request_id for r in requests)
         inner = self.pump.call(
@@ -464,8 +559,10 @@ class DiffusionExecutor(abc.ABC):
                 step=step,
             )
         )
+        if first is not None:
+            inner.add_done_callback(first)  # ahead of map_future's below
         try:
-            self._send_rpc(RpcRequest(rpc_id, method, args, async_output=True, stream=bool(streams), step=step))
+            self._send_rpc(req, wire)
         except BaseException as exc:
             err = ExecutorShutdown(f"cannot send {method} to the workers: {exc}")
             self.pump.call(lambda d: d.forget(rpc_id, err))
@@ -770,20 +867,43 @@ class DiffusionExecutor(abc.ABC):
 
     # --------------------------------------------------------------- shutdown
 
-    def shutdown(self, reason: str = "the executor shut down") -> None:
-        """Idempotent: fail every pending waiter (F16), stop the pump, stop the workers."""
+    def shutdown(self, reason: str = "the executor shut down", *, timeout: float | None = None) -> None:
+        """Idempotent: fail every pending waiter (F16), stop the pump, stop the workers.
+
+        ``timeout`` bounds the whole call (seconds): the pump's stop, then every rank asked
+        to stop, terminated, killed, in parallel, against one deadline; the shared memory
+        is unlinked all the same.  A rank still in a forward that ignores cancellation is
+        not waited for beyond it.  None: each step's default (a worker process gets 5 s to
+        exit by itself, then 2 s after SIGTERM, then 2 s after SIGKILL).  A second call
+        returns at once.
+        """
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
+        ):
+            raise UsageError(f"shutdown: timeout must be a number of seconds >= 0 or None, got {timeout!r:.80}")
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._shutdown_lock:
             if self._closed:
                 return
             self._closed = True
-        self.pump.stop(reason)
-        self._stop_workers()
+        # The pump's thread leaves within its poll interval unless a callback holds it;
+        # it gets a fifth of the time at most, the workers the rest.
+        self.pump.stop(reason, timeout=stop_budget(deadline, 5.0, 0.2))
+        self._stop_workers(deadline)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def stop_budget(deadline: float | None, default: float, fraction: float = 1.0) -> float:
+    """How long one step of a shutdown may wait: ``default`` seconds without a deadline,
+    else ``fraction`` of what is left of it (at most ``default``, never negative)."""
+    if deadline is None:
+        return default
+    return min(default, max(0.0, deadline - time.monotonic()) * fraction)
 
 
 def check_final_step_async(final_step_async: object, step_mode: bool) -> None:
@@ -806,4 +926,4 @@ def _requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:
     return [r for r in found if isinstance(r, DiffusionRequest)]
 
 
-__all__ = ["DiffusionExecutor"]
+__all__ = ["DiffusionExecutor", "stop_budget"]

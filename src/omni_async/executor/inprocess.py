@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,7 +14,8 @@ from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, UsageError
 from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.api import DiffusionExecutor, stop_budget
+from omni_async.executor.validation import model_validator
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -55,8 +57,10 @@ class InProcessExecutor(DiffusionExecutor):
         every output before it travels (as ``WorkerSpec.postprocess``; ignored by a
         packer from ``make_packer``, which chooses its own).
         ``validate_request``: checked on every request in the caller's thread before it is
-        sent; by default the model's own ``validate_request`` (rank 0's), as with worker
-        processes, so a bad request fails at the call on both executors."""
+        sent; by default the model's own ``validate_request``, found as with worker
+        processes: a static or class method of the model's class (or an attribute of
+        ``make_worker``).  A model whose class defines it as an instance method is refused
+        (``UsageError``), as ``WorkerSpec`` refuses it: one rule for both executors."""
         if postprocess is not None and (not isinstance(postprocess, str) or not postprocess):
             raise UsageError(f"postprocess must be a registered pipeline name (str) or None, got {postprocess!r}")
         stage = get_postprocess(postprocess).device if postprocess is not None else None
@@ -98,9 +102,14 @@ class InProcessExecutor(DiffusionExecutor):
             self.loops.append(loop)
             self._inboxes.append(inbox)
             self._threads.append(t)
+        # One rule with worker processes (omni_async.executor.validation): the model's
+        # validate_request runs without an instance; an instance method is refused.
+        found = model_validator(make_worker, "InProcessExecutor(make_worker)")
+        for loop in self.loops:
+            in_class = model_validator(type(loop.worker), "InProcessExecutor")
+            found = found if found is not None else in_class
         if validate_request is None:
-            hook = getattr(self.loops[0].worker, "validate_request", None)
-            self._validate_request = hook if callable(hook) else None
+            self._validate_request = found
         self.pump.start()
         for p, t in zip(self.packers, self._threads, strict=True):
             p.start()
@@ -114,7 +123,7 @@ class InProcessExecutor(DiffusionExecutor):
             except Exception:
                 log.exception("worker %d: handling %s failed", loop.rank, req.method)
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         if self._closed:
             raise ExecutorShutdown("the executor is shut down")
         for inbox in self._inboxes:
@@ -133,13 +142,22 @@ class InProcessExecutor(DiffusionExecutor):
                 return ExecutorShutdown(f"worker thread of rank {rank} is not running")
         return None
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, deadline: float | None) -> None:
+        # Threads cannot be terminated: each gets what is left of the deadline (5 s
+        # without one), all at once, and one still in a forward is left behind (a
+        # daemon thread), logged.
+        end = time.monotonic() + stop_budget(deadline, 5.0, 0.7)
         for inbox in self._inboxes:
             inbox.put(None)
         for t in self._threads:
-            t.join(5.0)
+            t.join(max(0.0, end - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
         # Close before stopping the packers: nobody reads any more, so a packer's put
         # must fail at once rather than wait for room (F16: joins never hang).
         self.channel.close()
+        end = time.monotonic() + stop_budget(deadline, 5.0)
         for p in self.packers:
-            p.stop(5.0)
+            if not p.stop(max(0.0, end - time.monotonic())):
+                stuck.append(f"omni-packer-{p.rank}")
+        if stuck:
+            log.warning("shutdown: thread(s) %s still running; left behind (daemon threads)", stuck)

@@ -69,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import queue
-import inspect
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -105,8 +104,9 @@ from omni_async.core.messages import (
     RpcRequest,
 )
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor, check_final_step_async
+from omni_async.executor.api import DiffusionExecutor, check_final_step_async, stop_budget
 from omni_async.executor.futures import map_future
+from omni_async.executor.validation import model_validator
 from omni_async.transport.channel import PipeChannel, PipeSender, ResultSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
 from omni_async.transport.packing import (
@@ -118,6 +118,7 @@ from omni_async.transport.packing import (
     unpack_diffusion_output_shm,
 )
 from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.transport.rpc import encode_rpc, pickle_problem
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.baselines import (
@@ -164,7 +165,10 @@ class WorkerSpec:
     A factory with a static (or class) method ``validate_request(request)`` -- or, for
     a factory function, such an attribute -- gets it called by the executor on every
     request before sending it (``request_validator``): a bad request fails in the
-    caller's thread, and no worker sees it.
+    caller's thread, and no worker sees it.  A factory class whose ``validate_request``
+    is an instance method is refused here (``UsageError``): the executor could not run
+    it, and a bad request would reach the model unchecked.  The kwargs must pickle (they
+    travel to every worker): one that does not is refused here, named.
 
     ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
     stage the worker's packer runs on every output before the copy (see
@@ -197,6 +201,14 @@ class WorkerSpec:
         bad_keys = [k for k in self.kwargs if not isinstance(k, str)]
         if bad_keys:
             raise UsageError(f"WorkerSpec.kwargs keys must be str (keyword arguments), got {bad_keys!r}")
+        for key, value in self.kwargs.items():
+            problem = pickle_problem(value, spawning=True)
+            if problem is not None:
+                raise UsageError(
+                    f"WorkerSpec.kwargs[{key!r}] does not pickle ({type(problem).__name__}: {problem}): the "
+                    "kwargs travel to every worker process by pickle; pass data (or an import path) and "
+                    "build the object in the factory"
+                )
         for field in ("pass_rank", "check_import"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
@@ -205,7 +217,7 @@ class WorkerSpec:
                 f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
             )
         if self.check_import:
-            self.resolve()
+            model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")  # the one rule, checked now
             self.device_stage()
 
     def device_stage(self) -> DeviceStage | None:
@@ -235,16 +247,13 @@ class WorkerSpec:
         return cast("Callable[..., object]", obj)
 
     def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
-        """The factory's ``validate_request`` when it needs no worker instance; else None."""
+        """The factory's ``validate_request`` (a static or class method, or a factory
+        function's attribute), run by the executor in the caller's thread; None without
+        one, and without ``check_import`` (the factory is not imported here).  An instance
+        method is refused (``UsageError``): see ``omni_async.executor.validation``."""
         if not self.check_import:
             return None
-        factory = self.resolve()
-        if isinstance(factory, type):
-            hook = inspect.getattr_static(factory, "validate_request", None)
-            if not isinstance(hook, (staticmethod, classmethod)):
-                return None
-        hook = getattr(factory, "validate_request", None)
-        return cast("Callable[[DiffusionRequest], None]", hook) if callable(hook) else None
+        return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
 
     def build(self, rank: int) -> object:
         factory = self.resolve()
@@ -605,6 +614,17 @@ def _sigint_blocked() -> Iterator[None]:
 _NO_REPORT = object()  # a worker that died without reporting how its start-up went
 
 
+def _join_all(
+    procs: list[multiprocessing.process.BaseProcess], until: float
+) -> list[multiprocessing.process.BaseProcess]:
+    """Wait for all of ``procs`` at once, until ``until`` (monotonic); returns those still alive."""
+    alive = [p for p in procs if p.is_alive()]
+    while alive and (left := until - time.monotonic()) > 0:
+        multiprocessing.connection.wait([p.sentinel for p in alive], left)
+        alive = [p for p in alive if p.is_alive()]
+    return alive
+
+
 def _sweep_dead_pools() -> None:
     try:
         removed = remove_dead_executor_files()
@@ -613,7 +633,7 @@ def _sweep_dead_pools() -> None:
         return
     if removed:
         pids = sorted({f.pid for f in removed})
-        segments = sum(not f.is_lock for f in removed)
+        segments = sum(f.is_segment for f in removed)
         log.warning(
             "swept %d shared-memory file(s) (%d segment(s), %d bytes) left in /dev/shm by %d executor(s) "
             "that died without cleaning up: pid(s) %s",
@@ -790,6 +810,9 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
                 self.procs.append(proc)
             lifeline_r.close()
             self._await_models(deadline, start_timeout)
+            # Every worker opened its credit semaphore by name while unpickling its
+            # arguments: the names can go (a SIGKILL of the whole group leaves none).
+            self._channel.unlink_names()
             self._cancel_sender.start()
             self.pump.start()
             self._monitor = threading.Thread(target=self._watch, name="omni-monitor", daemon=True)
@@ -847,13 +870,19 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _encode(self, req: RpcRequest) -> list[bytes]:
+        return encode_rpc(req, len(self._rpc_conns))
+
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+        # Pickled for every rank before the first write, outside the lock: an argument
+        # that does not pickle fails here, with no rank holding half a call.
+        data = wire if wire is not None else self._encode(req)
         with self._rpc_lock:
             if self._closed:
                 raise ExecutorShutdown("the executor is shut down")
             for rank, conn in enumerate(self._rpc_conns):
                 try:
-                    conn.send(req)
+                    conn.send_bytes(data[rank])
                 except (BrokenPipeError, OSError) as exc:
                     raise ExecutorShutdown(f"cannot reach worker rank {rank}: {exc}") from exc
 
@@ -1077,33 +1106,59 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     # ------------------------------------------------------------------ shutdown
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, deadline: float | None) -> None:
+        # Phases, every rank at once: ask (a None on its RPC pipe), then SIGTERM, then
+        # SIGKILL.  Without a deadline each phase has its old length (5 s, 2 s, 2 s);
+        # with one, half, three tenths and a fifth of what is left of it.
+        t0 = time.monotonic()
+        span = None if deadline is None else max(0.0, deadline - t0)
+
+        def phase_end(default: float, fraction: float, after: float) -> float:
+            return after + (default if span is None else span * fraction)
+
         try:
             self._monitor_stop_w.send(None)
         except OSError:
             pass
         # Nobody reads the result pipes any more: close them so a worker's put fails
         # at once instead of waiting for room.
-        self._channel.close()
-        self._cancel_sender.stop()
-        with self._rpc_lock:
-            for conn in self._rpc_conns:
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-                conn.close()
-        for p in self.procs:
-            p.join(5.0)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
+        self._channel.close()  # unlinks the credit semaphores' names too (a failed start)
+        asked = phase_end(5.0, 0.5, t0)
+        self._cancel_sender.stop(timeout=max(0.0, min(1.0, asked - time.monotonic())))
+        # A caller's send may be blocked on a full RPC pipe (a large request) and hold the
+        # lock: then that rank is not asked, it is terminated below, and the broken pipe
+        # frees the sender (why the lock is taken with a timeout, and the pipes closed last).
+        polite = self._rpc_lock.acquire(timeout=max(0.0, min(1.0, asked - time.monotonic())))
+        if polite:
+            try:
+                for conn in self._rpc_conns:
+                    try:
+                        conn.send(None)
+                    except OSError:
+                        pass
+            finally:
+                self._rpc_lock.release()
+        alive = _join_all(self.procs, asked)
+        for p in alive:
+            p.terminate()
+        terminated = phase_end(2.0, 0.3, asked if span is None else max(time.monotonic(), asked))
+        alive = _join_all(alive, terminated)
+        for p in alive:
+            p.kill()
+        alive = _join_all(alive, phase_end(2.0, 0.2, terminated) if deadline is None else deadline)
+        if alive:
+            log.warning(
+                "shutdown: worker process(es) %s still running after SIGKILL; not waited for",
+                [p.pid for p in alive],
+            )
+        if self._rpc_lock.acquire(timeout=stop_budget(deadline, 2.0)):
+            try:
+                for conn in self._rpc_conns:
+                    conn.close()
+            finally:
+                self._rpc_lock.release()
         if hasattr(self, "_monitor"):
-            self._monitor.join(5.0)
+            self._monitor.join(stop_budget(deadline, 5.0))
         self._monitor_stop_r.close()
         self._monitor_stop_w.close()
         # Every worker is gone: the lifeline has nobody left to warn.

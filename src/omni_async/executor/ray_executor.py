@@ -116,7 +116,7 @@ from omni_async.core.messages import (
     RpcRequest,
 )
 from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor, check_final_step_async
+from omni_async.executor.api import DiffusionExecutor, check_final_step_async, stop_budget
 from omni_async.executor.futures import map_future
 from omni_async.executor.multiproc import (
     DEFAULT_MAX_HELD_OUTPUTS,
@@ -822,7 +822,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
-    def _broadcast(self, req: RpcRequest) -> None:
+    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         with self._rpc_lock:
             if self._closed:
                 raise ExecutorShutdown("the executor is shut down")
@@ -932,7 +932,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
 
     # ------------------------------------------------------------------ shutdown
 
-    def _stop_workers(self) -> None:
+    def _stop_workers(self, deadline: float | None) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -940,13 +940,20 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             return
         self._stopped = True
         self._receiver.close()
-        with self._rpc_lock:
-            stops = []
-            for rank, actor in enumerate(self.actors):
-                stops.append(actor.stop.remote(self._actor_seq[rank], 5.0))
-                self._actor_seq[rank] += 1
+        # Every actor asked at once, then killed: the kill is immediate, so the asking
+        # gets most of the deadline (10 s without one).
+        asked = stop_budget(deadline, 10.0, 0.8)
+        stops = []
+        if self._rpc_lock.acquire(timeout=min(1.0, asked)):
+            try:
+                for rank, actor in enumerate(self.actors):
+                    stops.append(actor.stop.remote(self._actor_seq[rank], min(5.0, asked)))
+                    self._actor_seq[rank] += 1
+            finally:
+                self._rpc_lock.release()
         try:
-            ray.wait(stops, num_returns=len(stops), timeout=10.0)
+            if stops:
+                ray.wait(stops, num_returns=len(stops), timeout=asked)
         except Exception:  # noqa: BLE001  # dead actors: killed below all the same
             log.debug("stopping the actors failed", exc_info=True)
         for actor in self.actors:

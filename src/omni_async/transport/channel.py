@@ -46,6 +46,17 @@ credits does not block on the reader.  The reader trusts no sender: it gives cre
 back only up to the budget (a raw write took none), and it reads the pipes
 non-blocking, assembling each frame as its bytes come, so a sender stopped half-way
 through a frame stalls its own pipe only (``torn_senders`` reports it).
+
+The credit semaphore is a named POSIX semaphore (a 32-byte ``sem.<name>`` file in
+``/dev/shm``): a spawned worker opens it by name while it unpickles its arguments.
+Its name is ours, ``omni-<executor pid>-sem-<random>`` (``CreditSemaphore``), and it is
+unlinked as soon as every process that needs it has opened it
+(``PipeChannel.unlink_names``, which the executor calls once its workers are up; the
+semaphore lives on in the processes that hold it).  A SIGKILL of the whole process
+group -- which takes ``multiprocessing``'s resource tracker with it -- then leaves
+nothing behind; one in the window before (workers still starting) leaves a file whose
+name carries the dead executor's pid, which the next executor's sweep and
+``omni-async cleanup`` remove (``shm.files.dead_executor_files``).
 """
 
 from __future__ import annotations
@@ -55,11 +66,15 @@ import fcntl
 import logging
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.synchronize
+import multiprocessing.util
 import os
 import pickle
+import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
@@ -68,6 +83,7 @@ import attrs
 from omni_async.core.errors import ProtocolError, UsageError
 from omni_async.core.messages import AsyncDiffusionOutput
 from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
+from omni_async.transport.shm.files import SHM_PREFIX_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +291,34 @@ class InProcessChannel:
 # ---------------------------------------------------------------------------------------
 
 
+class CreditSemaphore(multiprocessing.synchronize.Semaphore):
+    """A sender's credits: a ``multiprocessing`` semaphore whose name is ours (module docstring).
+
+    ``/dev/shm/sem.omni-<pid of the creating process>-sem-<random>``, so the sweeps of
+    dead executors find it by the pid, as they find segments; ``unlink_name`` removes
+    the name early, once every process that opens it by name has done so.
+    """
+
+    @staticmethod
+    def _make_name() -> str:
+        # Called by SemLock.__init__ (retried on a clash); the leading slash is POSIX's.
+        return f"/{SHM_PREFIX_ROOT}{os.getpid()}-sem-{secrets.token_hex(6)}"
+
+    def unlink_name(self) -> None:
+        """Remove the name now (idempotent; the semaphore stays usable where it is open).
+
+        Runs the finalizer ``multiprocessing`` registered for it -- unlink the name and
+        tell the resource tracker -- early, so it does not run again at exit.
+        """
+        for ref in weakref.getweakrefs(self):
+            finalize = getattr(ref, "__callback__", None)
+            if isinstance(finalize, multiprocessing.util.Finalize):
+                try:
+                    finalize()
+                except OSError:  # already unlinked (a sweep that took us for dead)
+                    log.debug("credit semaphore already unlinked", exc_info=True)
+
+
 def _credits_for(nbytes: int) -> int:
     return max(1, -(-nbytes // CREDIT_BYTES))
 
@@ -389,6 +433,11 @@ class PipeSender:
             raise ChannelClosed(f"result channel {self._name}: the reader is gone ({exc})") from exc
         finally:
             self._lock.release()
+
+    def unlink_credit_name(self) -> None:
+        """Remove the name of this sender's credit semaphore (see ``PipeChannel.unlink_names``)."""
+        if isinstance(self._credits, CreditSemaphore):
+            self._credits.unlink_name()
 
     def close(self) -> None:
         """Idempotent; closes this process's copy of the writing end."""
@@ -564,11 +613,21 @@ class PipeChannel:
             recv, send = self._ctx.Pipe(duplex=False)
             self.pipe_buffer_bytes = _enlarge_pipe(send, self._capacity)
             budget = self._capacity // CREDIT_BYTES
-            credits = self._ctx.Semaphore(budget)
+            credits = CreditSemaphore(budget, ctx=self._ctx)
             self._receivers[recv] = _FrameReader(recv, label, credits, budget, self._max_message_bytes)
         return PipeSender(
             send, credits, name=label, max_message_bytes=self._max_message_bytes, put_timeout=self._put_timeout
         )
+
+    def unlink_names(self) -> None:
+        """Every process that opens a sender's credit semaphore by name has done so (the
+        workers are up): remove the names from ``/dev/shm`` (module docstring).  Senders
+        made later get theirs removed by the next call, or at ``close``."""
+        with self._lock:
+            readers = list(self._receivers.values())
+        for r in readers:
+            if isinstance(r.credits, CreditSemaphore):
+                r.credits.unlink_name()
 
     def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
         with self._lock:
@@ -577,6 +636,7 @@ class PipeChannel:
             local = self._local
         if local is None:
             local = self.new_sender("executor-local")
+            local.unlink_credit_name()  # used in this process only: nobody opens it by name
             with self._lock:
                 if self._local is None:
                     self._local = local
@@ -661,6 +721,7 @@ class PipeChannel:
 
     def close(self) -> None:
         """Idempotent.  Closes every reading end: senders then get ``ChannelClosed``."""
+        self.unlink_names()  # nobody may open them any more
         with self._lock:
             if self._closed:
                 return

@@ -2,7 +2,11 @@
 
 Every name of ours starts with ``omni-<pid of the creating executor>-``, so a crash
 cleanup finds a pool's files by prefix alone, and ``sweep_dead_executors`` finds the
-pools whose executor no longer runs.
+pools whose executor no longer runs.  So does the name of a result channel's credit
+semaphore (``transport.channel.CreditSemaphore``), whose file glibc calls
+``sem.omni-<pid>-sem-<random>``: normally unlinked as soon as the workers are up, it is
+left only by an executor killed (with its resource tracker) while they were starting,
+and the same sweeps remove it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "LOCK_SUFFIX",
+    "SEM_FILE_PREFIX",
     "SHM_DIR",
     "SHM_PREFIX_ROOT",
     "DeadFile",
@@ -37,7 +42,8 @@ SHM_DIR: Final = "/dev/shm"
 SHM_PREFIX_ROOT: Final = "omni-"
 LOCK_SUFFIX: Final = "lock"  # <prefix>lock; segment names end in <slot>.<incarnation>
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
-_EXECUTOR_PID = re.compile(r"^omni-(\d+)-")
+SEM_FILE_PREFIX: Final = "sem."  # glibc's file of the POSIX semaphore named /<name>
+_EXECUTOR_PID = re.compile(r"^(?:sem\.)?omni-(\d+)-")
 
 
 def is_plain_name(name: str) -> bool:
@@ -115,16 +121,25 @@ class DeadFile(NamedTuple):
     def is_lock(self) -> bool:
         return self.name.endswith(LOCK_SUFFIX)
 
+    @property
+    def is_semaphore(self) -> bool:
+        """A result channel's credit semaphore, not a segment."""
+        return self.name.startswith(SEM_FILE_PREFIX)
+
+    @property
+    def is_segment(self) -> bool:
+        return not self.is_lock and not self.is_semaphore
+
 
 def dead_executor_files() -> list[DeadFile]:
-    """Segments and lock files of pools whose executor (the pid in the name) no longer runs.
+    """Segments, lock files and credit semaphores of executors (the pid in the name) that no longer run.
 
     Liveness is ``pid_alive`` on that pid: a process of another pid namespace that
     shares this ``/dev/shm`` (a container with ``--ipc=host``) looks dead from here, so
     do not share ``/dev/shm`` across pid namespaces, or turn the executor's sweep off.
     """
     found = []
-    for name in entries(SHM_PREFIX_ROOT):
+    for name in [*entries(SHM_PREFIX_ROOT), *entries(SEM_FILE_PREFIX + SHM_PREFIX_ROOT)]:
         pid = owner_pid(name)
         if pid is None or pid_alive(pid):
             continue
@@ -155,6 +170,6 @@ def remove_dead_executor_files() -> list[DeadFile]:
 def sweep_dead_executors() -> int:
     """Unlink segments left by executors that are no longer running (their pid is in the name).
 
-    Lock files go too (not counted); returns how many segments.
+    Lock files and credit semaphores go too (not counted); returns how many segments.
     """
-    return sum(not f.is_lock for f in remove_dead_executor_files())
+    return sum(f.is_segment for f in remove_dead_executor_files())

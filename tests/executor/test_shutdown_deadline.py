@@ -1,0 +1,58 @@
+"""``shutdown(timeout=...)`` bounds the whole shutdown (issue 17, defect 4), through real processes.
+
+A worker in a forward that never looks at cancellation (a 10 s sleep) cannot be asked
+to stop: the shutdown terminates it, every rank at once, within the deadline, and
+still fails every waiter and unlinks every segment of its pool.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers.crash_children import gone
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import ExecutorShutdown, UsageError
+from omni_async.core.messages import DiffusionRequest
+from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+from omni_async.transport.shm.files import entries
+
+SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
+DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
+
+
+def test_shutdown_timeout_bounds_a_shutdown_behind_a_forward_that_ignores_cancel() -> None:
+    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
+    pids = [p.pid for p in ex.procs if p.pid is not None]
+    prefix = ex.pool.prefix
+    try:
+        fut = ex.submit_request(DiffusionRequest("stuck", {"sleep": 10.0}))
+        time.sleep(0.5)  # both ranks are in the forward now
+        assert not fut.done()
+        t0 = time.monotonic()
+        ex.shutdown("maintenance", timeout=1.0)
+        took = time.monotonic() - t0
+        assert took < 2.5, f"shutdown(timeout=1.0) took {took:.2f} s"
+        assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]
+        assert not entries(prefix), entries(prefix)
+        with pytest.raises(ExecutorShutdown, match="maintenance"):
+            fut.result(timeout=1)
+        t0 = time.monotonic()
+        ex.shutdown(timeout=1.0)  # idempotent, at once
+        assert time.monotonic() - t0 < 0.1
+    finally:
+        ex.shutdown()
+
+
+def test_shutdown_timeout_is_checked() -> None:
+    ex = InProcessExecutor(lambda rank: object(), deadlines=DEADLINES)
+    try:
+        for bad in (-1.0, "1", True, float("nan")):
+            with pytest.raises(UsageError, match="shutdown: timeout"):
+                ex.shutdown(timeout=bad)  # type: ignore[arg-type]
+    finally:
+        ex.shutdown(timeout=5.0)
+    with pytest.raises(ExecutorShutdown):
+        ex.check_health()
