@@ -539,7 +539,11 @@ class AsyncDiffusionEngine:
             if self._owns_executor:
                 # Shutting the executor down fails every pending future at once and
                 # unlinks every segment: the drivers only have to notice.
-                await asyncio.to_thread(self.executor.shutdown, "the engine closed")
+                await asyncio.to_thread(
+                    functools.partial(
+                        self.executor.shutdown, "the engine closed", timeout=max(0.1, deadline - time.monotonic())
+                    )
+                )
             await self._await_gone(list(self._records.values()), deadline)
             if self._loop_task is not None:
                 self._loop_task.cancel()
@@ -977,8 +981,12 @@ class AsyncDiffusionEngine:
                 stream.add_listener(wake)
                 rec.changed.set()
                 execute = stream.result
+                output_future: Future[DiffusionOutput] | None = None
             else:
-                execute = await self._on_io(functools.partial(ex.submit_request, rec.request, deadlines=rec.deadlines))
+                # One handle: its COMPUTE_DONE, and its output, claimed by the pump as it
+                # dispatches that COMPUTE_DONE (no id travels back down to claim it).
+                handle = await self._on_io(functools.partial(ex.submit_handle, rec.request, deadlines=rec.deadlines))
+                execute, output_future = handle.computed, handle.output
         except Exception as exc:
             self._fail(rec, exc)
             return
@@ -1004,7 +1012,7 @@ class AsyncDiffusionEngine:
             self._drop_output(rec)
             await self._await_drop(rec)
             return
-        ready = ex.wait_output_ready(rec.output_id)
+        ready = ex.wait_output_ready(rec.output_id) if output_future is None else output_future
         try:
             output = await asyncio.wrap_future(ready)
         except Exception as exc:

@@ -870,13 +870,13 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
-    def _encode(self, req: RpcRequest) -> list[bytes]:
+    def _encode(self, req: RpcRequest) -> list[bytes] | None:
         return encode_rpc(req, len(self._rpc_conns))
 
     def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         # Pickled for every rank before the first write, outside the lock: an argument
         # that does not pickle fails here, with no rank holding half a call.
-        data = wire if wire is not None else self._encode(req)
+        data = wire if wire is not None else encode_rpc(req, len(self._rpc_conns))
         with self._rpc_lock:
             if self._closed:
                 raise ExecutorShutdown("the executor is shut down")

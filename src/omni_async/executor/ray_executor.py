@@ -822,6 +822,11 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
 
     # ----------------------------------------------------------------- transport
 
+    def _encode(self, req: RpcRequest) -> list[bytes] | None:
+        # Ray serializes each actor call itself (cloudpickle: a lambda travels, a lock
+        # does not), so nothing is pickled ahead here -- not the worker processes' pipes.
+        return None
+
     def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
         with self._rpc_lock:
             if self._closed:
