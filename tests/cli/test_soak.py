@@ -263,3 +263,34 @@ def test_the_help_says_what_happens_after_a_kill() -> None:
     text = " ".join(soak_parser.format_help().split())
     assert "WorkerDied is final" in text and "starts a new one" in text and "warm spare" in text
     assert "--rss-bound-mib" in text and "RssAnon" in text
+
+
+def test_the_soaks_digest_is_image_digest_without_its_temporaries() -> None:
+    """The soak checks every result's bytes on its engine threads; with image_digest's
+    int64 temporaries (three of 8 MiB for a 1 MiB image) glibc kept that much in each
+    thread's arena and the driver's RSS grew by hundreds of MiB (defect 15).  host_digest
+    is the same integer, and allocates no tensor and a few KiB of numpy buffers."""
+    import tracemalloc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from omni_async.models.tiny import image_digest
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, 250, 251, 252, 64 * 8, 64 * 4096 + 3):
+        t = torch.randn(n, generator=gen) * 100
+        assert soak.host_digest(t) == int(image_digest(t)), n
+    image = torch.randn(4096, soak.WIDTH, generator=gen)  # 1 MiB, the soak's largest
+    assert soak.host_digest(image.to(torch.uint8)) == int(image_digest(image.to(torch.uint8)))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        soak.host_digest(image)
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < 1 << 20, f"a tensor of {largest} bytes allocated to check a 1 MiB image"
+    tracemalloc.start()
+    try:
+        soak.host_digest(image)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 << 10, f"{peak} bytes traced for a 1 MiB image"
