@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,7 +39,11 @@ def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> 
     assert rows["requests unaccounted"]["value"] == "0" and rows["requests unaccounted"]["check"] is True
     assert rows["segments left in /dev/shm"]["value"] == "0"
     checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
-    assert len(checks) == 9 and all(checks.values()), checks
+    assert len(checks) == 10 and all(checks.values()), checks
+    assert rows["driver RSS growth after warm-up (RssAnon)"]["value"].endswith(", bound 64 MiB")
+    driver = report["driver"]
+    assert driver["warm_index"] == 30 and driver["requests"] == 300 and driver["bound_mib"] == 64
+    assert driver["growth_kib"] is not None and driver["growth_kib"] < 64 << 10
     assert sum(report["outcomes"].values()) == 300
     assert report["outcomes"]["result"] > 200
     # A kill ends its executor; a second kill drawn before the soak noticed finds it ended.
@@ -64,7 +69,7 @@ def test_a_short_soak_through_the_engine_passes_every_check_and_the_engines_own(
     report = json.loads(out.read_text())
     rows = _rows(report)
     checks = {name: row["check"] for name, row in rows.items() if row["check"] is not None}
-    assert len(checks) == 11 and all(checks.values()), checks
+    assert len(checks) == 12 and all(checks.values()), checks
     assert rows["engine: requests held at the end"]["value"] == "0"
     lives = report["lives"]
     assert rows["engine: one outcome per request"]["value"].endswith(f"({len(lives)} of {len(lives)} engines)")
@@ -153,7 +158,7 @@ def _lost(requests: int, lost: int) -> soak.Accounting:
 
 
 def _checks(acc: soak.Accounting) -> dict[str, bool | None]:
-    rows = soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64, driver_rss_kib=[1024, 1024])
+    rows = soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64)
     return {row.name: row.ok for row in rows}
 
 
@@ -187,7 +192,7 @@ def test_the_engine_rows_catch_an_outcome_missing_and_a_request_held() -> None:
             engine_left=left,
         )
         rows = soak.build_rows(
-            acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, driver_rss_kib=[1024, 1024], engine=True
+            acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, engine=True
         )
         assert life.problems(64) == [] or not all(row.ok for row in rows if row.ok is not None)
         return {row.name: row.ok for row in rows}
@@ -197,6 +202,64 @@ def test_the_engine_rows_catch_an_outcome_missing_and_a_request_held() -> None:
     assert engine_checks(4, 3, 0)["engine: one outcome per request"] is False
     assert engine_checks(4, 4, 1)["engine: requests held at the end"] is False
     assert "engine: one outcome per request" not in _checks(acc)  # without --engine: no such row
+
+
+def _driver(warm_anon: int, last_anon: int, end_anon: int | None) -> soak.DriverMemory:
+    return soak.DriverMemory(
+        start=(200_000, 150_000),
+        warm=(250_000, warm_anon),
+        last=(260_000, last_anon),
+        end=None if end_anon is None else (240_000, end_anon),
+        warm_index=1000,
+        requests=10_000,
+    )
+
+
+def test_the_driver_row_checks_the_rssanon_growth_after_the_warm_up_against_its_bound() -> None:
+    """Defect 15: the driver's growth is a check.  RssAnon from the warm-up (a tenth of
+    the requests) to the larger of the last request's and the end's, under the bound."""
+    acc = _lost(3, lost=-1)
+
+    def driver_row(driver: soak.DriverMemory, bound: int = 64) -> soak.Row:
+        rows = soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64, driver=driver, driver_rss_bound_mib=bound)
+        (row,) = [r for r in rows if r.name == "driver RSS growth after warm-up (RssAnon)"]
+        return row
+
+    ok = driver_row(_driver(170_000, 180_000, 175_000))
+    assert ok.ok is True and ok.value == "9.8 MiB, 1.09 MiB per 1000 requests, bound 64 MiB"
+    assert driver_row(_driver(170_000, 170_000, 170_000 + (64 << 10))).ok is False, "the end counts too"
+    assert driver_row(_driver(170_000, 170_000 + (64 << 10), None)).ok is False
+    assert driver_row(_driver(170_000, 180_000, 175_000), bound=8).ok is False
+    unfinished = attrs.evolve(_driver(0, 0, None), warm=None, last=None)
+    assert driver_row(unfinished).ok is None, "interrupted before the warm-up ended: nothing judged"
+    assert "driver RSS growth after warm-up (RssAnon)" not in {r.name for r in soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64)}
+
+
+def test_a_soak_whose_driver_keeps_memory_per_request_fails_its_driver_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The real run, with a driver that keeps 256 KiB per finished request (40 requests:
+    about 9 MiB after the warm-up) and --driver-rss-bound-mib 4: exit status 1, the
+    driver's row fails, the other checks pass, and the summary says why."""
+    real = soak._task
+    kept: list[bytes] = []
+
+    def keeps_memory(plan: soak.Plan, life: soak.Life, acc: soak.Accounting, output_timeout: float) -> None:
+        real(plan, life, acc, output_timeout)
+        kept.append(os.urandom(256 << 10))  # touched pages: RssAnon
+
+    monkeypatch.setattr(soak, "_task", keeps_memory)
+    out = tmp_path / "leak.json"
+    argv = ["soak", "--requests", "40", "--fault-rate", "0", "--driver-rss-bound-mib", "4", "--json", str(out)]
+    assert cli.main([*argv]) == 1
+    text = capsys.readouterr().out
+    assert "soak FAILED" in text and "the driver's RssAnon grew" in text and "--driver-rss-bound-mib" in text
+    report = json.loads(out.read_text())
+    rows = _rows(report)
+    row = rows["driver RSS growth after warm-up (RssAnon)"]
+    assert row["check"] is False and row["value"].endswith("bound 4 MiB"), row
+    assert report["driver"]["growth_kib"] >= 4 << 10 and report["driver"]["bound_mib"] == 4
+    assert all(r["check"] for name, r in rows.items() if r["check"] is not None and name != row["name"])
 
 
 def test_a_soak_that_loses_a_request_fails(
@@ -263,3 +326,35 @@ def test_the_help_says_what_happens_after_a_kill() -> None:
     text = " ".join(soak_parser.format_help().split())
     assert "WorkerDied is final" in text and "starts a new one" in text and "warm spare" in text
     assert "--rss-bound-mib" in text and "RssAnon" in text
+    assert "--driver-rss-bound-mib" in text and f"(default: {soak.DRIVER_RSS_BOUND_MIB})" in text
+
+
+def test_the_soaks_digest_is_image_digest_without_its_temporaries() -> None:
+    """The soak checks every result's bytes on its engine threads; with image_digest's
+    int64 temporaries (three of 8 MiB for a 1 MiB image) glibc kept that much in each
+    thread's arena and the driver's RSS grew by hundreds of MiB (defect 15).  host_digest
+    is the same integer, and allocates no tensor and a few KiB of numpy buffers."""
+    import tracemalloc
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from omni_async.models.tiny import image_digest
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, 250, 251, 252, 64 * 8, 64 * 4096 + 3):
+        t = torch.randn(n, generator=gen) * 100
+        assert soak.host_digest(t) == int(image_digest(t)), n
+    image = torch.randn(4096, soak.WIDTH, generator=gen)  # 1 MiB, the soak's largest
+    assert soak.host_digest(image.to(torch.uint8)) == int(image_digest(image.to(torch.uint8)))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        soak.host_digest(image)
+    largest = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert largest < 1 << 20, f"a tensor of {largest} bytes allocated to check a 1 MiB image"
+    tracemalloc.start()
+    try:
+        soak.host_digest(image)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 << 10, f"{peak} bytes traced for a 1 MiB image"

@@ -279,11 +279,36 @@ def test_compute_timeout_fails_the_call_naming_the_missing_ranks() -> None:
     assert isinstance(err, ComputeTimeout) and isinstance(err, TimeoutError) and "[1]" in str(err)
     assert h.d.counters["compute_timeouts"] == 1 and len(h.d) == 0
     assert h.registry.state_of("o1") is S.DROPPING, "what was announced has no owner now"
-    # Late answers: the output is released, the RPC_RESULT goes to path 2 (the caller discards it).
+    # Late answers: the output is released, the empty RPC_RESULT is discarded (nobody reads it).
     late = Msg.rpc_result("rpc-1", None, rank=1)
-    assert h.handle(late) == late
+    assert h.handle(late) is None and h.d.counters["late_rpc_results"] == 1
     h.output("o1")
     assert h.released == ["payload-o1"] and len(h.registry) == 0
+
+
+def test_late_answers_of_ended_execute_calls_are_not_kept_for_path_2() -> None:
+    """Issue 17, defect 15: each execute call ended by its compute deadline gets its
+    ranks' late answers (the worker's RequestAborted once the cancel reached the forward,
+    or a non-reply rank's empty RPC_RESULT).  Routed to the synchronous buffer, they
+    stayed there until a collective_rpc, which an engine may never make: two messages
+    per timed-out call, without bound.  The dispatcher discards them.  A late answer that
+    carries a result, and path 2's answers, still go to the caller."""
+    h = Harness(world_size=2, compute_timeout=1.0)
+    aborted = Failure("RequestAborted", "cancelled while the forward ran", "Traceback ...")
+    routed = []
+    for i in range(100):
+        fut = h.submit(f"rpc-{i}")
+        h.expire(h.now + 1.0)
+        assert isinstance(exc_of(fut), ComputeTimeout)
+        routed += [h.handle(Msg.rpc_failed(f"rpc-{i}", aborted, rank=0)), h.handle(Msg.rpc_result(f"rpc-{i}", None, rank=1))]
+    assert routed == [None] * 200 and h.d.counters["late_rpc_results"] == 200 and len(h.d) == 0
+    assert h.d.counters["protocol_errors"] == 0
+    fut = h.submit("rpc-x")
+    h.expire(h.now + 1.0)
+    with_result = Msg.rpc_result("rpc-x", {"step": 3}, rank=1)
+    assert h.handle(with_result) == with_result, "a result goes to the caller, which gives back what it holds"
+    collective = Msg.rpc_result("collective-1", None, rank=0)
+    assert h.handle(collective) == collective and h.d.counters["late_rpc_results"] == 200
 
 
 def test_late_compute_done_after_a_timeout_is_dropped() -> None:

@@ -311,7 +311,17 @@ class Dispatcher:
                     return None
                 rpc = self._pending.get(msg.rpc_id)
                 if rpc is None:
-                    return msg  # path 2, or a late answer of a call that ended
+                    if msg.result is None and msg.rpc_id in self._ended:
+                        # A late answer of an execute call that ended (its compute
+                        # deadline, a cancel, an abort): the worker's RequestAborted, or
+                        # a non-reply rank's empty answer.  Nobody will read it, and it
+                        # carries nothing to give back: counted and discarded here.  In
+                        # the synchronous buffer it would stay until the next
+                        # collective_rpc, which an engine may never make: one message
+                        # (with its traceback text) kept per such call, without bound.
+                        self.counters["late_rpc_results"] += 1
+                        return None
+                    return msg  # path 2, or a late answer that carries a result (the caller discards it)
                 if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
                     # The reply rank answers an execute call with COMPUTE_DONE or a failure;
                     # a plain answer is a protocol error (M3), counted as it arrives (not
