@@ -847,6 +847,9 @@ class DiffusionExecutor(abc.ABC):
                 # of an earlier collective_rpc (not errors).
                 "orphan_compute_done": d.counters["orphan_compute_done"],
                 "stale_sync_answers": self.stale_sync_answers,
+                # Late answers of execute calls that already ended (their compute
+                # deadline): discarded, never kept in the synchronous buffer (S2).
+                "late_rpc_results": d.counters["late_rpc_results"],
                 # DROPPING records of an unknown call given up at their deadline (M6).
                 "orphan_drops_expired": s.orphan_drops_expired,
                 "compute_timeouts": d.counters["compute_timeouts"],
