@@ -21,7 +21,7 @@ from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
 
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import EngineState, StageState
-from omni_async.core.errors import InvalidRequest, OutputTimeout, RequestAborted, UsageError
+from omni_async.core.errors import InvalidRequest, OutputTimeout, RequestAborted, RequestNotSendable, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
@@ -137,6 +137,32 @@ def test_close_during_start_of_a_given_executor_sticks(ex: InProcessExecutor) ->
         assert engine.closed and not engine.started
         with pytest.raises(EngineClosed):
             await engine.generate(req("r"))
+
+    run(body(), timeout=30)
+
+
+def test_a_close_that_stops_waiting_for_the_factory_still_gets_its_executor_shut_down() -> None:
+    """close(timeout=) bounds its wait for a slow factory; the start-up, when the factory
+    returns, finds the engine CLOSED and shuts the executor down (no illegal step)."""
+    built: list[InProcessExecutor] = []
+
+    def factory() -> InProcessExecutor:
+        time.sleep(1.0)
+        built.append(InProcessExecutor(make_toy, deadlines=RELAXED))
+        return built[-1]
+
+    async def body() -> None:
+        engine = AsyncDiffusionEngine.from_factory(factory)
+        start = asyncio.create_task(engine.start())
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await engine.close(timeout=0.2)
+        assert time.monotonic() - t0 < 0.8 and engine.state is EngineState.CLOSED
+        with pytest.raises(EngineClosed, match="closed while it started"):
+            await asyncio.wait_for(start, 10.0)
+        assert len(built) == 1
+        with pytest.raises(Exception, match="shut down|closed"):
+            built[0].submit_request(req("late"))
 
     run(body(), timeout=30)
 
@@ -389,6 +415,28 @@ def test_an_invalid_request_fails_at_the_call_while_the_running_slot_is_busy() -
         run(body(), timeout=30)
     finally:
         GATES.open(gate)
+        ex.shutdown()
+
+
+def test_a_parameter_that_does_not_pickle_fails_its_request_not_the_engine() -> None:
+    """Defect 10: a parameter that does not pickle raised ExecutorShutdown from a healthy
+    executor; now the request fails with RequestNotSendable naming it, and the next one
+    is served."""
+    ex = MultiprocDiffusionExecutor(SCRIPTED, deadlines=RELAXED)
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(ex) as engine:
+            with pytest.raises(RequestNotSendable, match="'lock'") as info:
+                await engine.generate(DiffusionRequest("odd", {"lock": threading.Lock()}))
+            assert info.value.request_id == "odd" and info.value.parameter == "lock"
+            engine.check_health()
+            assert (await engine.generate(DiffusionRequest("next", {}))).request_id == "next"
+            assert engine.metrics().requests["failed"] == 1
+            await assert_quiescent(engine)
+
+    try:
+        run(body(), timeout=60)
+    finally:
         ex.shutdown()
 
 

@@ -433,7 +433,7 @@ class AsyncDiffusionEngine:
 
     def _check_start_wanted(self) -> None:
         """Inside the start-up, after each await: has the caller or a close given it up?"""
-        if self._life.state is ES.CLOSING:
+        if self._life.state is not ES.STARTING:  # CLOSING, or CLOSED by a close that timed out
             raise EngineClosed("the engine was closed while it started")
         if self._start_given_up:
             raise EngineClosed("the engine's start was cancelled")
@@ -462,7 +462,8 @@ class AsyncDiffusionEngine:
             # never leaves a live executor behind.
             if self._owns_executor and self._executor is not None:
                 await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
-            self._life.fire(EE.START_FAILED)
+            if not self._life.terminal:  # CLOSED already: a close gave up waiting for the factory
+                self._life.fire(EE.START_FAILED)
             raise
         held_outputs = budget.get("max_held_outputs")
         held_bytes = budget.get("max_held_bytes")
@@ -564,9 +565,11 @@ class AsyncDiffusionEngine:
                 len(running),
                 running[:10],
             )
-        for pool in (self._io, self._control, self._post, self._sync):
+        # Queued sends and synchronous calls are dropped (the executor is closing or
+        # gone); queued releases, drops and cancels still run: they give memory back.
+        for pool, drop_queued in ((self._io, True), (self._sync, True), (self._control, False), (self._post, False)):
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                pool.shutdown(wait=False, cancel_futures=drop_queued)
 
     async def _await_gone(self, recs: list[_Request], deadline: float) -> None:
         if not recs:
