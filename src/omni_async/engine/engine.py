@@ -2,23 +2,31 @@
 
 Theory of operation
 -------------------
-``generate(request)`` puts the request into the scheduler's waiting queue
+The engine's lifecycle and each request's stage are machines from
+``omni_async.core.engine_states`` (their docstring says what each state means); every
+change goes through them, so a step the tables do not allow raises instead of
+happening.  ``generate(request)`` validates the request (the model's
+``validate_request``, through the executor), puts it into the scheduler's waiting queue
 (``omni_async.engine.scheduler``) and awaits its outcome.  The engine's loop task
 (``omni-engine-loop``) admits waiting requests as far as the scheduler allows and
-starts one *driver* task per admitted request, which walks it through the executor:
+starts one *driver* task per admitted request (ADMIT), which walks it through the
+executor:
 
-1. **send**: ``executor.submit_request`` on the ``omni-engine-io`` thread (it writes to
-   every worker's pipe, which can block while a worker is busy; one thread keeps the
-   sends, drops and cancels in order).
-2. **forward**: await the execute future (COMPUTE_DONE).  The running slot is freed at
-   once and the loop admits the next request, so with ``max_running >= 2`` one is
-   always queued on the worker behind the running forward.
-3. **output**: claim the output (``wait_output_ready``) and await it.
+1. **send** (SENT): ``executor.submit_handle`` on the ``omni-engine-send`` thread (it
+   writes to every worker's pipe, which can block while a worker is busy).  Cancels,
+   drops and stream closes go on ``omni-engine-control``, so an abort never waits
+   behind another request's send.
+2. **forward** (COMPUTE_DONE): await the handle's ``computed``.  The running slot is
+   freed at once and the loop admits the next request, so with ``max_running >= 2``
+   one is always queued on the worker behind the running forward.
+3. **output** (OUTPUT): await the handle's ``output``, which the pump claimed for it as
+   it dispatched the COMPUTE_DONE (a stream's final output: ``wait_output_ready``).
 4. **post-process**: on an ``omni-postprocess`` thread: the pipeline's host stage (or,
    without one, an owned copy of the output's tensors), then ``release_output`` --
    the segment goes back to the pool before the result reaches the caller.
-5. **outcome**: the caller's future gets the ``GenerationResult`` (or the typed error),
-   and the scheduler frees the request's place in the budget.
+5. **outcome** (RESULT): the caller's future gets the ``GenerationResult`` (or the
+   typed error), and the scheduler frees the request's place in the budget.  The step
+   that decides a request's end counts its outcome, once.
 
 Every wait on the executor is ``asyncio.wrap_future`` of its ``concurrent.futures``
 future (the callbacks run on the pump and only schedule work on the loop); nothing
@@ -39,7 +47,9 @@ Ends, and who releases what (nothing of a request survives any of them):
 * **the caller's task cancelled**: the same as an abort (F11).
 * **close()**: every request not finished fails with ``EngineClosed``; the work in
   flight is aborted as above (an engine that owns its executor shuts it down, which
-  fails and releases everything at once), and ``close`` returns when nothing is left.
+  fails and releases everything at once), and ``close`` returns when nothing is left,
+  or at its deadline, which bounds all of it (the executor's shutdown included; host
+  stages still running are abandoned with a warning).
 
 An abort decides the outcome at once (``generate`` raises ``RequestAborted``, or
 ``CancelledError``); the release goes on in the driver.  ``abort(ids, wait=True)``
