@@ -7,6 +7,7 @@ dropped, cancelled before its COMPUTE_DONE or after it, nothing stays held; a
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
@@ -105,4 +106,30 @@ def test_a_failed_forward_fails_both_futures(ex: MultiprocDiffusionExecutor) -> 
         h.computed.result(timeout=30)
     with pytest.raises(RpcFailed):
         h.output.result(timeout=30)
+    assert _quiet(ex)
+
+
+def test_a_delivered_handle_leaves_no_reference_cycle(ex: MultiprocDiffusionExecutor) -> None:
+    """The handle's output future and the claim's future call back into each other; a
+    cycle between them waits for the garbage collector, whose pauses showed as a p99 of
+    130 ms (against 54) at the engine's ceiling.  Nothing of a request is collectable
+    garbage once it was delivered and released."""
+    small = {"numel": 4, "seed": 1}
+    for i in range(5):  # warm: whatever the first calls allocate once
+        h = ex.submit_handle(DiffusionRequest(f"warm-{i}", small))
+        ex.release_output(h.output.result(timeout=30))
+    del h
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(50):
+            h = ex.submit_handle(DiffusionRequest(f"cyc-{i}", small))
+            h.computed.result(timeout=30)
+            ex.release_output(h.output.result(timeout=30))
+        del h
+        time.sleep(0.2)  # the pump's last callbacks
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0, f"{found} objects in reference cycles after 50 requests"
     assert _quiet(ex)

@@ -321,7 +321,14 @@ class DiffusionExecutor(abc.ABC):
                 output.set_exception(err)
             return
 
+        # ``output`` and ``delivered`` each call back into the other: hold ``delivered``
+        # in a box that the relay empties, so the two futures form no reference cycle
+        # (cycles wait for the garbage collector: its pauses showed as a p99 of 130 ms
+        # instead of 54 ms at the engine's ceiling, bench/engine_ceiling.py).
+        box: list[Future[DiffusionOutput] | None] = [delivered]
+
         def relay(g: Future[DiffusionOutput]) -> None:
+            box[0] = None
             if g.cancelled():
                 output.cancel()
                 return
@@ -336,11 +343,13 @@ class DiffusionExecutor(abc.ABC):
                 output.set_result(g.result())
 
         def on_output(o: Future[DiffusionOutput]) -> None:
-            if o.cancelled():
-                delivered.cancel()  # before arrival: the registry releases it when it comes
+            pending = box[0]
+            if o.cancelled() and pending is not None:
+                pending.cancel()  # before arrival: the registry releases it when it comes
 
         output.add_done_callback(on_output)
         delivered.add_done_callback(relay)
+        del delivered
 
     def _release_abandoned(self, output: DiffusionOutput) -> None:
         try:
