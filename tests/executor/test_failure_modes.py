@@ -8,10 +8,11 @@ test_inprocess_executor.py and the multiprocess tests.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -47,6 +48,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, Failure, RunnerOutput
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestEvent, RequestState, request_machine
+from omni_async.core.trace import FieldValue
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.pump import ResultPump
@@ -237,6 +239,46 @@ def test_f3_no_exception_in_dispatch_stops_the_pump_and_liveness_is_health(execu
     ex.pump.stop("pump stopped by the test")
     with pytest.raises(ExecutorShutdown, match="pump"):
         ex.check_health()
+
+
+def test_f3_an_exception_while_dispatching_a_valid_message_is_caught_by_the_pump(
+    executors: list[DiffusionExecutor], caplog: pytest.LogCaptureFixture
+) -> None:
+    """F3 at the pump's guard: a message that passes the channel's validation but whose
+    dispatch raises must not stop the pump.
+
+    The malformed message of the test above is refused when the in-process channel is
+    read, before the dispatcher sees it, so it never reaches the guard around
+    ``Dispatcher.handle``.  Here a valid message (a stray RPC_RESULT) makes ``handle``
+    raise through the executor's own tracer (a trace recorder that fails, say on a full
+    disk), once: the error is counted and logged, the message dropped, the pump stays
+    alive, health stays green, and the messages after it are dispatched.  Killed by the
+    mutant that removes the guard (the exception then ends the pump thread).
+    """
+    token = f"poison-{uuid.uuid4().hex[:8]}"
+    raised: list[str] = []
+
+    def tracer(action: str, fields: Mapping[str, FieldValue]) -> None:
+        if action == "PumpRecv" and fields.get("rpc_id") == token and not raised:
+            raised.append(token)
+            raise RuntimeError("the trace recorder failed")
+
+    caplog.set_level(logging.ERROR, logger="omni_async.executor.pump")
+    ex = harness(executors, tracer=tracer)
+    ro1 = ex.execute_request(req("r1"))
+    assert ex.wait_output_ready(ro1.async_output_id or "").result(timeout=TIMEOUT).request_id == "r1"
+    assert ex.metrics()["dispatch_errors"] == 0
+    ex.channel.put(Msg.rpc_result(token, None))  # valid: the channel hands it to the dispatcher
+    wait_until(lambda: ex.metrics()["dispatch_errors"] == 1 or not ex.pump.healthy())
+    assert raised == [token]
+    assert ex.pump.healthy(), "the exception from Dispatcher.handle ended the pump"
+    ex.check_health()
+    ro2 = ex.execute_request(req("r2"))
+    assert ex.wait_output_ready(ro2.async_output_id or "").result(timeout=TIMEOUT).request_id == "r2"
+    assert ex.pump.healthy() and ex.metrics()["dispatch_errors"] == 1
+    ex.check_health()
+    logged = [r.getMessage() for r in caplog.records if r.name == "omni_async.executor.pump"]
+    assert any("dispatching" in m and token in m and "message dropped" in m for m in logged), logged
 
 
 # --------------------------------------------------------------------------- F4
