@@ -136,6 +136,58 @@ def test_cancelling_one_request_of_a_batch_drops_only_its_output(ex: DiffusionEx
     _consume(ex, outs[1])
 
 
+def _packer_counts(ex: DiffusionExecutor) -> tuple[int, int, int]:
+    """Rank 0's packer: outputs packed, outputs reported cancelled without packing, bytes packed."""
+    p = ex.worker_metrics()[0]["packer"]
+    return int(p["packed"]), int(p["cancelled"]), int(p["bytes_packed"])
+
+
+def _leased(ex: DiffusionExecutor) -> int:
+    """Segments leased so far (the pool's shared counter: the worker processes' leases count)."""
+    return ex.pool.stats().leased if isinstance(ex, MultiprocDiffusionExecutor) else 0
+
+
+# An image over the inline threshold (64 KiB), so that its output leases a segment.
+SIZE = {"height": 1024}
+BIG = {"steps": 2, **SIZE}
+
+
+def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: DiffusionExecutor) -> None:
+    """The member cancelled while the batch's forward runs is not packed or shipped.
+
+    Its result alone (``aborted``) cannot tell: the executor drops the id with the call's
+    end, so an output packed and shipped anyway is released on arrival (a wasted copy and
+    segment).  The packer's counters must show one output packed (the survivor's, its
+    bytes those of the same request run alone) and one reported cancelled; in worker
+    processes the pool leased the segments of one output, not two.  Killed by the mutant
+    that packs every member regardless (``skip = False`` in the worker loop).
+    """
+    # The survivor alone: what packing one such output costs.
+    packed0, cancelled0, bytes0 = _packer_counts(ex)
+    leased0 = _leased(ex)
+    _consume(ex, ex.execute_request(_req("alone", **BIG)))
+    wait_until(lambda: _packer_counts(ex)[0] == packed0 + 1)
+    packed1, cancelled1, bytes1 = _packer_counts(ex)
+    one_bytes, one_leases = bytes1 - bytes0, _leased(ex) - leased0
+    assert cancelled1 == cancelled0 and one_bytes > 0
+    if isinstance(ex, MultiprocDiffusionExecutor):
+        assert one_leases > 0
+    # The batch: b1 (long) is cancelled during the forward, b2 survives.
+    fut = ex.submit_batch([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
+    _started(fut, 0.1)
+    ex.cancel_requests(["p1"])
+    outs = fut.result(timeout=30)
+    assert outs[0] == RunnerOutput("p1", finished=True, aborted=True)
+    assert outs[1].request_id == "p2" and not outs[1].aborted
+    _consume(ex, outs[1])
+    # Both members have been handled by the packer (in order) once the counters add up.
+    wait_until(lambda: sum(_packer_counts(ex)[:2]) >= packed1 + cancelled1 + 2)
+    packed2, cancelled2, bytes2 = _packer_counts(ex)
+    assert (packed2 - packed1, cancelled2 - cancelled1) == (1, 1), "the cancelled member was packed"
+    assert bytes2 - bytes1 == one_bytes, "bytes of more than the survivor's output were packed"
+    assert _leased(ex) - leased0 - one_leases == one_leases, "segments leased for the cancelled member"
+
+
 def test_cancelling_every_request_of_a_batch_stops_it(ex: DiffusionExecutor) -> None:
     fut = ex.submit_batch([_req("c1", **LONG), _req("c2", **LONG)])
     _started(fut)
