@@ -3,7 +3,7 @@
 * Hypothesis profiles: ``ci`` (derandomized, no example database) is loaded when
   ``CI`` is set, ``dev`` otherwise.
 * The session tags its shared-memory files (``OMNI_ASYNC_SHM_TAG``, helpers/leaks.py):
-  every test checks that it left no segment, lock file or semaphore of this session in
+  every test checks that it left no segment or lock file of this session in
   /dev/shm, and blames nothing else (another suite, engine or crashed run on the
   machine); the executors it builds sweep only this session's dead files.
 * ``ray_session``: one local Ray instance for every module that needs one (its start
