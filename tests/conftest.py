@@ -2,7 +2,10 @@
 
 * Hypothesis profiles: ``ci`` (derandomized, no example database) is loaded when
   ``CI`` is set, ``dev`` otherwise.
-* Every test checks that it left no shared-memory segment of ours in /dev/shm.
+* The session tags its shared-memory files (``OMNI_ASYNC_SHM_TAG``, helpers/leaks.py):
+  every test checks that it left no segment or lock file of this session in
+  /dev/shm, and blames nothing else (another suite, engine or crashed run on the
+  machine); the executors it builds sweep only this session's dead files.
 * ``ray_session``: one local Ray instance for every module that needs one (its start
   is the dear part), started on first use, shut down at the end of the session;
   skips the test where Ray is not installed (CI installs it with ``.[dev]``).
@@ -30,9 +33,13 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-from helpers.leaks import ours
+from helpers.leaks import ours, tag_session
 
 from omni_async.transport.shm import SHM_DIR
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tag_session()  # before any test builds a pool (children inherit the tag)
 
 
 @pytest.fixture(autouse=True)

@@ -83,7 +83,7 @@ import attrs
 from omni_async.core.errors import ProtocolError, UsageError
 from omni_async.core.messages import AsyncDiffusionOutput
 from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
-from omni_async.transport.shm.files import SHM_PREFIX_ROOT
+from omni_async.transport.shm.files import SHM_PREFIX_ROOT, tag_mark
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,8 @@ class InProcessChannel:
 class CreditSemaphore(multiprocessing.synchronize.Semaphore):
     """A sender's credits: a ``multiprocessing`` semaphore whose name is ours (module docstring).
 
-    ``/dev/shm/sem.omni-<pid of the creating process>-sem-<random>``, so the sweeps of
+    ``/dev/shm/sem.omni-<pid of the creating process>-sem-<random>`` (``<tag>_<random>``
+    in a tagged run, ``transport.shm.files``), so the sweeps of
     dead executors find it by the pid, as they find segments; ``unlink_name`` removes
     the name early, once every process that opens it by name has done so.
     """
@@ -302,7 +303,7 @@ class CreditSemaphore(multiprocessing.synchronize.Semaphore):
     @staticmethod
     def _make_name() -> str:
         # Called by SemLock.__init__ (retried on a clash); the leading slash is POSIX's.
-        return f"/{SHM_PREFIX_ROOT}{os.getpid()}-sem-{secrets.token_hex(6)}"
+        return f"/{SHM_PREFIX_ROOT}{os.getpid()}-sem-{tag_mark()}{secrets.token_hex(6)}"
 
     def unlink_name(self) -> None:
         """Remove the name now (idempotent; the semaphore stays usable where it is open).

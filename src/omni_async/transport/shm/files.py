@@ -7,6 +7,14 @@ semaphore (``transport.channel.CreditSemaphore``), whose file glibc calls
 ``sem.omni-<pid>-sem-<random>``: normally unlinked as soon as the workers are up, it is
 left only by an executor killed (with its resource tracker) while they were starting,
 and the same sweeps remove it.
+
+A run may tag its files: with ``OMNI_ASYNC_SHM_TAG`` set (letters and digits, at most
+16), every name this run makes carries ``<tag>_`` right after ``omni-<pid>-`` (a
+semaphore's after ``sem.omni-<pid>-sem-``), and this run's sweeps of dead executors
+remove only the dead files that carry the same tag: another run's files on the same
+machine are not its to judge.  Unset (the default), names carry no tag and the sweeps
+remove the files of every dead executor, tagged or not.  The test suite tags its
+session, so that it judges and sweeps only what it made.
 """
 
 from __future__ import annotations
@@ -25,15 +33,19 @@ __all__ = [
     "SEM_FILE_PREFIX",
     "SHM_DIR",
     "SHM_PREFIX_ROOT",
+    "SHM_TAG_ENV",
     "DeadFile",
     "dead_executor_files",
     "entries",
     "is_plain_name",
     "list_segments",
+    "name_tag",
     "owner_pid",
     "pid_alive",
     "remove_dead_executor_files",
+    "shm_tag",
     "sweep_dead_executors",
+    "tag_mark",
     "unlink",
     "unlink_all_with_prefix",
 ]
@@ -44,6 +56,29 @@ LOCK_SUFFIX: Final = "lock"  # <prefix>lock; segment names end in <slot>.<incarn
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 SEM_FILE_PREFIX: Final = "sem."  # glibc's file of the POSIX semaphore named /<name>
 _EXECUTOR_PID = re.compile(r"^(?:sem\.)?omni-(\d+)-")
+SHM_TAG_ENV: Final = "OMNI_ASYNC_SHM_TAG"
+_TAG = re.compile(r"^[A-Za-z0-9]{1,16}$")
+_NAME_TAG = re.compile(r"^(?:sem\.)?omni-\d+-(?:sem-)?([A-Za-z0-9]{1,16})_")
+
+
+def shm_tag() -> str:
+    """This run's tag (``$OMNI_ASYNC_SHM_TAG``, module docstring); ``""`` when unset."""
+    tag = os.environ.get(SHM_TAG_ENV, "")
+    if tag and not _TAG.match(tag):
+        raise UsageError(f"{SHM_TAG_ENV}={tag!r}: a tag is 1 to 16 letters or digits")
+    return tag
+
+
+def tag_mark() -> str:
+    """What a new name carries after ``omni-<pid>-``: ``"<tag>_"``, or ``""`` untagged."""
+    tag = shm_tag()
+    return f"{tag}_" if tag else ""
+
+
+def name_tag(name: str) -> str | None:
+    """The tag a file's name carries (None: untagged, or not one of ours)."""
+    m = _NAME_TAG.match(name)
+    return m.group(1) if m is not None else None
 
 
 def is_plain_name(name: str) -> bool:
@@ -134,14 +169,17 @@ class DeadFile(NamedTuple):
 def dead_executor_files() -> list[DeadFile]:
     """Segments, lock files and credit semaphores of executors (the pid in the name) that no longer run.
 
+    In a tagged run (``OMNI_ASYNC_SHM_TAG``), only those that carry its tag.
+
     Liveness is ``pid_alive`` on that pid: a process of another pid namespace that
     shares this ``/dev/shm`` (a container with ``--ipc=host``) looks dead from here, so
     do not share ``/dev/shm`` across pid namespaces, or turn the executor's sweep off.
     """
     found = []
+    tag = shm_tag()
     for name in [*entries(SHM_PREFIX_ROOT), *entries(SEM_FILE_PREFIX + SHM_PREFIX_ROOT)]:
         pid = owner_pid(name)
-        if pid is None or pid_alive(pid):
+        if pid is None or (tag and name_tag(name) != tag) or pid_alive(pid):
             continue
         try:
             size = os.stat(os.path.join(SHM_DIR, name)).st_size

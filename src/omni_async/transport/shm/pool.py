@@ -242,7 +242,7 @@ class SegmentPool:
         if min_segment_bytes < mmap.PAGESIZE or min_segment_bytes & (min_segment_bytes - 1):
             raise UsageError(f"min_segment_bytes must be a power of two >= {mmap.PAGESIZE}")
         ctx = mp_context or multiprocessing.get_context("spawn")
-        self._prefix = prefix or f"{files.SHM_PREFIX_ROOT}{os.getpid()}-{secrets.token_hex(4)}-"
+        self._prefix = prefix or f"{files.SHM_PREFIX_ROOT}{os.getpid()}-{files.tag_mark()}{secrets.token_hex(4)}-"
         if not self._prefix.startswith(files.SHM_PREFIX_ROOT) or not files.is_plain_name(self._prefix):
             raise UsageError(f"prefix must start with {files.SHM_PREFIX_ROOT!r} and be a plain name: {self._prefix!r}")
         self._max_bytes = max_bytes if max_bytes is not None else _default_max_bytes()
