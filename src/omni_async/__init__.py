@@ -14,13 +14,23 @@ each name, ``spec/PROTOCOL.md`` the protocol.  The layers, from the top:
 * ``omni_async.core``: sans-IO protocol: messages, state tables, registry, dispatch,
   errors, deadlines;
 
-and beside them ``omni_async.models`` (reference models) and ``omni_async.verify``
-(TLA+ generation, TLC, trace checking; not imported here).
+and beside them ``omni_async.models`` (reference models: their names here are imported
+when first used) and ``omni_async.verify`` (TLA+ generation, TLC, trace checking; not
+imported here).  ``import omni_async`` imports neither torch nor the reference models:
+the names that need them are loaded on first use (``__getattr__``, PEP 562).
 """
 
-from omni_async.core.config import Deadlines
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING
 
+# What needs neither torch nor numpy is imported now; the rest (the engine, the executors,
+# the transport's packing and shared memory, the worker loop, the reference models, Ray)
+# is imported the first time one of its names is used (``__getattr__`` below, PEP 562),
+# so that ``import omni_async`` and ``omni-async --help`` do not pay for importing torch.
+from omni_async.core.config import Deadlines
+from omni_async.core.engine_states import EngineState, StageState
 from omni_async.core.errors import (
     ActorDied,
     ComputeTimeout,
@@ -65,7 +75,6 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
-from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import (
     EngineClosed,
     EngineDead,
@@ -82,14 +91,7 @@ from omni_async.engine.metrics import (
     RequestTimings,
 )
 from omni_async.engine.scheduler import SchedulerPhase
-from omni_async.core.engine_states import EngineState, StageState
-from omni_async.engine.sync import DiffusionEngine
-from omni_async.executor.api import DiffusionExecutor
-from omni_async.executor.inprocess import InProcessExecutor
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.executor.stream import OutputChunk, RequestStream
-from omni_async.models.dit import DiTPipelineWorker
-from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
 from omni_async.transport.errors import (
     ChannelClosed,
     ChannelFull,
@@ -106,39 +108,91 @@ from omni_async.transport.errors import (
     UnpicklableMessage,
     UnsupportedOutputType,
 )
-from omni_async.transport.packing import (
-    pack_diffusion_output_shm,
-    packed_nbytes,
-    release_packed_output,
-    release_unpacked_output,
-    unpack_diffusion_output_shm,
-)
-from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
-from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
-from omni_async.worker.baselines import InvalidOutputPath
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
-from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
-from omni_async.worker.packer import Packer
-from omni_async.worker.postprocess import (
-    PostProcess,
-    UnknownPostProcess,
-    get_postprocess,
-    register_postprocess,
-    registered_postprocesses,
-)
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
+__version__ = "0.1.0"
+
 if TYPE_CHECKING:
+    from omni_async.engine.engine import AsyncDiffusionEngine
+    from omni_async.engine.sync import DiffusionEngine
+    from omni_async.executor.api import DiffusionExecutor
+    from omni_async.executor.inprocess import InProcessExecutor
+    from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+    from omni_async.models.dit import DiTPipelineWorker
+    from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
+    from omni_async.transport.packing import (
+        pack_diffusion_output_shm,
+        packed_nbytes,
+        release_packed_output,
+        release_unpacked_output,
+        unpack_diffusion_output_shm,
+    )
+    from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
+    from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
+    from omni_async.worker.baselines import InvalidOutputPath
+    from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
+    from omni_async.worker.packer import Packer
+    from omni_async.worker.postprocess import (
+        PostProcess,
+        UnknownPostProcess,
+        get_postprocess,
+        register_postprocess,
+        registered_postprocesses,
+    )
     from omni_async.executor.ray_executor import RayDiffusionExecutor
+
+#: The public names imported when first used, and the module of each.
+_LAZY: dict[str, str] = {
+    "AsyncDiffusionEngine": "omni_async.engine.engine",
+    "DiffusionEngine": "omni_async.engine.sync",
+    "DiffusionExecutor": "omni_async.executor.api",
+    "InProcessExecutor": "omni_async.executor.inprocess",
+    "MultiprocDiffusionExecutor": "omni_async.executor.multiproc",
+    "WorkerOptions": "omni_async.executor.multiproc",
+    "WorkerSpec": "omni_async.executor.multiproc",
+    "DiTPipelineWorker": "omni_async.models.dit",
+    "SyntheticVideoWorker": "omni_async.models.tiny",
+    "TinyDiffusionWorker": "omni_async.models.tiny",
+    "pack_diffusion_output_shm": "omni_async.transport.packing",
+    "packed_nbytes": "omni_async.transport.packing",
+    "release_packed_output": "omni_async.transport.packing",
+    "release_unpacked_output": "omni_async.transport.packing",
+    "unpack_diffusion_output_shm": "omni_async.transport.packing",
+    "CopyStream": "omni_async.transport.platform",
+    "DeviceEvent": "omni_async.transport.platform",
+    "record_device_event": "omni_async.transport.platform",
+    "wait_device_event": "omni_async.transport.platform",
+    "Lease": "omni_async.transport.shm",
+    "PoolStats": "omni_async.transport.shm",
+    "SegmentPool": "omni_async.transport.shm",
+    "list_segments": "omni_async.transport.shm",
+    "sweep_dead_executors": "omni_async.transport.shm",
+    "InvalidOutputPath": "omni_async.worker.baselines",
+    "DiffusionWorkerModel": "omni_async.worker.loop",
+    "WorkerLoop": "omni_async.worker.loop",
+    "Packer": "omni_async.worker.packer",
+    "PostProcess": "omni_async.worker.postprocess",
+    "UnknownPostProcess": "omni_async.worker.postprocess",
+    "get_postprocess": "omni_async.worker.postprocess",
+    "register_postprocess": "omni_async.worker.postprocess",
+    "registered_postprocesses": "omni_async.worker.postprocess",
+    # The ray extra: ``import omni_async`` works without Ray.
+    "RayDiffusionExecutor": "omni_async.executor.ray_executor",
+}
 
 
 def __getattr__(name: str) -> object:
-    # Lazily: ``import omni_async`` must work without Ray (the ray extra).
-    if name == "RayDiffusionExecutor":
-        from omni_async.executor.ray_executor import RayDiffusionExecutor
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni_async' has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next use finds it without coming here
+    return value
 
-        return RayDiffusionExecutor
-    raise AttributeError(f"module 'omni_async' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [

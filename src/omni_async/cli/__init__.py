@@ -1,19 +1,32 @@
 """``omni-async``: the command line.
 
-One module per command (``demo``, ``soak``, ``bench``, ``cleanup``), each registering its own options; ``options`` holds
-the option types they share.  ``omni-async --help`` lists the commands.
+One module per command (``demo``, ``soak``, ``bench``, ``cleanup``); ``parsers`` registers
+their options and ``options`` holds the option types they share.  ``omni-async --help``
+lists the commands.  Building the parser imports neither torch nor the commands'
+implementations: each command's module is imported only when the command runs, so that
+``omni-async --help``, ``omni-async COMMAND --help`` and ``omni-async --version`` answer
+at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 from collections.abc import Sequence
 
-from omni_async.cli import bench, cleanup, demo, soak
+from omni_async.cli.parsers import COMMANDS
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "version"]
 
-_COMMANDS = (demo, soak, bench, cleanup)
+
+def version() -> str:
+    """The installed distribution's version, or the package's ``__version__`` where it is not installed."""
+    try:
+        return importlib.metadata.version("omni_async")
+    except importlib.metadata.PackageNotFoundError:
+        from omni_async import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Command line of omni_async (asynchronous output path for diffusion serving).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in _COMMANDS:
-        command.add_parser(sub)
+    for add in COMMANDS:
+        add(sub)
     return parser
 
 

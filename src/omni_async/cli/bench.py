@@ -61,7 +61,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from omni_async.cli import bench_plot, options
+from omni_async.cli import bench_plot
+from omni_async.cli.parsers import MODES, SIZES, TINY_SIZES
+from omni_async.cli.parsers import add_bench as add_parser
 from omni_async.cli.bench_stats import (
     efficiency,
     ideal_rate,
@@ -80,18 +82,6 @@ from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_STARTED_AT
 
 __all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
 
-MODES: Final = ("sync", "reference", "omni", "omni-u8")
-# name -> (shape, dtype): images are 3 x H x W, videos frames x 3 x H x W.
-SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
-    "image-1k-fp32": ((3, 1024, 1024), "float32"),
-    "image-2k-bf16": ((3, 2048, 2048), "bfloat16"),
-    "video-81x720p-bf16": ((81, 3, 720, 1280), "bfloat16"),
-    "video-121x1080p-bf16": ((121, 3, 1080, 1920), "bfloat16"),
-}
-TINY_SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
-    "tiny-image-fp32": ((3, 96, 128), "float32"),
-    "tiny-video-bf16": ((4, 3, 64, 96), "bfloat16"),
-}
 FORWARD_LABELS: Final = ("few-step", "long")
 COPY_BOUND: Final = "copy-bound"
 _SPEC: Final = "omni_async.models.synthetic:SyntheticForwardWorker"
@@ -139,110 +129,6 @@ def build_cases(
 
 
 # ------------------------------------------------------------------------------ options
-
-
-def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {name}, got {text!r}")
-        return [kind(t) for t in items]
-
-    return parse
-
-
-def _mode(text: str) -> str:
-    if text not in MODES:
-        raise argparse.ArgumentTypeError(f"unknown mode {text!r}; choose from {', '.join(MODES)}")
-    return text
-
-
-def _size(text: str) -> str:
-    if text not in SIZES and text not in TINY_SIZES:
-        raise argparse.ArgumentTypeError(f"unknown size {text!r}; choose from {', '.join([*SIZES, *TINY_SIZES])}")
-    return text
-
-
-def _ms(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected milliseconds, got {text!r}") from None
-    if not 0 <= value < 1e6:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1e6 ms, got {text!r}")
-    return value
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``omni-async bench``."""
-    cuda = torch.cuda.is_available()
-    d = sub.add_parser(
-        "bench",
-        help="measure our output path against the seed's and the reference's (throughput, latency, efficiency)",
-        description=(
-            "Run SyntheticForwardWorker behind MultiprocDiffusionExecutor and ship its outputs four ways: "
-            "sync (the seed: .cpu() and a fresh segment per tensor, step mode), reference (side stream, bf16 "
-            "upcast, fresh pinned buffer + sync per tensor, fresh segment + copy), omni (ours: pooled pinned "
-            "segment) and omni-u8 (ours with a uint8 device stage).  Sweep output sizes x forward lengths x "
-            "concurrency, plus a copy-bound case; per case print requests/s, p50/p95 latency, copy GB/s, the "
-            "device's idle gap between forwards and efficiency = throughput / (1 / max(forward, bytes / pinned "
-            "copy bandwidth)), forward and copy measured alone around each case.  --json writes every field, "
-            "--plot a PNG (needs matplotlib; --plot-from JSON draws it later from a saved report)."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d.add_argument("--device", type=options.device, default="cuda" if cuda else "cpu", help="the worker's device")
-    d.add_argument("--modes", type=_csv(_mode, "modes"), default=list(MODES), help="comma-separated modes")
-    d.add_argument("--sizes", type=_csv(_size, "sizes"), default=list(SIZES), help="comma-separated output sizes")
-    d.add_argument(
-        "--forward-ms",
-        type=_csv(_ms, "milliseconds"),
-        default=[30.0, 300.0],
-        help="forward lengths: a few-step distilled one and a long one",
-    )
-    d.add_argument(
-        "--concurrency", type=_csv(options.positive_int, "ints"), default=[1, 2, 4], help="running slots (each submits its next request at COMPUTE_DONE)"
-    )
-    d.add_argument("--requests", type=options.positive_int, default=16, help="measured requests per case")
-    d.add_argument(
-        "--warmup", type=options.positive_int, default=2, help="warm-up requests per client, before the measurement"
-    )
-    d.add_argument(
-        "--alone-reps", type=options.positive_int, default=5, help="forwards and copies alone, before and after a case"
-    )
-    d.add_argument(
-        "--alone-min-s",
-        type=float,
-        default=1.0,
-        help="and at least this many seconds of forwards alone (a sustained loop)",
-    )
-    d.add_argument(
-        "--max-case-s",
-        type=float,
-        default=20.0,
-        help="stop taking new requests in a case after this many seconds (slow modes on large outputs)",
-    )
-    d.add_argument("--no-copy-bound", dest="copy_bound", action="store_false", help="skip the copy-bound cases")
-    d.add_argument(
-        "--tiny",
-        action="store_true",
-        help="CI preset: tiny sizes, a 20 ms forward, concurrency 1 and 2, 6 requests, and a short --pump",
-    )
-    d.add_argument("--pump", action="store_true", help="also run the CPU micro-benchmark of the protocol")
-    d.add_argument("--pump-requests", type=options.positive_int, default=2000, help="requests of the --pump run")
-    d.add_argument("--pump-only", action="store_true", help="run only the --pump micro-benchmark (no sweep)")
-    d.add_argument(
-        "--pump-clients",
-        type=options.positive_int,
-        default=1,
-        help="threads submitting in the --pump run (1: the latency of one message, uncontended)",
-    )
-    d.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
-    d.add_argument("--plot", type=Path, default=None, help="draw the PNG here (default: the JSON's path, .png)")
-    d.add_argument(
-        "--plot-from", type=Path, default=None, help="only draw the plot of a saved JSON report (to --plot or beside it)"
-    )
-    d.set_defaults(run=run)
 
 
 def _apply_tiny(args: argparse.Namespace) -> None:

@@ -8,20 +8,11 @@ from __future__ import annotations
 
 import argparse
 
+from omni_async.cli.parsers import add_cleanup as add_parser
 from omni_async.transport.shm import files
 
 __all__ = ["add_parser", "run"]
 
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``omni-async cleanup``."""
-    c = sub.add_parser(
-        "cleanup",
-        help="remove the shared memory (/dev/shm) left by executors that died without cleaning up",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    c.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    c.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,7 +40,8 @@ import attrs
 import numpy as np
 import torch
 
-from omni_async.cli import options
+from omni_async.cli.parsers import add_demo as add_parser
+from omni_async.cli.parsers import deadlines as _deadlines
 from omni_async.cli.figures import ModeSummary, speedup, summarize_mode
 from omni_async.cli.timeline import Span, chrome_trace, draw_timeline, forward_intervals, request_spans
 from omni_async.core.config import Deadlines
@@ -63,90 +64,6 @@ _LABELS = {"sync": "sync output path", "async": "async output path"}
 
 __all__ = ["MODES", "add_parser", "run"]
 
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``omni-async demo``."""
-    d = sub.add_parser(
-        "demo",
-        help="run the reference stack end to end and check every output",
-        description=(
-            "Serve DiTPipelineWorker's requests through an AsyncDiffusionEngine twice, on the synchronous output "
-            "path (the copy on the worker's main thread) and on the asynchronous one (the copy on its packer, "
-            "overlapping the next forward); check every output's bytes (against the digest the worker took) and "
-            "that nothing is left behind; write the images, a timeline picture per run and a Chrome trace of both "
-            "to --out, and print throughput, latency and the worker's idle time of each run.  Exit status 0: "
-            "every output arrived intact and nothing was left behind; 1: a mismatch or a leak; 2: bad arguments."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d.add_argument(
-        "--executor",
-        choices=("multiproc", "inproc"),
-        default="multiproc",
-        help="multiproc: worker processes and shared memory; inproc: worker threads in this process",
-    )
-    d.add_argument(
-        "--device", type=options.device, default="cpu", help="where the workers compute: cpu, cuda or cuda:<index>"
-    )
-    d.add_argument(
-        "--world-size", type=options.positive_int, default=1, help="number of worker ranks (rank 0 ships outputs)"
-    )
-    d.add_argument("--requests", type=options.positive_int, default=48, help="number of requests per run")
-    d.add_argument(
-        "--max-running",
-        type=options.positive_int,
-        default=2,
-        help="the engine's max_running: requests sent to the workers whose forward has not finished",
-    )
-    # 384 x 384 RGB uint8 = 432 KiB per image: above the inline threshold (64 KiB), so the
-    # images travel through the shared-memory pool; about a minute for both runs on 2 CPU cores.
-    d.add_argument("--height", type=options.image_side, default=384, help="image height in pixels, a multiple of 8")
-    d.add_argument("--width", type=options.image_side, default=384, help="image width in pixels, a multiple of 8")
-    d.add_argument("--steps", type=options.positive_int, default=4, help="denoising steps per request")
-    d.add_argument(
-        "--compute-timeout",
-        type=options.seconds,
-        default=60.0,
-        help="seconds from submitting an execute call until every rank has answered; 0 or 'none': no limit",
-    )
-    d.add_argument(
-        "--output-timeout",
-        type=options.seconds,
-        default=60.0,
-        help="seconds from COMPUTE_DONE until the output is delivered; 0 or 'none': no limit",
-    )
-    # The demo hands the engine every request at once: the engine runs at most this many
-    # (running or holding an output), the rest wait in its queue.
-    d.add_argument(
-        "--max-held-outputs",
-        type=options.positive_int,
-        default=None,
-        help=(
-            "the executor's budget of outputs held in shared memory (multiproc; None: 64); the engine "
-            "keeps its requests in flight within it"
-        ),
-    )
-    d.add_argument(
-        "--out",
-        default="omni_async_demo",
-        help="folder for the images, the timeline pictures and the Chrome trace (created if missing)",
-    )
-    d.add_argument("--json", default=None, help="also write the summary as JSON to this file")
-    d.set_defaults(subparser=d, check=_check, run=run)
-
-
-def _check(args: argparse.Namespace) -> None:
-    # The OMNI_ASYNC_*_TIMEOUT variables are read now as well: a bad one is reported
-    # like a bad option, before anything starts.
-    try:
-        _deadlines(args)
-    except UsageError as exc:
-        args.subparser.error(str(exc))
-
-
-def _deadlines(args: argparse.Namespace) -> Deadlines:
-    """The options' deadlines over the environment's (``OMNI_ASYNC_*_TIMEOUT``)."""
-    return Deadlines.from_env(compute_timeout=args.compute_timeout, output_timeout=args.output_timeout)
 
 
 def _build_executor(args: argparse.Namespace) -> DiffusionExecutor:

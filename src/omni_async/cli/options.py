@@ -7,11 +7,11 @@ Each raises ``argparse.ArgumentTypeError``, which argparse turns into a one-line
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
+import sys
 
-import torch
-
-__all__ = ["device", "image_side", "non_negative_int", "positive_int", "probability", "seconds"]
+__all__ = ["default_device", "device", "image_side", "non_negative_int", "positive_int", "probability", "seconds"]
 
 
 def positive_int(text: str) -> int:
@@ -68,6 +68,8 @@ def seconds(text: str) -> float | None:
 
 def device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:<index>``, and CUDA only where a device is there."""
+    import torch  # here, not at the top: ``omni-async --help`` does not import torch
+
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
@@ -83,3 +85,20 @@ def device(text: str) -> str:
     if dev.index is not None and dev.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return text
+
+
+def default_device() -> str:
+    """``cuda`` where torch sees a CUDA device (``torch.cuda.is_available()``), else ``cpu``.
+
+    A CPU build of torch (a version ending in ``+cpu``) has none: that is known without
+    importing torch, which takes seconds, so that ``omni-async bench --help`` does not.
+    """
+    if "torch" not in sys.modules:
+        try:
+            if importlib.metadata.version("torch").endswith("+cpu"):
+                return "cpu"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

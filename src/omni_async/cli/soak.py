@@ -80,7 +80,9 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from omni_async.cli import options
+from omni_async.cli.parsers import DRIVER_RSS_BOUND_MIB as DRIVER_RSS_BOUND_MIB
+from omni_async.cli.parsers import WARMUP_REQUESTS as WARMUP_REQUESTS
+from omni_async.cli.parsers import add_soak as add_parser
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     OmniAsyncError,
@@ -131,14 +133,8 @@ INLINE_HEIGHTS = (8, 32, 64, 128, 256)  # up to 64 KiB: inside the message
 SHM_HEIGHTS = (512, 1024, 2048, 4096)  # 128 KiB to 1 MiB: a pooled segment
 WAIT_S = 120.0  # a wait that runs out is a hang: an untyped TimeoutError, which fails the soak
 SETTLE_S = 15.0  # how long an executor may take to release what ended requests left in flight
-# Worker memory grows over the first forwards of each shape (torch's allocator and
-# kernels, the packer's buffers) and then stays flat; the RSS check starts after these.
-WARMUP_REQUESTS = 50
-# The driver's RssAnon may grow this much after its warm-up (a tenth of the requests).
-# Measured on 2 cores (engine, fault rate 0.1): +2 to +10 MiB from 10 % to the end of
-# 3000-10000 requests on 1-2 executors, once the soak's own digest stopped keeping
-# 24 MiB of temporaries per engine thread (it was +240 MiB over 3000 requests before).
-DRIVER_RSS_BOUND_MIB = 64
+# WARMUP_REQUESTS and DRIVER_RSS_BOUND_MIB (the RSS checks' warm-up and the driver's bound) are in
+# omni_async.cli.parsers: the options' help and defaults name them.
 
 RESULT = "result"
 CHANGED = "result with changed bytes"
@@ -147,99 +143,6 @@ ABORTED = "aborted"
 CONSUMER_GONE = "aborted (consumer gone)"
 TYPED = "typed error: "
 UNTYPED = "untyped error: "
-
-
-# ------------------------------------------------------------------------------ options
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``omni-async soak``."""
-    d = sub.add_parser(
-        "soak",
-        help="run many requests with random faults and account for every one",
-        description=(
-            "Drive a MultiprocDiffusionExecutor over TinyDiffusionWorker with random output sizes and, "
-            "with probability --fault-rate per request, one fault: a forward that raises, an output the "
-            "packer refuses, an abort, a cancelled call or wait, the consumer going away, a tight engine "
-            "deadline, a claim after the output deadline, or a SIGKILL of a worker.  --executors "
-            "executors run side by side, each from --concurrency engine threads, drawing from one plan "
-            "sequence.  A dead worker ends its executor (WorkerDied is final): the soak starts a new one "
-            "at once from a warm spare built in the background, lets the dead one's requests in flight "
-            "end, then checks and shuts it down.  At the end it prints every request's "
-            "outcome and the checks: no request unaccounted, no changed bytes, no untyped error, every "
-            "executor's registry empty and pool complete (unused spares included), nothing left in "
-            "/dev/shm, worker RSS growth under --rss-bound-mib, the driver's own RSS growth after its warm-up "
-            "under --driver-rss-bound-mib, every executor started.  Exit status 0: "
-            "every check passed; 1: one failed; 2: bad arguments.  --engine: through an AsyncDiffusionEngine."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d.add_argument("--requests", type=options.positive_int, default=1000, help="number of requests")
-    d.add_argument(
-        "--fault-rate", type=options.probability, default=0.1, help="probability that a request gets a fault"
-    )
-    d.add_argument("--seed", type=options.non_negative_int, default=0, help="seed of every random choice")
-    d.add_argument(
-        "--concurrency",
-        type=options.positive_int,
-        default=8,
-        help="requests in flight at once per executor (engine threads)",
-    )
-    d.add_argument(
-        "--executors",
-        type=options.positive_int,
-        default=1,
-        help="executors run side by side (each with a warm spare: the next one, built in the background)",
-    )
-    d.add_argument("--world-size", type=options.positive_int, default=1, help="worker ranks per executor")
-    d.add_argument(
-        "--max-held-outputs",
-        type=options.positive_int,
-        default=16,
-        help="the executors' budget of outputs held in shared memory",
-    )
-    d.add_argument(
-        "--output-timeout",
-        type=options.seconds,
-        default=2.0,
-        help="the executors' output deadline in seconds (the 'expire' fault claims just after it)",
-    )
-    d.add_argument(
-        "--rss-bound-mib",
-        type=options.positive_int,
-        default=64,
-        help=(
-            "most a worker's own memory (RssAnon: heap and stacks) may grow from the end of its executor's "
-            f"warm-up (its first {WARMUP_REQUESTS} requests) to the end of its life"
-        ),
-    )
-    d.add_argument(
-        "--driver-rss-bound-mib",
-        type=options.positive_int,
-        default=DRIVER_RSS_BOUND_MIB,
-        help=(
-            "most the driver's own memory (this process's RssAnon: the engines, executors and pumps it runs) "
-            "may grow from the end of its warm-up (the request at a tenth of --requests handed out) to the end "
-            "of the run, whatever --requests is: a bounded footprint per finished request, not per 1000"
-        ),
-    )
-    d.add_argument(
-        "--engine",
-        action="store_true",
-        help=(
-            "send the requests through an AsyncDiffusionEngine over each executor (the faults become engine "
-            "aborts, cancelled generate tasks and per-request deadlines), and check each engine's accounting"
-        ),
-    )
-    d.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the table to PATH as JSON")
-    d.set_defaults(subparser=d, check=_check, run=run)
-
-
-def _check(args: argparse.Namespace) -> None:
-    if args.output_timeout is None:
-        args.subparser.error("argument --output-timeout: the soak needs an output deadline (the 'expire' fault)")
-    if args.json is not None and not args.json.parent.is_dir():
-        args.subparser.error(f"argument --json: no directory {str(args.json.parent)!r}")
 
 
 # ------------------------------------------------------------------------------ plans
