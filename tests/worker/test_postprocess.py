@@ -49,3 +49,18 @@ def test_stages_run_as_given() -> None:
     pp = PostProcess("test-pp-d", host=lambda o: o.request_id, device=_to_uint8)
     assert pp.device is not None and pp.device(out) is out
     assert pp.host is not None and pp.host(out) == "r"
+
+
+def test_a_reference_pipeline_not_yet_imported_names_its_module() -> None:
+    """``import omni_async`` imports no reference model: a driver that names ``"tiny"``
+    before importing it is told which module registers it (in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from omni_async.worker.postprocess import UnknownPostProcess, get_postprocess\n"
+        "try:\n    get_postprocess('tiny')\nexcept UnknownPostProcess as e:\n    print(e)\n"
+        "import omni_async.models.tiny\nprint(get_postprocess('tiny').name)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "import omni_async.models.tiny first" in out and out.strip().endswith("tiny")

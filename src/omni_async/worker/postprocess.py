@@ -47,14 +47,28 @@ DeviceStage = Callable[[DiffusionOutput], DiffusionOutput]
 HostStage = Callable[[DiffusionOutput], object]
 
 
+# Where the reference models register their pipelines (for the error's hint only: the
+# worker layer never imports a model).
+_REFERENCE_PIPELINES = {
+    "tiny": "omni_async.models.tiny",
+    "dit": "omni_async.models.dit",
+    "bench-u8": "omni_async.models.synthetic",
+}
+
+
 class UnknownPostProcess(UsageError, KeyError):
     """No post-process is registered under the pipeline name asked for."""
 
     def __init__(self, name: str, known: list[str]) -> None:
-        super().__init__(
-            f"no post-process is registered for pipeline {name!r} (registered: {known}); "
-            "import the module that defines it, or register it with register_postprocess()"
+        # ``import omni_async`` imports no reference model, so their pipelines are
+        # registered only once their module is imported: say which one.
+        where = _REFERENCE_PIPELINES.get(name)
+        hint = (
+            f"pipeline {name!r} is the reference model's: import {where} first"
+            if where is not None
+            else "import the module that defines it, or register it with register_postprocess()"
         )
+        super().__init__(f"no post-process is registered for pipeline {name!r} (registered: {known}); {hint}")
         self.name = name
 
     def __str__(self) -> str:  # KeyError would quote the whole message
