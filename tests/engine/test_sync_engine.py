@@ -38,6 +38,7 @@ def test_generate_from_several_threads_and_close() -> None:
     assert not any(t.name == "omni-engine-thread" and t.is_alive() for t in threading.enumerate())
 
 
+@pytest.mark.slow
 def test_a_timeout_aborts_the_request_and_releases_it() -> None:
     ex = _toy()
     try:

@@ -715,6 +715,7 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_ray_executor_runs_are_behaviours(request: pytest.FixtureRequest) -> None:
     tc = require_tlc()
     ray_executor = executor_class("ray", request)  # skips where Ray is not installed
