@@ -1,7 +1,10 @@
 """Shared test configuration.
 
 * Hypothesis profiles: ``ci`` (derandomized, no example database) is loaded when
-  ``CI`` is set, ``dev`` otherwise.
+  ``CI`` is set, ``dev`` otherwise.  The fast tier (a mark expression that deselects
+  ``slow``, as in ``pytest -m "not slow"``) loads ``ci-fast`` or ``dev-fast`` instead:
+  the same, with a fifth of the examples (``helpers.hypo.examples`` scales the tests
+  that set their own count); ``--hypothesis-profile`` still wins.
 * The session tags its shared-memory files (``OMNI_ASYNC_SHM_TAG``, helpers/leaks.py):
   every test checks that it left no segment or lock file of this session in
   /dev/shm, and blames nothing else (another suite, engine or crashed run on the
@@ -14,12 +17,14 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
+from helpers.hypo import FAST_MAX_EXAMPLES
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -31,7 +36,10 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("ci" if os.environ.get("CI") else "dev")
+_PROFILE = "ci" if os.environ.get("CI") else "dev"
+for _name in ("ci", "dev"):
+    settings.register_profile(f"{_name}-fast", parent=settings.get_profile(_name), max_examples=FAST_MAX_EXAMPLES)
+settings.load_profile(_PROFILE)
 
 from helpers.leaks import ours, tag_session
 
@@ -39,7 +47,16 @@ from omni_async.transport.shm import SHM_DIR
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Tag this session's shared memory; the fast tier (``-m "not slow"``) runs the
+    Hypothesis tests with fewer examples."""
     tag_session()  # before any test builds a pool (children inherit the tag)
+    if config.getoption("hypothesis_profile", None) is None and deselects_slow(config.getoption("markexpr", "")):
+        settings.load_profile(f"{_PROFILE}-fast")
+
+
+def deselects_slow(markexpr: str) -> bool:
+    """Whether a ``-m`` expression is the fast tier's: it deselects the ``slow`` tests."""
+    return re.search(r"\bnot\s+slow\b", markexpr) is not None
 
 
 @pytest.fixture(autouse=True)

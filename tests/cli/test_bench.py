@@ -35,6 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Completed
     return done, out
 
 
+@pytest.mark.slow
 def test_the_tiny_preset_reports_every_mode_and_field_with_plausible_values(
     tiny: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
@@ -81,6 +82,7 @@ def test_the_tiny_preset_reports_every_mode_and_field_with_plausible_values(
     assert "pump (CPU" in done.stdout and "messages/s" in done.stdout
 
 
+@pytest.mark.slow
 def test_the_plot_decodes_and_redraws_from_the_json(
     tiny: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
 ) -> None:
@@ -96,6 +98,7 @@ def test_the_plot_decodes_and_redraws_from_the_json(
         assert png.mode in ("RGBA", "RGB")
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_bench_says_so_instead_of_drawing(
     tiny: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
 ) -> None:
@@ -109,6 +112,7 @@ def test_without_matplotlib_the_bench_says_so_instead_of_drawing(
     assert not target.exists()
 
 
+@pytest.mark.slow
 def test_nothing_of_the_run_is_left_in_dev_shm(tiny: tuple[subprocess.CompletedProcess[str], Path]) -> None:
     assert [n for n in entries("omni-") if "fresh-" in n] == []
 
@@ -122,11 +126,13 @@ def test_nothing_of_the_run_is_left_in_dev_shm(tiny: tuple[subprocess.CompletedP
         (["--concurrency", "0"], "must be >= 1"),
     ],
 )
+@pytest.mark.slow
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], message: str) -> None:
     done = _bench(*argv, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 def test_pump_only_runs_the_protocol_micro_benchmark_alone(tmp_path: Path) -> None:
     out = tmp_path / "pump.json"
     cmd = [sys.executable, "-m", "omni_async.cli", "bench", "--pump-only", "--pump-requests", "200", "--json", str(out)]

@@ -16,6 +16,7 @@ from omni_async.transport.shm.files import SHM_DIR, entries, unlink_all_with_pre
 CLI = [sys.executable, "-m", "omni_async.cli"]
 
 
+@pytest.mark.slow
 def test_cleanup_lists_with_dry_run_then_removes_dead_owners_files() -> None:
     # Other test runs on this machine sweep dead owners' files too: when one takes our
     # leftover first, make a new one.
@@ -46,6 +47,7 @@ def test_cleanup_lists_with_dry_run_then_removes_dead_owners_files() -> None:
     pytest.fail("concurrent sweeps took the leftovers three times in a row")
 
 
+@pytest.mark.slow
 def test_cleanup_spares_live_owners() -> None:
     proc, owner = start("pool")
     try:
@@ -62,6 +64,7 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     proc = subprocess.Popen(
         # 256 x 256 images, in shared memory; enough requests that the demo is still running

@@ -19,7 +19,9 @@ from omni_async.models.tiny import image_digest
 SMALL = ["--height", "128", "--width", "256", "--steps", "1"]
 
 
-@pytest.mark.parametrize("executor", ["multiproc", "inproc"])
+# The fast tier (pytest -m "not slow") runs the in-process demo; worker processes start
+# from a script in tests/cli/test_readme.py there.
+@pytest.mark.parametrize("executor", [pytest.param("multiproc", marks=pytest.mark.slow), "inproc"])
 def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6", *SMALL]
     done = subprocess.run([*cmd, "--max-running", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
@@ -34,6 +36,7 @@ def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str, tmp_p
         assert "0 still leased" in done.stdout
 
 
+@pytest.mark.slow
 def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory(tmp_path: Path) -> None:
     """Issue 9: more requests than the budget of held outputs (64), handed over at once.
     The demo before the engine submitted them all, then claimed: the packer waited for
@@ -48,6 +51,7 @@ def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory
     assert len(list((tmp_path / "images").glob("*.png"))) == 100
 
 
+@pytest.mark.slow
 def test_demo_refuses_cuda_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -123,6 +127,7 @@ def test_a_bad_value_is_one_error_line_before_anything_starts(
     _assert_one_error_line(captured.err, option)
 
 
+@pytest.mark.slow
 def test_a_bad_value_from_the_real_command_line_is_no_traceback() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "omni_async.cli", "demo", "--max-running", "0"],

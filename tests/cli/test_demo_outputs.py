@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 REQUESTS = 5
 HEIGHT, WIDTH = 128, 192  # 72 KiB of RGB: through shared memory
 
 
+@pytest.mark.slow
 def test_the_demo_writes_images_timelines_a_trace_and_a_summary(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     summary = tmp_path / "summary.json"

@@ -158,6 +158,7 @@ def test_every_run_marker_precedes_a_python_block() -> None:
     assert marked == markers, "a run marker that is not right before a ```python block"
 
 
+@pytest.mark.slow
 def test_the_marked_blocks_run(tmp_path: Path) -> None:
     """The self-contained blocks (threads, no worker processes, no TLC), in one fresh interpreter."""
     runnable = [body for body, run in python_blocks(_text()) if run]

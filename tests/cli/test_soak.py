@@ -23,6 +23,7 @@ def _rows(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {row["name"]: row for row in report["rows"]}
 
 
+@pytest.mark.slow
 def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> None:
     """300 requests, a tenth of them faulty (two worker kills among them with seed 1), in about
     20 s: exit status 0, and the table says every request ended in one outcome, every
@@ -56,6 +57,7 @@ def test_a_short_soak_with_faults_accounts_for_every_request(tmp_path: Path) -> 
     assert "typed error: WorkerDied" in typed and "typed error: RpcFailed (RuntimeError)" in typed
 
 
+@pytest.mark.slow
 def test_a_short_soak_through_the_engine_passes_every_check_and_the_engines_own(tmp_path: Path) -> None:
     """--engine: 150 requests, a fifth of them faulty with seed 1 (two worker kills among
     them), through an AsyncDiffusionEngine over each executor, in about 10 s: every check
@@ -89,6 +91,7 @@ def _gone(life: dict[str, Any]) -> None:
         assert not Path(f"/proc/{pid}").exists(), f"worker {pid} of {life['prefix']} still runs"
 
 
+@pytest.mark.slow
 def test_two_executors_side_by_side_a_kill_served_by_the_spare_and_an_unused_spare_shut_down(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -235,6 +238,7 @@ def test_the_driver_row_checks_the_rssanon_growth_after_the_warm_up_against_its_
     assert "driver RSS growth after warm-up (RssAnon)" not in {r.name for r in soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64)}
 
 
+@pytest.mark.slow
 def test_a_soak_whose_driver_keeps_memory_per_request_fails_its_driver_check(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -262,6 +266,7 @@ def test_a_soak_whose_driver_keeps_memory_per_request_fails_its_driver_check(
     assert all(r["check"] for name, r in rows.items() if r["check"] is not None and name != row["name"])
 
 
+@pytest.mark.slow
 def test_a_soak_that_loses_a_request_fails(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

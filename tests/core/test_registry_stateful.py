@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
+from helpers.hypo import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -64,7 +65,8 @@ COLLECTED_TRACES: list[list[TraceEvent]] = []
 MAX_COLLECTED_TRACES = 500
 
 # About 10 s on one core of the 2-core CI machine; the budget for this file is 30 s.
-STATEFUL_SETTINGS = settings(max_examples=300, stateful_step_count=50)
+# The fast tier (pytest -m "not slow") runs a fifth of the examples (helpers.hypo).
+STATEFUL_SETTINGS = settings(max_examples=examples(300), stateful_step_count=50)
 
 S = RequestState
 Msg = AsyncDiffusionOutput

@@ -95,6 +95,7 @@ def _slow_consumer(out: DiffusionOutput) -> torch.Tensor:
 register_postprocess(PostProcess("engine-mp-slow-consumer", host=_slow_consumer))
 
 
+@pytest.mark.slow
 def test_many_more_requests_than_the_budget_wait_in_the_engine_not_in_the_packer() -> None:
     """40 requests submitted at once and consumed slowly (a 50 ms host stage on one
     thread, against 10 ms forwards), with a budget of 4 held outputs and a 1 s output
@@ -157,6 +158,7 @@ def test_abort_during_a_forward_stops_it_at_the_next_step(shared: MultiprocDiffu
     run(body())
 
 
+@pytest.mark.slow
 def test_abort_with_wait_of_a_forward_that_ignores_cancellation_returns_once_it_is_gone(
     shared: MultiprocDiffusionExecutor,
 ) -> None:
@@ -256,6 +258,7 @@ def test_a_per_request_compute_deadline_stops_the_forward(shared: MultiprocDiffu
     run(body())
 
 
+@pytest.mark.slow
 def test_the_event_loop_is_never_blocked_while_outputs_are_pending(shared: MultiprocDiffusionExecutor) -> None:
     """A ticker keeps its cadence while requests with slow forwards (~1 s) and sizable
     outputs (2 MB) go through: a blocking wait on any executor future would stall it
@@ -304,6 +307,7 @@ def test_prometheus_export_of_one_engine(shared: MultiprocDiffusionExecutor) -> 
     run(body())
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_its_request_and_health(make: Make) -> None:
     """SIGKILL of the worker (on Ray: of its actor's process) mid-forward: the typed death
     error (``ActorDied`` is a ``WorkerDied``) for the request and every later call."""
@@ -330,6 +334,7 @@ def test_a_dead_worker_fails_its_request_and_health(make: Make) -> None:
         ex.shutdown()
 
 
+@pytest.mark.slow
 def test_close_with_work_in_flight_fails_it_and_leaves_nothing(make: Make) -> None:
     entered, release = threading.Event(), threading.Event()
 
@@ -364,6 +369,7 @@ def test_close_with_work_in_flight_fails_it_and_leaves_nothing(make: Make) -> No
     run(body())
 
 
+@pytest.mark.slow
 def test_the_tiny_pipeline_converts_on_the_worker_and_builds_images_in_the_engine() -> None:
     """pipeline "tiny": the device stage ships uint8 (a quarter of the bytes), the host
     stage returns a PIL image that owns its pixels."""

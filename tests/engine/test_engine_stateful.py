@@ -19,9 +19,9 @@ import asyncio
 import contextlib
 from typing import Any
 
-import pytest
 from helpers.engine_harness import assert_quiescent
 from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
+from helpers.hypo import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -191,11 +191,10 @@ class EngineMachine(RuleBasedStateMachine):
             self.loop.close()
 
 
-pytestmark = pytest.mark.slow
-
+# 40 examples in the full run, 8 in the fast tier (pytest -m "not slow"; helpers.hypo).
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(
-    max_examples=40,
+    max_examples=examples(40),
     stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

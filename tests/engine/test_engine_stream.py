@@ -54,6 +54,7 @@ def nothing_left(engine: AsyncDiffusionEngine) -> None:
     assert not any(executor_quiet(engine.executor).values()), executor_quiet(engine.executor)
 
 
+@pytest.mark.slow
 def test_chunks_come_in_order_post_processed_then_the_result(shared: MultiprocDiffusionExecutor) -> None:
     async def body() -> None:
         async with AsyncDiffusionEngine(shared) as engine:
@@ -201,6 +202,7 @@ COUNTING = CountingHost()
 register_postprocess(PostProcess("engine-stream-counting", host=COUNTING))
 
 
+@pytest.mark.slow
 def test_a_slow_consumer_holds_no_more_than_the_budget_and_nothing_is_processed_ahead() -> None:
     """Twelve previews over a budget of two held outputs; the consumer takes one, then
     stalls for a second: the engine post-processed only what was asked for, never more than

@@ -62,6 +62,7 @@ def _assert_ordered(t: RequestTimings) -> None:
 
 
 @pytest.mark.parametrize("async_output", [True, False], ids=["async", "sync"])
+@pytest.mark.slow
 def test_results_on_either_path_are_intact_and_carry_the_workers_stamps(
     shared: MultiprocDiffusionExecutor, async_output: bool
 ) -> None:

@@ -196,6 +196,7 @@ def test_a_rejected_executor_construction_sweeps_nothing(monkeypatch: pytest.Mon
     assert swept == []
 
 
+@pytest.mark.slow
 def test_import_omni_async_does_not_import_ray() -> None:
     """``RayDiffusionExecutor`` is exported lazily: the package works without the ray extra."""
     import subprocess

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, OmniAsyncError
 from omni_async.core.messages import DiffusionRequest
@@ -12,6 +14,7 @@ from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
 
 
+@pytest.mark.slow
 def test_calls_ended_by_their_compute_deadline_leave_nothing_in_the_synchronous_buffer() -> None:
     """Every call that ends on its compute deadline gets the worker's late answer (a
     RequestAborted once the cancel reached the forward).  It used to stay in the pump's

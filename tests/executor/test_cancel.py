@@ -88,6 +88,7 @@ def _healthy_after(ex: DiffusionExecutor) -> Iterator[None]:
 # -- abort of a running request ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_running_forward(ex: DiffusionExecutor) -> None:
     fut = ex.submit_request(_req("long", **LONG))
     _started(fut)
@@ -116,6 +117,7 @@ def test_a_request_cancelled_before_its_forward_started_never_runs(ex: Diffusion
     assert isinstance(err, RequestAborted) and "before its forward started; it never ran" in str(err), err
 
 
+@pytest.mark.slow
 def test_a_model_that_ignores_the_check_finishes_and_nothing_is_kept(ex: DiffusionExecutor) -> None:
     fut = ex.submit_request(_req("stubborn", steps=40, step_ms=25, ignore_cancel=True))
     _started(fut, 0.2)
@@ -126,6 +128,7 @@ def test_a_model_that_ignores_the_check_finishes_and_nothing_is_kept(ex: Diffusi
     assert time.monotonic() - t0 > 0.3  # it really ran on (1 s forward, cancelled at 0.2 s)
 
 
+@pytest.mark.slow
 def test_cancelling_one_request_of_a_batch_drops_only_its_output(ex: DiffusionExecutor) -> None:
     fut = ex.submit_batch([_req("b1", steps=40, step_ms=10), _req("b2", steps=2)])
     _started(fut, 0.1)
@@ -230,6 +233,7 @@ def test_a_per_call_compute_deadline_stops_the_forward(ex: DiffusionExecutor) ->
     wait_until(lambda: ex.metrics()["overdue_calls"] == 0, timeout=5)
 
 
+@pytest.mark.slow
 def test_a_worker_that_ignores_its_deadline_is_reported_stuck(ex: DiffusionExecutor) -> None:
     fut = ex.submit_request(
         _req("stuck", steps=100, step_ms=30, ignore_cancel=True), deadlines=Deadlines(compute_timeout=0.3)

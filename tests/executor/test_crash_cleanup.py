@@ -33,6 +33,7 @@ def _wait_for(cond: object, timeout: float) -> bool:
     return bool(callable(cond) and cond())
 
 
+@pytest.mark.slow
 def test_sigkilled_owner_leaves_no_segment_and_no_worker() -> None:
     proc, owner = start("owner", "2")
     try:
@@ -57,6 +58,7 @@ def test_sigkilled_owner_leaves_no_segment_and_no_worker() -> None:
         unlink_all_with_prefix(owner["prefix"])  # so a failure here does not fail later tests
 
 
+@pytest.mark.slow
 def test_new_executor_sweeps_the_pools_of_dead_owners(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="omni_async.executor.multiproc")
     # Other test runs on this machine sweep dead owners' files too: when one takes our
@@ -79,6 +81,7 @@ def test_new_executor_sweeps_the_pools_of_dead_owners(caplog: pytest.LogCaptureF
     pytest.fail(f"no sweep of the dead owner's pool was logged: {[r.getMessage() for r in caplog.records]}")
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_whole_group_leaves_no_semaphore() -> None:
     """Issue 17, defect 14: the result channel's credit semaphores (one per worker) are
     named files in /dev/shm; killing the driver, its workers and multiprocessing's

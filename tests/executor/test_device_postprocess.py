@@ -72,6 +72,7 @@ def _get(ex: DiffusionExecutor, ro: RunnerOutput) -> DiffusionOutput:
     return ex.wait_output_ready(ro.async_output_id).result(timeout=30)
 
 
+@pytest.mark.slow
 def test_the_device_stage_ships_uint8_and_is_timed(ex: DiffusionExecutor) -> None:
     params = {"height": HEIGHT, "seed": 3}
     out = _get(ex, ex.execute_request(DiffusionRequest("img", params)))
@@ -148,6 +149,7 @@ def test_an_unknown_pipeline_fails_at_construction() -> None:
         WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="")
 
 
+@pytest.mark.slow
 def test_an_unknown_pipeline_in_the_worker_fails_its_start_up() -> None:
     spec = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="no-such-pipeline", check_import=False)
     with pytest.raises(WorkerStartupFailed) as info:

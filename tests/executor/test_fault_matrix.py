@@ -257,6 +257,7 @@ def tight() -> Iterator[Shared]:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize(("world_size", "victim"), [(1, 0), (2, 1)], ids=["reply-rank", "other-rank"])
+@pytest.mark.slow
 def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
     world_size: int, victim: int, kind: str, request: pytest.FixtureRequest
 ) -> None:
@@ -312,6 +313,7 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
         finish(ex)
 
 
+@pytest.mark.slow
 def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest.LogCaptureFixture) -> None:
     """The long soak's open finding: a worker SIGKILLed after ``SegmentPool.hand_off`` and
     before its OUTPUT_READY reached the pipe left that lease out until shutdown (6 of 281
@@ -496,6 +498,7 @@ FAULTS = ["forward-raises", "pack-refuses-the-output", "pack-raises", *CORRUPT]
 
 
 @pytest.mark.parametrize("kind", FAULTS)
+@pytest.mark.slow
 def test_an_exception_fails_only_its_own_request(rig: Rig, kind: str) -> None:
     """A fault in one request between two healthy ones: only it fails, at once, typed."""
     ex = rig.ex
@@ -642,6 +645,7 @@ HOSTILE: dict[str, Callable[[Rig], None]] = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
+@pytest.mark.slow
 def test_a_hostile_message_is_harmless(rig: Rig, case: str) -> None:
     """Typed (a ``ProtocolError``: to the call it concerns, in ``registry.errors`` or in the
     pump's log), counted where the case says, and harmless: the pump keeps running, no
@@ -750,6 +754,7 @@ def _shm_bytes(prefix: str) -> tuple[int, int]:
     return n, size
 
 
+@pytest.mark.slow
 def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) -> None:
     """A consumer slower than the workers: back-pressure, not loss.
 
@@ -906,6 +911,7 @@ def test_cancel_and_abort_storm_under_heavy_traffic(shared: Shared) -> None:
     healthy_after(ex, "storm")
 
 
+@pytest.mark.slow
 def test_deadlines_expire_mid_forward_and_mid_pack(tight: Shared) -> None:
     """The output deadline passes while the output is still being packed (its pack waits for
     room): the waiter fails with ``OutputTimeout`` saying so, and the output, once packed,
@@ -931,6 +937,7 @@ def test_deadlines_expire_mid_forward_and_mid_pack(tight: Shared) -> None:
     healthy_after(ex, "deadlines")
 
 
+@pytest.mark.slow
 def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
     """A lone OUTPUT_READY (with a segment) and a lone COMPUTE_DONE, for ids of no call: both
     records end within the deadlines, and the segment goes back."""

@@ -45,6 +45,7 @@ def _oid(ro: RunnerOutput) -> str:
     return ro.async_output_id
 
 
+@pytest.mark.slow
 def test_a_full_budget_is_visible_at_once_and_the_output_fails_naming_it(caplog: pytest.LogCaptureFixture) -> None:
     deadlines = Deadlines(compute_timeout=30, output_timeout=30, rpc_timeout=30)
     opts = WorkerOptions(lease_timeout=1.0)
@@ -88,6 +89,7 @@ def test_a_full_budget_is_visible_at_once_and_the_output_fails_naming_it(caplog:
         assert _until(lambda: ex.metrics()["held_outputs"] == 0 and ex.metrics()["pending_outputs"] == 0)
 
 
+@pytest.mark.slow
 def test_outputs_submitted_beyond_the_budget_expire_saying_so() -> None:
     """The demo's pattern: submit everything, claim later.  Nothing is 'unknown'.
 

@@ -71,6 +71,7 @@ def test_in_process_executor_validates_in_the_callers_thread(make: object) -> No
 
 
 @pytest.mark.parametrize("factory", ["helpers.mp_workers:ClassValidated", "helpers.mp_workers:make_validated"])
+@pytest.mark.slow
 def test_worker_processes_validate_in_the_callers_thread(factory: str) -> None:
     with MultiprocDiffusionExecutor(WorkerSpec(factory), deadlines=DEADLINES) as ex:
         with pytest.raises(InvalidRequest) as err:

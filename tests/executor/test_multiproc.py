@@ -166,6 +166,7 @@ def test_drain_and_sleep_wait_for_packing(ex2: MultiprocDiffusionExecutor) -> No
         _wait_ok(ex2, r, params)
 
 
+@pytest.mark.slow
 def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> None:
     spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", {"fail_rank": 1}, pass_rank=True)
     with MultiprocDiffusionExecutor(spec, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
@@ -179,6 +180,7 @@ def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> Non
         _assert_quiet(ex)
 
 
+@pytest.mark.slow
 def test_step_mode_call_failing_on_another_rank_gives_the_reply_ranks_output_back() -> None:
     """Step mode packs on the reply rank's main thread; when another rank fails the call
     (RpcFailed, F12) the output the reply rank packed has no owner: its segment goes
@@ -194,6 +196,7 @@ def test_step_mode_call_failing_on_another_rank_gives_the_reply_ranks_output_bac
         _assert_quiet(ex)
 
 
+@pytest.mark.slow
 def test_step_mode_answer_that_comes_after_its_timeout_gives_its_output_back() -> None:
     """A step-mode call that timed out: its answer, output packed, comes later and is
     discarded as stale by the next call -- with its segment, not kept until shutdown."""
@@ -208,6 +211,7 @@ def test_step_mode_answer_that_comes_after_its_timeout_gives_its_output_back() -
         _assert_quiet(ex)
 
 
+@pytest.mark.slow
 def test_step_mode_returns_the_output_synchronously(tracer: ListTracer) -> None:
     with MultiprocDiffusionExecutor(SPEC, step_mode=True, deadlines=DEADLINES, tracer=tracer) as ex:
         params = {"seed": 21, "dtype": "bfloat16", "numel": 1 << 18}
@@ -237,6 +241,7 @@ def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any
     return elapsed
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_forward_fails_waiters_promptly(tracer: ListTracer) -> None:
     with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
         fut = ex.submit_request(_req("slow", sleep=30))
@@ -247,6 +252,7 @@ def test_worker_killed_mid_forward_fails_waiters_promptly(tracer: ListTracer) ->
             ex.submit_request(_req("after"))
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_pack_fails_the_output_waiter(tracer: ListTracer) -> None:
     # A pool with room for one 1 MiB segment: the second output's packing waits for a
     # segment the consumer still holds, so the kill lands inside the pack.
@@ -267,6 +273,7 @@ def test_worker_killed_mid_pack_fails_the_output_waiter(tracer: ListTracer) -> N
         ex.release_output(held)
 
 
+@pytest.mark.slow
 def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer: ListTracer) -> None:
     ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES, tracer=tracer)
     params = {"seed": 41, "numel": 1 << 18}
@@ -313,6 +320,7 @@ def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> Non
     assert all(r.async_output_id for r in ros)
 
 
+@pytest.mark.slow
 def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: ListTracer) -> None:
     """A full packer makes the worker wait before its next forward; never a drop."""
     pool = SegmentPool(max_bytes=1 << 20, max_segments=1)
@@ -335,6 +343,7 @@ def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: L
         _assert_quiet(ex)
 
 
+@pytest.mark.slow
 def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() -> None:
     """TLC's DeathKeepsOpen through real processes: a worker's death closes the registry.
 
@@ -370,6 +379,7 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
             ex.wait_output_ready(oid).result(timeout=5)
 
 
+@pytest.mark.slow
 def test_shutdown_with_sends_in_flight_is_quiet(capfd: pytest.CaptureFixture[str]) -> None:
     """Issue 8: workers whose result pipe closed at shutdown exit quietly.
 
@@ -404,6 +414,7 @@ def _image_of(ex: MultiprocDiffusionExecutor, rid: str, params: Mapping[str, obj
     return ex.wait_output_ready(ro.async_output_id).result(timeout=30)
 
 
+@pytest.mark.slow
 def test_a_kept_tensor_never_changes_after_release_through_workers(tracer: ListTracer) -> None:
     """Issue 8: keep a tensor, release its output, run requests that reuse the segment.
 
@@ -435,6 +446,7 @@ def test_a_kept_tensor_never_changes_after_release_through_workers(tracer: ListT
         _assert_quiet(ex)
 
 
+@pytest.mark.slow
 def test_a_segment_is_reused_only_after_the_last_view_is_gone_through_workers(tracer: ListTracer) -> None:
     pool = SegmentPool(max_bytes=4 << 20, max_segments=2)
     params = {"seed": 72, "numel": (1 << 18) - 1024}
@@ -488,6 +500,7 @@ def test_each_rank_gets_its_own_gpu_when_there_are_enough() -> None:
     assert device_for_rank("cuda", 1, 0) == "cuda"  # no GPU counted: left to the process's current device
 
 
+@pytest.mark.slow
 def test_the_packing_rank_maps_the_segments_made_ahead_while_starting() -> None:
     """Segments made ahead (``pool.prewarm`` before the executor starts) are mapped -- and
     on CUDA registered as pinned memory -- by the rank that packs, while it starts: its

@@ -21,6 +21,7 @@ from omni_async.transport.shm.files import entries
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
 
 
+@pytest.mark.slow
 def test_model_that_fails_to_build_raises_with_the_remote_type_message_and_rank() -> None:
     spec = WorkerSpec("helpers.mp_workers:BrokenWorker", {"fail_rank": 1}, pass_rank=True)
     pool = SegmentPool(max_bytes=1 << 20)
@@ -40,6 +41,7 @@ def test_model_that_fails_to_build_raises_with_the_remote_type_message_and_rank(
     assert not entries(pool.prefix)  # the failed start cleaned up after itself
 
 
+@pytest.mark.slow
 def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -> None:
     spec = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
     with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES) as ex:
@@ -68,6 +70,7 @@ def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -
         ex.release_output(ex.wait_output_ready(ro.async_output_id).result(timeout=30))
 
 
+@pytest.mark.slow
 def test_worker_killed_by_an_exception_reports_it_with_worker_died() -> None:
     spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
     with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES) as ex:

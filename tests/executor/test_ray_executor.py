@@ -39,6 +39,10 @@ ray = pytest.importorskip("ray")
 
 from omni_async.executor.ray_executor import RayDiffusionExecutor  # noqa: E402  # after the skip
 
+# The fast tier leaves Ray out: the session's two-node cluster takes seconds to start, and
+# every test here seconds more (the executor layer's fast tests run MultiprocDiffusionExecutor).
+pytestmark = pytest.mark.slow
+
 SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60, cancel_grace=1.0)
 

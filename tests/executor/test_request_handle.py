@@ -43,6 +43,7 @@ def _quiet(ex: MultiprocDiffusionExecutor) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_handle_delivers_the_output_bit_exact(ex: MultiprocDiffusionExecutor) -> None:
     h = ex.submit_handle(DiffusionRequest("h1", BIG))
     assert isinstance(h, RequestHandle) and h.request_id == "h1"

@@ -39,6 +39,7 @@ def _ok(ex: MultiprocDiffusionExecutor, rid: str) -> None:
 
 
 @pytest.mark.parametrize("bad", [lambda: 1, threading.Lock()], ids=["lambda", "lock"])
+@pytest.mark.slow
 def test_unpicklable_parameter_raises_request_not_sendable_naming_it(ex: MultiprocDiffusionExecutor, bad: object) -> None:
     req = DiffusionRequest("r-bad", {"seed": 1, "fn": bad})
     with pytest.raises(errors.RequestNotSendable) as err:

@@ -23,6 +23,7 @@ SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
 
 
+@pytest.mark.slow
 def test_shutdown_timeout_bounds_a_shutdown_behind_a_forward_that_ignores_cancel() -> None:
     ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
     pids = [p.pid for p in ex.procs if p.pid is not None]

@@ -161,6 +161,7 @@ def test_submit_stream_checks_its_arguments(ex: MultiprocDiffusionExecutor) -> N
         ex.submit_stream(r("bad", preview_every=0))
 
 
+@pytest.mark.slow
 def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
     """Twelve previews, a budget of two held outputs, a consumer that starts late and reads
     slowly: never more than two outputs held, the worker's packing waits for room (and
@@ -230,6 +231,7 @@ def _run_steps(ex: MultiprocDiffusionExecutor, n: int, *, final_async: bool) -> 
     return outputs, time.perf_counter() - t0
 
 
+@pytest.mark.slow
 def test_final_step_async_gives_the_synchronous_result_and_overlaps_the_copy() -> None:
     ex = MultiprocDiffusionExecutor(STEPWISE, step_mode=True, deadlines=DEADLINES)
     try:
@@ -258,6 +260,7 @@ def test_final_step_async_gives_the_synchronous_result_and_overlaps_the_copy() -
         ex.shutdown()
 
 
+@pytest.mark.slow
 def test_final_step_async_is_a_step_mode_option() -> None:
     ex = MultiprocDiffusionExecutor(STEPWISE, step_mode=True, final_step_async=True, deadlines=DEADLINES)
     try:

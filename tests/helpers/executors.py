@@ -22,7 +22,9 @@ import pytest
 
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 
-KINDS = ("multiproc", "ray")
+# For parametrize and fixture params: "ray" is left out of the fast tier (pytest -m "not
+# slow"), since the session's Ray cluster takes seconds to start.
+KINDS = (pytest.param("multiproc", id="multiproc"), pytest.param("ray", id="ray", marks=pytest.mark.slow))
 # Custom resources of the session cluster's two nodes (tests/conftest.py).
 HEAD_NODE = "omni_test_head"
 OTHER_NODE = "omni_test_other"

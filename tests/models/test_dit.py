@@ -310,6 +310,7 @@ def multiproc() -> Iterator[MultiprocDiffusionExecutor]:
         ex.shutdown()
 
 
+@pytest.mark.slow
 def test_worker_process_end_to_end_with_the_postprocess(multiproc: MultiprocDiffusionExecutor) -> None:
     ex = multiproc
     reference = DiTPipelineWorker(**SMALL)
@@ -335,6 +336,7 @@ def test_worker_process_end_to_end_with_the_postprocess(multiproc: MultiprocDiff
     assert ex.pool.stats().outstanding == 0
 
 
+@pytest.mark.slow
 def test_previews_stream_through_the_engine_then_the_result() -> None:
     """``preview_every=k`` on a stream: a preview after every k-th step but the last, each
     decoded from that step's latents and post-processed by "dit" like the result; without
@@ -371,6 +373,7 @@ def test_previews_stream_through_the_engine_then_the_result() -> None:
     asyncio.run(body())
 
 
+@pytest.mark.slow
 def test_an_aborted_request_stops_at_the_next_denoising_step() -> None:
     """Abort while computing: the forward checks for cancellation between steps, so a
     request of many steps ends long before its forward would have (and the worker counts

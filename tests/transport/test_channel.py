@@ -256,6 +256,7 @@ def test_many_threads_one_process_inproc() -> None:
     assert {t: v for t, v in seen.items()} == {t: list(range(per)) for t in range(threads)}
 
 
+@pytest.mark.slow
 def test_four_threads_of_a_child_process_lose_nothing() -> None:
     """F7 across a real process boundary: 4 threads x 300 messages, a small byte budget."""
     ch = PipeChannel(capacity_bytes=4 * CREDIT_BYTES, mp_context=SPAWN)
@@ -279,6 +280,7 @@ def test_four_threads_of_a_child_process_lose_nothing() -> None:
     ch.close()
 
 
+@pytest.mark.slow
 def test_a_sender_is_reported_gone_only_after_its_last_messages_were_read() -> None:
     """``on_sender_gone`` is how the executor knows a dead worker's every message was
     handled (before it reclaims what the worker shipped and never sent): it must not
@@ -306,6 +308,7 @@ def test_a_sender_is_reported_gone_only_after_its_last_messages_were_read() -> N
         ch.close()
 
 
+@pytest.mark.slow
 def test_a_killed_writer_is_dropped_not_fatal() -> None:
     gone: list[str] = []
     ch = PipeChannel(mp_context=SPAWN, on_sender_gone=gone.append)

@@ -14,6 +14,7 @@ import helpers.shm_children as children
 import numpy as np
 import pytest
 import torch
+from helpers.hypo import examples
 from helpers.shm_fixtures import no_shm_leak, segment_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -81,7 +82,7 @@ def out(value: Any, rid: str = "r") -> DiffusionOutput:
     return DiffusionOutput(rid, value, async_output_id=f"o-{rid}")
 
 
-@settings(max_examples=80, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@settings(max_examples=examples(80), suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 @given(
     dtype=st.sampled_from(DTYPES),
     shape=st.lists(st.integers(0, 33), min_size=0, max_size=3).map(tuple),
@@ -346,7 +347,7 @@ def test_packed_nbytes_pins_the_packers_sizing() -> None:
     assert packed_nbytes(out(None)) == 0
 
 
-@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@settings(max_examples=examples(40), suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 @given(
     tree=st.recursive(
         st.one_of(
@@ -410,6 +411,7 @@ def test_an_exhausted_pool_is_a_typed_error(no_shm_leak: None) -> None:
         assert pool.outstanding() == []
 
 
+@pytest.mark.slow
 def test_a_consumer_process_views_and_releases(segment_pool: SegmentPool) -> None:
     value = {
         f"{dtype}".replace("torch.", ""): random_bits(dtype, (257, 129), seed=i)

@@ -133,6 +133,7 @@ def test_bounds_wait_then_raise(no_shm_leak: None) -> None:
             pool.lease(0)
 
 
+@pytest.mark.slow
 def test_waits_for_room_are_counted_and_a_full_pool_says_so_while_it_lasts(no_shm_leak: None) -> None:
     """Back-pressure is never silent: stats() tells a waiting lease, how long, and the give-ups."""
     with SegmentPool(max_bytes=1 << 20, max_segments=1, lease_timeout=0.1) as pool:
@@ -240,6 +241,7 @@ def _assert_table_true(pool: SegmentPool) -> None:
 
 
 @pytest.mark.parametrize("cut", ["granting", "evicting"])
+@pytest.mark.slow
 def test_a_process_killed_inside_the_lock_is_repaired_after(cut: str, no_shm_leak: None) -> None:
     with SegmentPool(max_bytes=1 << 20, lock_timeout=5) as pool:
         p = SPAWN.Process(target=children.die_inside_the_lock, args=(pool, None, cut))
@@ -258,6 +260,7 @@ def test_a_process_killed_inside_the_lock_is_repaired_after(cut: str, no_shm_lea
         _assert_table_true(pool)
 
 
+@pytest.mark.slow
 def test_a_live_holder_times_out_the_others_and_its_death_frees_the_lock(no_shm_leak: None) -> None:
     with SegmentPool(max_bytes=1 << 20, lock_timeout=0.2) as pool:
         recv, send = SPAWN.Pipe(duplex=False)
@@ -275,6 +278,7 @@ def test_a_live_holder_times_out_the_others_and_its_death_frees_the_lock(no_shm_
         _assert_table_true(pool)
 
 
+@pytest.mark.slow
 def test_workers_killed_at_random_points_leave_a_true_table(no_shm_leak: None) -> None:
     # Children that lease, write and release as fast as they can (creating and evicting
     # segments in a tight budget) are SIGKILLed wherever they happen to be.
@@ -317,6 +321,7 @@ def test_a_child_process_leases_writes_and_hands_off(segment_pool: SegmentPool) 
     assert attach_view(lease.name, lease.size).data_ptr() == view.data_ptr()  # mapping cached
 
 
+@pytest.mark.slow
 def test_sigkilled_child_cleanup(segment_pool: SegmentPool) -> None:
     pool = segment_pool
     recv, send = SPAWN.Pipe(duplex=False)
@@ -342,6 +347,7 @@ def test_sigkilled_child_cleanup(segment_pool: SegmentPool) -> None:
     assert pool.stats().reclaimed == 2
 
 
+@pytest.mark.slow
 def test_a_lease_shipped_by_a_dead_process_and_never_received_is_reclaimed(segment_pool: SegmentPool) -> None:
     """The long soak's leaked lease, at the pool: a process hands off two leases and dies
     having sent only one.  ``reclaim_owner`` spares both (a message may still come);
@@ -393,6 +399,7 @@ sys.stdout.buffer.write(pickle.dumps(lease))
 """
 
 
+@pytest.mark.slow
 def test_a_pool_attached_by_name_pickles_anywhere(no_shm_leak: None) -> None:
     """``attach_by_name``: the table lives in the lock file, so a process that is no child
     of ours (a Ray actor) attaches from the pickled pool; a default pool refuses."""

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.finalizers import quiet_finalizers
+from helpers.hypo import examples
 from helpers.shm_fixtures import no_shm_leak, segment_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -281,7 +282,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@settings(max_examples=examples(60), suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
 @given(ops=OPS)
 def test_any_order_of_keep_drop_release_never_shows_other_bytes(no_shm_leak: None, ops: list[tuple[str, Any]]) -> None:
     with SegmentPool(max_bytes=16 << 20, max_segments=4, lease_timeout=2.0) as pool:

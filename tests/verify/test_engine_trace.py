@@ -142,6 +142,7 @@ def test_valid_engine_traces_are_behaviours_of_the_model() -> None:
 
 @pytest.mark.tlc
 @pytest.mark.parametrize("name, bad, index, why", CORRUPTED, ids=[c[0] for c in CORRUPTED])
+@pytest.mark.slow
 def test_corrupted_engine_trace_is_refused_at_its_event(
     name: str, bad: list[TraceEvent], index: int, why: str
 ) -> None:

@@ -121,6 +121,7 @@ RUNS = [served_and_aborted, left_and_closed, stream_left, close_during_start, fa
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_recorded_engine_runs_are_behaviours_of_the_engine_model() -> None:
     tc = require_tlc()
     traces: list[list[TraceEvent]] = []

@@ -162,6 +162,7 @@ def test_the_copy_accepts_the_real_traces(tla_copy: Path, real_traces: list[list
 
 @pytest.mark.tlc
 @pytest.mark.parametrize(("name", "text", "mutant"), MUTATIONS, ids=[m[0] for m in MUTATIONS])
+@pytest.mark.slow
 def test_a_mutated_model_refuses_the_real_traces(
     tla_copy: Path, real_traces: list[list[TraceEvent]], name: str, text: str, mutant: str
 ) -> None:

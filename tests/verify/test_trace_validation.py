@@ -295,6 +295,7 @@ def test_hand_written_traces_are_behaviours() -> None:
 
 @pytest.mark.tlc
 @pytest.mark.parametrize(("name", "trace", "refused"), CORRUPTED, ids=[c[0] for c in CORRUPTED])
+@pytest.mark.slow
 def test_corrupted_traces_are_refused_at_the_right_event(
     name: str, trace: list[TraceEvent], refused: int | None
 ) -> None:
@@ -323,6 +324,7 @@ def _hypothesis_traces(n: int) -> list[list[TraceEvent]]:
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_registry_runs_are_behaviours() -> None:
     tc = require_tlc()
     traces = _hypothesis_traces(HYPOTHESIS_TRACES)
@@ -420,6 +422,7 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_in_process_executor_runs_are_behaviours() -> None:
     tc = require_tlc()
     t0 = time.monotonic()
@@ -506,6 +509,7 @@ def _abort_runs() -> list[list[TraceEvent]]:
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_aborted_calls_are_behaviours() -> None:
     tc = require_tlc()
     traces = _abort_runs()
@@ -628,6 +632,7 @@ def _stream_runs() -> list[list[TraceEvent]]:
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_streaming_and_step_calls_are_behaviours() -> None:
     tc = require_tlc()
     traces = _stream_runs()
@@ -710,6 +715,7 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_ray_executor_runs_are_behaviours(request: pytest.FixtureRequest) -> None:
     tc = require_tlc()
     ray_executor = executor_class("ray", request)  # skips where Ray is not installed
@@ -738,6 +744,7 @@ def _collected() -> dict[str, list[list[TraceEvent]]]:
 
 
 @pytest.mark.tlc
+@pytest.mark.slow
 def test_traces_collected_by_other_tests_are_behaviours() -> None:
     tc = require_tlc()
     collected = _collected()

@@ -50,7 +50,10 @@ def _fresh_left(ex: MultiprocDiffusionExecutor) -> list[str]:
     return entries(f"{ex.pool.prefix}fresh-")
 
 
-@pytest.mark.parametrize("path", ["sync", "reference", "omni"])
+# The fast tier (pytest -m "not slow") runs the omni path; the baselines only in the full run.
+@pytest.mark.parametrize(
+    "path", [pytest.param("sync", marks=pytest.mark.slow), pytest.param("reference", marks=pytest.mark.slow), "omni"]
+)
 def test_every_path_delivers_the_models_bytes_and_leaves_no_fresh_segment(path: OutputPath) -> None:
     """bfloat16 and float32 outputs past the inline threshold, through real worker processes:
     the bytes that arrive are the model's, bit for bit (the reference path's upcast and
@@ -79,6 +82,7 @@ def test_every_path_delivers_the_models_bytes_and_leaves_no_fresh_segment(path: 
 
 
 @pytest.mark.parametrize("path", ["sync", "reference"])
+@pytest.mark.slow
 def test_a_nested_output_ships_one_fresh_segment_per_large_tensor(path: OutputPath) -> None:
     """TinyDiffusionWorker with its trajectory: a dict holding the image, a list of latents,
     an inline digest and plain values.  Each large tensor gets a segment of its own; the
@@ -94,6 +98,7 @@ def test_a_nested_output_ships_one_fresh_segment_per_large_tensor(path: OutputPa
         assert _fresh_left(ex) == []
 
 
+@pytest.mark.slow
 def test_a_dropped_output_on_the_reference_path_unlinks_its_segment() -> None:
     """An output dropped after it arrived is never read: its fresh segment is unlinked at the drop."""
     with _executor(SYNTH, "reference") as ex:

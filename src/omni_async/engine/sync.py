@@ -92,8 +92,11 @@ class DiffusionEngine:
     ) -> GenerationResult:
         """Run ``request`` to its result (see ``AsyncDiffusionEngine.generate``).
 
-        ``timeout``: how long this call waits; when it runs out the request is aborted
-        (everything of it released) and ``TimeoutError`` is raised.
+        ``timeout``: how long this call waits; when it runs out the request is aborted,
+        and ``TimeoutError`` (naming the request) is raised once nothing of it is left, so
+        its id is free for a retry -- at once for a model that checks for cancellation
+        between its steps, after its forward for one that does not (bounded by
+        ``close_timeout``).
         """
         try:
             return self._run(self._engine.generate(request, deadlines=deadlines), timeout)
@@ -104,9 +107,16 @@ class DiffusionEngine:
         """Our wait for ``request`` ran out: the cancel of its task is on its way; return
         once nothing of it is left, so its id is free for a retry."""
         rid = request.request_id
+        grace = self._engine.close_timeout
         try:
-            self._run(self._engine.abort(rid, wait=True), self._engine.close_timeout)
-        except Exception as exc:  # closed meanwhile, or the release took too long
+            self._run(self._engine.abort(rid, wait=True), grace)
+        except concurrent.futures.TimeoutError:
+            # A model that ignores cancellation runs its forward to its end.
+            return TimeoutError(
+                f"request {rid!r}: no result within {timeout} s; it was aborted, and is still being released "
+                f"{grace} s later (does its model check cancel_requested()?): its id is free once it is gone"
+            )
+        except Exception as exc:  # the engine closed meanwhile
             return TimeoutError(f"request {rid!r}: no result within {timeout} s; aborting it failed: {exc}")
         return TimeoutError(f"request {rid!r}: no result within {timeout} s; it was aborted and released")
 
