@@ -47,6 +47,7 @@ from omni_async.core.engine_states import (
 from omni_async.core.trace import FieldValue, TraceEvent
 from omni_async.verify.locate import tla_dir
 from omni_async.verify.tlc import TlcResult, Toolchain, run_tlc
+from omni_async.verify.tracecheck import TraceCheckResult, TraceFailure
 
 __all__ = [
     "ENGINE_ACTIONS",
@@ -72,36 +73,10 @@ class EngineTraceFormatError(ValueError):
     """A trace event the checker cannot encode (unknown action, missing or ill-typed field)."""
 
 
-@attrs.frozen
-class EngineTraceFailure:
-    """Where a replay stopped: the first event that no behaviour of the spec explains."""
-
-    trace: int  # index into the traces given; -1: TLC itself failed
-    event: int | None  # index in that trace; None: past its last event
-    action: str
-    fields: Mapping[str, FieldValue]
-    detail: str
-
-    def __str__(self) -> str:
-        if self.trace < 0:
-            return f"TLC failed before refusing any event ({self.detail})"
-        where = f"event {self.event}" if self.event is not None else "its end"
-        return f"trace {self.trace}, {where}: {self.action} {dict(self.fields)} is not a step of the spec ({self.detail})"
-
-
-@attrs.frozen
-class EngineTraceResult:
-    ok: bool
-    traces: int
-    events: int
-    seconds: float
-    distinct_states: int | None
-    failure: EngineTraceFailure | None = None
-    tlc: TlcResult | None = None
-
-    def summary(self) -> str:
-        verdict = "all behaviours of EngineLifecycle" if self.ok else str(self.failure)
-        return f"{self.traces} engine traces, {self.events} events, {self.seconds:.1f}s: {verdict}"
+# A replay's verdict and where it stopped: the same classes as the executor's trace
+# check (``omni_async.verify.tracecheck``), under the names this module exports.
+EngineTraceFailure = TraceFailure
+EngineTraceResult = TraceCheckResult
 
 
 @attrs.frozen
