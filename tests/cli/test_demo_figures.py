@@ -137,7 +137,7 @@ def test_chrome_trace_has_a_process_per_mode_a_thread_per_request_and_the_idle_g
 
 
 def test_chrome_trace_origin_defaults_to_the_runs_first_stamp() -> None:
-    trace = chrome_trace({"only": _spans("a", 5.0)})
+    trace = json.loads(json.dumps(chrome_trace({"only": _spans("a", 5.0)})))
     first = min(e["ts"] for e in trace["traceEvents"] if e["ph"] == "X")
     assert first == 0.0
 
@@ -162,6 +162,6 @@ def test_request_order_is_the_order_of_the_forwards() -> None:
 
     spans = _spans("late", 5.0) + _spans("early", 1.0) + [Span("never-ran", "queued", 0.0, 9.0)]
     assert request_order(spans) == ["early", "late", "never-ran"]
-    trace = chrome_trace({"m": spans})
+    trace = json.loads(json.dumps(chrome_trace({"m": spans})))
     threads = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {"worker": 0, "early": 1, "late": 2, "never-ran": 3}

@@ -14,7 +14,7 @@ import argparse
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Final, TypeVar
 
 from omni_async.cli import options
 from omni_async.core.config import Deadlines
@@ -252,8 +252,11 @@ TINY_SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
 }
 
 
-def _csv(kind: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
+T = TypeVar("T")
+
+
+def _csv(kind: Callable[[str], T], name: str) -> Callable[[str], list[T]]:
+    def parse(text: str) -> list[T]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {name}, got {text!r}")

@@ -21,7 +21,7 @@ per request plus a ``worker`` thread with the forwards and the idle gaps between
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TypedDict
 
 import attrs
 
@@ -87,7 +87,14 @@ def forward_intervals(spans: Sequence[Span]) -> list[tuple[float, float]]:
     return sorted((s.start, s.end) for s in spans if s.phase == "forward")
 
 
-def chrome_trace(modes: Mapping[str, Sequence[Span]], *, origin: Mapping[str, float] | None = None) -> dict[str, Any]:
+class ChromeTrace(TypedDict):
+    """The JSON object of a Chrome trace (what ``chrome_trace`` returns)."""
+
+    traceEvents: list[dict[str, object]]
+    displayTimeUnit: str
+
+
+def chrome_trace(modes: Mapping[str, Sequence[Span]], *, origin: Mapping[str, float] | None = None) -> ChromeTrace:
     """The Chrome trace (``{"traceEvents": [...], "displayTimeUnit": "ms"}``) of one or
     more runs: ``modes`` maps a run's name (an output path) to its spans.  Each run is a
     process (``pid`` 1, 2, ... in ``modes``' order, named after it), each request a
@@ -96,7 +103,7 @@ def chrome_trace(modes: Mapping[str, Sequence[Span]], *, origin: Mapping[str, fl
     repeats the forwards (named ``"forward <request id>"``) and shows the idle gaps
     between them (``"idle"``).  Times are microseconds from ``origin[name]`` (default:
     the run's earliest stamp), so runs line up side by side."""
-    events: list[dict[str, Any]] = []
+    events: list[dict[str, object]] = []
     for pid, (mode, spans) in enumerate(modes.items(), start=1):
         t0 = (origin or {}).get(mode, min((s.start for s in spans), default=0.0))
 
@@ -121,7 +128,7 @@ def chrome_trace(modes: Mapping[str, Sequence[Span]], *, origin: Mapping[str, fl
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def _event(name: str, cat: str, ts: float, end: float, pid: int, tid: int, mode: str) -> dict[str, Any]:
+def _event(name: str, cat: str, ts: float, end: float, pid: int, tid: int, mode: str) -> dict[str, object]:
     return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": round(end - ts, 3), "pid": pid, "tid": tid,
             "args": {"mode": mode}}  # fmt: skip
 

@@ -35,7 +35,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from numbers import Integral
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
 import attrs
 import torch
@@ -48,6 +48,11 @@ from omni_async.models.tiny import image_digest
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.postprocess import PostProcess, register_postprocess
 from omni_async.worker.stream import emit_chunk, streaming_requested
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from PIL import Image
 
 #: The pipeline name the post-process is registered under (``get_postprocess("dit")``).
 PIPELINE = "dit"
@@ -442,13 +447,13 @@ class DiTPipelineWorker:
 
     def _output(
         self, request: DiffusionRequest, pixels: Tensor, shape: _Shape, preview_step: int | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """One request's output (or preview) structure from its pixels ``[T, 3, H, W]``."""
         px = pixels[0] if shape.num_frames == 1 else pixels
-        output: dict[str, Any] = {"image" if shape.num_frames == 1 else "frames": px}
+        output: dict[str, object] = {"image" if shape.num_frames == 1 else "frames": px}
         if request.params.get("digest"):
             output["digest"] = image_digest(px)
-        output["info"] = {
+        info: dict[str, object] = {
             "height": shape.height,
             "width": shape.width,
             "num_frames": shape.num_frames,
@@ -457,7 +462,8 @@ class DiTPipelineWorker:
             "dtype": str(self.dtype),
         }
         if preview_step is not None:
-            output["info"].update(step=preview_step, preview=True)
+            info.update(step=preview_step, preview=True)
+        output["info"] = info
         return output
 
 
@@ -526,7 +532,16 @@ def device_stage(output: DiffusionOutput) -> DiffusionOutput:
     return attrs.evolve(output, output=out)
 
 
-def host_stage(output: DiffusionOutput) -> dict[str, Any]:
+class HostResult(TypedDict, total=False):
+    """What ``host_stage`` returns: ``image`` for an image, ``frames`` for a video."""
+
+    image: Image.Image
+    frames: npt.NDArray[np.uint8]
+    digest: int
+    info: dict[str, object]
+
+
+def host_stage(output: DiffusionOutput) -> HostResult:
     """The engine-side stage: the user's result, owning its memory.
 
     ``{"image": PIL.Image.Image}`` (RGB) for an image, ``{"frames": numpy.ndarray}``
@@ -537,7 +552,7 @@ def host_stage(output: DiffusionOutput) -> dict[str, Any]:
     from PIL import Image
 
     src: Mapping[str, Any] = output.output
-    result: dict[str, Any] = {}
+    result: HostResult = {}
     for key in ("image", "frames"):
         px = src.get(key)
         if px is None:

@@ -32,7 +32,6 @@ import math
 import time
 from collections.abc import Sequence
 from numbers import Integral, Real
-from typing import Any
 
 import attrs
 import torch
@@ -204,7 +203,7 @@ class SyntheticForwardWorker:
 def to_uint8(output: DiffusionOutput) -> DiffusionOutput:
     """The device stage of ``"bench-u8"``: each floating tensor (-1..1) becomes uint8 pixels (0..255)."""
 
-    def convert(x: Any) -> Any:
+    def convert(x: object) -> object:
         if isinstance(x, torch.Tensor) and x.is_floating_point():
             y = x.mul(127.5)
             y.add_(127.5).clamp_(0, 255)

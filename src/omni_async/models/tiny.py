@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import time
 
@@ -164,7 +164,7 @@ class TinyDiffusionWorker:
                 # A fresh tensor the forward never writes again: the packer copies it
                 # while the next steps run.
                 preview = ((latent + 1) * 127.5).clamp(0, 255)
-                chunk: dict[str, Any] = {
+                chunk: dict[str, object] = {
                     "image": preview,
                     "digest": image_digest(preview),
                     "latents": [],
@@ -176,7 +176,7 @@ class TinyDiffusionWorker:
             if step == raise_at:
                 raise RuntimeError(f"forward of {request.request_id} failed on purpose at step {step}")
         image = ((latent + 1) * 127.5).clamp(0, 255)
-        output: dict[str, Any] = {
+        output: dict[str, object] = {
             "image": image,
             "digest": image_digest(image),
             "latents": trajectory,
