@@ -46,10 +46,11 @@
 (*     success; its final step is an ordinary call.                        *)
 (*                                                                         *)
 (* Every registry operator below mirrors one method of                     *)
-(* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  The    *)
-(* BUG constant switches on one failure mode of the reference              *)
-(* implementation (DESIGN.md, F1-F16) so that TLC can show what each one   *)
-(* breaks.                                                                 *)
+(* omni_async.core.registry.OutputRegistry (see spec/PROTOCOL.md).  This   *)
+(* module is the correct protocol only: the failure modes of the reference *)
+(* implementation (DESIGN.md, F1-F16) and the bugs TLC found are           *)
+(* MCAsyncOutputBugs.tla, each one operator of this module replaced in its *)
+(* cfg (buggy/*.cfg), so that TLC can show what each one breaks.           *)
 (***************************************************************************)
 EXTENDS Naturals, Sequences, FiniteSets, RequestTable
 
@@ -66,14 +67,8 @@ CONSTANTS
     SendFails,      \* BOOLEAN: the reply rank's put of COMPUTE_DONE may raise
     EngineAborts,   \* BOOLEAN: the engine may cancel, drop, time out and shut down
     CancelsForward, \* BOOLEAN: the engine may abort a call in flight (cancel_requests)
-    MaxQueue,       \* state constraint: messages per rank FIFO
-    Bug             \* "none", or the failure mode to reintroduce (see BugModes)
+    MaxQueue        \* state constraint: messages per rank FIFO
 
-BugModes == {"none", "F3", "F6", "F7", "F9", "F10", "F11", "F12", "F16", "DeathKeepsOpen", "ReclaimShipped",
-             "CancelKeepsOutputs", "SendFailKeepsShipped", "PackerCancelsUndropped", "ReclaimSparesShipped",
-             "AbortKeepsFinished", "ChunkResolvesCall", "ChunkOrphanKept"}
-
-ASSUME Bug \in BugModes
 ASSUME ReplyRank \in Ranks
 
 NumRpcs == Len(Batch)
@@ -260,18 +255,14 @@ AfterChange(x) ==
              [] ClaimFails(x) -> Discard(RFire([x EXCEPT !.waiter = "none"], "ABANDON"))
              [] OTHER -> x)
 
-\* _abandon.  F9: the reference only forgot the waiter, so an output that
-\* arrived later was cached for nobody.
-Abandon(x) ==
-    IF Bug = "F9" /\ x.st \notin RequestHolding THEN x
-    ELSE AfterChange(Discard(RFire(x, "ABANDON")))
+\* _abandon: the waiter goes, and the output with it (a late one is released
+\* on arrival: F9).
+Abandon(x) == AfterChange(Discard(RFire(x, "ABANDON")))
 
-\* drop.  F10: the reference removed the waiter but kept the cached output.
+\* drop: the waiter fails, a cached output goes (F10).
 Drop(x) ==
     IF x.st = "NONE" THEN x
-    ELSE LET y == [FailWaiter(x) EXCEPT !.dropped = TRUE] IN
-         IF Bug = "F10" /\ y.st \in RequestHolding THEN y
-         ELSE AfterChange(Discard(RFire(y, "DROP")))
+    ELSE AfterChange(Discard(RFire([FailWaiter(x) EXCEPT !.dropped = TRUE], "DROP")))
 
 Create(x) == IF x.st = "NONE" THEN [x EXCEPT !.st = RegistryInitial] ELSE x
 
@@ -322,12 +313,9 @@ Unseen(x) ==
 ForceRelease1(x) ==
     [AfterChange(Discard(RFire(FailWaiter(x), "FORCE_RELEASE"))) EXCEPT !.late = {"fin"} \cup Unseen(x)]
 
-\* fail_all: every waiter fails, every record is force-released.  F16: the
-\* reference failed the waiters but kept the cached outputs.
-ForceRelease(x) ==
-    IF x.st = "NONE" THEN x
-    ELSE IF Bug = "F16" THEN FailWaiter(x)
-    ELSE ForceRelease1(x)
+\* fail_all: every waiter fails, every record is force-released, its cached
+\* output with it (F16).
+ForceRelease(x) == IF x.st = "NONE" THEN x ELSE ForceRelease1(x)
 
 \* expire, for a record still waiting for its COMPUTE_DONE (an early
 \* OUTPUT_READY created it): force-released, its tombstone expects the
@@ -352,17 +340,11 @@ Expire1(x) ==
 -----------------------------------------------------------------------------
 (* Channel helpers. *)
 
-\* put: atomic under the channel's lock.  F7: two threads wrote a
-\* single-writer queue; both took the same tail slot and the later store
-\* overwrote the other thread's message.
+\* put: atomic under the channel's lock, whichever thread puts (F7).
 Send(r, m) ==
     /\ sent' = [sent EXCEPT ![r] = @ + 1]
+    /\ chan' = [chan EXCEPT ![r] = Append(@, m)]
     /\ UNCHANGED eof
-    /\ \/ chan' = [chan EXCEPT ![r] = Append(@, m)]
-       \/ /\ Bug = "F7"
-          /\ chan[r] # <<>>
-          /\ chan[r][Len(chan[r])].w # m.w
-          /\ chan' = [chan EXCEPT ![r] = Append(SubSeq(@, 1, Len(@) - 1), m)]
 
 Recv(r) ==
     /\ chan' = [chan EXCEPT ![r] = Tail(@)]
@@ -458,16 +440,15 @@ WorkerMainSendComputeDone(r) ==
 \* the ids it handed to the packer, so that the dispatcher registers and drops
 \* them like a failed call's announced ids (Dispatcher.handle).  The failure
 \* takes the COMPUTE_DONE's place in the rank's FIFO: every order the registry
-\* sees is one it already handles.  SendFailKeepsShipped: the failure names
-\* nothing (the reference's WorkerLoop._send fallback), so an output that
-\* arrives is held for nobody.
+\* sees is one it already handles (SendFailKeepsShipped: a failure that
+\* names nothing leaves an output that arrives held for nobody).
 WorkerMainComputeDoneFails(r) ==
     /\ SendFails /\ alive[r] /\ r = ReplyRank /\ mainPc[r] = "sendOk"
     /\ Batch[mainRpc[r]] # <<>> /\ Unemitted(mainRpc[r]) = {}
     /\ failedRanks' = [failedRanks EXCEPT ![mainRpc[r]] = @ \cup {r}]
     /\ Send(r, [kind |-> "RPC_RESULT", rpc |-> mainRpc[r], id |-> NoId, ok |-> FALSE,
                 out |-> NoId, w |-> "main",
-                ids |-> IF Bug = "SendFailKeepsShipped" THEN {} ELSE BatchIds[mainRpc[r]]])
+                ids |-> BatchIds[mainRpc[r]]])
     /\ mainPc' = [mainPc EXCEPT ![r] = "idle"]
     /\ UNCHANGED <<alive, mainRpc, ws, packQ, packing, crashes, recvd, executor>>
 
@@ -532,13 +513,12 @@ PackerSendOutputFailed ==
                    pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 \* F15: the engine dropped the output before packing started; the drop reached
-\* the packer (Packer.drop), which sends a "Cancelled" failure instead.
-\* PackerCancelsUndropped: the guard is gone, the packer cancels an output
-\* that nobody dropped (NoSpuriousFailure).
+\* the packer (Packer.drop), which sends a "Cancelled" failure instead.  Only
+\* for an output the engine dropped (PackerCancelsUndropped: NoSpuriousFailure).
 PackerCancelOutput ==
     /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
-       /\ Bug = "PackerCancelsUndropped" \/ (rec[i].dropped /\ rec[i].eng = "done")
+       /\ rec[i].dropped /\ rec[i].eng = "done"
        /\ ws' = [ws EXCEPT ![i] = RequestNext(RequestNext(@, "DROP"), "OUTPUT_FAILED")]
        /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> i, ok |-> FALSE,
                            out |-> NoId, w |-> "packer", ids |-> {}])
@@ -562,10 +542,15 @@ Announced(k) == IF answers[k][ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] 
 \* The dispatcher still waits for RPC k's answers (its Future may be cancelled).
 Pending(k) == rpcs[k] \in {"pending", "cancelling"}
 
-\* Dispatcher._answer / _complete.  F12: the reference resolved the call on
-\* the reply rank's answer, before the other ranks had answered.
-Complete(k, ansk, r) ==
-    IF Bug = "F12" THEN r = ReplyRank ELSE \A q \in Ranks : ansk[q] # "none"
+\* Dispatcher._answer / _complete: the call resolves once every rank answered
+\* (ansk), whichever rank r answered last (F12).
+Complete(k, ansk, r) == \A q \in Ranks : ansk[q] # "none"
+
+\* Dispatcher._complete: a call that resolves as a failure, whose Future the
+\* engine cancelled (the claim fails: CancelKeepsOutputs), or that the engine
+\* aborted (_complete_aborted, also when the forward finished anyway:
+\* AbortKeepsFinished) drops what its reply rank announced (_drop_all).
+DropsAnnounced(fail, cancelled, aborted) == fail \/ cancelled \/ aborted
 
 \* A chunk the engine learned of and has not taken is dropped for it: its
 \* call ended badly, or the engine closed the stream (Dispatcher._end_streams,
@@ -586,10 +571,7 @@ Answer(k, r, a, x) ==
         \* The engine aborted the call (cancel_requests): Dispatcher._complete_aborted.
         aborted == k \in abortSent
         ann == IF ansk[ReplyRank] \in {"ok", "shipped"} THEN BatchIds[k] ELSE {}
-        \* CancelKeepsOutputs: the claim of the cancelled Future fails, the ids stay.
-        \* AbortKeepsFinished: an aborted call whose forward finished anyway
-        \* fails with RequestAborted, but what it announced is not dropped.
-        lose == done /\ (fail \/ (cancelled /\ Bug # "CancelKeepsOutputs") \/ (aborted /\ Bug # "AbortKeepsFinished"))
+        lose == done /\ DropsAnnounced(fail, cancelled, aborted)
     IN /\ answers' = [answers EXCEPT ![k] = ansk]
        /\ rpcs' = IF done
                   THEN [rpcs EXCEPT ![k] = IF aborted THEN "aborted" ELSE IF fail THEN "failed"
@@ -659,34 +641,37 @@ HandleOutputIn(x, m) ==
     /\ perr' = (perr \/ OutRefused(x[m.id], m.ok))
     /\ UNCHANGED <<rpcs, answers>>
 
+\* The engine wants chunk of call k from rank r: its call is pending, its
+\* Future not cancelled, it was not aborted, its stream not closed and the
+\* chunk is the reply rank's.
+ChunkWanted(r, k) == rpcs[k] = "pending" /\ k \notin abortSent /\ k \notin closedStreams /\ r = ReplyRank
+
+\* The record of chunk i of call k once rank r's CHUNK is registered: the
+\* engine learns of a chunk it wants; any other is dropped on arrival (an
+\* orphan, unwanted, or a protocol error: another rank's).  ChunkOrphanKept:
+\* a chunk of a call that ended kept instead.
+ChunkArrives(r, k, i) ==
+    LET x == OnComputeDone(rec[i]) IN
+    IF ~CdAccepted(rec[i]) THEN x
+    ELSE IF ChunkWanted(r, k) THEN [x EXCEPT !.eng = "known"]
+    ELSE [Drop(x) EXCEPT !.eng = "done"]
+
 \* A CHUNK (Dispatcher._on_chunk): the registry takes its id like a
-\* COMPUTE_DONE's; the engine learns of it if its call is pending, its Future
-\* not cancelled, it was not aborted, its stream not closed and the chunk is
-\* the reply rank's; otherwise the dispatcher drops it on arrival (an orphan,
-\* unwanted, or a protocol error: another rank's).  A chunk never answers.
+\* COMPUTE_DONE's, and the engine learns of it or it is dropped
+\* (ChunkArrives).  A chunk never answers its call (ChunkResolvesCall).
 \* A chunk of a call never made is a protocol error: dropped and marked, like
 \* the ids of such a COMPUTE_DONE (HandleNamed).
-\* ChunkResolvesCall: the dispatcher takes a chunk for the reply rank's answer.
-\* ChunkOrphanKept: a chunk of a call that ended is registered and kept.
 HandleChunk(r, m) ==
     LET k == m.rpc
         i == m.id
         x == OnComputeDone(rec[i])
-        wanted == rpcs[k] = "pending" /\ k \notin abortSent /\ k \notin closedStreams /\ r = ReplyRank
-        keep == wanted \/ (Bug = "ChunkOrphanKept" /\ ~Pending(k))
-        y == IF ~CdAccepted(rec[i]) THEN x
-             ELSE IF wanted THEN [x EXCEPT !.eng = "known"]
-             ELSE IF keep THEN x
-             ELSE [Drop(x) EXCEPT !.eng = "done"]
     IN IF k = NoCall
        THEN /\ perr' = TRUE
             /\ rec' = [rec EXCEPT ![i] = IF CdAccepted(rec[i]) THEN [Drop(x) EXCEPT !.ghost = TRUE] ELSE x]
             /\ UNCHANGED <<rpcs, answers>>
-       ELSE
-       /\ perr' = (perr \/ CdRefused(rec[i]) \/ (Pending(k) /\ r # ReplyRank))
-       /\ IF Bug = "ChunkResolvesCall" /\ wanted /\ answers[k][r] = "none"
-          THEN Answer(k, r, "ok", [rec EXCEPT ![i] = y])
-          ELSE rec' = [rec EXCEPT ![i] = y] /\ UNCHANGED <<rpcs, answers>>
+       ELSE /\ perr' = (perr \/ CdRefused(rec[i]) \/ (Pending(k) /\ r # ReplyRank))
+            /\ rec' = [rec EXCEPT ![i] = ChunkArrives(r, k, i)]
+            /\ UNCHANGED <<rpcs, answers>>
 
 HandleOutput(m) == HandleOutputIn(rec, m)
 
@@ -719,27 +704,15 @@ PumpRecvRpcResult(r) ==
     /\ Recv(r)
     /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent, closedStreams>>
 
-\* F6: the reference split a batch output by a map registered at COMPUTE_DONE;
-\* an output that arrived first found no map and was thrown away.
-\* F3: a waiter cancelled between "is it done?" and "set result" raised inside
-\* the pump and killed it.
+\* An OUTPUT_READY that finds no record creates one (F6: it is not split by a
+\* map registered at COMPUTE_DONE); a waiter whose Future was cancelled
+\* between "is it done?" and "set result" is abandoned, never raised into the
+\* pump (F3: ClaimFails in AfterChange).
 PumpRecvOutputReady(r) ==
     /\ pump = "RUNNING" /\ chan[r] # <<>> /\ Head(chan[r]).kind = "OUTPUT_READY"
-    /\ LET m == Head(chan[r])
-           got == Received(rec, m.out)
-           x == got[m.id]
-       IN CASE Bug = "F6" /\ x.st = "NONE" ->
-                 /\ rec' = got
-                 /\ UNCHANGED <<pump, perr, gone, abortSent, closedStreams>>
-            [] Bug = "F3" /\ ~OutRefused(x, m.ok) /\ ClaimFails(Arrive(x, m.ok, m.out)) ->
-                 /\ pump' = LifecycleNext(pump, "CRASH")
-                 /\ rec' = [got EXCEPT ![m.id] = Arrive(x, m.ok, m.out)]
-                 /\ UNCHANGED perr
-            [] OTHER ->
-                 /\ HandleOutputIn(got, m)
-                 /\ UNCHANGED pump
+    /\ LET m == Head(chan[r]) IN HandleOutputIn(Received(rec, m.out), m)
     /\ Recv(r)
-    /\ UNCHANGED <<worker, sent, closed, dead, submitted, rpcs, answers, gone, abortSent, closedStreams>>
+    /\ UNCHANGED <<worker, sent, pump, closed, dead, submitted, gone, abortSent, closedStreams>>
 
 \* Dispatcher.expire: the compute deadline of a pending RPC passed; what its
 \* reply rank announced is dropped, and its forward is cancelled on the
@@ -864,7 +837,7 @@ ReleaseConsumer(c, disp) ==
                ELSE rpcs
     /\ rec' = [i \in Ids |->
                  LET mine == Consumer[RpcOf(i)] = c
-                     y == IF Bug # "F11" /\ mine /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
+                     y == IF mine /\ rec[i].st \in {"COMPUTE_DONE", "PACKING", "READY", "FAILED"}
                           THEN Abandon(FailWaiter(rec[i])) ELSE rec[i]
                  IN [y EXCEPT !.eng = IF @ = "known" /\ mine THEN "done" ELSE @]]
     /\ UNCHANGED <<pump, closed, dead, submitted, answers, perr, abortSent, closedStreams>>
@@ -965,22 +938,17 @@ EngineShutdown ==
 \* waiter and call and closes the registry.  The pump keeps reading: what the
 \* dead worker (or a live one) sent is released on arrival; the other workers
 \* live on.  A segment the dead packer had shipped is spared: its message may
-\* still be in the pipe (PumpReachEof takes the rest).
-\* DeathKeepsOpen: fail_all without closing: every record is force-released
-\* (leaving a tombstone that swallows its late messages, as
-\* OutputRegistry._finished does), and the registry stays open.
-\* ReclaimShipped: a reclaim_owner(pid) that also freed the leases the dead
-\* process had shipped (as if hand_off did not exist) before fail_all discards
-\* what the registry holds.
+\* still be in the pipe (PumpReachEof takes the rest; ReclaimShipped frees
+\* them here).  Without the close, a message read after fail_all makes a
+\* record for nobody (DeathKeepsOpen).
 MonitorDetectDeath ==
     /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
     /\ dead' = TRUE
-    /\ closed' = (Bug # "DeathKeepsOpen")
+    /\ closed' = TRUE
     /\ rpcs' = FailRpcs
     /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
-           stolen(i) == Bug = "ReclaimShipped" /\ ~alive[ReplyRank] /\ rec[i].seg \in {"leased", "shipped", "consumer"}
-       IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
-          /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
+       IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
+          /\ packing' = IF packing # NoId /\ own(packing) THEN NoId ELSE packing
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
                    perr, gone, abortSent, closedStreams>>
 
@@ -989,12 +957,12 @@ MonitorDetectDeath ==
 \* the monitor has handled the death: whichever comes second
 \* (MultiprocDiffusionExecutor._reclaim_shipped) frees what the rank shipped
 \* and no message carried, SegmentPool.reclaim_shipped(pid): the packer was
-\* killed between the hand-off and the send.  ReclaimSparesShipped: nothing
-\* does (the long soak's lease left out until shutdown).
+\* killed between the hand-off and the send (ReclaimSparesShipped: without
+\* it, the long soak's lease left out until shutdown).
 PumpReachEof(r) ==
     /\ pump = "RUNNING" /\ dead /\ ~alive[r] /\ chan[r] = <<>> /\ r \notin eof
     /\ eof' = eof \cup {r}
-    /\ IF r = ReplyRank /\ Bug # "ReclaimSparesShipped"
+    /\ IF r = ReplyRank
        THEN /\ rec' = [i \in Ids |-> IF rec[i].seg = "shipped" THEN ReleaseSeg(rec[i]) ELSE rec[i]]
             /\ packing' = NoId
        ELSE UNCHANGED <<rec, packing>>

@@ -51,8 +51,8 @@ MUTATIONS = [
     ),
     (
         "an aborted call that finished anyway keeps what it announced",
-        ' \\/ (aborted /\\ Bug # "AbortKeepsFinished"))',
-        ")",
+        "DropsAnnounced(fail, cancelled, aborted) == fail \\/ cancelled \\/ aborted",
+        "DropsAnnounced(fail, cancelled, aborted) == fail \\/ cancelled",
     ),
     (
         "an RPC_RESULT of a call never made is no protocol error",
