@@ -703,7 +703,7 @@ AO(t) == INSTANCE AsyncOutput WITH
     Ranks <- TRanks[t], ReplyRank <- TReply[t], Batch <- TBatch[t], Consumer <- TCons[t],
     Chunks <- TChunks[t], Steps <- TSteps[t],
     MaxCrashes <- 0, ForwardFails <- TRUE, PackFails <- TRUE, SendFails <- TRUE,
-    EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0, Bug <- "none",
+    EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0,
     alive <- [r \in TRanks[t] |-> TRUE], mainPc <- [r \in TRanks[t] |-> "idle"],
     mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
     ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",

@@ -582,7 +582,9 @@ def check_traces(
     with tempfile.TemporaryDirectory(prefix="omni-tracecheck-") as tmp:
         work = keep_dir if keep_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for name in (TRACE_SPEC, "AsyncOutput.tla", "RequestTable.tla"):
+        # AsyncOutput.tla and the modules it extends (AsyncOutputState.tla, ...).
+        spec_modules = sorted(p.name for p in tla_dir().glob("AsyncOutput*.tla"))
+        for name in (TRACE_SPEC, *spec_modules, "RequestTable.tla"):
             shutil.copyfile(tla_dir() / name, work / name)
         (work / "TraceData.tla").write_text(enc.module, encoding="utf-8")
         cfg = work / "TraceAsyncOutput.cfg"
