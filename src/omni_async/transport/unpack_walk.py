@@ -12,7 +12,6 @@ import collections
 import warnings
 import weakref
 
-import numpy as np
 import torch
 
 from omni_async.transport.skeleton import (

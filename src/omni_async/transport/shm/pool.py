@@ -109,7 +109,7 @@ from omni_async.transport.shm import files, mapping
 from omni_async.transport.shm.leases import Lease, LeaseInfo, PoolStats
 from omni_async.transport.shm.lock import CrashSafeLock
 from omni_async.transport.shm.sizing import default_max_bytes, size_class
-from omni_async.transport.shm.table import C_CLOSED, C_HOLDER, NC, NF, SlotTable, table_nbytes
+from omni_async.transport.shm.table import C_HOLDER, NC, NF, SlotTable, table_nbytes
 
 __all__ = ["Lease", "LeaseInfo", "PoolStats", "SegmentPool", "size_class"]
 
