@@ -101,7 +101,7 @@ def die_inside_the_lock(pool: SegmentPool, conn: Connection, cut: str) -> None:
     lock, report in and stay alive inside it until the parent kills us.
     """
     if cut == "granting":
-        shm.Lease = _kill_self  # type: ignore[assignment,misc]
+        shm.Lease = _kill_self  # type: ignore[assignment,attr-defined]
         pool.lease(100_000)
     elif cut == "evicting":
         pool.release(pool.lease(100_000))  # a free 128 KiB segment
