@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 import attrs
 import numpy as np
@@ -24,6 +24,7 @@ from omni_async.transport.skeleton import (
     Array,
     InlineTensor,
     Leaf,
+    PackedDictObject,
     PackedMap,
     PackedObject,
     PackedSeq,
@@ -37,6 +38,12 @@ from omni_async.transport.skeleton import (
 )
 
 __all__ = ["OnLeaf", "Plan", "walk"]
+
+# The builtin dict types an instance of a dict subclass can be rebuilt on (their
+# ``__new__`` takes no argument, their items are set one by one, as pickle does).
+_DICT_BASES: Final[tuple[type[dict[object, object]], ...]] = (dict, collections.OrderedDict, collections.defaultdict)
+_HEAPTYPE: Final = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, not a builtin
+_UNSET: Final = object()
 
 # What a walk does at each leaf, given the bytes the packer copies for it; returns the
 # leaf's place in the skeleton.
@@ -132,10 +139,75 @@ def walk(x: object, on_leaf: OnLeaf, path: str, depth: int) -> Skeleton:
         return PackedMap(cls, tuple(items), factory)
     if isinstance(x, (list, tuple)) and (cls is list or cls is tuple or (isinstance(x, tuple) and hasattr(cls, "_fields"))):
         return PackedSeq(cls, tuple(walk(v, on_leaf, f"{path}[{i}]", d) for i, v in enumerate(x)))
-    if attrs.has(cls):
-        names = [f.name for f in attrs.fields(cls)]
-    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-        names = [f.name for f in dataclasses.fields(x)]
-    else:
+    if isinstance(x, dict):
+        return _walk_dict_object(x, on_leaf, path, d)
+    names = _field_names(x)
+    if names is None:
         raise UnsupportedOutputType(path, cls)
-    return PackedObject(cls, tuple((name, walk(getattr(x, name), on_leaf, f"{path}.{name}", d)) for name in names))
+    base = _builtin_base(cls)
+    if base is not object:
+        # object.__new__ cannot make it, and its own constructor may want anything:
+        # refuse here, on the worker, rather than fail to unpack on the consumer.
+        raise UnsupportedOutputType(path, cls, _unbuildable(cls, base))
+    # An attribute never set (``field(init=False)`` without a default) stays unset.
+    values = [(name, getattr(x, name, _UNSET)) for name in names]
+    return PackedObject(
+        cls, tuple((name, walk(v, on_leaf, f"{path}.{name}", d)) for name, v in values if v is not _UNSET)
+    )
+
+
+def _field_names(x: object) -> list[str] | None:
+    """The fields of an attrs or dataclass instance; None for anything else."""
+    cls = type(x)
+    if attrs.has(cls):
+        return [f.name for f in attrs.fields(cls)]
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return [f.name for f in dataclasses.fields(x)]
+    return None
+
+
+def _builtin_base(cls: type) -> type:
+    """The builtin type ``cls``'s instances are made by (as ``copyreg`` finds it)."""
+    for base in cls.__mro__:
+        if not base.__flags__ & _HEAPTYPE:
+            return base
+    return object
+
+
+def _unbuildable(cls: type, base: type) -> str:
+    return (
+        f"its instances are built on {base.__module__}.{base.__qualname__}, which the consumer cannot rebuild "
+        f"without calling {cls.__qualname__}'s constructor; return the value in a dict, a list, or a field of "
+        "an attrs class or dataclass instead"
+    )
+
+
+def _walk_dict_object(x: dict[object, object], on_leaf: OnLeaf, path: str, d: int) -> PackedDictObject:
+    """An instance of a dict subclass: its items, and its attributes (its fields if it is
+    an attrs class or dataclass, and whatever else its ``__dict__`` holds)."""
+    cls = type(x)
+    found = _builtin_base(cls)
+    base = next((b for b in _DICT_BASES if b is found), None)
+    if base is None:
+        raise UnsupportedOutputType(path, cls, _unbuildable(cls, found))
+    items: list[tuple[Skeleton, Skeleton]] = []
+    # dict's own iteration: a subclass may override items() or __getitem__ (BaseOutput's
+    # __getitem__ takes an int to mean a position).
+    for k, v in dict.items(x):
+        if not is_plain(k):
+            raise UnsupportedOutputType(f"{path} key {k!r}", type(k))
+        items.append((k, walk(v, on_leaf, f"{path}[{k!r}]", d)))
+    names = _field_names(x) or []
+    names += [n for n in getattr(x, "__dict__", {}) if n not in names]
+    fields: list[tuple[str, Skeleton]] = []
+    aliases: list[str] = []
+    for name in names:
+        v = getattr(x, name, _UNSET)
+        if v is _UNSET:
+            continue
+        if dict.__contains__(x, name) and dict.__getitem__(x, name) is v and not is_plain(v):
+            aliases.append(name)
+        else:
+            fields.append((name, walk(v, on_leaf, f"{path}.{name}", d)))
+    factory = x.default_factory if isinstance(x, collections.defaultdict) else None
+    return PackedDictObject(cls, base, tuple(items), tuple(fields), tuple(aliases), factory)

@@ -1,7 +1,8 @@
 """Packing a finished output for the trip to the consumer, and unpacking it there.
 
-``pack_diffusion_output_shm`` walks the output (dicts, lists, tuples, namedtuples, attrs
-and dataclass instances; tensors, numpy arrays, bytes and small plain values) and
+``pack_diffusion_output_shm`` walks the output (dicts and dict subclasses, lists, tuples,
+namedtuples, attrs and dataclass instances; tensors, numpy arrays, bytes and small plain
+values) and
 returns a ``DiffusionOutput`` whose ``output`` is a ``PackedPayload``: a small, picklable
 skeleton of the same shape.  Each tensor, array or bytes leaf goes one of two ways:
 

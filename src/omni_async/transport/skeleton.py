@@ -1,7 +1,7 @@
 """The packed skeleton: what ``DiffusionOutput.output`` holds between packing and unpacking.
 
-A packed output is the output's own shape (``PackedSeq``, ``PackedMap``, ``PackedObject``)
-with every tensor, array or bytes leaf replaced by where its bytes went: inline in the message (``InlineTensor``, small bytes and array copies) or at an
+A packed output is the output's own shape (``PackedSeq``, ``PackedMap``, ``PackedObject``,
+``PackedDictObject``) with every tensor, array or bytes leaf replaced by where its bytes went: inline in the message (``InlineTensor``, small bytes and array copies) or at an
 offset in the output's one shared-memory segment (``ShmTensor``, ``ShmArray``,
 ``ShmBytes``).  Plain values (``is_plain``) travel as themselves.  Everything here is
 small and picklable: it crosses the result channel.  See ``packing`` for the protocol.
@@ -28,6 +28,7 @@ __all__ = [
     "Array",
     "InlineTensor",
     "Leaf",
+    "PackedDictObject",
     "PackedMap",
     "PackedObject",
     "PackedPayload",
@@ -112,6 +113,24 @@ class PackedMap:
 class PackedObject:
     cls: type
     fields: tuple[tuple[str, Skeleton], ...]
+
+
+@attrs.frozen
+class PackedDictObject:
+    """An instance of a dict subclass (diffusers' ``BaseOutput``: a dataclass over
+    ``OrderedDict``; a ``Counter``; a user's own), rebuilt as pickle rebuilds it without
+    running its ``__init__``: ``base`` (the builtin dict type it is built on) makes the
+    instance and takes its items; then its attributes are set.  ``aliases``: attributes
+    whose value IS the item of the same key (``BaseOutput`` keeps each field both ways):
+    packed once, as the item, so a tensor's bytes travel once and both names see one
+    tensor again after unpacking."""
+
+    cls: type[dict[object, object]]
+    base: type[dict[object, object]]
+    items: tuple[tuple[Skeleton, Skeleton], ...]
+    fields: tuple[tuple[str, Skeleton], ...]
+    aliases: tuple[str, ...] = ()
+    default_factory: Callable[[], object] | None = None
 
 
 @attrs.frozen

@@ -18,6 +18,7 @@ from omni_async.transport.skeleton import (
     Array,
     InlineTensor,
     Leaf,
+    PackedDictObject,
     PackedMap,
     PackedObject,
     PackedSeq,
@@ -132,4 +133,23 @@ def unwalk(x: Skeleton, src: Copies | ViewsOf | BufferViews) -> object:
         for name, v in x.fields:
             object.__setattr__(obj, name, unwalk(v, src))
         return obj
+    if isinstance(x, PackedDictObject):
+        return _rebuild_dict_object(x, src)
     return x
+
+
+def _rebuild_dict_object(x: PackedDictObject, src: Copies | ViewsOf | BufferViews) -> object:
+    # As pickle does (copyreg.__newobj__): the builtin base makes the instance, no
+    # __init__ runs; the base's own __setitem__, not an override (BaseOutput refuses
+    # update() and mirrors __setitem__ into attributes: harmless here, but not ours to call).
+    base = x.base
+    obj: dict[object, object] = base.__new__(x.cls)
+    for k, v in x.items:
+        base.__setitem__(obj, k, unwalk(v, src))
+    if x.default_factory is not None:
+        object.__setattr__(obj, "default_factory", x.default_factory)
+    for name, v in x.fields:
+        object.__setattr__(obj, name, unwalk(v, src))
+    for name in x.aliases:
+        object.__setattr__(obj, name, base.__getitem__(obj, name))
+    return obj
