@@ -15,7 +15,7 @@ from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.errors import PoolExhausted
 from omni_async.transport.packing import release_unpacked_output, unpack_diffusion_output_shm
 from omni_async.transport.shm import Lease, SegmentPool, files
-from omni_async.transport.shm import pool as shm
+from omni_async.transport.shm import table as shm  # where the pool grants a Lease
 
 
 def lease_and_fill(pool: SegmentPool, conn: Connection, nbytes: int, value: int) -> None:
@@ -101,7 +101,7 @@ def die_inside_the_lock(pool: SegmentPool, conn: Connection, cut: str) -> None:
     lock, report in and stay alive inside it until the parent kills us.
     """
     if cut == "granting":
-        shm.Lease = _kill_self  # type: ignore[assignment,misc]
+        shm.Lease = _kill_self  # type: ignore[assignment,attr-defined]
         pool.lease(100_000)
     elif cut == "evicting":
         pool.release(pool.lease(100_000))  # a free 128 KiB segment

@@ -136,12 +136,15 @@ class UnknownSegment(UsageError, KeyError):
 
 
 class UnsupportedOutputType(UsageError, TypeError):
-    """An output contains a value the packer cannot carry; names where it was found."""
+    """An output contains a value the packer cannot carry; names where it was found, and,
+    where there is more to say than the type (``reason``), why and what to do."""
 
-    def __init__(self, path: str, value_type: type) -> None:
-        super().__init__(f"cannot pack a {value_type.__module__}.{value_type.__qualname__} at {path}")
+    def __init__(self, path: str, value_type: type, reason: str = "") -> None:
+        msg = f"cannot pack a {value_type.__module__}.{value_type.__qualname__} at {path}"
+        super().__init__(f"{msg}: {reason}" if reason else msg)
         self.path = path
         self.value_type = value_type
+        self.reason = reason
 
 
 class DeviceSyncUnavailable(TransportError):

@@ -9,20 +9,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol, SupportsInt
 
 import torch
 
 __all__ = ["clear_cuda_error", "host_register", "host_unregister"]
 
 
-def _cudart() -> Any:
-    fn: Any = torch.cuda.cudart  # unannotated in torch
+class _CudaRuntime(Protocol):
+    """The calls used here of ``torch.cuda.cudart()`` (torch's binding of the CUDA runtime;
+    each returns a ``cudaError`` enum value)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int, /) -> SupportsInt: ...  # noqa: N802 -- CUDA's name
+
+    def cudaHostUnregister(self, ptr: int, /) -> SupportsInt: ...  # noqa: N802 -- CUDA's name
+
+
+def _cudart() -> _CudaRuntime:
+    fn: Callable[[], _CudaRuntime] = torch.cuda.cudart  # unannotated in torch
     return fn()
 
 
 @functools.cache
-def _cudart_lib() -> Any:
+def _cudart_lib() -> ctypes.CDLL | None:
     """The libcudart torch loaded, through ctypes; None if torch linked it statically."""
     try:
         with open("/proc/self/maps") as f:
@@ -49,7 +59,7 @@ def clear_cuda_error() -> None:
         lib.cudaGetLastError()
         return
     # torch linked cudart statically: let a zero-length kernel's launch check consume it.
-    sleep: Any = torch.cuda._sleep  # unannotated in torch
+    sleep: Callable[[int], object] = torch.cuda._sleep  # unannotated in torch
     try:
         sleep(0)
     except RuntimeError:

@@ -57,9 +57,8 @@ and an evicted slot turns EMPTY before its file is unlinked.  Byte totals are co
 from the slots, never kept as counters that a cut could leave wrong; the remaining
 counters are statistics, which such a cut may leave off by one.
 
-Size classes are powers of two (at least ``min_segment_bytes``), so outputs of
-similar size share segments; a lease may take a free segment one class larger rather
-than create one.  The pool is bounded by ``max_bytes`` and ``max_segments``.  When a
+Size classes are powers of two (``sizing.size_class``), so outputs of similar size share
+segments.  The pool is bounded by ``max_bytes`` and ``max_segments``.  When a
 class has no free segment and the budget is full, free segments of other classes are
 evicted (unlinked) to make room; when everything is leased, ``lease`` **waits** (polling
 with backoff, so a dead waiter can never wedge a notifier) up to ``timeout`` and then
@@ -73,10 +72,16 @@ A view stays valid until its lease is released; after that the segment is reused
 the bytes change underneath it.  Consumers that keep data longer copy it first
 (``unpack_diffusion_output_shm(..., copy=True)`` does that and releases at once).
 Linux only (``/dev/shm``).
+
+Files: ``sizing`` (the size classes, the default budget), ``leases`` (what the pool hands
+out and reports), ``table`` (the shared slot table and what each operation writes in
+it, under the lock), and this module: the pool object (its lock and waits, its
+processes, its mappings, its lifecycle).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -86,16 +91,14 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, ClassVar, Final
+from typing import ClassVar, TypedDict
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.transport.errors import (
-    LeaseAlreadyReleased,
     PoolClosed,
     PoolExhausted,
     SegmentTooLarge,
@@ -103,102 +106,32 @@ from omni_async.transport.errors import (
     UnknownSegment,
 )
 from omni_async.transport.shm import files, mapping
+from omni_async.transport.shm.leases import Lease, LeaseInfo, PoolStats
 from omni_async.transport.shm.lock import CrashSafeLock
+from omni_async.transport.shm.sizing import default_max_bytes, size_class
+from omni_async.transport.shm.table import C_HOLDER, NC, NF, SlotTable, table_nbytes
 
 __all__ = ["Lease", "LeaseInfo", "PoolStats", "SegmentPool", "size_class"]
 
 log = logging.getLogger(__name__)
 
-# Slot table layout (int64): one row of _NF fields per slot, then the counters.
-_STATE, _SIZE, _INC, _GEN, _OWNER = range(5)
-_NF: Final = 5
-_EMPTY, _FREE, _LEASED = 0, 1, 2
-(
-    _C_CREATED,
-    _C_REUSED,
-    _C_LEASED,
-    _C_RELEASED,
-    _C_EVICTED,
-    _C_RECLAIMED,
-    _C_REPAIRS,
-    _C_CLOSED,
-    _C_HOLDER,  # pid inside the lock, 0 when free
-    _C_WAITS,  # leases that had to wait for room
-    _C_WAIT_NS,  # the time they waited, in all
-    _C_EXHAUSTED,  # leases that waited in vain (PoolExhausted)
-    _C_FULL_SINCE_NS,  # monotonic ns: when the pool became full for a waiting lease; 0: never
-    _C_FULL_SEEN_NS,  # monotonic ns: a waiting lease last found no room; 0: none waits
-) = range(14)
-_NC: Final = 14
-# A lease that waits finds no room at least every 20 ms (its backoff cap), a loaded
-# machine permitting; a pool whose last failed attempt is older than this has no live
-# waiter (a waiter killed while waiting stops updating it), so "full" ends by itself.
-_FULL_GAP_NS: Final = 1_000_000_000
+# What backs the shared table: a RawArray (inherited by spawned processes), the lock
+# file's mapping (attach_by_name), or a private buffer (the pool closed before we came).
+_TableBuffer = ctypes.Array[ctypes.c_int64] | mmap.mmap | bytearray
 
 
-def size_class(nbytes: int, min_segment_bytes: int) -> int:
-    """The segment size that serves ``nbytes``: the next power of two, at least the minimum."""
-    if nbytes <= min_segment_bytes:
-        return min_segment_bytes
-    return 1 << (nbytes - 1).bit_length()
+class _PoolState(TypedDict):
+    """What a pool pickles: its configuration and its RawArray (see ``__getstate__``)."""
 
-
-@attrs.frozen
-class Lease:
-    """One leased segment.  Small and picklable: it travels inside a packed output."""
-
-    prefix: str
-    slot: int
-    incarnation: int
-    generation: int
-    size: int  # the segment's size (its class)
-    nbytes: int  # the bytes asked for
-
-    @property
-    def name(self) -> str:
-        return f"{self.prefix}{self.slot}.{self.incarnation}"
-
-
-@attrs.frozen
-class LeaseInfo:
-    name: str
-    size: int
-    generation: int
-    # > 0: leased by that process, not handed off; < 0: handed off by process -owner_pid,
-    # its message not received yet; 0: received by the consumer.
-    owner_pid: int
-
-
-@attrs.frozen
-class PoolStats:
-    created: int
-    reused: int
-    leased: int
-    released: int
-    evicted: int
-    reclaimed: int
-    repairs: int  # times a process died inside the lock and the table was repaired
-    segments: int
-    bytes: int
-    bytes_leased: int
-    outstanding: int
-    # Back-pressure: leases that waited for room, the seconds they waited, those that
-    # gave up (PoolExhausted); ``full_for_s`` > 0 while a lease is waiting now: how long
-    # the pool has stayed full for it (every ``max_segments`` or ``max_bytes`` leased).
-    lease_waits: int = 0
-    lease_wait_s: float = 0.0
-    exhausted: int = 0
-    full_for_s: float = 0.0
-
-
-def _default_max_bytes() -> int:
-    """Half the free space of /dev/shm now, at most 8 GiB: a budget that fits (never above it)."""
-    try:
-        st = os.statvfs(files.SHM_DIR)
-        room = st.f_bavail * st.f_frsize // 2
-    except OSError:
-        room = 1 << 30
-    return int(max(1 << 20, min(8 << 30, room)))
+    _prefix: str
+    _max_bytes: int
+    _max_segments: int
+    _min_segment: int
+    _lease_timeout: float
+    _lock_timeout: float
+    _pin_cuda: bool
+    _owner_pid: int
+    _raw: ctypes.Array[ctypes.c_int64] | None
 
 
 def _close_owner(prefix: str) -> None:
@@ -245,7 +178,7 @@ class SegmentPool:
         self._prefix = prefix or f"{files.SHM_PREFIX_ROOT}{os.getpid()}-{files.tag_mark()}{secrets.token_hex(4)}-"
         if not self._prefix.startswith(files.SHM_PREFIX_ROOT) or not files.is_plain_name(self._prefix):
             raise UsageError(f"prefix must start with {files.SHM_PREFIX_ROOT!r} and be a plain name: {self._prefix!r}")
-        self._max_bytes = max_bytes if max_bytes is not None else _default_max_bytes()
+        self._max_bytes = max_bytes if max_bytes is not None else default_max_bytes()
         self._max_segments = max_segments
         self._min_segment = min_segment_bytes
         self._lease_timeout = lease_timeout
@@ -253,17 +186,19 @@ class SegmentPool:
         self._pin_cuda = pin_cuda
         self._owner_pid = os.getpid()
         # attach_by_name: the table lives in the lock file (no RawArray to inherit).
-        self._raw: Any = None if attach_by_name else ctx.RawArray("q", max_segments * _NF + _NC)
+        self._raw: ctypes.Array[ctypes.c_int64] | None = (
+            None if attach_by_name else ctx.RawArray(ctypes.c_int64, max_segments * NF + NC)
+        )
         self._open_lock_file(create=True)
-        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(self, _close_owner, self._prefix)
+        self._finalizer: weakref.finalize[[str], SegmentPool] | None = weakref.finalize(self, _close_owner, self._prefix)
         self._register()
 
     # -- process plumbing ----------------------------------------------------------------
 
-    def _attach_shared(self, table: Any) -> None:
-        flat: npt.NDArray[np.int64] = np.frombuffer(table, dtype=np.int64)
-        self._slots = flat[: self._max_segments * _NF].reshape(self._max_segments, _NF)
-        self._ctr = flat[self._max_segments * _NF :]
+    def _attach_shared(self, table: _TableBuffer) -> None:
+        # Through a memoryview: one buffer type for numpy whatever backs the table.
+        flat: npt.NDArray[np.int64] = np.frombuffer(memoryview(table), dtype=np.int64)
+        self._table = SlotTable(self._prefix, self._max_segments, self._max_bytes, flat)
         self._local_closed = False
         self._waits_cancelled = threading.Event()
 
@@ -277,9 +212,10 @@ class SegmentPool:
             fd = -1  # the owner already closed the pool
         else:
             weakref.finalize(self, os.close, fd)
-        nbytes = (self._max_segments * _NF + _NC) * 8
+        nbytes = table_nbytes(self._max_segments)
+        table: _TableBuffer
         if self._raw is not None:
-            table: Any = self._raw
+            table = self._raw
         elif fd >= 0:
             if create:
                 os.ftruncate(fd, nbytes)  # zeros, as a fresh RawArray
@@ -289,12 +225,12 @@ class SegmentPool:
         self._attach_shared(table)
         if fd < 0:
             self._local_closed = True
-            self._ctr[_C_CLOSED] = 1
+            self._table.mark_closed()
         self._lock_fd = fd
         self._lock = CrashSafeLock(
             f"segment pool {self._prefix}",
             fd,
-            self._ctr[_C_HOLDER : _C_HOLDER + 1],
+            self._table.ctr[C_HOLDER : C_HOLDER + 1],
             timeout=self._lock_timeout,
             repair=self._repair,
         )
@@ -303,26 +239,23 @@ class SegmentPool:
         with SegmentPool._registry_lock:
             SegmentPool._registry[self._prefix] = self
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> _PoolState:
         # RawArray pickles only while a Process is being spawned: that is the
         # supported way to share a pool (``attach_by_name``: anywhere on this machine,
         # ``_raw`` is None).  The copy is a non-owner: it never unlinks all.
-        return {
-            k: getattr(self, k)
-            for k in (
-                "_prefix",
-                "_max_bytes",
-                "_max_segments",
-                "_min_segment",
-                "_lease_timeout",
-                "_lock_timeout",
-                "_pin_cuda",
-                "_owner_pid",
-                "_raw",
-            )
-        }
+        return _PoolState(
+            _prefix=self._prefix,
+            _max_bytes=self._max_bytes,
+            _max_segments=self._max_segments,
+            _min_segment=self._min_segment,
+            _lease_timeout=self._lease_timeout,
+            _lock_timeout=self._lock_timeout,
+            _pin_cuda=self._pin_cuda,
+            _owner_pid=self._owner_pid,
+            _raw=self._raw,
+        )
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
+    def __setstate__(self, state: _PoolState) -> None:
         for k, v in state.items():
             setattr(self, k, v)
         self._finalizer = None
@@ -371,7 +304,7 @@ class SegmentPool:
 
     @property
     def closed(self) -> bool:
-        return self._local_closed or bool(self._ctr[_C_CLOSED])
+        return self._local_closed or self._table.closed
 
     def class_of(self, nbytes: int) -> int:
         return size_class(nbytes, self._min_segment)
@@ -383,12 +316,6 @@ class SegmentPool:
             raise PoolClosed(f"segment pool {self._prefix} is closed")
         return self._lock
 
-    def _bytes(self, state: int | None = None) -> int:
-        """Bytes in segments that exist (or, given ``state``, in that state); from the slots."""
-        st = self._slots[:, _STATE]
-        mask = st != _EMPTY if state is None else st == state
-        return int(self._slots[mask, _SIZE].sum())
-
     def _repair(self, dead_pid: int) -> None:
         """Under the lock: its previous holder (``dead_pid``) died inside it.
 
@@ -396,9 +323,9 @@ class SegmentPool:
         dead process (reclaimed like any of its leases) and a file whose slot is EMPTY
         or moved to a new incarnation (unlinked).
         """
-        self._ctr[_C_REPAIRS] += 1
-        reclaimed = self._reclaim(dead_pid)
-        live = set(self.segment_names())
+        self._table.note_repair()
+        reclaimed = self._table.reclaim(dead_pid)
+        live = set(self._table.segment_names())
         orphans = [n for n in files.list_segments(self._prefix) if n not in live]
         for name in orphans:
             files.unlink(name)
@@ -474,104 +401,21 @@ class SegmentPool:
 
     def _try_lease(self, size: int, nbytes: int) -> tuple[Lease, bool] | None:
         pid = os.getpid()
-        s, c = self._slots, self._ctr
         with self._locked():
-            if c[_C_CLOSED]:
-                raise PoolClosed(f"segment pool {self._prefix} is closed")
-            state, sizes = s[:, _STATE], s[:, _SIZE]
-            # Reuse: the exact class first, then one class up (waste <= 4x, no creation).
-            for want in (size, size * 2):
-                hits = np.flatnonzero((state == _FREE) & (sizes == want))
-                if hits.size:
-                    i = int(hits[0])
-                    return self._grant(i, pid, nbytes), False
-            empties = np.flatnonzero(state == _EMPTY)
-            live = self._bytes()
-            if empties.size == 0 or live + size > self._max_bytes:
-                # Evict free segments of other classes, largest first, until it fits.
-                free = np.flatnonzero(state == _FREE)
-                need_bytes = live + size - self._max_bytes
-                need_slot = empties.size == 0
-                if int(sizes[free].sum()) < need_bytes or (need_slot and free.size == 0):
-                    # Full: the caller waits.  Time the stall (see _FULL_GAP_NS).
-                    now = time.monotonic_ns()
-                    if not c[_C_FULL_SEEN_NS] or now - int(c[_C_FULL_SEEN_NS]) > _FULL_GAP_NS:
-                        c[_C_FULL_SINCE_NS] = now
-                    c[_C_FULL_SEEN_NS] = now
-                    return None
-                for i in sorted(free.tolist(), key=lambda j: -int(sizes[j])):
-                    if need_bytes <= 0 and not need_slot:
-                        break
-                    need_bytes -= int(sizes[i])
-                    need_slot = False
-                    self._evict(int(i))
-                empties = np.flatnonzero(state == _EMPTY)
-            return self._grant(int(empties[0]), pid, nbytes, new_size=size), True
+            return self._table.try_lease(pid, size, nbytes)
 
     def _count_wait(self, since_ns: int, *, exhausted: bool) -> None:
-        c = self._ctr
         with self._locked():
-            c[_C_WAITS] += 1
-            c[_C_WAIT_NS] += time.monotonic_ns() - since_ns
-            if exhausted:
-                c[_C_EXHAUSTED] += 1
-            else:
-                c[_C_FULL_SEEN_NS] = 0  # room was found: this stall is over
-
-    def _grant(self, i: int, pid: int, nbytes: int, *, new_size: int = 0) -> Lease:
-        # Under the lock.  The state is written last: a slot is LEASED only once its
-        # owner is known, so a cut anywhere before leaves nothing to reclaim.
-        row, c = self._slots[i], self._ctr
-        row[_OWNER] = pid
-        if new_size:  # a new incarnation: a new name, created by the caller
-            row[_SIZE] = new_size
-            row[_INC] += 1
-        row[_GEN] += 1
-        row[_STATE] = _LEASED
-        c[_C_LEASED] += 1
-        c[_C_CREATED if new_size else _C_REUSED] += 1
-        return Lease(self._prefix, i, int(row[_INC]), int(row[_GEN]), int(row[_SIZE]), nbytes)
-
-    def _evict(self, i: int) -> None:
-        # Under the lock.  EMPTY before the unlink: a cut in between leaves an orphan
-        # file that ``_repair`` finds, never a slot naming a file that is gone.  The name
-        # dies with the incarnation: a process that still maps it keeps valid memory until
-        # it prunes its cache; a new incarnation gets a new name.
-        row = self._slots[i]
-        row[_STATE] = _EMPTY
-        row[_OWNER] = 0
-        self._ctr[_C_EVICTED] += 1
-        files.unlink(f"{self._prefix}{i}.{int(row[_INC])}")
+            self._table.count_wait(since_ns, exhausted=exhausted)
 
     def _abandon_slot(self, lease: Lease) -> None:
-        s, c = self._slots, self._ctr
         with self._locked():
-            if s[lease.slot, _GEN] == lease.generation and s[lease.slot, _STATE] == _LEASED:
-                c[_C_LEASED] -= 1
-                c[_C_CREATED] -= 1
-                self._evict(lease.slot)
-                c[_C_EVICTED] -= 1
-
-    def _check_lease(self, lease: Lease) -> None:
-        # Under the lock.
-        if lease.prefix != self._prefix:
-            raise UnknownSegment(f"lease {lease.name} belongs to another pool than {self._prefix}")
-        if not 0 <= lease.slot < self._max_segments:
-            raise UnknownSegment(f"lease {lease.name} names no slot of pool {self._prefix}")
-        row = self._slots[lease.slot]
-        if row[_STATE] != _LEASED or row[_INC] != lease.incarnation or row[_GEN] != lease.generation:
-            if self._ctr[_C_CLOSED]:
-                raise PoolClosed(f"segment pool {self._prefix} is closed (lease {lease.name})")
-            raise LeaseAlreadyReleased(lease.name)
+            self._table.abandon(lease)
 
     def release(self, lease: Lease) -> None:
         """Give the segment back to the pool; exactly once per lease."""
         with self._locked():
-            self._check_lease(lease)
-            row = self._slots[lease.slot]
-            row[_STATE] = _FREE
-            row[_OWNER] = 0
-            self._ctr[_C_RELEASED] += 1
+            self._table.release(lease)
 
     def hand_off(self, lease: Lease) -> None:
         """The lease is shipped: ``reclaim_owner`` of the leasing pid spares it from now on.
@@ -580,8 +424,7 @@ class SegmentPool:
         message; ``reclaim_shipped`` frees it if that message never comes.
         """
         with self._locked():
-            self._check_lease(lease)
-            self._slots[lease.slot, _OWNER] = -os.getpid()
+            self._table.hand_off(lease, os.getpid())
 
     def receive(self, lease: Lease) -> bool:
         """The consumer read the message carrying ``lease``: it is the consumer's now.
@@ -595,32 +438,17 @@ class SegmentPool:
         if lease.prefix != self._prefix or not 0 <= lease.slot < self._max_segments:
             return False
         with self._locked():
-            row = self._slots[lease.slot]
-            if (
-                row[_STATE] != _LEASED
-                or row[_INC] != lease.incarnation
-                or row[_GEN] != lease.generation
-                or row[_OWNER] >= 0
-            ):
-                return False
-            row[_OWNER] = 0
-            return True
+            return self._table.receive(lease)
 
     def is_leased(self, lease: Lease) -> bool:
-        row = self._slots[lease.slot]
-        return bool(
-            lease.prefix == self._prefix
-            and row[_STATE] == _LEASED
-            and row[_INC] == lease.incarnation
-            and row[_GEN] == lease.generation
-        )
+        return self._table.is_leased(lease)
 
     def reclaim_owner(self, pid: int) -> int:
         """Free the leases a (dead) process took and never handed off; returns how many."""
         if pid <= 0:
             raise UsageError(f"bad pid {pid}")
         with self._locked():
-            return self._reclaim(pid)
+            return self._table.reclaim(pid)
 
     def reclaim_shipped(self, pid: int) -> int:
         """Free the leases a dead process shipped whose messages never arrived; returns how many.
@@ -633,17 +461,7 @@ class SegmentPool:
         if pid <= 0:
             raise UsageError(f"bad pid {pid}")
         with self._locked():
-            return self._reclaim(-pid)
-
-    def _reclaim(self, owner: int) -> int:
-        # Under the lock.  Its bytes may be half written and its file half created: start over.
-        s, c = self._slots, self._ctr
-        victims = np.flatnonzero((s[:, _STATE] == _LEASED) & (s[:, _OWNER] == owner)).tolist()
-        for i in victims:
-            c[_C_RECLAIMED] += 1
-            self._evict(int(i))
-            c[_C_EVICTED] -= 1
-        return len(victims)
+            return self._table.reclaim(-pid)
 
     def prewarm(self, nbytes: int, count: int = 1) -> None:
         """Create ``count`` segments for ``nbytes`` now (at startup), so requests never create one."""
@@ -659,12 +477,8 @@ class SegmentPool:
         pinning one while serving costs its pack about 175 ms per 512 MB on an H200, and
         holds the rank's next CUDA call as long.  Returns (mapped, pinned)."""
         self._check_open()
-        s = self._slots
         with self._locked():
-            live = [
-                (f"{self._prefix}{i}.{int(s[i, _INC])}", int(s[i, _SIZE]))
-                for i in np.flatnonzero(s[:, _STATE] != _EMPTY).tolist()
-            ]
+            live = self._table.live()
         mapped = pinned = 0
         for name, size in live:
             try:
@@ -699,47 +513,22 @@ class SegmentPool:
 
     def _prune_stale(self) -> None:
         # Unmap (and unregister) this process's mappings of evicted incarnations.
-        s = self._slots
-        live = {f"{self._prefix}{i}.{int(s[i, _INC])}" for i in np.flatnonzero(s[:, _STATE] != _EMPTY).tolist()}
+        live = set(self._table.segment_names())
         mapping.drop_mappings(self._prefix, keep=live)
 
     # -- introspection -------------------------------------------------------------------
 
     def stats(self) -> PoolStats:
-        s, c = self._slots, self._ctr
         with self._locked():
-            seen, now = int(c[_C_FULL_SEEN_NS]), time.monotonic_ns()
-            full = seen > 0 and now - seen <= _FULL_GAP_NS
-            return PoolStats(
-                created=int(c[_C_CREATED]),
-                reused=int(c[_C_REUSED]),
-                leased=int(c[_C_LEASED]),
-                released=int(c[_C_RELEASED]),
-                evicted=int(c[_C_EVICTED]),
-                reclaimed=int(c[_C_RECLAIMED]),
-                repairs=int(c[_C_REPAIRS]),
-                segments=int((s[:, _STATE] != _EMPTY).sum()),
-                bytes=self._bytes(),
-                bytes_leased=self._bytes(_LEASED),
-                outstanding=int((s[:, _STATE] == _LEASED).sum()),
-                lease_waits=int(c[_C_WAITS]),
-                lease_wait_s=int(c[_C_WAIT_NS]) / 1e9,
-                exhausted=int(c[_C_EXHAUSTED]),
-                full_for_s=max(now - int(c[_C_FULL_SINCE_NS]), 1) / 1e9 if full else 0.0,
-            )
+            return self._table.stats()
 
     def outstanding(self) -> list[LeaseInfo]:
         """Leases not yet released: a non-empty list after a test or at shutdown is a leak."""
-        s = self._slots
         with self._locked():
-            return [
-                LeaseInfo(f"{self._prefix}{i}.{int(s[i, _INC])}", int(s[i, _SIZE]), int(s[i, _GEN]), int(s[i, _OWNER]))
-                for i in np.flatnonzero(s[:, _STATE] == _LEASED).tolist()
-            ]
+            return self._table.outstanding()
 
     def segment_names(self) -> list[str]:
-        s = self._slots
-        return [f"{self._prefix}{i}.{int(s[i, _INC])}" for i in np.flatnonzero(s[:, _STATE] != _EMPTY).tolist()]
+        return self._table.segment_names()
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -757,12 +546,7 @@ class SegmentPool:
         n = 0
         try:
             with self._locked():
-                if not self._ctr[_C_CLOSED]:
-                    self._ctr[_C_CLOSED] = 1
-                    s = self._slots
-                    for i in np.flatnonzero(s[:, _STATE] != _EMPTY).tolist():
-                        s[i, _STATE] = _EMPTY
-                        n += files.unlink(f"{self._prefix}{i}.{int(s[i, _INC])}")
+                n += self._table.close_all()
         finally:
             # Even if the lock is wedged: the names carry the prefix, no table needed.
             n += files.unlink_all_with_prefix(self._prefix)
@@ -781,7 +565,7 @@ class SegmentPool:
         sweep; then unlinks by prefix, the lock file too.  Mappings stay valid until
         their processes unmap them or exit.
         """
-        self._ctr[_C_CLOSED] = 1
+        self._table.mark_closed()
         n = files.unlink_all_with_prefix(self._prefix)
         self._local_closed = True
         return n

@@ -1,0 +1,388 @@
+"""The engine's state, and the steps every part of it takes.
+
+``EngineBase`` holds what ``AsyncDiffusionEngine`` is made of (``_init``: its machines,
+queues, threads and counters) and the steps its parts share: admitting a request, a
+request's early end (abort, cancelled caller, close, failure) and its clean-up, the
+executor calls on the send and control threads (an abort never waits behind a send),
+and the post-processing on the ``omni-postprocess`` threads.  The parts built on it:
+``streaming`` (a stream's consumer), ``driver`` (the loop and each request's walk
+through the executor), ``lifecycle`` (the start-up and close tasks), and ``engine``
+(the public face).  The module docstring of ``engine`` is the theory of operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+from omni_async.core.config import Deadlines
+from omni_async.core.engine_states import (
+    OUTCOME_OF,
+    STAGE_TERMINAL,
+    EngineEvent,
+    EngineState,
+    StageEvent,
+    StageState,
+    engine_machine,
+    stage_machine,
+)
+from omni_async.core.engine_trace import trace_observers
+from omni_async.core.errors import RequestAborted, UsageError
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.core.trace import Tracer
+from omni_async.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineNotStarted,
+    EngineOverloaded,
+    PostProcessFailed,
+)
+from omni_async.engine.metrics import STAGES, LatencyHistogram
+from omni_async.engine.owned import owned_copy
+from omni_async.engine.record import RequestRecord, retrieve
+from omni_async.engine.scheduler import Scheduler
+from omni_async.executor.api import DiffusionExecutor
+from omni_async.transport.errors import OutputStillViewed
+from omni_async.worker.postprocess import HostStage, get_postprocess
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["EngineBase", "log"]
+
+# The engine's one logger, whichever of its modules logs: a user's logging set-up for
+# ``omni_async.engine.engine`` sees all of it.
+log = logging.getLogger("omni_async.engine.engine")
+
+T = TypeVar("T")
+SS = StageState
+SE = StageEvent
+EE = EngineEvent
+ES = EngineState
+
+_OUTCOMES = (*(st.value for st in STAGE_TERMINAL), "rejected")
+
+# What an abort's error says of where the request was.
+_WHERE: dict[StageState, str] = {
+    SS.WAITING: "while waiting in the engine's queue; it never reached a worker",
+    SS.SUBMITTED: "while it was being sent",
+    SS.COMPUTING: "during its forward",
+    SS.COMPUTED: "after its forward, before its output arrived",
+    SS.POSTPROCESSING: "while its output was post-processed",
+    SS.RESOLVED: "while its stream was read",
+}
+
+
+class EngineBase:
+    """The engine's state and shared steps (see the module docstring)."""
+
+    def _init(
+        self,
+        executor: DiffusionExecutor | None,
+        factory: Callable[[], DiffusionExecutor] | None,
+        *,
+        pipeline: str | None,
+        max_running: int,
+        max_waiting: int,
+        max_in_flight: int | None,
+        postprocess_workers: int,
+        close_timeout: float,
+        async_output: bool,
+        tracer: Tracer | None,
+    ) -> None:
+        for name, value in (
+            ("max_running", max_running),
+            ("max_waiting", max_waiting),
+            ("postprocess_workers", postprocess_workers),
+            ("max_in_flight", max_in_flight),
+        ):
+            if value is None and name == "max_in_flight":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(close_timeout, bool) or not isinstance(close_timeout, (int, float)) or close_timeout <= 0:
+            raise UsageError(f"close_timeout must be a number of seconds > 0, got {close_timeout!r}")
+        if not isinstance(async_output, bool):
+            raise UsageError(f"async_output must be a bool, got {async_output!r:.80}")
+        self._async_output = async_output
+        self._executor = executor
+        self._factory = factory
+        self._owns_executor = factory is not None
+        self.pipeline = pipeline
+        self._host: HostStage | None = None
+        if pipeline is not None:
+            self._host = get_postprocess(pipeline).host
+        self._max_running = max_running
+        self._max_waiting = max_waiting
+        self._max_in_flight = max_in_flight
+        self._postprocess_workers = postprocess_workers
+        self._close_timeout = float(close_timeout)
+        # With a tracer, every step of the machines is recorded (EngineFire, StageFire).
+        self._trace_life, self._trace_stage = trace_observers(tracer)
+        self._life = engine_machine(f"engine-{id(self):x}", self._trace_life)
+        # The start-up and the close, each a task of its own: a caller that cancels its
+        # ``start`` or ``close`` stops waiting, never the work (what was built is shut
+        # down when the factory returns, whoever waits).
+        self._starting: asyncio.Task[None] | None = None
+        self._start_given_up = False
+        self._closing: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._scheduler: Scheduler | None = None
+        self._records: dict[str, RequestRecord] = {}
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        # Sends (a request's data: it can block on a full pipe) and control (cancels,
+        # drops, stream closes) on threads of their own, so an abort never waits behind
+        # a send.
+        self._io: ThreadPoolExecutor | None = None
+        self._control: ThreadPoolExecutor | None = None
+        self._post: ThreadPoolExecutor | None = None
+        self._sync: ThreadPoolExecutor | None = None  # async_output=False: the blocking calls
+        self._counts = dict.fromkeys(_OUTCOMES, 0)
+        self._latency = {stage: LatencyHistogram() for stage in STAGES}
+        self._pack_s_total = 0.0
+        self._pack_bytes_total = 0.0
+        self._postprocessing = 0
+        # Host stages running on their threads, by request (what close abandons).
+        self._host_lock = threading.Lock()
+        self._host_running: dict[str, int] = {}
+        self._chunks = 0
+        self._prometheus: CollectorRegistry | None = None
+
+
+    @property
+    def executor(self) -> DiffusionExecutor:
+        """The executor (for an engine from a factory: once ``start`` has built it)."""
+        if self._executor is None:
+            raise EngineNotStarted("the engine builds its executor at start(); start it first")
+        return self._executor
+
+
+    def _check_open(self, what: str) -> None:
+        state = self._life.state
+        if state in (ES.CLOSING, ES.CLOSED):
+            raise EngineClosed(f"{what}: the engine is closed")
+        if state is ES.FAILED:
+            raise EngineClosed(f"{what}: the engine failed to start; build a new one")
+        if state is not ES.RUNNING:
+            raise EngineNotStarted(f"{what}: the engine is not started (await engine.start() or use async with)")
+        task = self._loop_task
+        if task is not None and task.done():
+            raise self._dead()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise UsageError(
+                f"{what}: called from another event loop than the engine's (the one that ran start()); the engine "
+                "serves one loop: call it there (asyncio.run_coroutine_threadsafe from another thread), or use "
+                "the blocking DiffusionEngine"
+            )
+
+
+    def _dead(self) -> EngineDead:
+        task = self._loop_task
+        cause = None if task is None or task.cancelled() else task.exception()
+        err = EngineDead(f"the engine's loop task ended ({cause!r}); close the engine and build a new one")
+        err.__cause__ = cause
+        return err
+
+
+    def _admit(
+        self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, *, streaming: bool
+    ) -> RequestRecord:
+        """Check the call and queue the request (``generate``, ``generate_stream``).
+        Everything that can refuse it does so here, before anything of it exists."""
+        if not isinstance(request, DiffusionRequest):
+            raise UsageError(f"{what}: request must be a DiffusionRequest, got {type(request).__name__}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise UsageError(f"{what}: deadlines must be a Deadlines or None, got {type(deadlines).__name__}")
+        self._check_open(what)
+        assert self._scheduler is not None and self._loop is not None
+        rid = request.request_id
+        if rid in self._records:
+            raise UsageError(f"{what}: request id {rid!r} is already in the engine; request ids must be unique")
+        try:
+            self.executor.validate_request(request)
+            self._scheduler.add(rid)
+        except (EngineOverloaded, UsageError):
+            self._counts["rejected"] += 1
+            raise
+        machine = stage_machine(rid, self._trace_stage)
+        rec = RequestRecord(request, deadlines, self._loop.create_future(), time.monotonic(), machine, streaming=streaming)
+        rec.result.add_done_callback(retrieve)
+        rec.result.add_done_callback(lambda _: rec.changed.set())
+        self._records[rid] = rec
+        self._wake.set()
+        return rec
+
+
+    def _end_early(self, rec: RequestRecord, event: StageEvent, *, error: BaseException | None = None) -> None:
+        """Decide ``rec``'s end now (``ABORT``, ``CANCEL``: its caller went away,
+        ``CLOSE``, ``FAIL`` with ``error``) unless one is decided already, fail its caller,
+        and start its clean-up."""
+        if event is SE.CLOSE:
+            self._close_stream(rec)  # also after its result: the chunks nobody took go
+        if rec.ended():
+            return  # the first end decided counts
+        rid = rec.request_id
+        where = rec.stage
+        self._fire(rec, event)
+        if error is None:
+            if event is SE.CLOSE:
+                error = EngineClosed(f"the engine closed before request {rid!r} finished", request_id=rid)
+            elif event is SE.ABORT:
+                error = RequestAborted(rid, by="abort", detail=f"aborted in the engine {_WHERE[where]}")
+        rec.error = error
+        if not rec.result.done():
+            if error is not None:
+                rec.result.set_exception(error)
+            else:
+                rec.result.cancel()
+        self._close_stream(rec)
+        match where:
+            case SS.WAITING:
+                self._forget(rec)  # nothing of it reached a worker
+            case SS.SUBMITTED | SS.POSTPROCESSING | SS.RESOLVED:
+                pass  # the driver sees the end at its next step
+            case SS.COMPUTING:
+                self._cancel_forward(rec)
+            case SS.COMPUTED:
+                self._drop_output(rec)
+            case _:
+                raise AssertionError(f"request {rid!r}: an end decided in stage {where}")
+
+
+    def _fire(self, rec: RequestRecord, event: StageEvent) -> None:
+        """Move ``rec``'s machine; the step that decides its end counts its outcome, so
+        every request is counted exactly once (``metrics().requests``)."""
+        was_ended = rec.ended()
+        rec.machine.fire(event)
+        if not was_ended and rec.ended():
+            self._counts[OUTCOME_OF.get(rec.stage, rec.stage).value] += 1
+
+
+    def _fail(self, rec: RequestRecord, error: BaseException) -> None:
+        self._end_early(rec, SE.FAIL, error=error)
+
+
+    def _forget(self, rec: RequestRecord) -> None:
+        """Nothing of ``rec`` remains: it reaches its terminal state, frees its place and
+        wakes the loop."""
+        assert self._scheduler is not None
+        if not rec.machine.terminal:
+            self._fire(rec, SE.GONE)
+        self._scheduler.remove(rec.request_id)
+        if self._records.get(rec.request_id) is rec:
+            del self._records[rec.request_id]
+        rec.gone.set()
+        self._wake.set()
+
+
+    async def _on_io(self, fn: Callable[[], T]) -> T:
+        assert self._loop is not None and self._io is not None
+        return await self._loop.run_in_executor(self._io, fn)
+
+
+    def _cancel_forward(self, rec: RequestRecord) -> None:
+        """Ask the workers to stop ``rec``'s forward (fire and forget: the driver awaits
+        the execute future, which fails with ``RequestAborted`` or resolves anyway).  On
+        the control thread: never behind a send that a full pipe holds up."""
+        assert self._loop is not None and self._control is not None
+        ex = self.executor
+        fut = self._loop.run_in_executor(self._control, functools.partial(ex.cancel_requests, [rec.request_id]))
+        fut.add_done_callback(functools.partial(self._log_io_error, "cancel_requests", rec.request_id))
+
+
+    def _drop_output(self, rec: RequestRecord) -> None:
+        assert self._loop is not None and self._control is not None and rec.output_id is not None
+        if rec.drop is None:
+            rec.drop = self._loop.run_in_executor(
+                self._control, functools.partial(self.executor.drop_output, rec.output_id)
+            )
+
+
+    @staticmethod
+    def _log_io_error(what: str, rid: str, fut: asyncio.Future[object]) -> None:
+        if not fut.cancelled() and (exc := fut.exception()) is not None:
+            log.debug("engine: %s for request %r failed: %s", what, rid, exc)
+
+
+    def _close_stream(self, rec: RequestRecord) -> None:
+        """Close ``rec``'s stream on the control thread (once): the chunks not taken are dropped."""
+        if rec.stream is None or rec.close is not None:
+            rec.changed.set()
+            return
+        assert self._loop is not None and self._control is not None
+        rec.close = self._loop.run_in_executor(self._control, rec.stream.close)
+        rec.changed.set()
+        rec.poke.set()
+
+
+    def _postprocess(
+        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
+    ) -> tuple[object, float, float]:
+        """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the
+        release; the value, when it started (``time.monotonic()``) and its seconds."""
+        with self._host_lock:
+            self._host_running[rid] = self._host_running.get(rid, 0) + 1
+        try:
+            return self._run_host_stage(rid, output, host, wanted)
+        finally:
+            with self._host_lock:
+                left = self._host_running.pop(rid) - 1
+                if left:
+                    self._host_running[rid] = left
+
+
+    def _run_host_stage(
+        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
+    ) -> tuple[object, float, float]:
+        started = time.monotonic()
+        t0 = time.perf_counter()
+        value: object = None
+        try:
+            if wanted:
+                value = host(output) if host is not None else owned_copy(output.output)
+        except Exception as exc:
+            self._release_quietly(output)
+            # The traceback's frames may hold views of the segment: keep the text, free them.
+            text = "".join(traceback.format_exception(exc))
+            if exc.__traceback__ is not None:
+                traceback.clear_frames(exc.__traceback__)
+            raise PostProcessFailed(
+                f"request {rid!r}: the host stage of pipeline {self.pipeline!r} raised "
+                f"{type(exc).__name__}: {exc}\n--- traceback ---\n{text}",
+                request_id=rid,
+                pipeline=self.pipeline,
+            ) from exc
+        try:
+            self.executor.release_output(output)
+        except OutputStillViewed as exc:
+            del value  # dropping the views gives the segment back
+            raise PostProcessFailed(
+                f"request {rid!r}: the result of pipeline {self.pipeline!r}'s host stage still views the output's "
+                f"shared memory ({exc.views} view(s) alive); a result must own its memory: copy what it keeps "
+                "(tensor.clone(), numpy.array(a, copy=True), bytes(...))",
+                request_id=rid,
+                pipeline=self.pipeline,
+            ) from exc
+        except Exception as exc:  # the pool closed under us (executor shut down): nothing to give back
+            log.debug("engine: releasing the output of %r: %s", rid, exc)
+        return value, started, time.perf_counter() - t0
+
+
+    def _release_quietly(self, output: DiffusionOutput) -> None:
+        try:
+            self.executor.release_output(output)
+        except Exception as exc:  # views of a failed stage: they go back when its frames go
+            log.debug("engine: releasing %s after a failed host stage: %s", output.async_output_id, exc)

@@ -1,0 +1,104 @@
+"""Device-side ordering and the copies of a pack: the bytes of every leaf into the segment.
+
+The copies are ordered after the forward: a device-side wait on ``ready_event`` on the
+stream that will copy, or a host synchronize where no event exists (F1); a CUDA leaf is
+copied with ``non_blocking=True`` straight into the (pinned) segment, and each stream is
+synchronized ONCE per output (``stage_and_sync``).  The packer runs on its own thread:
+the current CUDA device is per thread, hence the explicit ``torch.cuda.device``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from omni_async.transport.pack_walk import Plan
+from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
+
+__all__ = ["copy_in", "ordered_streams", "stage_and_sync"]
+
+
+def copy_in(
+    seg: torch.Tensor, plan: Plan, stream_for: Callable[[torch.device], torch.cuda.Stream]
+) -> list[torch.cuda.Stream]:
+    """Copy every shared-memory leaf into the segment; returns the streams to synchronize."""
+    streams: list[torch.cuda.Stream] = []
+    for src, off, n in plan.shm:
+        dst = seg[off : off + n]
+        if isinstance(src, torch.Tensor):
+            t = src.detach()
+            if t.device.type == "cuda":
+                s = stream_for(t.device)
+                if s not in streams:
+                    streams.append(s)
+                with torch.cuda.device(t.device), torch.cuda.stream(s):
+                    _copy_tensor(dst, t, non_blocking=True)
+            else:
+                _copy_tensor(dst, t, non_blocking=False)
+        elif isinstance(src, np.ndarray):
+            np.copyto(dst.numpy().view(src.dtype).reshape(src.shape), src, casting="no")
+        else:
+            data = src.cast("B") if isinstance(src, memoryview) else src
+            dst.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+    return streams
+
+
+def _copy_tensor(dst: torch.Tensor, t: torch.Tensor, *, non_blocking: bool) -> None:
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        # Raw bytes: bit-exact for every dtype (NaN payloads, bf16, fp8), no cast kernel.
+        dst.copy_(t.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+    else:
+        dst.view(t.dtype).view(t.shape).copy_(t, non_blocking=non_blocking)
+
+
+def ordered_streams(
+    d2h_stream: CopyStream, ready_event: DeviceEvent | None
+) -> Callable[[torch.device], torch.cuda.Stream]:
+    """The stream to copy from ``dev`` on, ordered after the forward: a device-side wait on
+    the stream that will copy, or a host synchronize (now) where no event exists (F1)."""
+
+    def stream_for(dev: torch.device) -> torch.cuda.Stream:
+        if d2h_stream is not None and d2h_stream.device == dev:
+            return d2h_stream
+        return torch.cuda.current_stream(dev)
+
+    waited: list[torch.cuda.Stream] = []
+
+    def ordered_stream(dev: torch.device) -> torch.cuda.Stream:
+        s = stream_for(dev)
+        if s not in waited:
+            if isinstance(ready_event, torch.cuda.Event):
+                wait_device_event(ready_event, s)
+            waited.append(s)
+        return s
+
+    if ready_event is not None and not isinstance(ready_event, torch.cuda.Event):
+        wait_device_event(ready_event)
+    return ordered_stream
+
+
+def stage_and_sync(
+    plan: Plan, ordered_stream: Callable[[torch.device], torch.cuda.Stream], streams: list[torch.cuda.Stream]
+) -> None:
+    """Copy the small (inline) device tensors to host, then synchronize every stream once."""
+    staging: list[tuple[torch.Tensor, bytearray]] = []
+    for t, buf in plan.staged:
+        s = ordered_stream(t.device) if t.device.type == "cuda" else None
+        if s is not None:
+            if s not in streams:
+                streams.append(s)
+            host = torch.empty((t.numel(),), dtype=t.dtype, pin_memory=True)
+            with torch.cuda.device(t.device), torch.cuda.stream(s):
+                host.copy_(t.reshape(-1), non_blocking=True)
+        else:
+            host = t.reshape(-1).to("cpu")
+        staging.append((host, buf))
+    # One synchronize per stream per output, not per tensor.
+    for s in streams:
+        s.synchronize()
+    for host, buf in staging:
+        buf[:] = host.view(torch.uint8).numpy().tobytes()
