@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import assert_never
+from typing import TypeAlias, assert_never
 
 import attrs
 
@@ -55,9 +55,12 @@ from omni_async.core.errors import (
 from omni_async.core.messages import (
     AbortCause,
     AsyncDiffusionOutput,
-    AsyncOutputKind,
     CancelMessage,
+    Chunk,
+    ComputeDone,
     Failure,
+    OutputReady,
+    RpcResult,
     RunnerOutput,
 )
 from omni_async.core.methods import ASYNC_METHODS
@@ -65,7 +68,18 @@ from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution, Settle
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer, emit
 
-K = AsyncOutputKind
+#: What a rank answers an execute call with: the reply rank's COMPUTE_DONE, or an RPC_RESULT.
+Answer: TypeAlias = ComputeDone | RpcResult
+
+
+def _failure(answer: Answer) -> Failure | None:
+    match answer:
+        case ComputeDone():
+            return None
+        case RpcResult():
+            return answer.failure
+        case _:
+            assert_never(answer)
 
 
 @attrs.define(eq=False)
@@ -77,7 +91,7 @@ class PendingRpc:
     future: Future[tuple[RunnerOutput, ...]]
     deadline: float | None
     consumer: str | None
-    answers: dict[int, AsyncDiffusionOutput] = attrs.field(factory=dict)
+    answers: dict[int, Answer] = attrs.field(factory=dict)
     # The call's requests, in order (empty when the caller did not say).
     request_ids: tuple[str, ...] = ()
     # The output deadline of the ids it announces (its own, or the registry's).
@@ -261,24 +275,12 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- messages
 
-    def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> AsyncDiffusionOutput | None:
+    def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> RpcResult | None:
         """Route one message; returns it when it belongs in the synchronous buffer (path 2)."""
         made = self._made(msg)
-        emit(
-            self._trace,
-            "PumpRecv",
-            kind=msg.kind.name,
-            rank=msg.rank,
-            rpc_id=msg.rpc_id,
-            ids=",".join(msg.async_output_ids),
-            output_id=msg.async_output_id,
-            ok=msg.failure is None,
-            seq=msg.seq,
-            known=made,
-        )
-        match msg.kind:
-            case K.OUTPUT_READY:
-                assert msg.async_output_id is not None
+        self._trace_recv(msg, made)
+        match msg:
+            case OutputReady():
                 self.registry.on_output(
                     msg.async_output_id,
                     output=msg.output,
@@ -287,52 +289,86 @@ class Dispatcher:
                     early_deadline=self._early_deadline(now),
                 )
                 return None
-            case K.COMPUTE_DONE:
+            case ComputeDone():
                 self._on_compute_done(msg, now, made)
                 return None
-            case K.CHUNK:
+            case Chunk():
                 self._on_chunk(msg, now, made)
                 return None
-            case K.RPC_RESULT:
-                self._answered_overdue(msg)
-                if msg.names_outputs:
-                    # The failure that replaces a COMPUTE_DONE the worker could not send
-                    # after handing the outputs to its packer (compute_failed): it
-                    # registers the ids it names like a COMPUTE_DONE, then fails the
-                    # call, whose end drops them like any failed call's ids (defect 3).
-                    self._on_compute_done(msg, now, made)
-                    return None
-                assert msg.rpc_id is not None
-                if not made:
-                    # Nobody issued this call: a protocol error (M3), discarded here,
-                    # never put in the synchronous buffer.
-                    self.counters["unknown_call_rpc_result"] += 1
-                    self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
-                    return None
-                rpc = self._pending.get(msg.rpc_id)
-                if rpc is None:
-                    if msg.result is None and msg.rpc_id in self._ended:
-                        # A late answer of an execute call that ended (its compute
-                        # deadline, a cancel, an abort): the worker's RequestAborted, or
-                        # a non-reply rank's empty answer.  Nobody will read it, and it
-                        # carries nothing to give back: counted and discarded here.  In
-                        # the synchronous buffer it would stay until the next
-                        # collective_rpc, which an engine may never make: one message
-                        # (with its traceback text) kept per such call, without bound.
-                        self.counters["late_rpc_results"] += 1
-                        return None
-                    return msg  # path 2, or a late answer that carries a result (the caller discards it)
-                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
-                    # The reply rank answers an execute call with COMPUTE_DONE or a failure;
-                    # a plain answer is a protocol error (M3), counted as it arrives (not
-                    # for a step call: its intermediate steps announce nothing).  The
-                    # call fails with a ProtocolError once every rank has answered.
-                    self.counters["answers_without_compute_done"] += 1
-                    self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
-                self._answer(rpc, msg, now)
-                return None
+            case RpcResult():
+                return self._on_rpc_result(msg, now, made)
             case _:
-                assert_never(msg.kind)
+                assert_never(msg)
+
+    def _trace_recv(self, msg: AsyncDiffusionOutput, made: bool) -> None:
+        """The pump dequeued ``msg`` (AsyncOutput's PumpRecv): the same fields for every kind,
+        empty where a kind has none."""
+        rpc_id: str | None = None
+        ids: tuple[str, ...] = ()
+        output_id: str | None = None
+        failure: Failure | None = None
+        seq: int | None = None
+        match msg:
+            case OutputReady():
+                output_id, failure = msg.async_output_id, msg.failure
+            case ComputeDone():
+                rpc_id, ids = msg.rpc_id, msg.async_output_ids
+            case Chunk():
+                rpc_id, output_id, seq = msg.rpc_id, msg.async_output_id, msg.seq
+            case RpcResult():
+                rpc_id, ids, failure = msg.rpc_id, msg.async_output_ids, msg.failure
+            case _:
+                assert_never(msg)
+        emit(
+            self._trace,
+            "PumpRecv",
+            kind=msg.kind.name,
+            rank=msg.rank,
+            rpc_id=rpc_id,
+            ids=",".join(ids),
+            output_id=output_id,
+            ok=failure is None,
+            seq=seq,
+            known=made,
+        )
+
+    def _on_rpc_result(self, msg: RpcResult, now: float, made: bool) -> RpcResult | None:
+        self._answered_overdue(msg)
+        if msg.names_outputs:
+            # The failure that replaces a COMPUTE_DONE the worker could not send
+            # after handing the outputs to its packer (compute_failed): it
+            # registers the ids it names like a COMPUTE_DONE, then fails the
+            # call, whose end drops them like any failed call's ids (defect 3).
+            self._on_compute_done(msg, now, made)
+            return None
+        if not made:
+            # Nobody issued this call: a protocol error (M3), discarded here,
+            # never put in the synchronous buffer.
+            self.counters["unknown_call_rpc_result"] += 1
+            self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
+            return None
+        rpc = self._pending.get(msg.rpc_id)
+        if rpc is None:
+            if msg.result is None and msg.rpc_id in self._ended:
+                # A late answer of an execute call that ended (its compute
+                # deadline, a cancel, an abort): the worker's RequestAborted, or
+                # a non-reply rank's empty answer.  Nobody will read it, and it
+                # carries nothing to give back: counted and discarded here.  In
+                # the synchronous buffer it would stay until the next
+                # collective_rpc, which an engine may never make: one message
+                # (with its traceback text) kept per such call, without bound.
+                self.counters["late_rpc_results"] += 1
+                return None
+            return msg  # path 2, or a late answer that carries a result (the caller discards it)
+        if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
+            # The reply rank answers an execute call with COMPUTE_DONE or a failure;
+            # a plain answer is a protocol error (M3), counted as it arrives (not
+            # for a step call: its intermediate steps announce nothing).  The
+            # call fails with a ProtocolError once every rank has answered.
+            self.counters["answers_without_compute_done"] += 1
+            self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
+        self._answer(rpc, msg, now)
+        return None
 
     def _made(self, msg: AsyncDiffusionOutput) -> bool:
         """Whether ``msg`` belongs to a call this executor made (recorded in the trace:
@@ -341,26 +377,33 @@ class Dispatcher:
         An OUTPUT_READY names no call.  A message that names output ids (COMPUTE_DONE,
         or the failure that replaces one) or a CHUNK belongs to an execute call: one
         pending, or one of the last ``_max_ended`` that ended (older ones count as never
-        made).  A plain
-        RPC_RESULT: a call pending, or any the executor issued (``known_call``, path 2
-        included; without it, every one).
+        made).  A plain RPC_RESULT: a call pending, or any the executor issued
+        (``known_call``, path 2 included; without it, every one).
         """
-        if msg.kind is K.OUTPUT_READY or msg.rpc_id in self._pending:
-            return True
-        assert msg.rpc_id is not None
-        if msg.kind in (K.COMPUTE_DONE, K.CHUNK) or msg.names_outputs:
-            return msg.rpc_id in self._ended
-        return self._known_call is None or self._known_call(msg.rpc_id)
+        match msg:
+            case OutputReady():
+                return True
+            case _ if msg.rpc_id in self._pending:
+                return True
+            case ComputeDone() | Chunk():
+                return msg.rpc_id in self._ended
+            case RpcResult():
+                if msg.names_outputs:
+                    return msg.rpc_id in self._ended
+                return self._known_call is None or self._known_call(msg.rpc_id)
+            case _:
+                assert_never(msg)
 
-    def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
-        assert msg.rpc_id is not None
+    def _on_compute_done(self, msg: Answer, now: float, made: bool) -> None:
+        """A COMPUTE_DONE, or the failed RPC_RESULT that replaces one (``compute_failed``,
+        which names ids but no requests)."""
         self._answered_overdue(msg)
         rpc = self._pending.get(msg.rpc_id)
         announced = self.registry.on_compute_done(
             msg.async_output_ids,
             now=now,
             rank=msg.rank,
-            request_ids=msg.request_ids,
+            request_ids=msg.request_ids if isinstance(msg, ComputeDone) else (),
             consumer=None if rpc is None else rpc.consumer,
             output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
         )
@@ -395,13 +438,12 @@ class Dispatcher:
             self._protocol_error(reason)
             if msg.rank in rpc.answers:
                 return
-            msg = AsyncDiffusionOutput.rpc_failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
+            msg = RpcResult.failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
         self._answer(rpc, msg, now)
 
-    def _on_chunk(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
+    def _on_chunk(self, msg: Chunk, now: float, made: bool) -> None:
         """A CHUNK: register its id, then hand it to its feed or drop it (``omni_async.core.stream``)."""
-        assert msg.rpc_id is not None and msg.async_output_id is not None and msg.seq is not None
-        rid = msg.request_ids[0]
+        rid = msg.request_id
         rpc = self._pending.get(msg.rpc_id)
         accepted = self.registry.on_compute_done(
             [msg.async_output_id],
@@ -507,12 +549,12 @@ class Dispatcher:
         if feed.listener is not None:
             self._outbox.append(Wake(feed.listener))
 
-    def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
+    def _answer(self, rpc: PendingRpc, msg: Answer, now: float) -> None:
         if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
             self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
             return
         rpc.answers[msg.rank] = msg
-        emit(self._trace, "RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
+        emit(self._trace, "RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=_failure(msg) is None)
         if len(rpc.answers) == len(rpc.ranks):
             self._complete(rpc, now)
 
@@ -524,14 +566,14 @@ class Dispatcher:
         if rpc.fully_cancelled:
             self._complete_aborted(rpc, announced)
             return
-        failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
+        failures = {r: f for r, a in rpc.answers.items() if (f := _failure(a)) is not None}
         error: BaseException | None = None
         # A step of step mode (final-step async) whose forward returned no output: an
         # intermediate step, answered like any other rank's (it announces nothing).
-        intermediate = rpc.step and reply.kind is K.RPC_RESULT and reply.failure is None
+        intermediate = rpc.step and isinstance(reply, RpcResult) and reply.failure is None
         if failures:
             error = RpcFailed(rpc.rpc_id, rpc.method, failures)
-        elif reply.kind is not K.COMPUTE_DONE and not intermediate:
+        elif not isinstance(reply, ComputeDone) and not intermediate:
             # Counted when the answer arrived (handle).
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
@@ -541,7 +583,7 @@ class Dispatcher:
             outputs: list[RunnerOutput] = []
             kept: list[str] = []
             unwanted: list[str] = []
-            for rid, oid in zip(reply.request_ids, announced, strict=True):
+            for rid, oid in zip(reply.request_ids if isinstance(reply, ComputeDone) else (), announced, strict=True):
                 if rid in rpc.cancelled:
                     unwanted.append(oid)
                     outputs.append(RunnerOutput(request_id=rid, finished=True, aborted=True))
@@ -595,7 +637,7 @@ class Dispatcher:
         if not rpc.future.set_running_or_notify_cancel():
             return
         stages = sorted(
-            {f"rank {r}: {a.failure.message}" for r, a in rpc.answers.items() if a.failure is not None}
+            {f"rank {r}: {f.message}" for r, a in rpc.answers.items() if (f := _failure(a)) is not None}
         )
         if announced:
             stages.append("the forward finished before it saw the cancel; its outputs were dropped")
@@ -642,8 +684,8 @@ class Dispatcher:
         out, self._cancels = self._cancels, []
         return out
 
-    def _answered_overdue(self, msg: AsyncDiffusionOutput) -> None:
-        late = self._overdue.get(msg.rpc_id) if msg.rpc_id is not None else None
+    def _answered_overdue(self, msg: Answer) -> None:
+        late = self._overdue.get(msg.rpc_id)
         if late is None:
             return
         late.missing.discard(msg.rank)

@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 import attrs
 
 from omni_async.core.errors import ProtocolError, UsageError
-from omni_async.core.messages import AsyncDiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, check_wire_message
 from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge, UnpicklableMessage
 from omni_async.transport.shm.files import SHM_PREFIX_ROOT, tag_mark
 
@@ -162,11 +162,12 @@ def loads_message(data: bytes) -> AsyncDiffusionOutput:
     if not isinstance(msg, AsyncDiffusionOutput):
         raise ProtocolError(f"the result channel carried a {type(msg).__qualname__}, not an AsyncDiffusionOutput")
     # Unpickling skips the constructor and with it the validation, so a message a peer
-    # built by hand (a kind outside the enum, an OUTPUT_READY carrying no DiffusionOutput)
-    # would reach the dispatcher and fail there untyped, or half-way through a delivery.
-    # Construct it again: it is refused here, typed, like an undecodable one.
+    # built by hand (a kind that is not its class's, an OUTPUT_READY carrying no
+    # DiffusionOutput) would reach the dispatcher and fail there untyped, or half-way
+    # through a delivery.  Construct it again: it is refused here, typed, like an
+    # undecodable one.
     try:
-        return attrs.evolve(msg)
+        return check_wire_message(msg)
     except Exception as exc:
         raise ProtocolError(f"invalid message on the result channel: {type(exc).__name__}: {exc}") from exc
 

@@ -71,7 +71,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, assert_never
 
 import attrs
 import numpy as np
@@ -81,7 +81,11 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
     BatchDiffusionOutput,
+    Chunk,
+    ComputeDone,
     DiffusionOutput,
+    OutputReady,
+    RpcResult,
 )
 from omni_async.transport.errors import (
     LeaseAlreadyReleased,
@@ -853,8 +857,17 @@ def carried_leases(msg: AsyncDiffusionOutput) -> list[Lease]:
 def _carried_outputs(msg: AsyncDiffusionOutput) -> list[DiffusionOutput]:
     """The packed outputs a result-channel message carries: its OUTPUT_READY's output, or
     a step-mode RPC_RESULT's output or batch."""
+    match msg:
+        case OutputReady():
+            items: tuple[object, ...] = (msg.output,)
+        case RpcResult():
+            items = (msg.result,)
+        case ComputeDone() | Chunk():
+            items = ()
+        case _:
+            assert_never(msg)
     found: list[DiffusionOutput] = []
-    for item in (msg.output, msg.result):
+    for item in items:
         if isinstance(item, DiffusionOutput):
             found.append(item)
         elif isinstance(item, BatchDiffusionOutput):
