@@ -62,7 +62,7 @@ from omni_async.transport.codec import (
     loads_message,
     resolve_timeout,
 )
-from omni_async.transport.errors import ChannelClosed, ChannelFull, MessageTooLarge
+from omni_async.transport.errors import ChannelClosed, ChannelFull
 from omni_async.transport.shm.files import SHM_PREFIX_ROOT, tag_mark
 
 log = logging.getLogger(__name__)
