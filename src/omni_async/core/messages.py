@@ -36,6 +36,7 @@ import attrs
 
 from omni_async.core.errors import MessageValidationError
 from omni_async.core.failure import Failure
+from omni_async.core.stats import OutputStats, as_stats
 
 __all__ = [
     "AbortCause",
@@ -49,6 +50,7 @@ __all__ = [
     "DiffusionRequest",
     "Failure",
     "OutputReady",
+    "OutputStats",
     "RpcRequest",
     "RpcResult",
     "RunnerOutput",
@@ -66,10 +68,6 @@ class AsyncOutputKind(enum.Enum):
         return self.name
 
 
-def _str_dict() -> dict[str, float]:
-    return {}
-
-
 @attrs.frozen
 class DiffusionOutput:
     """The finished output of one request.
@@ -82,7 +80,8 @@ class DiffusionOutput:
     request_id: str
     output: Any = None
     async_output_id: str | None = None
-    metrics: Mapping[str, float] = attrs.field(factory=_str_dict)
+    # Typed per-output stats (``omni_async.core.stats``); a mapping given here is converted.
+    metrics: OutputStats = attrs.field(factory=OutputStats, converter=as_stats)
 
 
 @attrs.frozen

@@ -515,8 +515,8 @@ def pack_diffusion_output_shm(
             pool.release(lease)
         raise
     payload = PackedPayload(tree, lease, plan.shm_bytes, plan.inline_bytes)
-    metrics = dict(output.metrics)
-    metrics.update(
+    metrics = attrs.evolve(
+        output.metrics,
         pack_s=time.perf_counter() - t0,
         pack_shm_bytes=float(plan.shm_bytes),
         pack_inline_bytes=float(plan.inline_bytes),
@@ -559,8 +559,8 @@ def pack_diffusion_output_host(
     _stage_and_sync(plan, ordered_stream, streams)
     key = put(buf.numpy()) if plan.shm else ""
     payload = StoredPayload(tree, key, plan.size if plan.shm else 0, plan.inline_bytes)
-    metrics = dict(output.metrics)
-    metrics.update(
+    metrics = attrs.evolve(
+        output.metrics,
         pack_s=time.perf_counter() - t0,
         pack_stored_bytes=float(plan.shm_bytes),
         pack_inline_bytes=float(plan.inline_bytes),
