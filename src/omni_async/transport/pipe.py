@@ -47,7 +47,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import attrs
 
@@ -70,6 +70,17 @@ log = logging.getLogger(__name__)
 __all__ = ["CreditSemaphore", "PipeChannel", "PipeSender"]
 
 
+
+
+class Credits(Protocol):
+    """What both ends use of a sender's credit semaphore (a ``CreditSemaphore``, or any
+    ``multiprocessing`` semaphore a test hands in)."""
+
+    def acquire(self, block: bool = True, timeout: float | None = None) -> bool: ...
+
+    def release(self) -> None: ...
+
+    def get_value(self) -> int: ...
 
 
 class CreditSemaphore(multiprocessing.synchronize.Semaphore):
@@ -139,7 +150,7 @@ class PipeSender:
     def __init__(
         self,
         conn: multiprocessing.connection.Connection,
-        credits: Any,  # multiprocessing.synchronize.Semaphore (its type is not exported usefully)
+        credits: Credits,
         *,
         name: str,
         max_message_bytes: int,
@@ -245,7 +256,7 @@ class _FrameReader:
     _CHUNK: Final = 1 << 20
 
     def __init__(
-        self, conn: multiprocessing.connection.Connection, label: str, credits: Any, budget: int, max_frame: int
+        self, conn: multiprocessing.connection.Connection, label: str, credits: Credits, budget: int, max_frame: int
     ) -> None:
         self.conn = conn
         self.label = label
