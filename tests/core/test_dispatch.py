@@ -18,7 +18,15 @@ from omni_async.core.errors import (
     RpcFailed,
     WorkerDied,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestState
 from omni_async.verify.recorder import ListTracer
@@ -66,7 +74,7 @@ class Harness:
         return fut
 
     def output(self, oid: str, rank: int = 0) -> None:
-        self.handle(Msg.output_ready(oid, DiffusionOutput(request_id=f"req-{oid}", output=f"payload-{oid}"), rank=rank))
+        self.handle(OutputReady(oid, DiffusionOutput(request_id=f"req-{oid}", output=f"payload-{oid}"), rank=rank))
 
     def expire(self, now: float) -> None:
         self.now = now
@@ -75,7 +83,7 @@ class Harness:
 
 
 def cd(rpc_id: str, ids: list[str], rank: int = 0) -> AsyncDiffusionOutput:
-    return Msg.compute_done(rpc_id, tuple(ids), tuple(f"req-{i}" for i in ids), rank=rank)
+    return ComputeDone(rpc_id, tuple(ids), tuple(f"req-{i}" for i in ids), rank=rank)
 
 
 def exc_of(fut: Future[Any]) -> BaseException:
@@ -120,9 +128,9 @@ def test_f12_call_resolves_only_when_every_rank_answered() -> None:
     fut = h.submit("rpc-1")
     h.handle(cd("rpc-1", ["o1"], rank=0))
     assert not fut.done(), "rank 0's COMPUTE_DONE alone must not resolve the call"
-    h.handle(Msg.rpc_result("rpc-1", None, rank=2))
+    h.handle(RpcResult("rpc-1", None, rank=2))
     assert not fut.done()
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     assert fut.result(timeout=0)[0].async_output_id == "o1"
 
 
@@ -130,7 +138,7 @@ def test_f12_call_resolves_only_when_every_rank_answered() -> None:
 def test_f12_any_rank_failure_fails_the_call_and_drops_its_outputs(order: str) -> None:
     h = Harness(world_size=2, reply_rank=0)
     fut = h.submit("rpc-1")
-    msgs = [cd("rpc-1", ["o1", "o2"], rank=0), Msg.rpc_failed("rpc-1", BOOM, rank=1)]
+    msgs = [cd("rpc-1", ["o1", "o2"], rank=0), RpcResult.failed("rpc-1", BOOM, rank=1)]
     if order == "fail-first":
         msgs.reverse()
     h.output("o2")  # early arrival of one output
@@ -149,8 +157,8 @@ def test_f12_any_rank_failure_fails_the_call_and_drops_its_outputs(order: str) -
 def test_reply_rank_failure_fails_the_call() -> None:
     h = Harness(world_size=2, reply_rank=1)
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_result("rpc-1", None, rank=0))
-    h.handle(Msg.rpc_failed("rpc-1", BOOM, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=0))
+    h.handle(RpcResult.failed("rpc-1", BOOM, rank=1))
     err = exc_of(fut)
     assert isinstance(err, RpcFailed) and set(err.failures) == {1}
 
@@ -158,9 +166,9 @@ def test_reply_rank_failure_fails_the_call() -> None:
 def test_every_failed_rank_is_named() -> None:
     h = Harness(world_size=3)
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_failed("rpc-1", BOOM, rank=2))
-    h.handle(Msg.rpc_failed("rpc-1", Failure("OSError", "x"), rank=0))
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult.failed("rpc-1", BOOM, rank=2))
+    h.handle(RpcResult.failed("rpc-1", Failure("OSError", "x"), rank=0))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     err = exc_of(fut)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == [0, 2]
 
@@ -183,8 +191,8 @@ def test_compute_done_from_a_non_reply_rank_fails_the_call() -> None:
 def test_duplicate_answer_is_a_protocol_error_and_ignored() -> None:
     h = Harness(world_size=2)
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
-    h.handle(Msg.rpc_failed("rpc-1", BOOM, rank=1))  # a second answer from rank 1
+    h.handle(RpcResult("rpc-1", None, rank=1))
+    h.handle(RpcResult.failed("rpc-1", BOOM, rank=1))  # a second answer from rank 1
     assert h.d.counters["protocol_errors"] == 1 and not fut.done()
     h.handle(cd("rpc-1", ["o1"], rank=0))
     assert fut.result(timeout=0)[0].async_output_id == "o1", "the first answer counts"
@@ -197,14 +205,14 @@ def test_duplicate_compute_done_from_the_reply_rank_is_ignored() -> None:
     h.handle(cd("rpc-1", ["o1"], rank=0))
     assert h.d.counters["protocol_errors"] == 1 and h.registry.stats.protocol_errors == 1
     assert h.registry.state_of("o1") is S.COMPUTE_DONE, "the first announcement stands"
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     assert fut.result(timeout=0)[0].async_output_id == "o1"
 
 
 def test_answer_from_a_rank_outside_the_world_is_a_protocol_error() -> None:
     h = Harness(world_size=1)
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_result("rpc-1", None, rank=5))
+    h.handle(RpcResult("rpc-1", None, rank=5))
     assert h.d.counters["protocol_errors"] == 1 and not fut.done()
     h.handle(cd("rpc-1", ["o1"]))
     assert fut.done()
@@ -213,7 +221,7 @@ def test_answer_from_a_rank_outside_the_world_is_a_protocol_error() -> None:
 def test_reply_rank_answering_without_compute_done_is_a_protocol_error() -> None:
     h = Harness()
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_result("rpc-1", "a plain result", rank=0))
+    h.handle(RpcResult("rpc-1", "a plain result", rank=0))
     assert isinstance(exc_of(fut), ProtocolError)
 
 
@@ -226,13 +234,13 @@ def test_compute_done_naming_another_calls_id_fails_the_call_and_spares_the_othe
     h = Harness(world_size=2)
     first = h.submit("rpc-1")
     h.handle(cd("rpc-1", ["o1"], rank=0))
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     assert first.result(timeout=0)[0].async_output_id == "o1"
     waiter = h.registry.wait("o1")
 
     second = h.submit("rpc-2")
     h.handle(cd("rpc-2", ["o1", "o2"], rank=0))  # a buggy worker reuses o1
-    h.handle(Msg.rpc_failed("rpc-2", BOOM, rank=1))
+    h.handle(RpcResult.failed("rpc-2", BOOM, rank=1))
     err = exc_of(second)
     assert isinstance(err, RpcFailed) and set(err.failures) == {0, 1}
     assert err.failures[0].type_name == "ProtocolError"
@@ -257,7 +265,7 @@ def test_cancelled_rpc_drops_its_outputs() -> None:
     fut = h.submit("rpc-1")
     assert fut.cancel()
     h.handle(cd("rpc-1", ["o1"], rank=0))
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     assert fut.cancelled() and h.registry.state_of("o1") is S.DROPPING
     h.output("o1")
     assert h.released == ["payload-o1"] and len(h.registry) == 0 and len(h.d) == 0
@@ -271,7 +279,7 @@ def test_compute_timeout_fails_the_call_naming_the_missing_ranks() -> None:
     fut = h.submit("rpc-1")
     assert h.d.next_deadline() == 10.0
     h.handle(cd("rpc-1", ["o1"], rank=0))
-    h.handle(Msg.rpc_result("rpc-1", None, rank=2))
+    h.handle(RpcResult("rpc-1", None, rank=2))
     h.expire(9.99)
     assert not fut.done()
     h.expire(10.0)
@@ -280,7 +288,7 @@ def test_compute_timeout_fails_the_call_naming_the_missing_ranks() -> None:
     assert h.d.counters["compute_timeouts"] == 1 and len(h.d) == 0
     assert h.registry.state_of("o1") is S.DROPPING, "what was announced has no owner now"
     # Late answers: the output is released, the empty RPC_RESULT is discarded (nobody reads it).
-    late = Msg.rpc_result("rpc-1", None, rank=1)
+    late = RpcResult("rpc-1", None, rank=1)
     assert h.handle(late) is None and h.d.counters["late_rpc_results"] == 1
     h.output("o1")
     assert h.released == ["payload-o1"] and len(h.registry) == 0
@@ -300,14 +308,14 @@ def test_late_answers_of_ended_execute_calls_are_not_kept_for_path_2() -> None:
         fut = h.submit(f"rpc-{i}")
         h.expire(h.now + 1.0)
         assert isinstance(exc_of(fut), ComputeTimeout)
-        routed += [h.handle(Msg.rpc_failed(f"rpc-{i}", aborted, rank=0)), h.handle(Msg.rpc_result(f"rpc-{i}", None, rank=1))]
+        routed += [h.handle(RpcResult.failed(f"rpc-{i}", aborted, rank=0)), h.handle(RpcResult(f"rpc-{i}", None, rank=1))]
     assert routed == [None] * 200 and h.d.counters["late_rpc_results"] == 200 and len(h.d) == 0
     assert h.d.counters["protocol_errors"] == 0
     fut = h.submit("rpc-x")
     h.expire(h.now + 1.0)
-    with_result = Msg.rpc_result("rpc-x", {"step": 3}, rank=1)
+    with_result = RpcResult("rpc-x", {"step": 3}, rank=1)
     assert h.handle(with_result) == with_result, "a result goes to the caller, which gives back what it holds"
-    collective = Msg.rpc_result("collective-1", None, rank=0)
+    collective = RpcResult("collective-1", None, rank=0)
     assert h.handle(collective) == collective and h.d.counters["late_rpc_results"] == 200
 
 
@@ -368,16 +376,16 @@ def test_slow_forward_does_not_throw_away_the_finished_output() -> None:
 
 def test_rpc_result_of_an_unknown_call_goes_to_the_sync_buffer() -> None:
     h = Harness(world_size=2)
-    msg = Msg.rpc_result("collective-7", {"ok": True}, rank=1)
+    msg = RpcResult("collective-7", {"ok": True}, rank=1)
     assert h.handle(msg) == msg
-    failed = Msg.rpc_failed("collective-7", BOOM, rank=0)
+    failed = RpcResult.failed("collective-7", BOOM, rank=0)
     assert h.handle(failed) == failed
     assert h.d.counters["protocol_errors"] == 0
 
 
 def test_output_ready_goes_to_the_registry() -> None:
     h = Harness()
-    assert h.handle(Msg.output_failed("o1", BOOM)) is None
+    assert h.handle(OutputReady.failed("o1", BOOM)) is None
     assert h.registry.state_of("o1") is S.EARLY_FAILED
 
 
@@ -397,8 +405,8 @@ def test_rpc_result_of_a_call_never_made_is_a_counted_protocol_error() -> None:
     """With ``known_call`` (the executor's: every rpc id it issued), an answer of any other
     call is refused, counted and never buffered (M3); a late answer of an issued one is."""
     h = Harness(known_call=lambda rpc_id: rpc_id.startswith("mine-"))
-    assert h.handle(Msg.rpc_result("theirs-1", "x")) is None
-    late = Msg.rpc_result("mine-7", "x")
+    assert h.handle(RpcResult("theirs-1", "x")) is None
+    late = RpcResult("mine-7", "x")
     assert h.handle(late) == late
     assert h.d.counters["unknown_call_rpc_result"] == 1 and h.d.counters["protocol_errors"] == 1
     assert "theirs-1" in str(h.registry.errors[-1]) and isinstance(h.registry.errors[-1], ProtocolError)
@@ -431,9 +439,9 @@ def test_reply_rank_answering_without_compute_done_is_counted_when_it_answers() 
     """Counted on arrival (M3), also when another rank's failure fails the call (RpcFailed)."""
     h = Harness(world_size=2)
     fut = h.submit("rpc-1")
-    h.handle(Msg.rpc_result("rpc-1", None, rank=0))
+    h.handle(RpcResult("rpc-1", None, rank=0))
     assert h.d.counters["answers_without_compute_done"] == 1 and h.d.counters["protocol_errors"] == 1
-    h.handle(Msg.rpc_failed("rpc-1", BOOM, rank=1))
+    h.handle(RpcResult.failed("rpc-1", BOOM, rank=1))
     assert isinstance(exc_of(fut), RpcFailed)
     assert h.d.counters["answers_without_compute_done"] == 1 and h.d.counters["protocol_errors"] == 1
 
@@ -487,7 +495,7 @@ def test_fail_all_fails_every_call_and_every_output() -> None:
     f1 = h.submit("rpc-1")
     f2 = h.submit("rpc-2")
     h.handle(cd("rpc-2", ["o2"], rank=0))
-    h.handle(Msg.rpc_result("rpc-2", None, rank=1))
+    h.handle(RpcResult("rpc-2", None, rank=1))
     waiter = h.registry.wait("o2")
     h.d.fail_all(lambda oid: ExecutorShutdown("stopping", output_id=oid), close=True)
     h.settle()
@@ -534,7 +542,7 @@ def test_trace_names_the_rpc_actions() -> None:
     h = Harness(world_size=2)
     h.submit("rpc-1")
     h.handle(cd("rpc-1", ["o1"], rank=0))
-    h.handle(Msg.rpc_result("rpc-1", None, rank=1))
+    h.handle(RpcResult("rpc-1", None, rank=1))
     actions = [e.action for e in h.tracer.snapshot()]
     assert actions[0] == "RpcSubmit"
     assert actions.count("PumpRecv") == 2 and actions.count("RpcAnswer") == 2
@@ -549,9 +557,9 @@ def test_output_deadline_is_measured_from_the_calls_resolution() -> None:
     """F4 with several ranks: the reply rank's COMPUTE_DONE can precede the last answer."""
     h = Harness(world_size=2, output_timeout=10.0)
     fut = h.submit("r1", "execute_model")
-    h.handle(Msg.compute_done("r1", ("o1",), ("q1",), rank=0))
+    h.handle(ComputeDone("r1", ("o1",), ("q1",), rank=0))
     h.now = 8.0  # the other rank answers late
-    h.handle(Msg.rpc_result("r1", None, rank=1))
+    h.handle(RpcResult("r1", None, rank=1))
     assert fut.result(timeout=0)[0].async_output_id == "o1"
     h.d.expire(12.0)  # 12 s after COMPUTE_DONE, 4 s after the engine learned the id
     h.settle()
@@ -565,9 +573,9 @@ def test_dropped_outputs_still_being_packed_are_reported_for_the_workers() -> No
     """A failed call drops what its reply rank announced; the workers hear of it (F15)."""
     h = Harness(world_size=2)
     fut = h.submit("r1", "execute_model_batch")
-    h.handle(Msg.output_ready("o1", DiffusionOutput("q1", output="x"), rank=0))  # o1 arrived early
-    h.handle(Msg.compute_done("r1", ("o1", "o2"), ("q1", "q2"), rank=0))
-    h.handle(Msg.rpc_failed("r1", BOOM, rank=1))
+    h.handle(OutputReady("o1", DiffusionOutput("q1", output="x"), rank=0))  # o1 arrived early
+    h.handle(ComputeDone("r1", ("o1", "o2"), ("q1", "q2"), rank=0))
+    h.handle(RpcResult.failed("r1", BOOM, rank=1))
     with pytest.raises(RpcFailed):
         fut.result(timeout=0)
     # o1 is gone already (its output was here); only o2 may still be in a packer.
@@ -595,9 +603,9 @@ def test_failed_compute_done_send_drops_what_the_packer_ships(order: str) -> Non
     if order == "outputs first":
         h.output("o1")
         assert h.registry.state_of("o1") is S.EARLY_READY
-    h.handle(Msg.compute_failed("r1", ("o1", "o2"), SEND_FAILED, rank=0))
+    h.handle(RpcResult.compute_failed("r1", ("o1", "o2"), SEND_FAILED, rank=0))
     assert not fut.done(), "F12: the call still waits for rank 1"
-    h.handle(Msg.rpc_result("r1", None, rank=1))
+    h.handle(RpcResult("r1", None, rank=1))
     err = exc_of(fut)
     assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
     if order == "failure first":
@@ -617,7 +625,7 @@ def test_failed_compute_done_of_a_call_that_timed_out_is_an_orphan() -> None:
     h.output("o1")
     h.expire(8.0)
     assert isinstance(exc_of(fut), ComputeTimeout)
-    h.handle(Msg.compute_failed("r1", ("o1",), SEND_FAILED, rank=0))
+    h.handle(RpcResult.compute_failed("r1", ("o1",), SEND_FAILED, rank=0))
     assert h.released == ["payload-o1"] and len(h.registry) == 0
     assert h.d.counters["orphan_compute_done"] == 1
 

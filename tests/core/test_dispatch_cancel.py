@@ -21,8 +21,11 @@ from omni_async.core.messages import (
     AbortCause,
     AsyncDiffusionOutput,
     CancelMessage,
+    ComputeDone,
     DiffusionOutput,
     Failure,
+    OutputReady,
+    RpcResult,
     RunnerOutput,
 )
 from omni_async.core.registry import OutputRegistry, apply_resolutions
@@ -81,7 +84,7 @@ def test_a_call_the_worker_stopped_fails_with_request_aborted() -> None:
     fut = rig.submit("c1", ("a",))
     rig.cancel("a")
     assert not fut.done()  # it ends by the worker's answer, not by the cancel itself
-    rig.handle(Msg.rpc_failed("c1", ABORTED))
+    rig.handle(RpcResult.failed("c1", ABORTED))
     err = fut.exception(0)
     assert isinstance(err, RequestAborted)
     assert err.request_id == "a" and err.request_ids == ("a",) and err.by == "abort" and err.rpc_id == "c1"
@@ -96,10 +99,10 @@ def test_a_cancelled_call_that_finished_anyway_drops_its_ids_and_fails_once_they
     rig = Rig()
     fut = rig.submit("c1", ("a",))
     rig.cancel("a")
-    rig.handle(Msg.compute_done("c1", ("o1",), ("a",)))
+    rig.handle(ComputeDone("c1", ("o1",), ("a",)))
     assert not fut.done(), "the output is still on its way: the abort is not complete"
     assert "o1" in rig.registry
-    rig.handle(Msg.output_ready("o1", DiffusionOutput("a", "payload")))
+    rig.handle(OutputReady("o1", DiffusionOutput("a", "payload")))
     err = fut.exception(0)
     assert isinstance(err, RequestAborted) and "forward finished before it saw the cancel" in str(err)
     assert len(rig.released) == 1  # the payload went back, held for nobody
@@ -110,15 +113,15 @@ def test_cancelling_some_requests_of_a_batch_drops_only_their_outputs() -> None:
     rig = Rig()
     fut = rig.submit("c1", ("a", "b"))
     rig.cancel("a")
-    rig.handle(Msg.output_failed("o1", Failure("Cancelled", "not packed")))  # the worker skipped a's pack
-    rig.handle(Msg.compute_done("c1", ("o1", "o2"), ("a", "b")))
+    rig.handle(OutputReady.failed("o1", Failure("Cancelled", "not packed")))  # the worker skipped a's pack
+    rig.handle(ComputeDone("c1", ("o1", "o2"), ("a", "b")))
     outs = fut.result(0)
     assert outs == (
         RunnerOutput("a", finished=True, aborted=True),
         RunnerOutput("b", finished=True, async_output_id="o2"),
     )
     assert "o1" not in rig.registry and "o2" in rig.registry
-    rig.handle(Msg.output_ready("o2", DiffusionOutput("b", "pixels")))
+    rig.handle(OutputReady("o2", DiffusionOutput("b", "pixels")))
     waiter = rig.registry.wait("o2")
     rig.settle()
     assert waiter.result(0).output == "pixels"
@@ -129,8 +132,8 @@ def test_a_fully_cancelled_call_is_aborted_even_when_a_rank_failed_otherwise() -
     rig = Rig(world_size=2)
     fut = rig.submit("c1", ("a",))
     rig.cancel("a")
-    rig.handle(Msg.rpc_failed("c1", ABORTED, rank=0))
-    rig.handle(Msg.rpc_failed("c1", Failure("RuntimeError", "boom"), rank=1))
+    rig.handle(RpcResult.failed("c1", ABORTED, rank=0))
+    rig.handle(RpcResult.failed("c1", Failure("RuntimeError", "boom"), rank=1))
     err = fut.exception(0)
     assert isinstance(err, RequestAborted) and "rank 1: boom" in str(err)
 
@@ -139,14 +142,14 @@ def test_a_partly_cancelled_call_that_fails_still_fails_with_its_error() -> None
     rig = Rig()
     fut = rig.submit("c1", ("a", "b"))
     rig.cancel("a")
-    rig.handle(Msg.rpc_failed("c1", Failure("RuntimeError", "boom")))
+    rig.handle(RpcResult.failed("c1", Failure("RuntimeError", "boom")))
     assert isinstance(fut.exception(0), RpcFailed)
 
 
 def test_compute_deadline_cancels_the_forward_and_a_rank_that_never_answers_is_stuck() -> None:
     rig = Rig(world_size=2, compute_timeout=10.0)
     fut = rig.submit("c1", ("a",))
-    rig.handle(Msg.rpc_result("c1", None, rank=1))
+    rig.handle(RpcResult("c1", None, rank=1))
     rig.expire(10.0)
     err = fut.exception(0)
     assert isinstance(err, ComputeTimeout) and "was cancelled on the workers" in str(err)
@@ -159,7 +162,7 @@ def test_compute_deadline_cancels_the_forward_and_a_rank_that_never_answers_is_s
     assert "rank 0" in str(stuck) and "'a'" in str(stuck)
     assert rig.d.stuck(1e9, grace=None) is None  # grace None: never
     # The rank stops at last: its late answer ends the overdue call.
-    rig.handle(Msg.rpc_failed("c1", ABORTED, rank=0))
+    rig.handle(RpcResult.failed("c1", ABORTED, rank=0))
     assert rig.d.overdue_calls() == 0 and rig.d.stuck(100.0, grace=5.0) is None
     assert rig.quiet()
 
@@ -168,9 +171,9 @@ def test_a_late_compute_done_also_ends_an_overdue_call() -> None:
     rig = Rig(compute_timeout=1.0)
     rig.submit("c1", ("a",))
     rig.expire(1.0)
-    rig.handle(Msg.compute_done("c1", ("o1",), ("a",)))
+    rig.handle(ComputeDone("c1", ("o1",), ("a",)))
     assert rig.d.overdue_calls() == 0
-    rig.handle(Msg.output_ready("o1", DiffusionOutput("a", "late")))
+    rig.handle(OutputReady("o1", DiffusionOutput("a", "late")))
     assert rig.quiet() and len(rig.released) == 1
 
 
@@ -182,8 +185,8 @@ def test_per_call_deadlines_replace_the_executors() -> None:
     rig.expire(1.5)
     assert isinstance(short.exception(0), ComputeTimeout) and "compute_timeout=1.0" in str(short.exception(0))
     assert not default.done() and not unbounded.done()
-    rig.handle(Msg.compute_done("c2", ("o2",), ("b",)))
-    rig.handle(Msg.compute_done("c3", ("o3",), ("c",)))
+    rig.handle(ComputeDone("c2", ("o2",), ("b",)))
+    rig.handle(ComputeDone("c3", ("o3",), ("c",)))
     rig.expire(200.0)
     assert isinstance(rig.registry.wait("o2").exception(0), OutputTimeout)
     assert "o3" in rig.registry  # no output deadline for c3's ids
@@ -194,7 +197,7 @@ def test_per_call_deadlines_replace_the_executors() -> None:
 def test_a_per_call_output_timeout_bounds_that_calls_outputs() -> None:
     rig = Rig(output_timeout=None)
     rig.submit("c1", ("a",), deadlines=Deadlines(compute_timeout=None, output_timeout=2.0))
-    rig.handle(Msg.compute_done("c1", ("o1",), ("a",)))
+    rig.handle(ComputeDone("c1", ("o1",), ("a",)))
     rig.expire(1.9)
     assert "o1" in rig.registry
     rig.expire(2.1)

@@ -25,7 +25,17 @@ from omni_async.core.errors import (
     RequestAborted,
     RpcFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    AsyncOutputKind,
+    Chunk,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestState
 from omni_async.core.stream import ChunkFeed, ChunkRef
@@ -63,10 +73,10 @@ class Harness:
         self.settle()
 
     def chunk(self, rpc_id: str, seq: int, oid: str, rid: str = "r", rank: int = 0) -> None:
-        self.handle(Msg.chunk(rpc_id, rid, seq, oid, rank=rank))
+        self.handle(Chunk(rpc_id, rid, seq, oid, rank=rank))
 
     def output(self, oid: str) -> None:
-        self.handle(Msg.output_ready(oid, DiffusionOutput("r", output=f"payload-{oid}")))
+        self.handle(OutputReady(oid, DiffusionOutput("r", output=f"payload-{oid}")))
 
     def take(self, feed: ChunkFeed) -> Future[DiffusionOutput] | None:
         ref = self.d.take_chunk(feed)
@@ -78,7 +88,7 @@ class Harness:
 
 
 def cd(rpc_id: str, oid: str, rid: str = "r") -> AsyncDiffusionOutput:
-    return Msg.compute_done(rpc_id, (oid,), (rid,))
+    return ComputeDone(rpc_id, (oid,), (rid,))
 
 
 def test_chunks_are_announced_in_order_and_never_answer_the_call() -> None:
@@ -137,8 +147,8 @@ def test_a_chunk_of_a_call_never_made_is_a_counted_protocol_error_given_up_at_a_
     h.submit("ended", streams=[h.feed()])
     h.d.expire(2.0)
     h.settle()
-    h.handle(Msg.chunk("ended", "r", 0, "late"), now=2.0)
-    h.handle(Msg.chunk("never", "r", 0, "g1"), now=2.0)
+    h.handle(Chunk("ended", "r", 0, "late"), now=2.0)
+    h.handle(Chunk("never", "r", 0, "g1"), now=2.0)
     assert h.d.counters["unknown_call_chunk"] == 1 and h.d.counters["protocol_errors"] == 1
     assert h.d.counters["orphan_chunks"] == 2
     assert [e.fields.get("known") for e in h.tracer.events if e.action == "PumpRecv"] == [True, False]
@@ -159,8 +169,8 @@ def test_chunks_not_taken_are_dropped_when_the_call_fails() -> None:
     h.chunk("c1", 0, "p0")
     h.chunk("c1", 1, "p1")
     taken = h.take(feed)
-    h.handle(Msg.rpc_failed("c1", BOOM, rank=1))
-    h.handle(Msg.rpc_failed("c1", BOOM, rank=0))
+    h.handle(RpcResult.failed("c1", BOOM, rank=1))
+    h.handle(RpcResult.failed("c1", BOOM, rank=0))
     assert isinstance(fut.exception(timeout=0), RpcFailed)
     assert feed.ended and isinstance(feed.error, RpcFailed) and feed.exhausted and feed.dropped == 1
     assert h.registry.state_of("p1") is S.DROPPING  # released when it arrives
@@ -193,7 +203,7 @@ def test_cancel_requests_drops_later_chunks_and_the_abort_waits_for_every_one() 
     assert h.d.cancel(["r"]) == 1
     h.chunk("c1", 1, "p1")  # the forward had not seen the cancel yet
     assert h.registry.state_of("p1") is S.DROPPING
-    h.handle(Msg.rpc_failed("c1", Failure("RequestAborted", "stopped")))
+    h.handle(RpcResult.failed("c1", Failure("RequestAborted", "stopped")))
     assert feed.ended and isinstance(feed.error, RequestAborted) and feed.exhausted
     assert not fut.done(), "the abort is acknowledged only once nothing of the call remains"
     h.output("p0")
@@ -232,9 +242,9 @@ def test_a_chunk_out_of_place_is_a_protocol_error_and_released(case: str) -> Non
     h.submit("c1", rids=("r", "s"), streams=[feed])
     h.chunk("c1", 0, "p0")
     bad = {
-        "other-rank": Msg.chunk("c1", "r", 1, "x", rank=1),
-        "skips-a-place": Msg.chunk("c1", "r", 2, "x"),
-        "no-stream": Msg.chunk("c1", "s", 0, "x"),
+        "other-rank": Chunk("c1", "r", 1, "x", rank=1),
+        "skips-a-place": Chunk("c1", "r", 2, "x"),
+        "no-stream": Chunk("c1", "s", 0, "x"),
     }[case]
     h.handle(bad)
     assert h.d.counters["protocol_errors"] == 1 and h.registry.state_of("x") is S.DROPPING
@@ -295,11 +305,11 @@ def test_streams_must_belong_to_the_calls_requests() -> None:
 def test_a_step_calls_plain_answer_is_an_intermediate_step() -> None:
     h = Harness(world_size=2)
     fut = h.submit("s1", rids=("r",), step=True)
-    h.handle(Msg.rpc_result("s1", None, rank=1))
-    h.handle(Msg.rpc_result("s1", None, rank=0))
+    h.handle(RpcResult("s1", None, rank=1))
+    h.handle(RpcResult("s1", None, rank=0))
     assert fut.result(timeout=0) == (RunnerOutput("r", finished=False),)
     final = h.submit("s2", rids=("r",), step=True)
-    h.handle(Msg.rpc_result("s2", None, rank=1))
+    h.handle(RpcResult("s2", None, rank=1))
     h.handle(cd("s2", "o"))
     assert final.result(timeout=0) == (RunnerOutput("r", finished=True, async_output_id="o"),)
     assert h.d.counters["protocol_errors"] == 0, "an intermediate step's plain answer is no protocol error"
@@ -309,7 +319,7 @@ def test_a_step_calls_plain_answer_is_an_intermediate_step() -> None:
 def test_a_request_mode_call_answered_without_compute_done_still_fails() -> None:
     h = Harness()
     fut = h.submit("c1")
-    h.handle(Msg.rpc_result("c1", None))
+    h.handle(RpcResult("c1", None))
     assert isinstance(fut.exception(timeout=0), ProtocolError)
     assert h.d.counters["answers_without_compute_done"] == 1
 
@@ -318,24 +328,27 @@ def test_a_request_mode_call_answered_without_compute_done_still_fails() -> None
 
 
 def test_chunk_message_validation() -> None:
-    m = Msg.chunk("c1", "r", 3, "p3", rank=1)
-    assert m.kind is AsyncOutputKind.CHUNK and m.seq == 3 and m.request_ids == ("r",)
+    m = Chunk("c1", "r", 3, "p3", rank=1)
+    assert m.kind is AsyncOutputKind.CHUNK and m.seq == 3 and m.request_id == "r"
+    ok: dict[str, Any] = dict(rpc_id="c1", request_id="r", async_output_id="p", seq=0)
     for bad in (
         dict(seq=-1),
         dict(seq=None),
         dict(seq=True),
-        dict(request_ids=()),
-        dict(request_ids=("a", "b")),
+        dict(request_id=""),
+        dict(request_id=None),
+        dict(request_id=("a", "b")),
         dict(async_output_id=None),
         dict(rpc_id=None),
-        dict(failure=BOOM),
     ):
-        fields: dict[str, Any] = dict(rpc_id="c1", request_ids=("r",), async_output_id="p", seq=0)
-        fields.update(bad)
+        fields = {**ok, **bad}
         with pytest.raises(MessageValidationError):
-            Msg(AsyncOutputKind.CHUNK, **fields)
-    with pytest.raises(MessageValidationError, match="must not set seq"):
-        Msg(AsyncOutputKind.OUTPUT_READY, async_output_id="o", failure=BOOM, seq=1)
+            Chunk(**fields)
+    # A field of another kind is no field of a CHUNK (nor seq of an OUTPUT_READY): refused.
+    with pytest.raises(TypeError, match="failure"):
+        Chunk(**ok, failure=BOOM)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="seq"):
+        OutputReady("o", failure=BOOM, seq=1)  # type: ignore[call-arg]
 
 
 def test_chunk_refs_are_values() -> None:

@@ -54,7 +54,15 @@ from omni_async.core.errors import (
     RpcFailed,
     WorkerDied,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestState
 from omni_async.core.trace import TraceEvent
@@ -305,10 +313,10 @@ class ProtocolMachine(RuleBasedStateMachine):
         token = f"{m.oid}#{next(self.seq)}"
         if kind == "ok":
             self.payloads_sent += 1
-            msg = Msg.output_ready(m.oid, DiffusionOutput(request_id=f"req-{m.oid}", output=token))
+            msg = OutputReady(m.oid, DiffusionOutput(request_id=f"req-{m.oid}", output=token))
         else:
             failure = Failure("PackError", f"packing {m.oid} failed ({token})", "Traceback ...")
-            msg = Msg.output_failed(m.oid, failure)
+            msg = OutputReady.failed(m.oid, failure)
         duplicate = m.out is not None
         if kind == "ok" and (duplicate or m.ended is not None or self.closed or m.fate is not None):
             self.expected_releases[token] += 1
@@ -408,7 +416,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def compute_done(self, data: st.DataObject) -> None:
         rpc = data.draw(st.sampled_from(self._cd_ready()))
         req_ids = tuple(f"req-{i}" for i in rpc.ids)
-        self._announce(rpc, Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), req_ids, rank=self.reply_rank), "cd")
+        self._announce(rpc, ComputeDone(rpc.rpc_id, tuple(rpc.ids), req_ids, rank=self.reply_rank), "cd")
 
     @precondition(lambda self: self.on("rank_fails") and bool(self._cd_ready()))
     @rule(data=st.data())
@@ -417,7 +425,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         its failure names them (defect 3), so they are registered and dropped with the call."""
         rpc = data.draw(st.sampled_from(self._cd_ready()))
         failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
-        self._announce(rpc, Msg.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped")
+        self._announce(rpc, RpcResult.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped")
 
     def _announce(self, rpc: Rpc, msg: Msg, answer: str) -> None:
         """The reply rank's message naming ``rpc``'s ids (COMPUTE_DONE, or the failure that
@@ -451,7 +459,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     def _answer(self, rpc_id: str, rank: int, ok: bool) -> None:
         rpc = self.rpcs[rpc_id]
         failure = Failure("ValueError", f"rank {rank} failed {rpc_id}", "Traceback ...")
-        msg = Msg.rpc_result(rpc_id, None, rank=rank) if ok else Msg.rpc_failed(rpc_id, failure, rank=rank)
+        msg = RpcResult(rpc_id, None, rank=rank) if ok else RpcResult.failed(rpc_id, failure, rank=rank)
         was_pending = rpc.pending
         routed = self.handle(msg)
         rpc.answered[rank] = "ok" if ok else "fail"
@@ -649,7 +657,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             self.handle(self.receive_output(m, data.draw(st.sampled_from(["ok", "fail"]))))
             return
         rpc = self.rpcs[key]
-        msg = Msg.compute_done(rpc.rpc_id, tuple(rpc.ids), tuple(f"req-{i}" for i in rpc.ids), rank=self.reply_rank)
+        msg = ComputeDone(rpc.rpc_id, tuple(rpc.ids), tuple(f"req-{i}" for i in rpc.ids), rank=self.reply_rank)
         for oid in rpc.ids:
             m = self.outs[oid]
             if m.recorded or m.ended is not None:
@@ -677,7 +685,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert self.registry.release_consumer(GHOST_CONSUMER) == 0
         elif what == "rpc_result":
             # An answer of a call nobody made: counted and discarded, not buffered (M3).
-            assert self.handle(Msg.rpc_result(ghost, "x", rank=0)) is None
+            assert self.handle(RpcResult(ghost, "x", rank=0)) is None
             self.d_protocol_errors += 1
             self.unknown_calls["unknown_call_rpc_result"] += 1
         else:
@@ -685,7 +693,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             m = Out(f"{ghost}-o0", ghost)
             self.outs[m.oid] = m
             accepted = self.receive_cd(m, None)
-            assert self.handle(Msg.compute_done(ghost, (m.oid,), ("req",))) is None
+            assert self.handle(ComputeDone(ghost, (m.oid,), ("req",))) is None
             self.d_protocol_errors += 1  # a call never made (M3)
             self.unknown_calls["unknown_call_compute_done"] += 1
             if accepted:

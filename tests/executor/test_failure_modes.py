@@ -45,7 +45,15 @@ from omni_async.core.errors import (
     RemoteError,
     RpcFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.states import RequestEvent, RequestState, request_machine
 from omni_async.core.trace import FieldValue
@@ -122,7 +130,7 @@ class PumpRig:
 
     def barrier(self) -> None:
         token = f"barrier-{uuid.uuid4().hex}"
-        self.channel.put(Msg.rpc_result(token, None))
+        self.channel.put(RpcResult(token, None))
         while self.pump.sync_buffer.get(timeout=TIMEOUT).rpc_id != token:
             pass
 
@@ -197,13 +205,13 @@ def test_f3_waiter_cancelled_between_check_and_set_does_not_kill_the_pump() -> N
     try:
         rpc = rig.submit("rpc-1")
         oids = tuple(f"o{i}" for i in range(20))
-        rig.channel.put(Msg.compute_done("rpc-1", oids, tuple(f"req-{o}" for o in oids)))
+        rig.channel.put(ComputeDone("rpc-1", oids, tuple(f"req-{o}" for o in oids)))
         assert len(rpc.result(timeout=TIMEOUT)) == 20
         futs = [rig.wait(o) for o in oids]
         for f in futs[:10]:
             assert f.cancel()  # the registry has not heard of it
         for o in oids:
-            rig.channel.put(Msg.output_ready(o, payload(o)))
+            rig.channel.put(OutputReady(o, payload(o)))
         for o, f in zip(oids[10:], futs[10:], strict=True):
             assert f.result(timeout=TIMEOUT).output == f"payload-{o}"
         rig.barrier()
@@ -227,7 +235,7 @@ def test_f3_no_exception_in_dispatch_stops_the_pump_and_liveness_is_health(execu
     fut = ex.submit_request(req("r1", pickle_gate=(g := gate_name())))
     ro = fut.result(timeout=TIMEOUT)
     ex.wait_output_ready(ro.async_output_id or "").cancel()  # its output will be released: the hook raises
-    bad = Msg.output_ready("x", payload("x"))
+    bad = OutputReady("x", payload("x"))
     object.__setattr__(bad, "output", None)  # slipped past validation
     ex.channel.put(bad)
     GATES.open(g)
@@ -268,7 +276,7 @@ def test_f3_an_exception_while_dispatching_a_valid_message_is_caught_by_the_pump
     ro1 = ex.execute_request(req("r1"))
     assert ex.wait_output_ready(ro1.async_output_id or "").result(timeout=TIMEOUT).request_id == "r1"
     assert ex.metrics()["dispatch_errors"] == 0
-    ex.channel.put(Msg.rpc_result(token, None))  # valid: the channel hands it to the dispatcher
+    ex.channel.put(RpcResult(token, None))  # valid: the channel hands it to the dispatcher
     wait_until(lambda: ex.metrics()["dispatch_errors"] == 1 or not ex.pump.healthy())
     assert raised == [token]
     assert ex.pump.healthy(), "the exception from Dispatcher.handle ended the pump"
@@ -299,12 +307,12 @@ def test_f4_separate_deadlines_measured_from_the_right_event(monkeypatch: pytest
 
     slow = d.submit("slow", "execute_model", now=0.0)
     d.expire(60.0)  # 60 s of forward: past the output deadline, inside the compute deadline
-    d.handle(Msg.compute_done("slow", ("o1",), ("r1",)), now=60.0)
+    d.handle(ComputeDone("slow", ("o1",), ("r1",)), now=60.0)
     settle()
     (ro,) = slow.result(timeout=0)
     waiter = registry.wait(ro.async_output_id or "")
     d.expire(64.9)
-    d.handle(Msg.output_ready("o1", payload("o1")), now=64.9)
+    d.handle(OutputReady("o1", payload("o1")), now=64.9)
     settle()
     assert waiter.result(timeout=0).output == "payload-o1", "a finished render is not thrown away"
 
@@ -317,7 +325,7 @@ def test_f4_separate_deadlines_measured_from_the_right_event(monkeypatch: pytest
     assert isinstance(exc_of(stuck), ComputeTimeout)
 
     late = d.submit("late", "execute_model", now=200.0)
-    d.handle(Msg.compute_done("late", ("o2",), ("r2",)), now=201.0)
+    d.handle(ComputeDone("late", ("o2",), ("r2",)), now=201.0)
     settle()
     w2 = registry.wait("o2")
     d.expire(205.9)
@@ -356,11 +364,11 @@ def test_f6_batch_outputs_before_compute_done_reach_their_own_waiters() -> None:
         rpc = rig.submit("batch-1")
         oids = ("b0", "b1", "b2", "b3")
         for o in reversed(oids):
-            rig.channel.put(Msg.output_ready(o, payload(o)))
+            rig.channel.put(OutputReady(o, payload(o)))
         rig.barrier()
         assert not rpc.done() and len(rig.registry) == 4
         assert {r.state for r in rig.registry} == {S.EARLY_READY}
-        rig.channel.put(Msg.compute_done("batch-1", oids, tuple(f"req-{o}" for o in oids)))
+        rig.channel.put(ComputeDone("batch-1", oids, tuple(f"req-{o}" for o in oids)))
         ros = rpc.result(timeout=TIMEOUT)
         assert [r.request_id for r in ros] == [f"req-{o}" for o in oids]
         for r in ros:
@@ -397,7 +405,7 @@ def test_f7_many_threads_write_one_channel_and_nothing_vanishes() -> None:
             m.fire(RequestEvent.FORWARD)
             m.fire(RequestEvent.COMPUTE_DONE)
             packers[rank].submit(oid, payload(oid), m)
-            rig.channel.put(Msg.compute_done(f"rpc-{rank}-{i}", (oid,), (f"req-{oid}",), rank=0))
+            rig.channel.put(ComputeDone(f"rpc-{rank}-{i}", (oid,), (f"req-{oid}",), rank=0))
 
     threads = [threading.Thread(target=main_thread, args=(r,)) for r in range(ranks)]
     try:
@@ -580,8 +588,8 @@ class RefusingChannel(InProcessChannel):
         self.refused = 0
 
     def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
-        failed_answer = msg.kind is AsyncOutputKind.RPC_RESULT and msg.failure is not None
-        if msg.kind is AsyncOutputKind.COMPUTE_DONE or (self.refuse == "answers" and failed_answer):
+        failed_answer = isinstance(msg, RpcResult) and msg.failure is not None
+        if isinstance(msg, ComputeDone) or (isinstance(msg, RpcResult) and self.refuse == "answers" and failed_answer):
             self.refused += 1
             raise ChannelFull(f"no room for {msg.kind!r} of {msg.rpc_id}", nbytes=0, timeout=timeout)
         super().put(msg, timeout)
@@ -699,11 +707,11 @@ def test_f15_a_drop_cancels_only_the_dropped_outputs_of_the_queue() -> None:
         assert first_started.wait(TIMEOUT), "the packer is busy with o0; o1..o4 are queued"
         assert packer.drop(["o2"]) == 1
         release_first.set()
-        got: dict[str, Msg] = {}
+        got: dict[str, OutputReady] = {}
         while len(got) < len(ids):
             msg = channel.get(TIMEOUT)
             assert msg is not None, f"only {sorted(got)} arrived"
-            assert msg.async_output_id is not None
+            assert isinstance(msg, OutputReady) and msg.async_output_id is not None
             got[msg.async_output_id] = msg
         assert packer.drain(TIMEOUT)
     finally:
@@ -766,7 +774,7 @@ def test_f16_shutdown_is_idempotent_fails_every_waiter_and_never_hangs(executors
 
     # A packer stuck in put() on a full channel nobody reads: close() frees it, the join returns.
     channel = InProcessChannel(maxsize=1, put_timeout=None)
-    channel.put(Msg.rpc_result("filler", None))
+    channel.put(RpcResult("filler", None))
     packer = Packer(0, channel)
     packer.start()
     for i in range(3):
@@ -778,7 +786,7 @@ def test_f16_shutdown_is_idempotent_fails_every_waiter_and_never_hangs(executors
     assert packer.stop(TIMEOUT)
     assert time.monotonic() - t0 < 2.0 and not packer.alive()
     with pytest.raises(ChannelClosed):
-        channel.put(Msg.rpc_result("late", None))
+        channel.put(RpcResult("late", None))
 
 
 def test_f16_dropped_outputs_are_gone_after_shutdown(executors: list[DiffusionExecutor]) -> None:

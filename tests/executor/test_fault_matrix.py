@@ -90,7 +90,16 @@ from omni_async.core.errors import (
     RpcFailed,
     WorkerDied,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    DiffusionRequest,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.channel import PipeSender
 from omni_async.transport.errors import PoolClosed
@@ -396,7 +405,7 @@ class Rig:
         """
         before = _calls(self.ex)
         call = self.ex.submit_request(_req(rid, sleep=0.5, **INLINE, **params))
-        self.put(Msg.compute_done(_newest_call(self.ex, before), (forged,), (rid,)))
+        self.put(ComputeDone(_newest_call(self.ex, before), (forged,), (rid,)))
         return call
 
     def packed(self, oid: str, rid: str, seed: int = 0) -> DiffusionOutput:
@@ -477,7 +486,7 @@ def _start_fault(rig: Rig, kind: str, rid: str) -> Future[Any]:
         return ex.wait_output_ready(_oid(ex.execute_request(_req(rid, **TOO_BIG))))
     forged = f"{rid}-forged"
     call = rig.forge_call(rid, forged)
-    rig.put(Msg.output_ready(forged, CORRUPT[kind](rig, rid)))
+    rig.put(OutputReady(forged, CORRUPT[kind](rig, rid)))
     assert _oid(call.result(timeout=WAIT)) == forged
     return ex.wait_output_ready(forged)
 
@@ -538,7 +547,7 @@ def _duplicate_output_ready(rig: Rig) -> None:
     ro = rig.ex.execute_request(_req("dup-out", **SHM))
     rig.ex.release_output(rig.ex.wait_output_ready(_oid(ro)).result(timeout=WAIT))
     before = rig.counts()
-    rig.put(Msg.output_ready(_oid(ro), rig.packed(_oid(ro), "dup-out")))
+    rig.put(OutputReady(_oid(ro), rig.packed(_oid(ro), "dup-out")))
     _until(lambda: rig.delta(before) == {"protocol_errors": 1, "released": 1}, what=f"{rig.delta(before)}")
     assert _oid(ro) in str(rig.ex.registry.errors[-1])
 
@@ -548,7 +557,7 @@ def _duplicate_compute_done(rig: Rig) -> None:
     ro = rig.ex.execute_request(_req("dup-cd", **INLINE))
     rig.ex.release_output(rig.ex.wait_output_ready(_oid(ro)).result(timeout=WAIT))
     before = rig.counts()
-    rig.put(Msg.compute_done("no-such-call", (_oid(ro),), ("dup-cd",)))
+    rig.put(ComputeDone("no-such-call", (_oid(ro),), ("dup-cd",)))
     _until(lambda: rig.delta(before) == {"protocol_errors": 2}, what=f"{rig.delta(before)}")
     assert isinstance(rig.ex.registry.errors[-1], ProtocolError)
 
@@ -557,20 +566,20 @@ def _compute_done_from_a_rank_outside_the_world(rig: Rig) -> None:
     """A call answered first by 'rank 1' of a one-rank world: counted; the call still gets its output."""
     before, calls = rig.counts(), _calls(rig.ex)
     call = rig.ex.submit_request(_req("wrong-rank", sleep=0.3, **SHM))
-    rig.put(Msg.compute_done(_newest_call(rig.ex, calls), ("wrong-rank-forged",), ("wrong-rank",), rank=1))
+    rig.put(ComputeDone(_newest_call(rig.ex, calls), ("wrong-rank-forged",), ("wrong-rank",), rank=1))
     out = rig.ex.wait_output_ready(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
     assert _intact(out, SHM) and out.async_output_id != "wrong-rank-forged"
     rig.ex.release_output(out)
     assert rig.delta(before) == {"protocol_errors": 2}
     # The forged id was dropped with the bad answer; its OUTPUT_READY ends the record.
-    rig.put(Msg.output_failed("wrong-rank-forged", Failure("Cancelled", "never packed")))
+    rig.put(OutputReady.failed("wrong-rank-forged", Failure("Cancelled", "never packed")))
 
 
 def _answer_without_compute_done(rig: Rig) -> None:
     """The reply rank answers an execute call with RPC_RESULT: that call, and only it, fails."""
     before = _calls(rig.ex)
     call = rig.ex.submit_request(_req("wrong-kind", sleep=0.3, **SHM))
-    rig.put(Msg.rpc_result(_newest_call(rig.ex, before), None))
+    rig.put(RpcResult(_newest_call(rig.ex, before), None))
     err = call.exception(timeout=WAIT)
     assert isinstance(err, ProtocolError) and "without COMPUTE_DONE" in str(err)
     # The real COMPUTE_DONE is now an orphan: its output is released on arrival.
@@ -579,8 +588,8 @@ def _answer_without_compute_done(rig: Rig) -> None:
 def _early_pair_of_no_call(rig: Rig) -> None:
     """OUTPUT_READY (a real segment), then COMPUTE_DONE of a call nobody made: released, nothing kept."""
     before = rig.counts()
-    rig.put(Msg.output_ready("stray-1", rig.packed("stray-1", "stray")))
-    rig.put(Msg.compute_done("no-such-call-2", ("stray-1",), ("stray",)))
+    rig.put(OutputReady("stray-1", rig.packed("stray-1", "stray")))
+    rig.put(ComputeDone("no-such-call-2", ("stray-1",), ("stray",)))
     _until(lambda: rig.delta(before).get("released") == 1, what="the stray output released")
 
 
@@ -614,7 +623,7 @@ def _invalid(msg: Msg, **fields: object) -> bytes:
 
 def _kind_out_of_the_enum(rig: Rig) -> None:
     before = rig.counts()
-    rig.write(_invalid(Msg.rpc_result("k", None), kind="bogus"))
+    rig.write(_invalid(RpcResult("k", None), kind="bogus"))
     refused(rig, before)
 
 
@@ -623,10 +632,10 @@ def _output_that_is_not_an_output(rig: Rig) -> None:
     call = rig.forge_call("not-an-output", "not-an-output-forged")
     waiter = rig.ex.wait_output_ready(_oid(call.result(timeout=WAIT)))
     before = rig.counts()
-    rig.write(_invalid(Msg.output_ready("not-an-output-forged", DiffusionOutput("x")), output={"image": 1}))
+    rig.write(_invalid(OutputReady("not-an-output-forged", DiffusionOutput("x")), output={"image": 1}))
     refused(rig, before)
     # The refused message never reached the waiter; the id's next OUTPUT_READY does.
-    rig.put(Msg.output_failed("not-an-output-forged", Failure("E", "the real failure")))
+    rig.put(OutputReady.failed("not-an-output-forged", Failure("E", "the real failure")))
     err = waiter.exception(timeout=5)
     assert isinstance(err, RemoteError) and err.failure.message == "the real failure"
 
@@ -655,12 +664,12 @@ def test_a_hostile_message_is_harmless(rig: Rig, case: str) -> None:
 
 
 def _stale_answer(rig: Rig) -> None:
-    rig.put(Msg.rpc_result("no-such-call-3", "stale"))
+    rig.put(RpcResult("no-such-call-3", "stale"))
 
 
 def _compute_done_of_no_call(rig: Rig) -> None:
-    rig.put(Msg.compute_done("no-such-call-4", ("orphan-1",), ("orphan",)))
-    rig.put(Msg.output_failed("orphan-1", Failure("Cancelled", "never packed")))
+    rig.put(ComputeDone("no-such-call-4", ("orphan-1",), ("orphan",)))
+    rig.put(OutputReady.failed("orphan-1", Failure("Cancelled", "never packed")))
 
 
 COUNTED: dict[str, Callable[[Rig], None]] = {
@@ -705,7 +714,7 @@ def test_every_hostile_message_is_counted(rig: Rig, case: str) -> None:
 def test_an_oversize_frame_is_refused(rig: Rig) -> None:
     """A frame larger than the channel's message limit is refused at the pump, typed and counted."""
     before = rig.counts()
-    frame = pickle.dumps(Msg.rpc_result("huge", b"x" * (8 << 20)))  # the limit is 4 MiB
+    frame = pickle.dumps(RpcResult("huge", b"x" * (8 << 20)))  # the limit is 4 MiB
     writer = threading.Thread(target=rig.write, args=(frame,), daemon=True)
     writer.start()
     try:
@@ -948,16 +957,16 @@ def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
         image = expected_image({"seed": 5, **SHM})
         lone = DiffusionOutput("lone", {"image": image}, async_output_id="lone-1")
         packed = pack_diffusion_output_shm(lone, pool=ex.pool)
-        hostile.put(Msg.output_ready("lone-1", packed))
-        hostile.put(Msg.compute_done("no-such-call-5", ("lone-2",), ("lone",)))
+        hostile.put(OutputReady("lone-1", packed))
+        hostile.put(ComputeDone("no-such-call-5", ("lone-2",), ("lone",)))
         _until(lambda: ex.metrics()["pending_outputs"] == 2, what="both records")
         _until(lambda: _settled(ex), 2 * (1.5 + 1.0), "the records of unknown ids to end")
         m = ex.metrics()
         assert m["orphaned_outputs"] >= 1 and m["orphan_drops_expired"] >= 1, m
     finally:
         # The messages each record still waits for end them (late ones are released quietly).
-        hostile.put(Msg.compute_done("no-such-call-6", ("lone-1",), ("lone",)))
-        hostile.put(Msg.output_failed("lone-2", Failure("Cancelled", "never packed")))
+        hostile.put(ComputeDone("no-such-call-6", ("lone-1",), ("lone",)))
+        hostile.put(OutputReady.failed("lone-2", Failure("Cancelled", "never packed")))
         hostile.close()
         settle(ex)
 

@@ -42,7 +42,7 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.messages import AsyncDiffusionOutput, ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.core.states import RequestState
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
@@ -576,7 +576,7 @@ def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None
     try:
         fut = ex.submit_request(req("r1"))
         (sent,) = ex.sent
-        msg = AsyncDiffusionOutput.compute_done(sent.rpc_id, ("o1",), ("r1",))
+        msg = ComputeDone(sent.rpc_id, ("o1",), ("r1",))
 
         def answer_then_cancel(d: Dispatcher) -> bool:
             d.handle(msg, now=ex.pump.now())  # claims the call's future (RUNNING)

@@ -21,7 +21,7 @@ from helpers.traces import keep
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, RunnerOutput
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, OutputReady, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.transport.packing import pack_diffusion_output_shm, settle_releases
@@ -367,7 +367,7 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
             DiffusionOutput("late", {"image": image}, async_output_id=oid), pool=ex.pool
         )
         assert ex.pool.stats().outstanding == 1
-        ex._channel.put(AsyncDiffusionOutput.output_ready(oid, packed, rank=0))
+        ex._channel.put(OutputReady(oid, packed, rank=0))
         deadline = time.monotonic() + 5
         while ex.metrics()["released"] == released and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -23,7 +23,15 @@ from omni_async.core.errors import (
     RemoteError,
     WorkerDied,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry
 from omni_async.core.states import LifecycleState
 from omni_async.executor.pump import ResultPump
@@ -72,7 +80,7 @@ class Rig:
         """Register ids as a reply rank's COMPUTE_DONE would (through a real RPC)."""
         rpc_id = f"announce-{next(self._seq)}"
         fut = self.submit(rpc_id, consumer=consumer)
-        self.channel.put(Msg.compute_done(rpc_id, oids, tuple(f"req-{o}" for o in oids)))
+        self.channel.put(ComputeDone(rpc_id, oids, tuple(f"req-{o}" for o in oids)))
         assert [ro.async_output_id for ro in fut.result(timeout=TIMEOUT)] == list(oids)
 
     def wait(self, oid: str, *, cancel_callback: bool = True) -> Future[DiffusionOutput]:
@@ -90,7 +98,7 @@ class Rig:
     def barrier(self) -> None:
         """Return once the pump has handled every message put before this call."""
         token = f"barrier-{next(self._seq)}"
-        self.channel.put(Msg.rpc_result(token, None))
+        self.channel.put(RpcResult(token, None))
         while True:
             msg = self.pump.sync_buffer.get(timeout=TIMEOUT)
             if msg.rpc_id == token:
@@ -145,8 +153,8 @@ def test_many_producer_threads_lose_nothing(rig: Rig) -> None:
             start.wait(TIMEOUT)
             for j in range(per_thread):
                 oid, rpc = f"o-{t}-{j}", f"rpc-{t}-{j}"
-                cd = Msg.compute_done(rpc, (oid,), (f"req-{oid}",))
-                ready = Msg.output_ready(oid, payload(oid))
+                cd = ComputeDone(rpc, (oid,), (f"req-{oid}",))
+                ready = OutputReady(oid, payload(oid))
                 # Half of them overtake their COMPUTE_DONE, as a packer thread can.
                 for m in (ready, cd) if j % 2 else (cd, ready):
                     rig.channel.put(m)
@@ -189,7 +197,7 @@ def test_cancel_racing_delivery_never_kills_the_pump(rig: Rig) -> None:
     def deliver() -> None:
         go.wait(TIMEOUT)
         for oid in oids:
-            rig.channel.put(Msg.output_ready(oid, payload(oid)))
+            rig.channel.put(OutputReady(oid, payload(oid)))
 
     def cancel() -> None:
         go.wait(TIMEOUT)
@@ -227,8 +235,8 @@ def test_release_hook_that_raises_does_not_stop_the_pump() -> None:
         rig.announce("dropped", "kept")
         gone = rig.pump.call(lambda d: d.registry.drop("dropped"))
         for _ in range(3):
-            rig.channel.put(Msg.output_ready("dropped", payload("dropped")))  # the 2nd and 3rd are duplicates
-        rig.channel.put(Msg.output_ready("kept", payload("kept")))
+            rig.channel.put(OutputReady("dropped", payload("dropped")))  # the 2nd and 3rd are duplicates
+        rig.channel.put(OutputReady("kept", payload("kept")))
         assert gone.result(timeout=TIMEOUT) is None
         assert rig.wait("kept").result(timeout=TIMEOUT).output == "payload-kept"
         rig.barrier()
@@ -241,11 +249,11 @@ def test_release_hook_that_raises_does_not_stop_the_pump() -> None:
 
 def test_malformed_message_is_counted_and_dropped(rig: Rig) -> None:
     """A message that slipped past validation (unpickling does not re-validate) must not stop the pump."""
-    bad = Msg.output_ready("o1", payload("o1"))
+    bad = OutputReady("o1", payload("o1"))
     object.__setattr__(bad, "output", None)  # now OUTPUT_READY with neither output nor failure
     rig.channel.put(bad)
     rig.announce("o2")
-    rig.channel.put(Msg.output_ready("o2", payload("o2")))
+    rig.channel.put(OutputReady("o2", payload("o2")))
     assert rig.wait("o2").result(timeout=TIMEOUT).output == "payload-o2"
     assert rig.pump.dispatch_errors == 1 and rig.pump.healthy()
 
@@ -260,7 +268,7 @@ def _explode() -> object:
 
 
 def test_undecodable_message_is_counted_and_skipped(rig: Rig) -> None:
-    rig.channel.put(Msg.rpc_result("whatever", _ExplodesOnLoad()))
+    rig.channel.put(RpcResult("whatever", _ExplodesOnLoad()))
     rig.barrier()
     assert rig.pump.dispatch_errors == 1 and rig.pump.healthy()
 
@@ -283,8 +291,8 @@ def test_done_callbacks_that_call_back_into_the_executor_do_not_deadlock() -> No
     gone = rig.pump.call(lambda d: d.registry.drop("d"))
     assert not gone.done()
     gone.add_done_callback(on_gone)
-    rig.channel.put(Msg.output_ready("w", payload("w")))
-    rig.channel.put(Msg.output_ready("d", payload("d")))
+    rig.channel.put(OutputReady("w", payload("w")))
+    rig.channel.put(OutputReady("d", payload("d")))
     assert done.wait(TIMEOUT), "the pump deadlocked in a done-callback (its daemon thread is left stuck)"
     rig.barrier()
     assert seen == {"waiter": 1, "gone": 0}
@@ -310,7 +318,7 @@ def test_output_deadline_expires_without_any_message() -> None:
         now[0] = 1005.0
         err = exc_of(fut)
         assert isinstance(err, OutputTimeout) and err.output_id == "o1"
-        rig.channel.put(Msg.output_ready("o1", payload("o1")))
+        rig.channel.put(OutputReady("o1", payload("o1")))
         rig.barrier()
         assert rig.released == ["payload-o1"] and len(rig.registry) == 0
     finally:
@@ -321,7 +329,7 @@ def test_typed_failure_reaches_the_waiter(rig: Rig) -> None:
     rig.announce("o1")
     fut = rig.wait("o1")
     failure = Failure("CudaError", "copy failed", "Traceback ...")
-    rig.channel.put(Msg.output_failed("o1", failure, rank=0))
+    rig.channel.put(OutputReady.failed("o1", failure, rank=0))
     err = exc_of(fut)
     assert isinstance(err, RemoteError) and err.failure == failure and err.rank == 0
 
@@ -344,7 +352,7 @@ def test_pump_that_never_started_is_not_healthy() -> None:
 
 def test_stop_fails_every_pending_waiter_and_rpc_at_once(rig: Rig) -> None:
     rig.announce("o1", "o2")
-    rig.channel.put(Msg.output_ready("early", payload("early")))
+    rig.channel.put(OutputReady("early", payload("early")))
     waiters = [rig.wait("o1"), rig.wait("o2")]
     rpc = rig.submit("pending-rpc")
     rig.barrier()
@@ -403,9 +411,9 @@ def test_fail_all_without_stopping_the_pump(rig: Rig) -> None:
     rig.pump.fail_all(lambda oid: WorkerDied(1, -9, output_id=oid), "worker_died")
     assert isinstance(exc_of(fut), WorkerDied) and isinstance(exc_of(rpc), WorkerDied)
     assert rig.pump.healthy()
-    rig.channel.put(Msg.output_ready("o1", payload("o1")))  # the late output of a force-released id
+    rig.channel.put(OutputReady("o1", payload("o1")))  # the late output of a force-released id
     rig.announce("o2")
-    rig.channel.put(Msg.output_ready("o2", payload("o2")))
+    rig.channel.put(OutputReady("o2", payload("o2")))
     assert rig.wait("o2").result(timeout=TIMEOUT).output == "payload-o2"
     rig.barrier()
     assert rig.released == ["payload-o1"] and len(rig.registry) == 0

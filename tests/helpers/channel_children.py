@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 
-from omni_async.core.messages import AsyncDiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, RpcResult
 from omni_async.transport.channel import PipeSender
 
 
@@ -23,7 +23,7 @@ def write_from_threads(sender: PipeSender, threads: int, per_thread: int) -> Non
         try:
             for i in range(per_thread):
                 # A little padding so back-pressure (the byte budget) is exercised too.
-                sender.put(AsyncDiffusionOutput.rpc_result(f"t{tid}", (tid, i, "x" * 2000)), timeout=30.0)
+                sender.put(RpcResult(f"t{tid}", (tid, i, "x" * 2000)), timeout=30.0)
         except BaseException as exc:  # reported through the exit code
             errors.append(exc)
 
@@ -40,7 +40,7 @@ def write_from_threads(sender: PipeSender, threads: int, per_thread: int) -> Non
 def write_then_hang(sender: PipeSender, count: int) -> None:
     """Send ``count`` messages, then wait to be SIGKILLed with the pipe still open."""
     for i in range(count):
-        sender.put(AsyncDiffusionOutput.rpc_result("dying", i), timeout=10.0)
+        sender.put(RpcResult("dying", i), timeout=10.0)
     time.sleep(60)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -48,6 +48,6 @@ def write_then_hang(sender: PipeSender, count: int) -> None:
 def write_then_corrupt(sender: PipeSender, count: int) -> None:
     """Send ``count`` messages, then a frame header of negative length (unparseable), and exit."""
     for i in range(count):
-        sender.put(AsyncDiffusionOutput.rpc_result("corrupt", i), timeout=10.0)
+        sender.put(RpcResult("corrupt", i), timeout=10.0)
     os.write(sender._conn.fileno(), struct.pack("!i", -2))
     sender.close()

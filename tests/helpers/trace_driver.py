@@ -22,7 +22,15 @@ from concurrent.futures import Future
 
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, WorkerDied
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, RunnerOutput
+from omni_async.core.messages import (
+    AsyncDiffusionOutput,
+    ComputeDone,
+    DiffusionOutput,
+    Failure,
+    OutputReady,
+    RpcResult,
+    RunnerOutput,
+)
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import TraceEvent
 from omni_async.verify.recorder import ListTracer
@@ -79,27 +87,27 @@ class _Run:
             if reached == 0:
                 return
         if rng.random() < 0.1:
-            self.chans[(0, "main")].append(M.rpc_failed(rid, Failure("RuntimeError", "forward failed"), rank=0))
+            self.chans[(0, "main")].append(RpcResult.failed(rid, Failure("RuntimeError", "forward failed"), rank=0))
         else:
             for oid in oids:
                 if rng.random() < 0.15:
-                    self.chans[(0, "packer")].append(M.output_failed(oid, Failure("PackError", "cannot pack")))
+                    self.chans[(0, "packer")].append(OutputReady.failed(oid, Failure("PackError", "cannot pack")))
                 else:
-                    self.chans[(0, "packer")].append(M.output_ready(oid, DiffusionOutput(f"req-{oid}")))
+                    self.chans[(0, "packer")].append(OutputReady(oid, DiffusionOutput(f"req-{oid}")))
             named = list(oids)
             if self.ids > len(oids) and rng.random() < 0.05:
                 named.append(f"out{rng.randint(1, self.ids - len(oids))}")  # another call's id: refused
             if rng.random() < 0.08:
                 # The COMPUTE_DONE put raised after the packer got the outputs (defect 3).
                 failure = Failure("ChannelFull", "cannot send COMPUTE_DONE")
-                self.chans[(0, "main")].append(M.compute_failed(rid, tuple(named), failure, rank=0))
+                self.chans[(0, "main")].append(RpcResult.compute_failed(rid, tuple(named), failure, rank=0))
             else:
-                self.chans[(0, "main")].append(M.compute_done(rid, tuple(named), tuple(f"req-{o}" for o in named)))
+                self.chans[(0, "main")].append(ComputeDone(rid, tuple(named), tuple(f"req-{o}" for o in named)))
         for r in range(1, reached):
             if rng.random() < 0.1:
-                self.chans[(r, "main")].append(M.rpc_failed(rid, Failure("RuntimeError", "rank failed"), rank=r))
+                self.chans[(r, "main")].append(RpcResult.failed(rid, Failure("RuntimeError", "rank failed"), rank=r))
             else:
-                self.chans[(r, "main")].append(M.rpc_result(rid, None, rank=r))
+                self.chans[(r, "main")].append(RpcResult(rid, None, rank=r))
 
     def handle(self, msg: M) -> None:
         self.disp.handle(msg, now=self.now)

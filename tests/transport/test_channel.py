@@ -8,6 +8,7 @@ import signal
 import struct
 import threading
 import time
+from typing import cast
 from collections import defaultdict
 
 import helpers.channel_children as children
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 from omni_async.core.errors import ProtocolError, UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, OutputReady, RpcResult
 from omni_async.transport.channel import (
     CREDIT_BYTES,
     InProcessChannel,
@@ -30,7 +31,13 @@ SPAWN = multiprocessing.get_context("spawn")
 
 
 def msg(i: int, payload: object = None) -> AsyncDiffusionOutput:
-    return AsyncDiffusionOutput.rpc_result(f"rpc-{i}", payload if payload is not None else i)
+    return RpcResult(f"rpc-{i}", payload if payload is not None else i)
+
+
+def rpc(m: AsyncDiffusionOutput | None) -> RpcResult:
+    """A message received here: these tests send RPC_RESULTs (``msg``)."""
+    assert isinstance(m, RpcResult), m
+    return m
 
 
 def both() -> list[ResultChannel]:
@@ -46,9 +53,9 @@ def channel(request: pytest.FixtureRequest) -> ResultChannel:
 
 def test_round_trip_and_timeout(channel: ResultChannel) -> None:
     out = DiffusionOutput("req", {"x": [1, 2.5, "s"]}, async_output_id="o1")
-    channel.put(AsyncDiffusionOutput.output_ready("o1", out, rank=3))
+    channel.put(OutputReady("o1", out, rank=3))
     got = channel.get(1.0)
-    assert got is not None and got.output == out and got.rank == 3
+    assert isinstance(got, OutputReady) and got.output == out and got.rank == 3
     t0 = time.monotonic()
     assert channel.get(0.05) is None
     assert time.monotonic() - t0 >= 0.04
@@ -61,7 +68,7 @@ def test_unpicklable_raises_at_the_sender_and_sends_nothing(channel: ResultChann
         channel.put(msg(2, payload=threading.Lock()))
     channel.put(msg(3))
     got = channel.get(1.0)
-    assert got is not None and got.rpc_id == "rpc-3"
+    assert got is not None and rpc(got).rpc_id == "rpc-3"
     assert channel.get(0.01) is None
 
 
@@ -88,7 +95,7 @@ def test_full_channel_blocks_then_raises_and_never_drops(channel: ResultChannel)
     assert 1 <= sent < 100
     # Nothing was lost or reordered, and the failed put sent nothing.
     got = [channel.get(1.0) for _ in range(sent)]
-    assert [g.rpc_id for g in got if g is not None] == [f"rpc-{i}" for i in range(sent)]
+    assert [rpc(g).rpc_id for g in got if g is not None] == [f"rpc-{i}" for i in range(sent)]
     assert channel.get(0.01) is None
 
 
@@ -107,7 +114,7 @@ def test_blocked_writer_resumes_when_the_reader_drains(channel: ResultChannel) -
     while len(got) < n:
         m = channel.get(5.0)
         assert m is not None
-        got.append(m.result)
+        got.append(rpc(m).result)
     t.join(5.0)
     assert done.is_set() and got == list(range(n))
 
@@ -148,7 +155,7 @@ def test_undecodable_payload_is_a_protocol_error() -> None:
 
     with pytest.raises(ProtocolError):
         loads_message(pickle.dumps({"kind": "rpc_result"}))
-    assert loads_message(dumps_message(msg(7), None)).result == 7
+    assert rpc(loads_message(dumps_message(msg(7), None))).result == 7
 
 
 def test_a_message_built_by_hand_is_a_protocol_error_at_the_receiver() -> None:
@@ -165,8 +172,8 @@ def test_a_message_built_by_hand_is_a_protocol_error_at_the_receiver() -> None:
 
     bad = [
         by_hand(msg(1), kind="bogus"),
-        by_hand(AsyncDiffusionOutput.output_ready("a", DiffusionOutput("r")), output={"image": 1}),
-        by_hand(AsyncDiffusionOutput.output_ready("a", DiffusionOutput("r")), async_output_id=None),
+        by_hand(OutputReady("a", DiffusionOutput("r")), output={"image": 1}),
+        by_hand(OutputReady("a", DiffusionOutput("r")), async_output_id=None),
         by_hand(msg(1), rank=-1),
     ]
     for data in bad:
@@ -191,7 +198,7 @@ def test_the_receiver_refuses_an_oversize_frame_and_reads_on() -> None:
         with pytest.raises(ProtocolError, match=r"raw: a frame of \d+ bytes exceeds the limit"):
             ch.get(5.0)
         got = ch.get(5.0)
-        assert got is not None and got.result == 2
+        assert got is not None and rpc(got).result == 2
         writer.join(5)
         assert s._credits.get_value() == 16 and ch.senders == ["raw"]
     finally:
@@ -206,7 +213,7 @@ def test_raw_writes_do_not_inflate_the_credit_budget() -> None:
         for i in range(10):
             s._conn.send_bytes(dumps_message(msg(i), None))
         got = [ch.get(2.0) for _ in range(10)]
-        assert [m.result for m in got if m is not None] == list(range(10))
+        assert [rpc(m).result for m in got if m is not None] == list(range(10))
         assert s._credits.get_value() == 4
     finally:
         ch.close()
@@ -223,12 +230,12 @@ def test_a_torn_frame_holds_only_its_own_sender() -> None:
         os.write(a._conn.fileno(), head)
         b.put(msg(3))
         got = ch.get(2.0)
-        assert got is not None and got.result == 3
+        assert got is not None and rpc(got).result == 3
         assert ch.get(0.1) is None
         assert list(ch.torn_senders(0.0)) == ["a"] and ch.torn_senders(60.0) == {}
         os.write(a._conn.fileno(), frame[10:])
         got = ch.get(2.0)
-        assert got is not None and got.result == 4
+        assert got is not None and rpc(got).result == 4
         assert ch.torn_senders(0.0) == {}
     finally:
         ch.close()
@@ -249,7 +256,7 @@ def test_many_threads_one_process_inproc() -> None:
     for _ in range(threads * per):
         m = ch.get(10.0)
         assert m is not None
-        tid, i = m.result
+        tid, i = cast(tuple[int, int], rpc(m).result)
         seen[tid].append(i)
     for t in ts:
         t.join()
@@ -270,7 +277,7 @@ def test_four_threads_of_a_child_process_lose_nothing() -> None:
     while sum(map(len, seen.values())) < threads * per and time.monotonic() < deadline:
         m = ch.get(1.0)
         if m is not None:
-            seen[m.rpc_id or ""].append(m.result[1])
+            seen[rpc(m).rpc_id or ""].append(cast(tuple[str, int], rpc(m).result)[1])
     p.join(30)
     assert p.exitcode == 0
     assert sorted(seen) == [f"t{t}" for t in range(threads)]
@@ -297,7 +304,7 @@ def test_a_sender_is_reported_gone_only_after_its_last_messages_were_read() -> N
     try:
         for i in range(2):
             m = ch.get(20.0)
-            assert m is not None and m.result == i
+            assert m is not None and rpc(m).result == i
             assert gone == [], f"reported gone with message {i + 1} of 2 still to be read"
         with pytest.raises(ProtocolError, match="negative length"):
             ch.get(1.0)
@@ -320,7 +327,7 @@ def test_a_killed_writer_is_dropped_not_fatal() -> None:
     while len(got) < 5:
         m = ch.get(20.0)
         assert m is not None
-        got.append(m.result)
+        got.append(rpc(m).result)
     assert got == list(range(5))
     assert p.pid is not None
     os.kill(p.pid, signal.SIGKILL)
@@ -329,7 +336,7 @@ def test_a_killed_writer_is_dropped_not_fatal() -> None:
     assert gone == ["doomed"]
     ch.put(msg(9))  # the channel still works for everyone else
     m = ch.get(1.0)
-    assert m is not None and m.result == 9
+    assert m is not None and rpc(m).result == 9
     ch.close()
 
 
@@ -389,7 +396,7 @@ def test_large_messages_from_many_threads_arrive_intact_f7() -> None:
         try:
             start.wait(10.0)
             for i in range(per):
-                sender.put(AsyncDiffusionOutput.rpc_result(f"t{tid}", (tid, i, _big_payload(tid, i, nbytes))), timeout=20.0)
+                sender.put(RpcResult(f"t{tid}", (tid, i, _big_payload(tid, i, nbytes))), timeout=20.0)
         except BaseException as exc:
             errors.append(exc)
 
@@ -404,7 +411,7 @@ def test_large_messages_from_many_threads_arrive_intact_f7() -> None:
                 m = ch.get(20.0)
                 if m is None:
                     return
-                got.append(m.result)
+                got.append(cast(tuple[int, int, bytes], rpc(m).result))
         except BaseException as exc:
             read_errors.append(exc)
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, OutputReady
 from omni_async.transport.errors import (
     DeviceSyncUnavailable,
     LeaseAlreadyReleased,
@@ -130,7 +130,7 @@ def test_a_small_view_of_a_huge_tensor_costs_its_own_bytes(segment_pool: Segment
     inline = pack_diffusion_output_shm(out({"v": view}), pool=segment_pool)
     assert isinstance(inline.output, PackedPayload)
     assert inline.output.inline_bytes == 8 and inline.output.shm_bytes == 0 and inline.output.lease is None
-    assert len(pickle.dumps(AsyncDiffusionOutput.output_ready("o-r", inline))) < 2000
+    assert len(pickle.dumps(OutputReady("o-r", inline))) < 2000
     shm = pack_diffusion_output_shm(out({"v": view}), pool=segment_pool, inline_threshold=0)
     assert isinstance(shm.output, PackedPayload)
     assert shm.output.shm_bytes == 8 and shm.output.lease is not None and shm.output.lease.nbytes == 8
@@ -266,7 +266,7 @@ def test_zero_segment_creations_per_request_after_warmup(segment_pool: SegmentPo
 def test_the_packed_form_is_small(segment_pool: SegmentPool) -> None:
     value = {"a": torch.randn(1024, 1024), "b": torch.randn(1024, 1024).half(), "c": list(range(10))}
     packed = pack_diffusion_output_shm(out(value), pool=segment_pool)
-    assert len(pickle.dumps(AsyncDiffusionOutput.output_ready("o-r", packed))) < 4096
+    assert len(pickle.dumps(OutputReady("o-r", packed))) < 4096
     release_packed_output(packed)
 
 

@@ -20,7 +20,7 @@ from helpers.tlc import require_tlc
 
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, ProtocolError
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput
+from omni_async.core.messages import AsyncDiffusionOutput, ComputeDone, DiffusionOutput, OutputReady, RpcResult
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import TraceEvent
 from omni_async.executor.inprocess import InProcessExecutor
@@ -89,7 +89,7 @@ def _orphan_run() -> list[TraceEvent]:
     reg = OutputRegistry(output_timeout=5.0, tracer=tracer)
     disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer)
     disp.submit("r1", "execute_model", now=0.0)
-    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("q1")), now=1.0)
+    disp.handle(OutputReady("o1", DiffusionOutput("q1")), now=1.0)
     for now in (8.0, 9.0):
         disp.expire(now)
     assert reg.stats.orphaned == 1
@@ -106,8 +106,8 @@ def _abort_run() -> list[TraceEvent]:
     disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer)
     fut = disp.submit("r1", "execute_model", now=0.0, request_ids=("q1",))
     disp.cancel(["q1"])
-    disp.handle(AsyncDiffusionOutput.compute_done("r1", ("o1",), ("q1",)), now=1.0)
-    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("q1")), now=2.0)
+    disp.handle(ComputeDone("r1", ("o1",), ("q1",)), now=1.0)
+    disp.handle(OutputReady("o1", DiffusionOutput("q1")), now=2.0)
     apply_resolutions(disp.take_resolutions())
     assert fut.exception(0) is not None and len(reg) == 0
     return tracer.snapshot()
@@ -122,12 +122,12 @@ def _unknown_calls_run() -> list[TraceEvent]:
     reg = OutputRegistry(output_timeout=5.0, tracer=tracer)
     disp = Dispatcher(reg, compute_timeout=8.0, tracer=tracer, known_call=lambda rpc_id: rpc_id == "r1")
     fut = disp.submit("r1", "execute_model", now=0.0)
-    assert disp.handle(AsyncDiffusionOutput.rpc_result("nobody-1", None), now=1.0) is None
-    disp.handle(AsyncDiffusionOutput.compute_done("nobody-2", ("g1",), ("q0",)), now=1.0)
-    disp.handle(AsyncDiffusionOutput.rpc_result("r1", None), now=2.0)
+    assert disp.handle(RpcResult("nobody-1", None), now=1.0) is None
+    disp.handle(ComputeDone("nobody-2", ("g1",), ("q0",)), now=1.0)
+    disp.handle(RpcResult("r1", None), now=2.0)
     disp.expire(6.5)  # g1's deadline: its output deadline, before now + compute_timeout
     assert reg.stats.orphan_drops_expired == 1 and len(reg) == 0
-    disp.handle(AsyncDiffusionOutput.output_ready("g1", DiffusionOutput("q0")), now=7.0)
+    disp.handle(OutputReady("g1", DiffusionOutput("q0")), now=7.0)
     apply_resolutions(disp.take_resolutions())
     assert isinstance(fut.exception(0), ProtocolError)
     assert disp.counters["protocol_errors"] == 3 and reg.stats.released == 1

@@ -42,8 +42,10 @@ from omni_async.core.errors import ComputeTimeout, RequestAborted
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
     BatchDiffusionOutput,
+    ComputeDone,
     DiffusionOutput,
     DiffusionRequest,
+    OutputReady,
     RunnerOutput,
 )
 from omni_async.core.registry import OutputRegistry, apply_resolutions
@@ -500,8 +502,8 @@ def _abort_runs() -> list[list[TraceEvent]]:
     disp = Dispatcher(registry, compute_timeout=30.0, tracer=tracer)
     fut = disp.submit("c1", "execute_model", now=0.0, request_ids=("a",))
     assert disp.cancel(["a"]) == 1
-    disp.handle(AsyncDiffusionOutput.compute_done("c1", ("o1",), ("a",)), now=0.1)
-    disp.handle(AsyncDiffusionOutput.output_ready("o1", DiffusionOutput("a", "x")), now=0.2)
+    disp.handle(ComputeDone("c1", ("o1",), ("a",)), now=0.1)
+    disp.handle(OutputReady("o1", DiffusionOutput("a", "x")), now=0.2)
     apply_resolutions(disp.take_resolutions())
     assert isinstance(fut.exception(0), RequestAborted) and len(registry) == 0
     traces.append(tracer.snapshot())

@@ -17,9 +17,12 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
     AsyncOutputKind,
+    Chunk,
     DiffusionOutput,
     DiffusionRequest,
+    OutputReady,
     RpcRequest,
+    RpcResult,
 )
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.platform import CopyStream, DeviceEvent
@@ -99,9 +102,9 @@ def test_each_chunk_is_announced_before_its_output_and_before_compute_done(chann
     finally:
         packer.stop()
     chunks = [m for m in msgs if m.kind is K.CHUNK]
-    assert [(c.seq, c.request_ids) for c in chunks] == [(0, ("a",)), (1, ("a",)), (2, ("a",))]
+    assert [(c.seq, (c.request_id,)) for c in chunks] == [(0, ("a",)), (1, ("a",)), (2, ("a",))]
     assert [s for s, _ in model.emitted] == [0, 1, 2]
-    order = [(m.kind, m.async_output_id) for m in msgs]
+    order = [(m.kind, m.async_output_id if isinstance(m, OutputReady | Chunk) else None) for m in msgs]
     cd = order.index((K.COMPUTE_DONE, None))
     for c in chunks:
         announced = order.index((K.CHUNK, c.async_output_id))
@@ -195,6 +198,7 @@ def test_emit_chunk_for_a_request_the_call_does_not_make_is_a_usage_error(channe
         (msg,) = _drain(channel, K.RPC_RESULT)
     finally:
         packer.stop()
+    assert isinstance(msg, RpcResult)
     assert msg.failure is not None and msg.failure.type_name == "UsageError"
     assert "computes ['a'], not that request" in msg.failure.message
 
@@ -208,6 +212,7 @@ def test_a_step_calls_intermediate_step_is_answered_without_outputs(channel: InP
         step = RpcRequest("s1", "execute_model", args, async_output=True, step=True)
         loop.handle_rpc(step)
         (msg,) = _drain(channel, K.RPC_RESULT)
+        assert isinstance(msg, RpcResult)
         assert msg.failure is None and msg.result is None
         final = RpcRequest("s2", "execute_model", (DiffusionRequest("a", {}),), async_output=True, step=True)
         loop.handle_rpc(final)

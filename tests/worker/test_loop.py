@@ -17,6 +17,7 @@ from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,
     RpcRequest,
+    RpcResult,
 )
 from omni_async.core.states import RequestEvent, request_machine
 from omni_async.transport.channel import InProcessChannel
@@ -109,6 +110,7 @@ def test_a_failed_call_is_answered_with_its_typed_failure(
     )
     loop.handle_rpc(req)
     msg = _next(channel)
+    assert isinstance(msg, RpcResult)
     assert (msg.kind, msg.rpc_id, msg.result) == (AsyncOutputKind.RPC_RESULT, req.rpc_id, None)
     assert msg.failure is not None and msg.failure.type_name == type_name and message in msg.failure.message
     assert type_name in msg.failure.traceback
@@ -121,6 +123,7 @@ def test_an_unsendable_answer_becomes_a_typed_failure() -> None:
     loop = WorkerLoop(0, Model(b"x" * 50_000), small)
     loop.handle_rpc(RpcRequest("r1", "execute_model", (DiffusionRequest("q1"),)))
     msg = _next(small)
+    assert isinstance(msg, RpcResult)
     assert msg.rpc_id == "r1" and msg.failure is not None and msg.failure.type_name == "MessageTooLarge"
     small.close()
 

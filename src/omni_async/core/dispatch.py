@@ -27,7 +27,8 @@ arrive for an id the registry has not seen.
 
 Streaming calls: a ``CHUNK`` registers its one id the same way and hands it to its
 request's ``ChunkFeed`` (``omni_async.core.stream``), never answering the call; when
-the call ends, so do its feeds.  Step calls (final-step async, ``step=True`` in
+the call ends, so do its feeds (``omni_async.core.dispatch_stream``, the base class).
+What the dispatcher records of each call is ``omni_async.core.calls``.  Step calls (final-step async, ``step=True`` in
 ``submit``): the reply rank may answer with a plain RPC_RESULT instead of
 COMPUTE_DONE -- an intermediate step, which announces nothing.
 """
@@ -39,9 +40,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import assert_never
 
-import attrs
-
+from omni_async.core.calls import Aborting, Answer, OverdueRpc, PendingRpc, answer_failure
 from omni_async.core.config import Deadlines
+from omni_async.core.dispatch_stream import StreamDispatch
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
@@ -55,74 +56,22 @@ from omni_async.core.errors import (
 from omni_async.core.messages import (
     AbortCause,
     AsyncDiffusionOutput,
-    AsyncOutputKind,
     CancelMessage,
+    Chunk,
+    ComputeDone,
     Failure,
+    OutputReady,
+    RpcResult,
     RunnerOutput,
 )
 from omni_async.core.methods import ASYNC_METHODS
-from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution, Settle, Wake
-from omni_async.core.stream import ChunkFeed, ChunkRef
+from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution, Settle
+from omni_async.core.stream import ChunkFeed
 from omni_async.core.trace import Tracer, emit
 
-K = AsyncOutputKind
+__all__ = ["Aborting", "Dispatcher", "OverdueRpc", "PendingRpc"]
 
-
-@attrs.define(eq=False)
-class PendingRpc:
-    rpc_id: str
-    method: str
-    ranks: frozenset[int]
-    reply_rank: int
-    future: Future[tuple[RunnerOutput, ...]]
-    deadline: float | None
-    consumer: str | None
-    answers: dict[int, AsyncDiffusionOutput] = attrs.field(factory=dict)
-    # The call's requests, in order (empty when the caller did not say).
-    request_ids: tuple[str, ...] = ()
-    # The output deadline of the ids it announces (its own, or the registry's).
-    output_timeout: float | None = None
-    # Requests of this call that cancel() reached, and why.
-    cancelled: dict[str, AbortCause] = attrs.field(factory=dict)
-    compute_timeout: float | None = None
-    # Streaming: the feed of each request that asked for its chunks.
-    streams: dict[str, ChunkFeed] = attrs.field(factory=dict)
-    # Chunks dropped on arrival while the call was pending (an abort waits for them too).
-    unwanted: list[str] = attrs.field(factory=list)
-    # A step of step mode (final-step async): the reply rank's plain answer is an
-    # intermediate step, not a missing COMPUTE_DONE.
-    step: bool = False
-
-    @property
-    def fully_cancelled(self) -> bool:
-        return bool(self.request_ids) and all(r in self.cancelled for r in self.request_ids)
-
-
-@attrs.define(eq=False)
-class OverdueRpc:
-    """An execute call that ended by its compute deadline, and the ranks yet to answer it.
-
-    Its forward was cancelled; each missing rank's late answer removes it.  A rank still
-    missing ``cancel_grace`` after the deadline is stuck (``Dispatcher.stuck``).
-    """
-
-    rpc_id: str
-    request_ids: tuple[str, ...]
-    expired_at: float
-    missing: set[int]
-
-
-@attrs.define(eq=False)
-class _Aborting:
-    """A fully cancelled call whose dropped outputs are not gone yet: its future fails
-    with ``error`` once none of ``output_ids`` is in the registry any more."""
-
-    future: Future[tuple[RunnerOutput, ...]]
-    error: RequestAborted
-    output_ids: tuple[str, ...]
-
-
-class Dispatcher:
+class Dispatcher(StreamDispatch):
     def __init__(
         self,
         registry: OutputRegistry,
@@ -150,7 +99,7 @@ class Dispatcher:
         self._worker_drops: list[str] = []
         self._cancels: list[CancelMessage] = []
         self._overdue: dict[str, OverdueRpc] = {}
-        self._aborting: list[_Aborting] = []
+        self._aborting: list[Aborting] = []
         self.counters: Counter[str] = Counter()
         # The calls that ended (resolved, failed, timed out, unsent, their consumer gone),
         # the most recent ones: a COMPUTE_DONE of one of them is late (the worker
@@ -261,24 +210,12 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- messages
 
-    def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> AsyncDiffusionOutput | None:
+    def handle(self, msg: AsyncDiffusionOutput, *, now: float) -> RpcResult | None:
         """Route one message; returns it when it belongs in the synchronous buffer (path 2)."""
         made = self._made(msg)
-        emit(
-            self._trace,
-            "PumpRecv",
-            kind=msg.kind.name,
-            rank=msg.rank,
-            rpc_id=msg.rpc_id,
-            ids=",".join(msg.async_output_ids),
-            output_id=msg.async_output_id,
-            ok=msg.failure is None,
-            seq=msg.seq,
-            known=made,
-        )
-        match msg.kind:
-            case K.OUTPUT_READY:
-                assert msg.async_output_id is not None
+        self._trace_recv(msg, made)
+        match msg:
+            case OutputReady():
                 self.registry.on_output(
                     msg.async_output_id,
                     output=msg.output,
@@ -287,52 +224,86 @@ class Dispatcher:
                     early_deadline=self._early_deadline(now),
                 )
                 return None
-            case K.COMPUTE_DONE:
+            case ComputeDone():
                 self._on_compute_done(msg, now, made)
                 return None
-            case K.CHUNK:
+            case Chunk():
                 self._on_chunk(msg, now, made)
                 return None
-            case K.RPC_RESULT:
-                self._answered_overdue(msg)
-                if msg.names_outputs:
-                    # The failure that replaces a COMPUTE_DONE the worker could not send
-                    # after handing the outputs to its packer (compute_failed): it
-                    # registers the ids it names like a COMPUTE_DONE, then fails the
-                    # call, whose end drops them like any failed call's ids (defect 3).
-                    self._on_compute_done(msg, now, made)
-                    return None
-                assert msg.rpc_id is not None
-                if not made:
-                    # Nobody issued this call: a protocol error (M3), discarded here,
-                    # never put in the synchronous buffer.
-                    self.counters["unknown_call_rpc_result"] += 1
-                    self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
-                    return None
-                rpc = self._pending.get(msg.rpc_id)
-                if rpc is None:
-                    if msg.result is None and msg.rpc_id in self._ended:
-                        # A late answer of an execute call that ended (its compute
-                        # deadline, a cancel, an abort): the worker's RequestAborted, or
-                        # a non-reply rank's empty answer.  Nobody will read it, and it
-                        # carries nothing to give back: counted and discarded here.  In
-                        # the synchronous buffer it would stay until the next
-                        # collective_rpc, which an engine may never make: one message
-                        # (with its traceback text) kept per such call, without bound.
-                        self.counters["late_rpc_results"] += 1
-                        return None
-                    return msg  # path 2, or a late answer that carries a result (the caller discards it)
-                if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
-                    # The reply rank answers an execute call with COMPUTE_DONE or a failure;
-                    # a plain answer is a protocol error (M3), counted as it arrives (not
-                    # for a step call: its intermediate steps announce nothing).  The
-                    # call fails with a ProtocolError once every rank has answered.
-                    self.counters["answers_without_compute_done"] += 1
-                    self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
-                self._answer(rpc, msg, now)
-                return None
+            case RpcResult():
+                return self._on_rpc_result(msg, now, made)
             case _:
-                assert_never(msg.kind)
+                assert_never(msg)
+
+    def _trace_recv(self, msg: AsyncDiffusionOutput, made: bool) -> None:
+        """The pump dequeued ``msg`` (AsyncOutput's PumpRecv): the same fields for every kind,
+        empty where a kind has none."""
+        rpc_id: str | None = None
+        ids: tuple[str, ...] = ()
+        output_id: str | None = None
+        failure: Failure | None = None
+        seq: int | None = None
+        match msg:
+            case OutputReady():
+                output_id, failure = msg.async_output_id, msg.failure
+            case ComputeDone():
+                rpc_id, ids = msg.rpc_id, msg.async_output_ids
+            case Chunk():
+                rpc_id, output_id, seq = msg.rpc_id, msg.async_output_id, msg.seq
+            case RpcResult():
+                rpc_id, ids, failure = msg.rpc_id, msg.async_output_ids, msg.failure
+            case _:
+                assert_never(msg)
+        emit(
+            self._trace,
+            "PumpRecv",
+            kind=msg.kind.name,
+            rank=msg.rank,
+            rpc_id=rpc_id,
+            ids=",".join(ids),
+            output_id=output_id,
+            ok=failure is None,
+            seq=seq,
+            known=made,
+        )
+
+    def _on_rpc_result(self, msg: RpcResult, now: float, made: bool) -> RpcResult | None:
+        self._answered_overdue(msg)
+        if msg.names_outputs:
+            # The failure that replaces a COMPUTE_DONE the worker could not send
+            # after handing the outputs to its packer (compute_failed): it
+            # registers the ids it names like a COMPUTE_DONE, then fails the
+            # call, whose end drops them like any failed call's ids (defect 3).
+            self._on_compute_done(msg, now, made)
+            return None
+        if not made:
+            # Nobody issued this call: a protocol error (M3), discarded here,
+            # never put in the synchronous buffer.
+            self.counters["unknown_call_rpc_result"] += 1
+            self._protocol_error(f"RPC_RESULT of rpc {msg.rpc_id}, a call never made")
+            return None
+        rpc = self._pending.get(msg.rpc_id)
+        if rpc is None:
+            if msg.result is None and msg.rpc_id in self._ended:
+                # A late answer of an execute call that ended (its compute
+                # deadline, a cancel, an abort): the worker's RequestAborted, or
+                # a non-reply rank's empty answer.  Nobody will read it, and it
+                # carries nothing to give back: counted and discarded here.  In
+                # the synchronous buffer it would stay until the next
+                # collective_rpc, which an engine may never make: one message
+                # (with its traceback text) kept per such call, without bound.
+                self.counters["late_rpc_results"] += 1
+                return None
+            return msg  # path 2, or a late answer that carries a result (the caller discards it)
+        if msg.rank == rpc.reply_rank and msg.failure is None and msg.rank not in rpc.answers and not rpc.step:
+            # The reply rank answers an execute call with COMPUTE_DONE or a failure;
+            # a plain answer is a protocol error (M3), counted as it arrives (not
+            # for a step call: its intermediate steps announce nothing).  The
+            # call fails with a ProtocolError once every rank has answered.
+            self.counters["answers_without_compute_done"] += 1
+            self._protocol_error(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
+        self._answer(rpc, msg, now)
+        return None
 
     def _made(self, msg: AsyncDiffusionOutput) -> bool:
         """Whether ``msg`` belongs to a call this executor made (recorded in the trace:
@@ -341,26 +312,33 @@ class Dispatcher:
         An OUTPUT_READY names no call.  A message that names output ids (COMPUTE_DONE,
         or the failure that replaces one) or a CHUNK belongs to an execute call: one
         pending, or one of the last ``_max_ended`` that ended (older ones count as never
-        made).  A plain
-        RPC_RESULT: a call pending, or any the executor issued (``known_call``, path 2
-        included; without it, every one).
+        made).  A plain RPC_RESULT: a call pending, or any the executor issued
+        (``known_call``, path 2 included; without it, every one).
         """
-        if msg.kind is K.OUTPUT_READY or msg.rpc_id in self._pending:
-            return True
-        assert msg.rpc_id is not None
-        if msg.kind in (K.COMPUTE_DONE, K.CHUNK) or msg.names_outputs:
-            return msg.rpc_id in self._ended
-        return self._known_call is None or self._known_call(msg.rpc_id)
+        match msg:
+            case OutputReady():
+                return True
+            case _ if msg.rpc_id in self._pending:
+                return True
+            case ComputeDone() | Chunk():
+                return msg.rpc_id in self._ended
+            case RpcResult():
+                if msg.names_outputs:
+                    return msg.rpc_id in self._ended
+                return self._known_call is None or self._known_call(msg.rpc_id)
+            case _:
+                assert_never(msg)
 
-    def _on_compute_done(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
-        assert msg.rpc_id is not None
+    def _on_compute_done(self, msg: Answer, now: float, made: bool) -> None:
+        """A COMPUTE_DONE, or the failed RPC_RESULT that replaces one (``compute_failed``,
+        which names ids but no requests)."""
         self._answered_overdue(msg)
         rpc = self._pending.get(msg.rpc_id)
         announced = self.registry.on_compute_done(
             msg.async_output_ids,
             now=now,
             rank=msg.rank,
-            request_ids=msg.request_ids,
+            request_ids=msg.request_ids if isinstance(msg, ComputeDone) else (),
             consumer=None if rpc is None else rpc.consumer,
             output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
         )
@@ -395,124 +373,15 @@ class Dispatcher:
             self._protocol_error(reason)
             if msg.rank in rpc.answers:
                 return
-            msg = AsyncDiffusionOutput.rpc_failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
+            msg = RpcResult.failed(rpc.rpc_id, Failure("ProtocolError", reason), rank=msg.rank)
         self._answer(rpc, msg, now)
 
-    def _on_chunk(self, msg: AsyncDiffusionOutput, now: float, made: bool) -> None:
-        """A CHUNK: register its id, then hand it to its feed or drop it (``omni_async.core.stream``)."""
-        assert msg.rpc_id is not None and msg.async_output_id is not None and msg.seq is not None
-        rid = msg.request_ids[0]
-        rpc = self._pending.get(msg.rpc_id)
-        accepted = self.registry.on_compute_done(
-            [msg.async_output_id],
-            now=now,
-            rank=msg.rank,
-            request_ids=[rid],
-            consumer=None if rpc is None else rpc.consumer,
-            output_timeout=DEFAULT if rpc is None else rpc.output_timeout,
-        )
-        if not accepted:
-            return  # a repeated or finished id: the registry counted it (never another call's to drop)
-        if rpc is None:
-            # Its call ended (timed out, cancelled, its consumer gone): nobody will take it.
-            self.counters["orphan_chunks"] += 1
-            self._drop_all(accepted, msg.rpc_id, "orphan")
-            if not made:
-                # A call never made: a protocol error (M3); its OUTPUT_READY may never
-                # come, so the DROPPING record is given up at a deadline (M6).
-                self.counters["unknown_call_chunk"] += 1
-                self._protocol_error(f"CHUNK {msg.seq} of rpc {msg.rpc_id}, a call never made (a broken worker?)")
-                self.registry.give_up_dropping(accepted, self._orphan_deadline(now))
-            return
-        feed = rpc.streams.get(rid)
-        if msg.rank != rpc.reply_rank or feed is None or msg.seq != feed.next_seq:
-            where = (
-                f"from rank {msg.rank} (reply rank {rpc.reply_rank})"
-                if msg.rank != rpc.reply_rank
-                else "of a request that asked for no stream"
-                if feed is None
-                else f"out of order (expected {feed.next_seq})"
-            )
-            self._protocol_error(f"rpc {rpc.rpc_id}: CHUNK {msg.seq} of request {rid!r} {where}")
-            self._drop_all(accepted, rpc.rpc_id, "rejected")
-            return
-        feed.next_seq += 1
-        cancelled = rpc.future.cancelled()
-        if feed.closed or rid in rpc.cancelled or cancelled:
-            # Nobody wants it any more: released the moment it arrives (F9, F10).  The
-            # reason says why, for the trace: the caller cancelled the call's future
-            # (which nothing else records), or the stream was closed / the call aborted.
-            feed.dropped += 1
-            rpc.unwanted.extend(accepted)
-            self._drop_all(accepted, rpc.rpc_id, "cancelled" if cancelled else "unwanted")
-            return
-        feed.announced.append(ChunkRef(msg.seq, msg.async_output_id))
-        self._wake(feed)
-
-    def take_chunk(self, feed: ChunkFeed) -> ChunkRef | None:
-        """The next chunk of ``feed`` for its consumer (who claims its id at once), or None."""
-        if not feed.announced:
-            return None
-        feed.taken += 1
-        return feed.announced.popleft()
-
-    def close_stream(self, feed: ChunkFeed) -> list[Future[None]]:
-        """The consumer closed ``feed``: drop what it did not take; later chunks are dropped on
-        arrival.  Returns the acknowledgements of the drops (see ``OutputRegistry.drop``)."""
-        emit(self._trace, "StreamClose", rpc_id=feed.rpc_id, request_id=feed.request_id)
-        feed.closed = True
-        ids = [ref.output_id for ref in feed.announced]
-        feed.announced.clear()
-        feed.dropped += len(ids)
-        done = self._drop_all(ids, feed.rpc_id or "", "closed")
-        self._wake(feed)
-        return done
-
-    def _end_streams(self, rpc: PendingRpc, error: BaseException | None, reason: str | None) -> None:
-        """``rpc`` ended: so do its feeds.  ``reason`` (a failed end): drop the chunks not taken."""
-        self._end_streams_of(rpc, rpc.streams.values(), error, reason)
-
-    def _stream_error(self, rpc: PendingRpc, why: str) -> OutputError:
-        """What a feed ends with when its call ended without an error of its own."""
-        if why == "aborted" and rpc.cancelled:
-            cause = next(iter(rpc.cancelled.values()))
-            return RequestAborted(
-                rpc.request_ids[0] if rpc.request_ids else "?",
-                by=cause.value,
-                detail="its chunks not taken were dropped",
-                request_ids=rpc.request_ids,
-                rpc_id=rpc.rpc_id,
-            )
-        return OutputDropped(f"rpc {rpc.method} ({rpc.rpc_id}) was {why}; its chunks not taken were dropped")
-
-    def _end_streams_of(
-        self, rpc: PendingRpc, feeds: Iterable[ChunkFeed], error: BaseException | None, reason: str | None
-    ) -> None:
-        for feed in feeds:
-            if reason is not None and feed.announced:
-                ids = [ref.output_id for ref in feed.announced]
-                feed.announced.clear()
-                feed.dropped += len(ids)
-                self._drop_all(ids, rpc.rpc_id, reason)
-            self._end_feed(feed, error)
-
-    def _end_feed(self, feed: ChunkFeed, error: BaseException | None) -> None:
-        if feed.ended:
-            return
-        feed.ended = True
-        feed.error = error
-        self._wake(feed)
-
-    def _wake(self, feed: ChunkFeed) -> None:
-        if feed.listener is not None:
-            self._outbox.append(Wake(feed.listener))
-
-    def _answer(self, rpc: PendingRpc, msg: AsyncDiffusionOutput, now: float) -> None:
+    def _answer(self, rpc: PendingRpc, msg: Answer, now: float) -> None:
         if msg.rank in rpc.answers or msg.rank not in rpc.ranks:
             self._protocol_error(f"rpc {rpc.rpc_id}: unexpected or duplicate answer from rank {msg.rank}")
             return
         rpc.answers[msg.rank] = msg
-        emit(self._trace, "RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=msg.failure is None)
+        emit(self._trace, "RpcAnswer", rpc_id=rpc.rpc_id, rank=msg.rank, ok=answer_failure(msg) is None)
         if len(rpc.answers) == len(rpc.ranks):
             self._complete(rpc, now)
 
@@ -524,14 +393,14 @@ class Dispatcher:
         if rpc.fully_cancelled:
             self._complete_aborted(rpc, announced)
             return
-        failures: dict[int, Failure] = {r: a.failure for r, a in rpc.answers.items() if a.failure is not None}
+        failures = {r: f for r, a in rpc.answers.items() if (f := answer_failure(a)) is not None}
         error: BaseException | None = None
         # A step of step mode (final-step async) whose forward returned no output: an
         # intermediate step, answered like any other rank's (it announces nothing).
-        intermediate = rpc.step and reply.kind is K.RPC_RESULT and reply.failure is None
+        intermediate = rpc.step and isinstance(reply, RpcResult) and reply.failure is None
         if failures:
             error = RpcFailed(rpc.rpc_id, rpc.method, failures)
-        elif reply.kind is not K.COMPUTE_DONE and not intermediate:
+        elif not isinstance(reply, ComputeDone) and not intermediate:
             # Counted when the answer arrived (handle).
             error = ProtocolError(f"rpc {rpc.rpc_id}: reply rank {rpc.reply_rank} answered without COMPUTE_DONE")
         if error is None and rpc.future.set_running_or_notify_cancel():
@@ -541,7 +410,7 @@ class Dispatcher:
             outputs: list[RunnerOutput] = []
             kept: list[str] = []
             unwanted: list[str] = []
-            for rid, oid in zip(reply.request_ids, announced, strict=True):
+            for rid, oid in zip(reply.request_ids if isinstance(reply, ComputeDone) else (), announced, strict=True):
                 if rid in rpc.cancelled:
                     unwanted.append(oid)
                     outputs.append(RunnerOutput(request_id=rid, finished=True, aborted=True))
@@ -595,7 +464,7 @@ class Dispatcher:
         if not rpc.future.set_running_or_notify_cancel():
             return
         stages = sorted(
-            {f"rank {r}: {a.failure.message}" for r, a in rpc.answers.items() if a.failure is not None}
+            {f"rank {r}: {f.message}" for r, a in rpc.answers.items() if (f := answer_failure(a)) is not None}
         )
         if announced:
             stages.append("the forward finished before it saw the cancel; its outputs were dropped")
@@ -606,7 +475,7 @@ class Dispatcher:
             request_ids=rpc.request_ids,
             rpc_id=rpc.rpc_id,
         )
-        self._aborting.append(_Aborting(rpc.future, err, tuple(announced) + chunks))
+        self._aborting.append(Aborting(rpc.future, err, tuple(announced) + chunks))
 
     # ------------------------------------------------------------------ cancel
 
@@ -642,8 +511,8 @@ class Dispatcher:
         out, self._cancels = self._cancels, []
         return out
 
-    def _answered_overdue(self, msg: AsyncDiffusionOutput) -> None:
-        late = self._overdue.get(msg.rpc_id) if msg.rpc_id is not None else None
+    def _answered_overdue(self, msg: Answer) -> None:
+        late = self._overdue.get(msg.rpc_id)
         if late is None:
             return
         late.missing.discard(msg.rank)
@@ -730,12 +599,6 @@ class Dispatcher:
             return max((d for d in ds if d is not None), default=None)
         return max([now + self._compute_timeout, *(d for d in ds if d is not None)])
 
-    def _orphan_deadline(self, now: float) -> float | None:
-        """When the DROPPING records of a COMPUTE_DONE of an unknown call are given up on:
-        ``compute_timeout`` from now (no worker computes for that call), else the
-        output deadline (None: kept until its OUTPUT_READY or shutdown)."""
-        return None if self._compute_timeout is None else now + self._compute_timeout
-
     def next_deadline(self) -> float | None:
         ds = [r.deadline for r in self._pending.values() if r.deadline is not None]
         reg = self.registry.next_deadline()
@@ -767,7 +630,7 @@ class Dispatcher:
     def take_resolutions(self) -> list[Settle]:
         out, self._outbox = self._outbox, []
         if self._aborting:
-            still: list[_Aborting] = []
+            still: list[Aborting] = []
             for a in self._aborting:
                 if any(oid in self.registry for oid in a.output_ids):
                     still.append(a)
@@ -779,29 +642,8 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- internals
 
-    def _drop_all(self, output_ids: Iterable[str], rpc_id: str, reason: str) -> list[Future[None]]:
-        """Drop these ids; their acknowledgements (see ``OutputRegistry.drop``)."""
-        # rpc_id and reason are for the trace only: why the dispatcher drops these ids.
-        done: list[Future[None]] = []
-        for oid in output_ids:
-            emit(self._trace, "DispatchDrop", output_id=oid, rpc_id=rpc_id, reason=reason)
-            done.append(self.registry.drop(oid))
-            if oid in self.registry:
-                # Still expected from the worker: tell its packer, which can skip it (F15).
-                self._worker_drops.append(oid)
-        return done
-
-    def take_worker_drops(self) -> list[str]:
-        """Ids this dispatcher dropped whose output a worker may still be packing."""
-        out, self._worker_drops = self._worker_drops, []
-        return out
-
     def _remember_ended(self, rpc_id: str) -> None:
         self._ended[rpc_id] = None
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
 
-    def _protocol_error(self, reason: str) -> None:
-        self.counters["protocol_errors"] += 1
-        self.registry.errors.append(ProtocolError(reason))
-        emit(self._trace, "ProtocolError", output_id=None, reason=reason)

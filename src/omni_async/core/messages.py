@@ -29,13 +29,14 @@ will come all the same; the executor registers and drops them (defect 3).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
-from typing import Any, assert_never
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal, TypeAlias
 
 import attrs
 
 from omni_async.core.errors import MessageValidationError
 from omni_async.core.failure import Failure
+from omni_async.core.stats import OutputStats, as_stats
 
 __all__ = [
     "AbortCause",
@@ -43,11 +44,17 @@ __all__ = [
     "AsyncOutputKind",
     "BatchDiffusionOutput",
     "CancelMessage",
+    "Chunk",
+    "ComputeDone",
     "DiffusionOutput",
     "DiffusionRequest",
     "Failure",
+    "OutputReady",
+    "OutputStats",
     "RpcRequest",
+    "RpcResult",
     "RunnerOutput",
+    "check_wire_message",
 ]
 
 
@@ -59,10 +66,6 @@ class AsyncOutputKind(enum.Enum):
 
     def __repr__(self) -> str:
         return self.name
-
-
-def _str_dict() -> dict[str, float]:
-    return {}
 
 
 @attrs.frozen
@@ -77,7 +80,8 @@ class DiffusionOutput:
     request_id: str
     output: Any = None
     async_output_id: str | None = None
-    metrics: Mapping[str, float] = attrs.field(factory=_str_dict)
+    # Typed per-output stats (``omni_async.core.stats``); a mapping given here is converted.
+    metrics: OutputStats = attrs.field(factory=OutputStats, converter=as_stats)
 
 
 @attrs.frozen
@@ -127,164 +131,185 @@ def _check_id(name: str, value: str | None) -> None:
         raise MessageValidationError(f"{name} must be a non-empty string, got {value!r}")
 
 
+def _id_tuple(ids: Iterable[str]) -> tuple[str, ...]:
+    return tuple(ids)
+
+
+def _check_rank(rank: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise MessageValidationError(f"rank must be a non-negative int, got {rank!r}")
+
+
+def _check_output_ids(kind: str, ids: tuple[str, ...]) -> None:
+    for oid in ids:
+        _check_id(f"{kind} async_output_id", oid)
+    if len(set(ids)) != len(ids):
+        raise MessageValidationError(f"{kind} names an id twice: {ids}")
+
+
+def _check_failure(failure: Failure | None) -> None:
+    if failure is not None and not isinstance(failure, Failure):
+        raise MessageValidationError(f"failure must be a Failure, got {type(failure).__qualname__}")
+
+
+# The wire: one class per kind ----------------------------------------------------------
+#
+# Each message of the result channel is one of four frozen classes, one per
+# ``AsyncOutputKind``; ``AsyncDiffusionOutput`` (the seed's name) is their union, and a
+# reader dispatches with an exhaustive ``match`` on the class.  Each class validates only
+# its own fields, so a message that exists is well formed for its kind: no reader asserts
+# a field again.  ``kind`` is a field (not a class constant) with the class's one value,
+# fixed at construction (``init=False``): the trace records it, and a peer that sets
+# another one by hand is refused when the channel reads it (``check_wire_message``).
+
+
 @attrs.frozen
-class AsyncDiffusionOutput:
-    """The envelope of every message on the result channel.
+class ComputeDone:
+    """COMPUTE_DONE: the forward of call ``rpc_id`` is done; one output id per request (F6)."""
 
-    Use the named constructors (``compute_done``, ``output_ready``, ``output_failed``,
-    ``chunk``, ``rpc_result``, ``rpc_failed``, ``rpc_error``); the raw constructor
-    validates the same rules.
-    """
-
-    kind: AsyncOutputKind
-    rank: int = 0
-    rpc_id: str | None = None
-    # COMPUTE_DONE: one id per request, aligned with request_ids.  A failed RPC_RESULT
-    # (compute_failed): the ids the worker had handed to its packer, no request ids.
-    async_output_ids: tuple[str, ...] = ()
-    request_ids: tuple[str, ...] = ()
-    # OUTPUT_READY: the one id this message completes.  CHUNK: the id it announces.
-    async_output_id: str | None = None
-    output: DiffusionOutput | None = None
-    # RPC_RESULT: the ordinary return value.
-    result: Any = None
-    failure: Failure | None = None
-    # CHUNK: the chunk's place in its request's stream (0, 1, ...).
-    seq: int | None = None
+    rpc_id: str
+    async_output_ids: tuple[str, ...] = attrs.field(converter=_id_tuple)
+    request_ids: tuple[str, ...] = attrs.field(converter=_id_tuple)
+    rank: int = attrs.field(default=0, kw_only=True)
+    kind: Literal[AsyncOutputKind.COMPUTE_DONE] = attrs.field(default=AsyncOutputKind.COMPUTE_DONE, init=False)
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.kind, AsyncOutputKind):
-            raise MessageValidationError(f"kind must be an AsyncOutputKind, got {self.kind!r}")
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise MessageValidationError(f"rank must be a non-negative int, got {self.rank!r}")
+        _check_rank(self.rank)
+        _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
+        if not self.async_output_ids:
+            raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
+        _check_output_ids("COMPUTE_DONE", self.async_output_ids)
+        if len(self.request_ids) != len(self.async_output_ids):
+            raise MessageValidationError(
+                f"COMPUTE_DONE needs one request id per output id "
+                f"({len(self.request_ids)} request ids, {len(self.async_output_ids)} output ids)"
+            )
+
+    @property
+    def names_outputs(self) -> bool:
+        return True
+
+
+@attrs.frozen
+class OutputReady:
+    """OUTPUT_READY: the output of one id is in shared memory, or its packing failed (F2).
+
+    One class for both outcomes, so the wire's kinds and its classes correspond one to
+    one; it carries exactly one of ``output`` and ``failure`` (``OutputReady.failed``).
+    """
+
+    async_output_id: str
+    output: DiffusionOutput | None = None
+    rank: int = attrs.field(default=0, kw_only=True)
+    failure: Failure | None = attrs.field(default=None, kw_only=True)
+    kind: Literal[AsyncOutputKind.OUTPUT_READY] = attrs.field(default=AsyncOutputKind.OUTPUT_READY, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_rank(self.rank)
+        _check_id("OUTPUT_READY async_output_id", self.async_output_id)
         if self.output is not None and not isinstance(self.output, DiffusionOutput):
             raise MessageValidationError(f"output must be a DiffusionOutput, got {type(self.output).__qualname__}")
-        if self.failure is not None and not isinstance(self.failure, Failure):
-            raise MessageValidationError(f"failure must be a Failure, got {type(self.failure).__qualname__}")
-        if self.kind is not AsyncOutputKind.CHUNK and self.seq is not None:
-            raise MessageValidationError(f"{self.kind.name} must not set seq")
-        match self.kind:
-            case AsyncOutputKind.COMPUTE_DONE:
-                _check_id("COMPUTE_DONE rpc_id", self.rpc_id)
-                if not self.async_output_ids:
-                    raise MessageValidationError("COMPUTE_DONE must name at least one async_output_id")
-                self._check_output_ids("COMPUTE_DONE")
-                if len(self.request_ids) != len(self.async_output_ids):
-                    raise MessageValidationError(
-                        f"COMPUTE_DONE needs one request id per output id "
-                        f"({len(self.request_ids)} request ids, {len(self.async_output_ids)} output ids)"
-                    )
-                self._forbid("COMPUTE_DONE", async_output_id=None, output=None, result=None, failure=None)
-            case AsyncOutputKind.OUTPUT_READY:
-                _check_id("OUTPUT_READY async_output_id", self.async_output_id)
-                if (self.output is None) == (self.failure is None):
-                    raise MessageValidationError("OUTPUT_READY carries exactly one of output or failure")
-                if self.output is not None and self.output.async_output_id not in (None, self.async_output_id):
-                    raise MessageValidationError(
-                        f"OUTPUT_READY for {self.async_output_id!r} "
-                        f"carries the output of {self.output.async_output_id!r}"
-                    )
-                self._forbid("OUTPUT_READY", rpc_id=None, async_output_ids=(), request_ids=(), result=None)
-            case AsyncOutputKind.RPC_RESULT:
-                _check_id("RPC_RESULT rpc_id", self.rpc_id)
-                if self.failure is not None and self.result is not None:
-                    raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
-                if self.async_output_ids and self.failure is None:
-                    raise MessageValidationError("only a failed RPC_RESULT names output ids (compute_failed)")
-                self._check_output_ids("RPC_RESULT")
-                self._forbid("RPC_RESULT", request_ids=(), async_output_id=None, output=None)
-            case AsyncOutputKind.CHUNK:
-                _check_id("CHUNK rpc_id", self.rpc_id)
-                _check_id("CHUNK async_output_id", self.async_output_id)
-                if len(self.request_ids) != 1:
-                    raise MessageValidationError(f"CHUNK names exactly one request id, got {self.request_ids!r}")
-                _check_id("CHUNK request_id", self.request_ids[0])
-                if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
-                    raise MessageValidationError(f"CHUNK seq must be a non-negative int, got {self.seq!r}")
-                self._forbid("CHUNK", async_output_ids=(), output=None, result=None, failure=None)
-            case _:
-                assert_never(self.kind)
-
-    def _check_output_ids(self, kind: str) -> None:
-        for oid in self.async_output_ids:
-            _check_id(f"{kind} async_output_id", oid)
-        if len(set(self.async_output_ids)) != len(self.async_output_ids):
-            raise MessageValidationError(f"{kind} names an id twice: {self.async_output_ids}")
-
-    def _forbid(self, kind: str, **expected: object) -> None:
-        for name, empty in expected.items():
-            if getattr(self, name) != empty:
-                raise MessageValidationError(f"{kind} must not set {name}")
-
-    # Named constructors -------------------------------------------------------------
+        _check_failure(self.failure)
+        if (self.output is None) == (self.failure is None):
+            raise MessageValidationError("OUTPUT_READY carries exactly one of output or failure")
+        if self.output is not None and self.output.async_output_id not in (None, self.async_output_id):
+            raise MessageValidationError(
+                f"OUTPUT_READY for {self.async_output_id!r} carries the output of {self.output.async_output_id!r}"
+            )
 
     @classmethod
-    def compute_done(
-        cls, rpc_id: str, async_output_ids: tuple[str, ...], request_ids: tuple[str, ...], *, rank: int = 0
-    ) -> AsyncDiffusionOutput:
-        return cls(
-            AsyncOutputKind.COMPUTE_DONE,
-            rank=rank,
-            rpc_id=rpc_id,
-            async_output_ids=tuple(async_output_ids),
-            request_ids=tuple(request_ids),
-        )
+    def failed(cls, async_output_id: str, failure: Failure, *, rank: int = 0) -> OutputReady:
+        """The OUTPUT_READY of an id whose packing failed: its typed ``Failure`` (F2)."""
+        return cls(async_output_id, rank=rank, failure=failure)
+
+
+@attrs.frozen
+class Chunk:
+    """CHUNK: chunk ``seq`` of ``request_id``'s stream in call ``rpc_id``; its output will
+    come as the OUTPUT_READY of ``async_output_id``."""
+
+    rpc_id: str
+    request_id: str
+    seq: int
+    async_output_id: str
+    rank: int = attrs.field(default=0, kw_only=True)
+    kind: Literal[AsyncOutputKind.CHUNK] = attrs.field(default=AsyncOutputKind.CHUNK, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_rank(self.rank)
+        _check_id("CHUNK rpc_id", self.rpc_id)
+        _check_id("CHUNK async_output_id", self.async_output_id)
+        _check_id("CHUNK request_id", self.request_id)
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise MessageValidationError(f"CHUNK seq must be a non-negative int, got {self.seq!r}")
+
+
+@attrs.frozen
+class RpcResult:
+    """RPC_RESULT: a rank's answer to call ``rpc_id``: its ``result``, or its ``failure``.
+
+    A failed answer may name output ids (``compute_failed``): the answer that replaces a
+    COMPUTE_DONE that could not be sent after those outputs went to the packer.  One
+    class for the ordinary and the failed answer: ``collective_rpc`` collects every
+    rank's answer alike and reads ``result`` or ``failure`` from each.
+    """
+
+    rpc_id: str
+    # Whatever the called method returned (``collective_rpc`` is open-ended).
+    result: object = None
+    rank: int = attrs.field(default=0, kw_only=True)
+    failure: Failure | None = attrs.field(default=None, kw_only=True)
+    async_output_ids: tuple[str, ...] = attrs.field(default=(), kw_only=True, converter=_id_tuple)
+    kind: Literal[AsyncOutputKind.RPC_RESULT] = attrs.field(default=AsyncOutputKind.RPC_RESULT, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _check_rank(self.rank)
+        _check_id("RPC_RESULT rpc_id", self.rpc_id)
+        _check_failure(self.failure)
+        if self.failure is not None and self.result is not None:
+            raise MessageValidationError("RPC_RESULT carries a result or a failure, not both")
+        if self.async_output_ids and self.failure is None:
+            raise MessageValidationError("only a failed RPC_RESULT names output ids (compute_failed)")
+        _check_output_ids("RPC_RESULT", self.async_output_ids)
 
     @classmethod
-    def output_ready(cls, async_output_id: str, output: DiffusionOutput, *, rank: int = 0) -> AsyncDiffusionOutput:
-        return cls(AsyncOutputKind.OUTPUT_READY, rank=rank, async_output_id=async_output_id, output=output)
+    def failed(cls, rpc_id: str, failure: Failure, *, rank: int = 0) -> RpcResult:
+        return cls(rpc_id, rank=rank, failure=failure)
 
     @classmethod
-    def output_failed(cls, async_output_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
-        return cls(AsyncOutputKind.OUTPUT_READY, rank=rank, async_output_id=async_output_id, failure=failure)
-
-    @classmethod
-    def chunk(
-        cls, rpc_id: str, request_id: str, seq: int, async_output_id: str, *, rank: int = 0
-    ) -> AsyncDiffusionOutput:
-        """Announce chunk ``seq`` of ``request_id``'s stream in call ``rpc_id``: its output
-        will come as the OUTPUT_READY of ``async_output_id``."""
-        return cls(
-            AsyncOutputKind.CHUNK,
-            rank=rank,
-            rpc_id=rpc_id,
-            request_ids=(request_id,),
-            async_output_id=async_output_id,
-            seq=seq,
-        )
-
-    @classmethod
-    def rpc_result(cls, rpc_id: str, result: Any, *, rank: int = 0) -> AsyncDiffusionOutput:
-        return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, result=result)
-
-    @classmethod
-    def rpc_failed(cls, rpc_id: str, failure: Failure, *, rank: int = 0) -> AsyncDiffusionOutput:
-        return cls(AsyncOutputKind.RPC_RESULT, rank=rank, rpc_id=rpc_id, failure=failure)
-
-    @classmethod
-    def rpc_error(cls, rpc_id: str, exc: BaseException, *, rank: int = 0) -> AsyncDiffusionOutput:
-        """The answer of a call that raised ``exc``: ``rpc_failed`` with its typed ``Failure`` (F2)."""
-        return cls.rpc_failed(rpc_id, Failure.from_exception(exc), rank=rank)
+    def error(cls, rpc_id: str, exc: BaseException, *, rank: int = 0) -> RpcResult:
+        """The answer of a call that raised ``exc``: ``failed`` with its typed ``Failure`` (F2)."""
+        return cls.failed(rpc_id, Failure.from_exception(exc), rank=rank)
 
     @classmethod
     def compute_failed(
         cls, rpc_id: str, async_output_ids: tuple[str, ...], failure: Failure, *, rank: int = 0
-    ) -> AsyncDiffusionOutput:
+    ) -> RpcResult:
         """The failed answer that replaces a COMPUTE_DONE that could not be sent: it names
         the ids already handed to the packer, so the executor drops them (their
         OUTPUT_READY is released on arrival) instead of holding them for nobody."""
-        return cls(
-            AsyncOutputKind.RPC_RESULT,
-            rank=rank,
-            rpc_id=rpc_id,
-            async_output_ids=tuple(async_output_ids),
-            failure=failure,
-        )
+        return cls(rpc_id, rank=rank, failure=failure, async_output_ids=async_output_ids)
 
     @property
     def names_outputs(self) -> bool:
-        """A COMPUTE_DONE, or the failure that replaces one (``compute_failed``)."""
+        """The failure that replaces a COMPUTE_DONE (``compute_failed``)."""
         return bool(self.async_output_ids)
+
+
+#: Every message on the result channel (the seed's name, now the union of the four kinds).
+AsyncDiffusionOutput: TypeAlias = ComputeDone | OutputReady | Chunk | RpcResult
+
+
+def check_wire_message(msg: object) -> AsyncDiffusionOutput:
+    """``msg`` validated again, as its constructor would: what the result channel's reader
+    calls on a message it unpickled (unpickling skips the constructor, so a peer could
+    have built any field by hand).  Raises ``MessageValidationError``."""
+    if not isinstance(msg, AsyncDiffusionOutput):
+        raise MessageValidationError(f"not a result-channel message: {type(msg).__qualname__}")
+    fresh = attrs.evolve(msg)
+    if msg.kind is not fresh.kind:
+        raise MessageValidationError(f"a {type(msg).__name__} with kind {msg.kind!r}")
+    return fresh
 
 
 @attrs.frozen

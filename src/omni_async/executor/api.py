@@ -33,12 +33,12 @@ from omni_async.core.errors import (
     UsageError,
 )
 from omni_async.core.messages import (
-    AsyncDiffusionOutput,
     CancelMessage,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
     RpcRequest,
+    RpcResult,
     RunnerOutput,
 )
 from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
@@ -653,8 +653,8 @@ class DiffusionExecutor(abc.ABC):
             raise RpcFailed(rpc_id, method, failures)
         return [answers[r].result for r in range(self.world_size)]
 
-    def _collect(self, rpc_id: str, method: str, deadline: float | None) -> dict[int, AsyncDiffusionOutput]:
-        answers: dict[int, AsyncDiffusionOutput] = {}
+    def _collect(self, rpc_id: str, method: str, deadline: float | None) -> dict[int, RpcResult]:
+        answers: dict[int, RpcResult] = {}
         while len(answers) < self.world_size:
             wait = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if wait <= 0:

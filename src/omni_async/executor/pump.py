@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, OutputError
-from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage
+from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, RpcResult
 from omni_async.core.registry import Settle
 from omni_async.core.states import LifecycleEvent, LifecycleState, lifecycle_machine
 from omni_async.transport.channel import ResultReceiver
@@ -59,7 +59,7 @@ class ResultPump:
         self._machine = lifecycle_machine(name)
         self._stop_reason = "the result pump stopped"
         # Path-2 answers (RPC_RESULT of non-execute RPCs, step mode), in arrival order.
-        self.sync_buffer: queue.Queue[AsyncDiffusionOutput] = queue.Queue()
+        self.sync_buffer: queue.Queue[RpcResult] = queue.Queue()
         self.dispatch_errors = 0
         self.messages = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import assert_never
 
 import attrs
 import numpy as np
@@ -78,7 +79,11 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import (
     AsyncDiffusionOutput,
     BatchDiffusionOutput,
+    Chunk,
+    ComputeDone,
     DiffusionOutput,
+    OutputReady,
+    RpcResult,
 )
 from omni_async.transport.device_copy import copy_in, ordered_streams, stage_and_sync
 from omni_async.transport.pack_walk import Plan, walk
@@ -211,8 +216,8 @@ def pack_diffusion_output_shm(
             pool.release(lease)
         raise
     payload = PackedPayload(tree, lease, plan.shm_bytes, plan.inline_bytes)
-    metrics = dict(output.metrics)
-    metrics.update(
+    metrics = attrs.evolve(
+        output.metrics,
         pack_s=time.perf_counter() - t0,
         pack_shm_bytes=float(plan.shm_bytes),
         pack_inline_bytes=float(plan.inline_bytes),
@@ -255,8 +260,8 @@ def pack_diffusion_output_host(
     stage_and_sync(plan, ordered_stream, streams)
     key = put(buf.numpy()) if plan.shm else ""
     payload = StoredPayload(tree, key, plan.size if plan.shm else 0, plan.inline_bytes)
-    metrics = dict(output.metrics)
-    metrics.update(
+    metrics = attrs.evolve(
+        output.metrics,
         pack_s=time.perf_counter() - t0,
         pack_stored_bytes=float(plan.shm_bytes),
         pack_inline_bytes=float(plan.inline_bytes),
@@ -284,8 +289,17 @@ def carried_leases(msg: AsyncDiffusionOutput) -> list[Lease]:
 def _carried_outputs(msg: AsyncDiffusionOutput) -> list[DiffusionOutput]:
     """The packed outputs a result-channel message carries: its OUTPUT_READY's output, or
     a step-mode RPC_RESULT's output or batch."""
+    match msg:
+        case OutputReady():
+            items: tuple[object, ...] = (msg.output,)
+        case RpcResult():
+            items = (msg.result,)
+        case ComputeDone() | Chunk():
+            items = ()
+        case _:
+            assert_never(msg)
     found: list[DiffusionOutput] = []
-    for item in (msg.output, msg.result):
+    for item in items:
         if isinstance(item, DiffusionOutput):
             found.append(item)
         elif isinstance(item, BatchDiffusionOutput):

@@ -191,8 +191,8 @@ class _Shipper:
         return FreshTensor(name, n, host.dtype, tuple(host.shape), restore)
 
     def payload(self, output: DiffusionOutput, tree: Any, t0: float, pinned: bool) -> DiffusionOutput:
-        metrics = dict(output.metrics)
-        metrics.update(
+        metrics = attrs.evolve(
+            output.metrics,
             pack_s=time.perf_counter() - t0,
             pack_shm_bytes=float(self.shm_bytes),
             pack_inline_bytes=float(self.inline_bytes),

@@ -11,7 +11,7 @@
   the other ranks answer with an empty RPC_RESULT, so the executor resolves the
   call only once every rank has answered (F12).  If the COMPUTE_DONE cannot be
   sent, the failure that answers the call instead names the ids already handed
-  to the packer (``AsyncDiffusionOutput.compute_failed``), so the executor drops
+  to the packer (``RpcResult.compute_failed``), so the executor drops
   them rather than hold what the packer ships for nobody.
 * Everything else (and execute in step mode): the ordinary synchronous answer,
   an RPC_RESULT, packed on the main thread when it carries an output.
@@ -56,10 +56,14 @@ from omni_async.core.messages import (
     AsyncDiffusionOutput,
     BatchDiffusionOutput,
     CancelMessage,
+    Chunk,
+    ComputeDone,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
+    OutputReady,
     RpcRequest,
+    RpcResult,
 )
 from omni_async.core.methods import (
     ASYNC_METHODS,
@@ -168,9 +172,9 @@ class WorkerLoop:
     def _answer(self, req: RpcRequest, compute: Callable[[RpcRequest], object]) -> None:
         """Answer ``req`` with ``compute(req)``, or with what it raised as a typed failure (F2)."""
         try:
-            msg = AsyncDiffusionOutput.rpc_result(req.rpc_id, compute(req), rank=self.rank)
+            msg = RpcResult(req.rpc_id, compute(req), rank=self.rank)
         except Exception as exc:
-            msg = AsyncDiffusionOutput.rpc_error(req.rpc_id, exc, rank=self.rank)
+            msg = RpcResult.error(req.rpc_id, exc, rank=self.rank)
         self._send(msg, req.rpc_id)
 
     def _fail_call(
@@ -178,7 +182,7 @@ class WorkerLoop:
     ) -> None:
         """Answer ``req`` with ``exc`` as a typed failure (F2), ending its outputs' machines first."""
         self._abort(machines)
-        self._send(AsyncDiffusionOutput.rpc_error(req.rpc_id, exc, rank=self.rank), req.rpc_id)
+        self._send(RpcResult.error(req.rpc_id, exc, rank=self.rank), req.rpc_id)
 
     def _control(self, req: RpcRequest) -> object:
         if req.method == LOOP_INFO:
@@ -304,7 +308,7 @@ class WorkerLoop:
             # Non-reply ranks computed the same forward (tensor parallel); their copy is not
             # shipped.  An intermediate step (final-step async) has nothing to ship.
             self._abort(machines)
-            self._send(AsyncDiffusionOutput.rpc_result(req.rpc_id, None, rank=self.rank), req.rpc_id)
+            self._send(RpcResult(req.rpc_id, None, rank=self.rank), req.rpc_id)
             return
         # Recorded on the forward's stream without blocking the host (F14); the packer's
         # side stream waits on it before reading the output (F1).
@@ -328,7 +332,7 @@ class WorkerLoop:
             ids = tuple(m.key for m in machines)
             try:
                 self._sender.put(
-                    AsyncDiffusionOutput.compute_done(
+                    ComputeDone(
                         req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank
                     )
                 )
@@ -342,7 +346,7 @@ class WorkerLoop:
                 # tla/AsyncOutput.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
                 log.warning("rank %d: cannot send COMPUTE_DONE of %s: %s", self.rank, req.rpc_id, exc)
                 self._send(
-                    AsyncDiffusionOutput.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
+                    RpcResult.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
                     req.rpc_id,
                 )
 
@@ -379,7 +383,7 @@ class WorkerLoop:
                     "(stopped or back-pressure timeout)"
                 )
             event = self._record_event()
-            self._sender.put(AsyncDiffusionOutput.chunk(rpc_id, request_id, seq, m.key, rank=self.rank))
+            self._sender.put(Chunk(rpc_id, request_id, seq, m.key, rank=self.rank))
         except BaseException:
             self._fire(m, RequestEvent.FORCE_RELEASE)  # nothing of it left the worker
             raise
@@ -391,7 +395,7 @@ class WorkerLoop:
             # with a typed failure instead of leaving it to its deadline.
             self._fire(m, RequestEvent.OUTPUT_FAILED)
             try:
-                self._sender.put(AsyncDiffusionOutput.output_failed(m.key, Failure.from_exception(exc), rank=self.rank))
+                self._sender.put(OutputReady.failed(m.key, Failure.from_exception(exc), rank=self.rank))
             except Exception:
                 log.debug("rank %d: cannot report the failure of chunk %s", self.rank, m.key, exc_info=True)
             raise
@@ -411,7 +415,7 @@ class WorkerLoop:
         log.debug("rank %d: call %s aborted %s %s", self.rank, req.rpc_id, cause.phrase, stage)
         self._abort(machines)
         failure = Failure("RequestAborted", f"aborted {cause.phrase} {stage}")
-        self._send(AsyncDiffusionOutput.rpc_failed(req.rpc_id, failure, rank=self.rank), req.rpc_id)
+        self._send(RpcResult.failed(req.rpc_id, failure, rank=self.rank), req.rpc_id)
 
     @staticmethod
     def _split(result: Any, requests: list[DiffusionRequest]) -> list[DiffusionOutput]:
@@ -440,7 +444,7 @@ class WorkerLoop:
             # The answer itself could not travel (unpicklable result, oversize): send a
             # small typed failure instead, so the caller is not left waiting (F5).
             log.warning("rank %d: cannot send the answer to %s: %s", self.rank, rpc_id, exc)
-            self._sender.put(AsyncDiffusionOutput.rpc_error(rpc_id, exc, rank=self.rank))
+            self._sender.put(RpcResult.error(rpc_id, exc, rank=self.rank))
 
     def _fire(self, m: Machine[RequestState, RequestEvent], event: RequestEvent) -> None:
         fire_traced(m, event, self._trace, self.rank)

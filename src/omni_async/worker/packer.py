@@ -31,7 +31,7 @@ from typing import TypeAlias
 
 import attrs
 
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure
+from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, OutputReady
 from omni_async.core.registry import no_release
 from omni_async.core.states import (
     LifecycleEvent,
@@ -342,7 +342,7 @@ class Packer:
             return
         self.metrics.pack_seconds += time.perf_counter() - t0
         try:
-            self._sender.put(AsyncDiffusionOutput.output_ready(job.output_id, packed, rank=self.rank))
+            self._sender.put(OutputReady(job.output_id, packed, rank=self.rank))
         except Exception as exc:
             # Unpicklable, oversize, or a full channel: the packed segments go back,
             # and the executor gets a typed failure instead of waiting forever (F5).
@@ -372,7 +372,7 @@ class Packer:
 
     def _send_failure(self, job: PackJob, failure: Failure) -> None:
         try:
-            self._sender.put(AsyncDiffusionOutput.output_failed(job.output_id, failure, rank=self.rank))
+            self._sender.put(OutputReady.failed(job.output_id, failure, rank=self.rank))
         except ChannelClosed as exc:
             # Shutdown (or the executor is gone): nobody is waiting for this output any more.
             log.debug("packer %d: %s not reported, the result channel is closed: %s", self.rank, job.output_id, exc)

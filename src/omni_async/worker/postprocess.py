@@ -41,6 +41,7 @@ import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
+from omni_async.core.stats import as_stats
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
 DeviceStage = Callable[[DiffusionOutput], DiffusionOutput]
@@ -138,7 +139,7 @@ def run_device_stage(
     """Run a device stage on ``output``, ordered after ``event``, on ``stream`` (the packer's side stream).
 
     Returns what the stage returned, with the output's ``async_output_id`` and
-    ``metrics`` kept and ``metrics["device_postprocess_s"]`` added: the stage's time,
+    ``metrics`` kept and ``metrics.device_postprocess_s`` added: the stage's time,
     its kernels included (on CUDA the side stream is synchronized once it is enqueued,
     so the time is the device's, not the launch's; the copy that follows waits for the
     same work anyway).  Raises what the stage raised, or ``UsageError`` when it returns
@@ -157,5 +158,5 @@ def run_device_stage(
             f"a post-process device stage must return the DiffusionOutput of request {output.request_id!r}, "
             f"got {type(out).__name__} {getattr(out, 'request_id', '')!r}"
         )
-    metrics = {**output.metrics, **out.metrics, "device_postprocess_s": time.perf_counter() - t0}
+    metrics = attrs.evolve(as_stats({**output.metrics, **out.metrics}), device_postprocess_s=time.perf_counter() - t0)
     return attrs.evolve(out, async_output_id=output.async_output_id, metrics=metrics)

@@ -1,7 +1,8 @@
 """Absolute timestamps a worker puts in each output's ``metrics`` (for timelines).
 
 The worker stamps every output it ships with when its forward ran and when it was
-packed, as ``time.monotonic()`` values under these keys of ``DiffusionOutput.metrics``:
+packed, as ``time.monotonic()`` values in these fields of ``DiffusionOutput.metrics``
+(an ``OutputStats``, which reads as a mapping under the same keys):
 
 * ``forward_started_at`` / ``forward_ended_at``: the model call on the worker's main
   thread (the whole call: one forward for every request of a batch);
@@ -33,4 +34,4 @@ STAMPS: tuple[str, ...] = (FORWARD_STARTED_AT, FORWARD_ENDED_AT, PACK_STARTED_AT
 
 def stamped(output: DiffusionOutput, **stamps: float) -> DiffusionOutput:
     """``output`` with ``stamps`` added to its metrics (its other fields as they are)."""
-    return attrs.evolve(output, metrics={**output.metrics, **stamps})
+    return attrs.evolve(output, metrics=output.metrics.set(**stamps))

@@ -3,7 +3,7 @@
 Every name of ours starts with ``omni-<pid of the creating executor>-``, so a crash
 cleanup finds a pool's files by prefix alone, and ``sweep_dead_executors`` finds the
 pools whose executor no longer runs.  So does the name of a result channel's credit
-semaphore (``transport.channel.CreditSemaphore``), whose file glibc calls
+semaphore (``transport.pipe.CreditSemaphore``), whose file glibc calls
 ``sem.omni-<pid>-sem-<random>``: normally unlinked as soon as the workers are up, it is
 left only by an executor killed (with its resource tracker) while they were starting,
 and the same sweeps remove it.
