@@ -122,6 +122,7 @@ from omni_async.engine.metrics import (
 from omni_async.engine.owned import owned_copy
 from omni_async.engine.scheduler import SchedulerPhase, Scheduler
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.metrics import ExecutorMetrics
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.worker.postprocess import HostStage, get_postprocess
@@ -465,7 +466,7 @@ class AsyncDiffusionEngine:
                     "AsyncDiffusionEngine needs an executor in request mode (step_mode=False): it overlaps each "
                     "output's copy with the next forward"
                 )
-            budget = await asyncio.to_thread(ex.metrics)
+            budget = ex.budget
             self._check_start_wanted()
         except BaseException:
             # What the start built goes before the lifecycle says FAILED: a failed start
@@ -475,17 +476,11 @@ class AsyncDiffusionEngine:
             if not self._life.terminal:  # CLOSED already: a close gave up waiting for the factory
                 self._life.fire(EE.START_FAILED)
             raise
-        held_outputs = budget.get("max_held_outputs")
-        held_bytes = budget.get("max_held_bytes")
         cap = self._max_in_flight
-        if cap is None and held_outputs is None:
+        if cap is None and budget is None:
             cap = DEFAULT_MAX_IN_FLIGHT
         self._scheduler = Scheduler(
-            max_waiting=self._max_waiting,
-            max_running=self._max_running,
-            max_in_flight=cap,
-            max_held_outputs=None if held_outputs is None else int(held_outputs),
-            max_held_bytes=None if held_bytes is None else int(held_bytes),
+            max_waiting=self._max_waiting, max_running=self._max_running, max_in_flight=cap, budget=budget
         )
         self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-send")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-control")
@@ -1249,7 +1244,7 @@ class AsyncDiffusionEngine:
     def _snapshot(self) -> EngineMetrics:
         s = self._scheduler
         now = time.monotonic()
-        executor: dict[str, float] = {}
+        executor: ExecutorMetrics | None = None
         if self._executor is not None:
             try:
                 executor = self._executor.metrics()

@@ -95,19 +95,20 @@ class EngineCollector(Collector):
             f"{_P}engine_chunks", "Intermediate outputs of streams delivered (generate_stream)", value=m.chunks
         )
         ex = m.executor
-        for name, key, doc in (
-            ("executor_outputs_held", "held_outputs", "Outputs held in shared memory (packed, not released)"),
-            ("executor_bytes_held", "held_bytes", "Bytes held in shared memory (packed, not released)"),
-            ("executor_outputs_pending", "pending_outputs", "Output ids the executor tracks"),
-        ):
-            if key in ex:
-                yield GaugeMetricFamily(f"{_P}{name}", doc, value=ex[key])
-        for name, key, doc in (
-            ("executor_pool_waits", "pool_waits", "Packs that waited for room in the budget of held outputs"),
-            ("executor_pool_wait_seconds", "pool_wait_s_total", "Time packs waited for room"),
-        ):
-            if key in ex:
-                yield CounterMetricFamily(f"{_P}{name}", doc, value=ex[key])
+        if ex is not None:
+            for name, value, doc in (
+                ("executor_outputs_held", ex.held_outputs, "Outputs held in shared memory (packed, not released)"),
+                ("executor_bytes_held", ex.held_bytes, "Bytes held in shared memory (packed, not released)"),
+                ("executor_outputs_pending", ex.pending_outputs, "Output ids the executor tracks"),
+            ):
+                if value is not None:
+                    yield GaugeMetricFamily(f"{_P}{name}", doc, value=float(value))
+            for name, total, doc in (
+                ("executor_pool_waits", ex.pool_waits, "Packs that waited for room in the budget of held outputs"),
+                ("executor_pool_wait_seconds", ex.pool_wait_s_total, "Time packs waited for room"),
+            ):
+                if total is not None:
+                    yield CounterMetricFamily(f"{_P}{name}", doc, value=float(total))
         yield GaugeMetricFamily(f"{_P}engine_loop_up", "The engine's loop task runs", value=float(m.loop_alive))
         yield GaugeMetricFamily(f"{_P}pump_up", "The executor's result pump runs", value=float(m.pump_alive))
         yield GaugeMetricFamily(
