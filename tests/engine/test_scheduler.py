@@ -76,7 +76,7 @@ def test_arguments_are_checked() -> None:
     with pytest.raises(UsageError, match="max_running"):
         Scheduler(max_waiting=1, max_running=0)
     with pytest.raises(UsageError, match="max_held_bytes"):
-        Scheduler(max_waiting=1, max_running=1, max_held_bytes=True)
+        Scheduler(max_waiting=1, max_running=1, budget=OutputBudget(max_bytes=True))
     s = Scheduler(max_waiting=1, max_running=1)
     with pytest.raises(UsageError, match="not running"):
         s.compute_done("x")
@@ -92,7 +92,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         held=st.none() | st.integers(1, 4),
     )
     def setup(self, max_waiting: int, max_running: int, held: int | None) -> None:
-        self.s = Scheduler(max_waiting=max_waiting, max_running=max_running, max_held_outputs=held)
+        self.s = Scheduler(
+            max_waiting=max_waiting,
+            max_running=max_running,
+            budget=None if held is None else OutputBudget(max_outputs=held),
+        )
         self.max_waiting, self.max_running, self.held = max_waiting, max_running, held
         self.waiting: list[str] = []
         self.running: set[str] = set()

@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from omni_async.engine.metrics import EngineMetrics
+from omni_async.executor.metrics import HeldOutputMetrics
 
 __all__ = ["EngineCollector", "engine_registry"]
 
@@ -96,19 +97,22 @@ class EngineCollector(Collector):
         )
         ex = m.executor
         if ex is not None:
-            for name, value, doc in (
-                ("executor_outputs_held", ex.held_outputs, "Outputs held in shared memory (packed, not released)"),
-                ("executor_bytes_held", ex.held_bytes, "Bytes held in shared memory (packed, not released)"),
-                ("executor_outputs_pending", ex.pending_outputs, "Output ids the executor tracks"),
-            ):
-                if value is not None:
-                    yield GaugeMetricFamily(f"{_P}{name}", doc, value=float(value))
-            for name, total, doc in (
-                ("executor_pool_waits", ex.pool_waits, "Packs that waited for room in the budget of held outputs"),
-                ("executor_pool_wait_seconds", ex.pool_wait_s_total, "Time packs waited for room"),
-            ):
-                if total is not None:
-                    yield CounterMetricFamily(f"{_P}{name}", doc, value=float(total))
+            gauges: list[tuple[str, float, str]] = []
+            counters: list[tuple[str, float, str]] = []
+            if isinstance(ex, HeldOutputMetrics):
+                gauges += [
+                    ("executor_outputs_held", ex.held_outputs, "Outputs held in shared memory (packed, not released)"),
+                    ("executor_bytes_held", ex.held_bytes, "Bytes held in shared memory (packed, not released)"),
+                ]
+                counters += [
+                    ("executor_pool_waits", ex.pool_waits, "Packs that waited for room in the budget of held outputs"),
+                    ("executor_pool_wait_seconds", ex.pool_wait_s_total, "Time packs waited for room"),
+                ]
+            gauges.append(("executor_outputs_pending", ex.pending_outputs, "Output ids the executor tracks"))
+            for name, value, doc in gauges:
+                yield GaugeMetricFamily(f"{_P}{name}", doc, value=float(value))
+            for name, value, doc in counters:
+                yield CounterMetricFamily(f"{_P}{name}", doc, value=float(value))
         yield GaugeMetricFamily(f"{_P}engine_loop_up", "The engine's loop task runs", value=float(m.loop_alive))
         yield GaugeMetricFamily(f"{_P}pump_up", "The executor's result pump runs", value=float(m.pump_alive))
         yield GaugeMetricFamily(

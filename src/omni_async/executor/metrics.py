@@ -3,18 +3,18 @@
 ``metrics()`` used to return a ``dict[str, float]`` whose keys a reader had to know
 and whose counts came back as floats.  The fields keep those names (so the guide, the
 Prometheus collector and the tests map one to one), with their real types: counts are
-``int``, durations ``float`` seconds, ``pool_full`` a ``bool``.  The fields of the
-budget of held outputs are None for an executor without one (``InProcessExecutor``),
-and the held counts None once the pool closed (at shutdown); ``stored_outputs`` is
-``RayDiffusionExecutor``'s alone.  ``as_dict`` gives the old mapping (floats, the None
-fields left out), for exporters that iterate.
+``int``, durations ``float`` seconds, ``pool_full`` a ``bool``.  The executors with
+a budget of held outputs (processes, Ray) give ``HeldOutputMetrics``, which adds the
+budget's fields; ``stored_outputs`` is ``RayDiffusionExecutor``'s alone (None
+elsewhere).  ``as_dict`` gives the old mapping (floats, None fields left out), for
+exporters that iterate.
 """
 
 from __future__ import annotations
 
 import attrs
 
-__all__ = ["ExecutorMetrics"]
+__all__ = ["ExecutorMetrics", "HeldOutputMetrics"]
 
 
 @attrs.frozen(kw_only=True)
@@ -23,14 +23,8 @@ class ExecutorMetrics:
 
     ``output_waits``/``output_wait_s_total``/``output_wait_s_max``: the
     ``wait_output_ready`` futures that delivered an output, and how long they took
-    from the call.  The budget of held outputs (executors with ranks):
-    ``max_held_outputs``/``max_held_bytes``, what is held now
-    (``held_outputs``/``held_bytes``; for Ray, outputs in its object store too),
-    ``pool_full`` (a worker's packing waits for room) and for how long
-    (``pool_full_s``), ``pool_waits``/``pool_wait_s_total`` (packs that had to wait,
-    and how long in all), ``pool_exhausted`` (outputs that found no room in time:
-    ``HeldOutputsFull``).  ``stored_outputs`` (Ray): received outputs whose buffer in
-    the object store is not read yet.
+    from the call.  An executor with a budget of held outputs gives
+    ``HeldOutputMetrics``, these and the budget's.
     """
 
     pending_rpcs: int
@@ -71,18 +65,32 @@ class ExecutorMetrics:
     output_waits: int
     output_wait_s_total: float
     output_wait_s_max: float
-    # The budget of held outputs: None without one.
-    max_held_outputs: int | None = None
-    max_held_bytes: int | None = None
-    held_outputs: int | None = None
-    held_bytes: int | None = None
-    pool_full: bool | None = None
-    pool_full_s: float | None = None
-    pool_waits: int | None = None
-    pool_wait_s_total: float | None = None
-    pool_exhausted: int | None = None
-    stored_outputs: int | None = None
-
     def as_dict(self) -> dict[str, float]:
         """The fields as floats by name, the None ones left out (``metrics()``'s old shape)."""
         return {k: float(v) for k, v in attrs.asdict(self, recurse=False).items() if v is not None}
+
+
+@attrs.frozen(kw_only=True)
+class HeldOutputMetrics(ExecutorMetrics):
+    """``ExecutorMetrics`` and the budget of held outputs (executors with ranks).
+
+    ``max_held_outputs``/``max_held_bytes``: the budget; ``held_outputs``/``held_bytes``:
+    what is held now (packed and not yet released; for Ray, ``held_outputs`` counts the
+    outputs in its object store too; 0 once the executor shut down, which unlinked
+    everything); ``pool_full``: a worker's packing waits for room now, for
+    ``pool_full_s``; ``pool_waits``/``pool_wait_s_total``: packs that had to wait, and
+    how long in all; ``pool_exhausted``: outputs that found no room in time
+    (``HeldOutputsFull``).  ``stored_outputs`` (Ray): received outputs whose buffer in
+    the object store is not read yet.
+    """
+
+    max_held_outputs: int
+    max_held_bytes: int
+    held_outputs: int
+    held_bytes: int
+    pool_full: bool
+    pool_full_s: float
+    pool_waits: int
+    pool_wait_s_total: float
+    pool_exhausted: int
+    stored_outputs: int | None = None

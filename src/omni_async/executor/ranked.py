@@ -35,7 +35,7 @@ from omni_async.core.messages import BatchDiffusionOutput, CancelMessage, Diffus
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.config import ExecutorConfig
 from omni_async.executor.futures import map_future
-from omni_async.executor.metrics import ExecutorMetrics
+from omni_async.executor.metrics import HeldOutputMetrics
 from omni_async.executor.pump import ResultPump
 from omni_async.transport.budget import OutputBudget
 from omni_async.transport.channel import ResultReceiver
@@ -45,7 +45,7 @@ from omni_async.transport.packing import (
     release_unpacked_output,
     unpack_diffusion_output_shm,
 )
-from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.transport.shm import PoolStats, SegmentPool, unlink_all_with_prefix
 from omni_async.worker.baselines import discard_fresh_output, is_fresh, receive_fresh_output
 
 __all__ = ["RankHost", "RankTransport", "RankedExecutor"]
@@ -167,6 +167,7 @@ class RankedExecutor(DiffusionExecutor, Generic[TransportT]):
         self._budget_full_logged = False
         self._copy_outputs = config.copy_outputs
         self._failure: OmniAsyncError | None = None
+        self._final_stats: PoolStats | None = None
         super().__init__(
             ranks.receiver,
             world_size=config.world_size,
@@ -300,6 +301,11 @@ class RankedExecutor(DiffusionExecutor, Generic[TransportT]):
 
     def _stop_workers(self, deadline: float | None) -> None:
         self.ranks.stop(deadline)
+        try:  # what metrics() report once the pool is gone: nothing held, the counts so far
+            st = self.pool.stats()
+            self._final_stats = attrs.evolve(st, outstanding=0, bytes_leased=0, full_for_s=0.0)
+        except Exception:  # noqa: BLE001  # a pool that cannot tell (closed already): no counts
+            log.debug("the pool's last stats are unavailable", exc_info=True)
         # The executor owns its pool, also one passed in: closing it unlinks every
         # segment; the prefix sweep catches any a dying worker created meanwhile.
         self.pool.close()
@@ -391,30 +397,29 @@ class RankedExecutor(DiffusionExecutor, Generic[TransportT]):
 
     # ---------------------------------------------------------------- metrics
 
-    def metrics(self) -> ExecutorMetrics:
-        """The executor's counters (``ExecutorMetrics``) with the budget of held outputs:
+    def metrics(self) -> HeldOutputMetrics:
+        """The executor's counters with the budget of held outputs (``HeldOutputMetrics``):
         its bounds, what is held now (in the pool, and outside it for Ray), whether and
         how long packing waited for room, and the outputs that found none in time."""
-        m = attrs.evolve(
-            super().metrics(),
-            max_held_outputs=self.pool.max_segments,
-            max_held_bytes=self.pool.max_bytes,
-            stored_outputs=self.ranks.stored_outputs(),
-        )
+        base = super().metrics()
+        st: PoolStats | None
         try:
             st = self.pool.stats()
-        except Exception:  # noqa: BLE001  # the pool closed at shutdown
-            elsewhere = self.ranks.held_elsewhere()
-            return attrs.evolve(m, held_outputs=elsewhere) if m.stored_outputs is not None else m
-        return attrs.evolve(
-            m,
-            held_outputs=st.outstanding + self.ranks.held_elsewhere(),
-            held_bytes=st.bytes_leased,
-            pool_full=st.full_for_s > 0,
-            pool_full_s=st.full_for_s,
-            pool_waits=st.lease_waits,
-            pool_wait_s_total=st.lease_wait_s,
-            pool_exhausted=st.exhausted,
+        except Exception:  # noqa: BLE001  # the pool closed at shutdown: its last numbers
+            st = self._final_stats
+        held = self.ranks.held_elsewhere()
+        return HeldOutputMetrics(
+            **attrs.asdict(base, recurse=False),
+            max_held_outputs=self.pool.max_segments,
+            max_held_bytes=self.pool.max_bytes,
+            held_outputs=held if st is None else st.outstanding + held,
+            held_bytes=0 if st is None else st.bytes_leased,
+            pool_full=st is not None and st.full_for_s > 0,
+            pool_full_s=0.0 if st is None else st.full_for_s,
+            pool_waits=0 if st is None else st.lease_waits,
+            pool_wait_s_total=0.0 if st is None else st.lease_wait_s,
+            pool_exhausted=0 if st is None else st.exhausted,
+            stored_outputs=self.ranks.stored_outputs(),
         )
 
 
