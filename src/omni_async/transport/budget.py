@@ -13,13 +13,16 @@ fit (``outputs_that_fit``: the pool's own size classes, never a copy).
 
 from __future__ import annotations
 
-import multiprocessing.context
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
 from omni_async.core.errors import UsageError
-from omni_async.transport.shm.pool import SegmentPool, size_class
+
+if TYPE_CHECKING:
+    import multiprocessing.context
+
+    from omni_async.transport.shm.pool import SegmentPool
 
 __all__ = ["DEFAULT_MAX_HELD_OUTPUTS", "DEFAULT_MIN_SEGMENT_BYTES", "OutputBudget", "check_positive"]
 
@@ -66,6 +69,8 @@ class OutputBudget:
         self, *, mp_context: multiprocessing.context.BaseContext | None = None, attach_by_name: bool = False
     ) -> SegmentPool:
         """A ``SegmentPool`` sized by this budget (see ``SegmentPool`` for the two options)."""
+        from omni_async.transport.shm.pool import SegmentPool
+
         return SegmentPool(
             max_segments=self.max_outputs,
             max_bytes=self.max_bytes,
@@ -76,6 +81,10 @@ class OutputBudget:
 
     def size_class(self, nbytes: int) -> int:
         """The segment size the pool leases for an output of ``nbytes`` (the pool's rule)."""
+        # Imported here: the engine reads the budget, and ``import omni_async`` (which
+        # imports the engine's scheduler) must not import the pool, numpy or torch.
+        from omni_async.transport.shm.pool import size_class
+
         return size_class(max(0, nbytes), self.min_segment_bytes)
 
     def outputs_that_fit(self, output_nbytes: int) -> int | None:
