@@ -32,10 +32,10 @@ __all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig"]
 
 
 class InvalidConfig(UsageError, ValueError):
-    """A setting of an executor that cannot work; ``field`` names it."""
+    """A setting of an executor that cannot work; ``field`` names it (and starts the message)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(f"{field} {message}")
         self.field = field
 
 
@@ -98,7 +98,7 @@ class ExecutorConfig:
         _int_at_least("world_size", self.world_size, 1)
         _int_at_least("reply_rank", self.reply_rank, 0)
         if self.reply_rank >= self.world_size:
-            raise InvalidConfig("reply_rank", f"{self.reply_rank} is outside a world of {self.world_size} rank(s)")
+            raise InvalidConfig("reply_rank", f"must be below world_size={self.world_size}, got {self.reply_rank}")
         for name in ("step_mode", "copy_outputs", "final_step_async"):
             _bool(name, getattr(self, name))
         if self.final_step_async and not self.step_mode:
@@ -115,16 +115,14 @@ class ExecutorConfig:
         t = self.start_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
             raise InvalidConfig("start_timeout", f"must be a number of seconds > 0, got {t!r}")
-        try:
-            check_output_path(self.worker_options.output_path, step_mode=self.step_mode)
-        except UsageError as exc:
-            raise InvalidConfig("options", str(exc)) from exc
+        # InvalidOutputPath (a UsageError of its own, which callers catch by name).
+        check_output_path(self.worker_options.output_path, step_mode=self.step_mode)
 
     def with_options(self, options: ExecutorOptions) -> ExecutorConfig:
         """This configuration with the fields ``options`` names replaced (checked again)."""
         unknown = set(options) - set(attrs.fields_dict(ExecutorConfig))
         if unknown:  # a dict built at run time, past the type checker
-            raise InvalidConfig(sorted(unknown)[0], "is not a setting of an executor")
+            raise InvalidConfig(sorted(unknown)[0], "is not a setting of an executor (ExecutorConfig)")
         return attrs.evolve(self, **options) if options else self
 
     @property

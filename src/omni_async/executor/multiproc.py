@@ -536,7 +536,9 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
             )
         cfg = (config if config is not None else ExecutorConfig()).with_options(options)
         if pool is not None and (cfg.max_held_outputs is not None or cfg.max_held_bytes is not None):
-            raise InvalidConfig("pool", "pass either pool= or max_held_outputs=/max_held_bytes=: the pool is the budget")
+            raise InvalidConfig(
+                "pool", "or max_held_outputs=/max_held_bytes=: pass either, not both (the pool is the budget)"
+            )
         validator = spec.request_validator()
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()

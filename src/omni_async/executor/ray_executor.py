@@ -618,7 +618,7 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
         opts = cfg.worker_options
         if opts.output_path != "omni":
             raise InvalidConfig(
-                "options", "RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)"
+                "options", "is refused: RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)"
             )
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
             raise InvalidConfig("fetch_threads", f"must be a positive int, got {fetch_threads!r}")
