@@ -105,7 +105,7 @@ async def run_engine(args: argparse.Namespace, *, max_running: int, pipeline: st
         "median_ms": {k: 1e3 * v for k, v in stages.items()},
         "budget_waits": m.budget_waits,
         "in_flight_limit": m.in_flight_limit,
-        "pool_waits": m.executor.get("pool_waits"),
+        "pool_waits": getattr(m.executor, "pool_waits", None),
         "results": results,
     }
 

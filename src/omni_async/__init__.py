@@ -118,7 +118,11 @@ if TYPE_CHECKING:
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
     from omni_async.executor.inprocess import InProcessExecutor
-    from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+    from omni_async.executor.config import ExecutorConfig, InvalidConfig
+    from omni_async.executor.metrics import ExecutorMetrics
+    from omni_async.executor.multiproc import MultiprocDiffusionExecutor
+    from omni_async.transport.budget import OutputBudget
+    from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.models.dit import DiTPipelineWorker
     from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
     from omni_async.transport.packing import (
@@ -149,8 +153,12 @@ _LAZY: dict[str, str] = {
     "DiffusionExecutor": "omni_async.executor.api",
     "InProcessExecutor": "omni_async.executor.inprocess",
     "MultiprocDiffusionExecutor": "omni_async.executor.multiproc",
-    "WorkerOptions": "omni_async.executor.multiproc",
-    "WorkerSpec": "omni_async.executor.multiproc",
+    "ExecutorConfig": "omni_async.executor.config",
+    "InvalidConfig": "omni_async.executor.config",
+    "ExecutorMetrics": "omni_async.executor.metrics",
+    "OutputBudget": "omni_async.transport.budget",
+    "WorkerOptions": "omni_async.worker.host",
+    "WorkerSpec": "omni_async.worker.host",
     "DiTPipelineWorker": "omni_async.models.dit",
     "SyntheticVideoWorker": "omni_async.models.tiny",
     "TinyDiffusionWorker": "omni_async.models.tiny",
@@ -225,6 +233,8 @@ __all__ = [
     "EngineNotStarted",
     "EngineOverloaded",
     "EngineState",
+    "ExecutorConfig",
+    "ExecutorMetrics",
     "ExecutorShutdown",
     "Failure",
     "GenerationChunk",
@@ -233,6 +243,7 @@ __all__ = [
     "HistogramSnapshot",
     "IllegalTransition",
     "InProcessExecutor",
+    "InvalidConfig",
     "InvalidOutputPath",
     "InvalidRequest",
     "Lease",
@@ -244,6 +255,7 @@ __all__ = [
     "MultiprocDiffusionExecutor",
     "OmniAsyncError",
     "OutputAlreadyClaimed",
+    "OutputBudget",
     "OutputChunk",
     "OutputDropped",
     "OutputError",

@@ -267,7 +267,7 @@ def test_abort_during_the_forward(ex: InProcessExecutor, wait: bool) -> None:
             GATES.open(fwd)
             await aborting
             if wait:
-                assert len(engine) == 0 and not any(ex.metrics()[k] for k in ("pending_rpcs", "pending_outputs"))
+                assert len(engine) == 0 and not any(ex.metrics().as_dict()[k] for k in ("pending_rpcs", "pending_outputs"))
             await assert_quiescent(engine)
 
     run(body())
@@ -371,7 +371,7 @@ def test_close_fails_every_pending_request_and_leaves_nothing(ex: InProcessExecu
         GATES.open(pack)
         await closing
         assert engine.closed and engine.metrics().requests["closed"] == 3
-        assert not any(ex.metrics()[k] for k in ("pending_rpcs", "pending_outputs", "held_payloads"))
+        assert not any(ex.metrics().as_dict()[k] for k in ("pending_rpcs", "pending_outputs", "held_payloads"))
         assert worker(ex).forwards == 2  # "waiting" never reached the worker
         with pytest.raises(EngineClosed):
             await engine.generate(req("late"))

@@ -34,6 +34,7 @@ from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed, PostProcessFailed
 from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.executor.metrics import HeldOutputMetrics
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker, image_digest
 from omni_async.transport.errors import OutputStillViewed
@@ -81,7 +82,8 @@ def test_results_are_owned_copies_with_their_timings(shared: MultiprocDiffusionE
                 assert res.metrics.get("pack_shm_bytes", 0) + res.metrics.get("pack_stored_bytes", 0) >= 256 * WIDTH * 4
             m = engine.metrics()
             assert m.requests["finished"] == 6 and m.largest_output_bytes >= 256 * WIDTH * 4
-            assert m.executor["held_outputs"] == 0 and m.pack_bytes_total > 0
+            assert isinstance(m.executor, HeldOutputMetrics), m.executor
+            assert m.executor.held_outputs == 0 and m.pack_bytes_total > 0
 
     run(body())
 
@@ -114,7 +116,7 @@ def test_many_more_requests_than_the_budget_wait_in_the_engine_not_in_the_packer
 
             async def watch() -> None:
                 while not stop.is_set():
-                    held.append(ex.metrics()["held_outputs"])
+                    held.append(ex.metrics().held_outputs)
                     await asyncio.sleep(0.01)
 
             watcher = asyncio.create_task(watch())
@@ -127,7 +129,8 @@ def test_many_more_requests_than_the_budget_wait_in_the_engine_not_in_the_packer
             assert [x.request_id for x in results] == [f"r{i}" for i in range(40)]
             assert time.monotonic() - t0 > 2.0
             m = engine.metrics()
-            assert m.executor["pool_waits"] == 0 and m.executor["timeouts"] == 0, m.executor
+            assert isinstance(m.executor, HeldOutputMetrics), m.executor
+            assert m.executor.pool_waits == 0 and m.executor.timeouts == 0, m.executor
             assert max(held) <= 4, max(held)
             assert m.budget_waits >= 1  # the budget, not max_running, held requests back
             await assert_quiescent(engine)
@@ -172,7 +175,7 @@ def test_abort_with_wait_of_a_forward_that_ignores_cancellation_returns_once_it_
             assert time.monotonic() - t0 > 0.3  # it waited for the forward's end
             assert len(engine) == 0
             m = shared.metrics()
-            assert m["pending_rpcs"] == 0 and m["pending_outputs"] == 0
+            assert m.pending_rpcs == 0 and m.pending_outputs == 0
             with pytest.raises(RequestAborted):
                 await task
             await assert_quiescent(engine)
@@ -195,13 +198,13 @@ def test_abort_while_post_processing_releases_the_segment(shared: MultiprocDiffu
         async with AsyncDiffusionEngine(shared, pipeline="engine-mp-slow") as engine:
             task = asyncio.create_task(engine.generate(r("pp")))
             assert await asyncio.to_thread(entered.wait, 30)
-            assert shared.metrics()["held_outputs"] == 1
+            assert shared.metrics().held_outputs == 1
             aborting = asyncio.create_task(engine.abort("pp", wait=True))
             with pytest.raises(RequestAborted):
                 await task
             release.set()
             await aborting
-            assert shared.metrics()["held_outputs"] == 0
+            assert shared.metrics().held_outputs == 0
             await assert_quiescent(engine)
 
     run(body())

@@ -216,7 +216,7 @@ def test_a_slow_consumer_holds_no_more_than_the_budget_and_nothing_is_processed_
 
             async def watch() -> None:
                 while not stop.is_set():
-                    held.append((await asyncio.to_thread(ex.metrics))["held_outputs"])
+                    held.append((await asyncio.to_thread(ex.metrics)).held_outputs)
                     await asyncio.sleep(0.01)
 
             watcher = asyncio.create_task(watch())
@@ -228,12 +228,12 @@ def test_a_slow_consumer_holds_no_more_than_the_budget_and_nothing_is_processed_
                     if item.seq == 0:
                         await asyncio.sleep(1.0)
                         assert COUNTING.calls - calls0 == 1, "the engine post-processed chunks nobody asked for"
-                        assert ex.metrics()["pool_full"] == 1
+                        assert ex.metrics().pool_full == 1
             stop.set()
             await watcher
             assert seqs == list(range(12))
             m = ex.metrics()
-            assert max(held) <= 2 and m["pool_waits"] >= 1 and m["timeouts"] == 0, (max(held), m)
+            assert max(held) <= 2 and m.pool_waits >= 1 and m.timeouts == 0, (max(held), m)
             await assert_quiescent(engine)
 
     try:

@@ -126,7 +126,7 @@ def test_closing_with_synchronous_calls_in_flight_leaves_nothing(shared: Multipr
         # EngineClosed, or (a call that answered as the close began) its result.
         assert all(isinstance(o, (EngineClosed, GenerationResult)) for o in outcomes), outcomes
         assert any(isinstance(o, EngineClosed) for o in outcomes), outcomes
-        await eventually(lambda: not shared.metrics()["held_payloads"] and not shared.pool.stats().outstanding)
+        await eventually(lambda: not shared.metrics().held_payloads and not shared.pool.stats().outstanding)
 
     run(body())
 

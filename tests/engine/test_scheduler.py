@@ -10,7 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from omni_async.core.errors import UsageError
 from omni_async.engine.errors import EngineOverloaded
-from omni_async.engine.scheduler import SchedulerPhase, Scheduler, size_class
+from omni_async.engine.scheduler import SchedulerPhase, Scheduler
+from omni_async.transport.budget import OutputBudget
 
 
 def test_fifo_and_running_slots_free_at_compute_done() -> None:
@@ -41,7 +42,7 @@ def test_a_full_queue_refuses_at_the_call() -> None:
 
 
 def test_the_budget_of_held_outputs_bounds_running_plus_holding() -> None:
-    s = Scheduler(max_waiting=10, max_running=2, max_held_outputs=3)
+    s = Scheduler(max_waiting=10, max_running=2, budget=OutputBudget(max_outputs=3))
     for rid in "abcde":
         s.add(rid)
     assert s.schedule(1.0) == ["a", "b"]
@@ -57,10 +58,11 @@ def test_the_budget_of_held_outputs_bounds_running_plus_holding() -> None:
 
 
 def test_the_byte_budget_counts_twice_the_size_class_of_the_largest_output() -> None:
-    assert size_class(1) == 1 << 16
-    assert size_class((1 << 20) + 1) == 1 << 21
-    assert size_class(1 << 20) == 1 << 20
-    s = Scheduler(max_waiting=10, max_running=8, max_held_outputs=64, max_held_bytes=8 << 20)
+    budget = OutputBudget(max_outputs=64, max_bytes=8 << 20)
+    assert budget.size_class(1) == 1 << 16
+    assert budget.size_class((1 << 20) + 1) == 1 << 21
+    assert budget.size_class(1 << 20) == 1 << 20
+    s = Scheduler(max_waiting=10, max_running=8, budget=budget)
     assert s.in_flight_limit == 64  # no output seen yet
     s.observe_output(1 << 20)  # 1 MiB: class 1 MiB, counted as 2 MiB
     assert s.in_flight_limit == 4
@@ -74,7 +76,7 @@ def test_arguments_are_checked() -> None:
     with pytest.raises(UsageError, match="max_running"):
         Scheduler(max_waiting=1, max_running=0)
     with pytest.raises(UsageError, match="max_held_bytes"):
-        Scheduler(max_waiting=1, max_running=1, max_held_bytes=True)
+        Scheduler(max_waiting=1, max_running=1, budget=OutputBudget(max_bytes=True))
     s = Scheduler(max_waiting=1, max_running=1)
     with pytest.raises(UsageError, match="not running"):
         s.compute_done("x")
@@ -90,7 +92,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         held=st.none() | st.integers(1, 4),
     )
     def setup(self, max_waiting: int, max_running: int, held: int | None) -> None:
-        self.s = Scheduler(max_waiting=max_waiting, max_running=max_running, max_held_outputs=held)
+        self.s = Scheduler(
+            max_waiting=max_waiting,
+            max_running=max_running,
+            budget=None if held is None else OutputBudget(max_outputs=held),
+        )
         self.max_waiting, self.max_running, self.held = max_waiting, max_running, held
         self.waiting: list[str] = []
         self.running: set[str] = set()

@@ -50,7 +50,7 @@ def test_a_timeout_aborts_the_request_and_releases_it() -> None:
                 engine.generate(req("slow", gate=fwd), timeout=0.2)
             GATES.open(fwd)
             deadline = time.monotonic() + 10
-            while len(engine.engine) or ex.metrics()["pending_outputs"] or ex.metrics()["pending_rpcs"]:
+            while len(engine.engine) or ex.metrics().pending_outputs or ex.metrics().pending_rpcs:
                 assert time.monotonic() < deadline, "the timed-out request was not released"
                 time.sleep(0.01)
             assert engine.metrics().requests["cancelled"] == 1

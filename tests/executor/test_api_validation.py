@@ -112,7 +112,7 @@ def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessEx
     with pytest.raises(UsageError, match="consumer"):
         ex.submit_request(req("a"), consumer=3)  # type: ignore[arg-type]
     # Nothing reached a worker: no call is pending, no answer came back.
-    assert ex.metrics()["pending_rpcs"] == 0
+    assert ex.metrics().pending_rpcs == 0
     assert ex.execute_request(req("ok")).async_output_id
 
 
@@ -181,7 +181,7 @@ def test_in_process_executor_checks_requests_with_the_models_validator_at_the_ca
     with InProcessExecutor(lambda rank: TinyDiffusionWorker()) as ex:
         with pytest.raises(errors.InvalidRequest, match="'steps'"):
             ex.submit_request(DiffusionRequest("bad", {"steps": -3}))
-        assert ex.metrics()["pending_outputs"] == 0
+        assert ex.metrics().pending_outputs == 0
         assert ex.execute_request(DiffusionRequest("good", {"steps": 2})).async_output_id is not None
 
 

@@ -37,7 +37,7 @@ def _req(rid: str, **params: Any) -> DiffusionRequest:
 
 def _quiet(ex: DiffusionExecutor) -> bool:
     m = ex.metrics()
-    quiet = m["pending_outputs"] == 0 and m["pending_rpcs"] == 0 and m["held_payloads"] == 0
+    quiet = m.pending_outputs == 0 and m.pending_rpcs == 0 and m.held_payloads == 0
     if isinstance(ex, MultiprocDiffusionExecutor):
         quiet = quiet and ex.pool.stats().outstanding == 0
     return quiet
@@ -230,7 +230,7 @@ def test_a_per_call_compute_deadline_stops_the_forward(ex: DiffusionExecutor) ->
     t0 = time.monotonic()
     _consume(ex, ex.execute_request(_req("after", steps=2)))
     assert time.monotonic() - t0 < 3.0
-    wait_until(lambda: ex.metrics()["overdue_calls"] == 0, timeout=5)
+    wait_until(lambda: ex.metrics().overdue_calls == 0, timeout=5)
 
 
 @pytest.mark.slow
@@ -246,7 +246,7 @@ def test_a_worker_that_ignores_its_deadline_is_reported_stuck(ex: DiffusionExecu
     assert info.value.rank == 0 and info.value.request_ids == ("stuck",)
     assert "rank 0" in str(info.value) and "'stuck'" in str(info.value)
     # Once the forward ends (3 s in all) the worker answers, and health is back.
-    wait_until(lambda: ex.metrics()["overdue_calls"] == 0, timeout=10)
+    wait_until(lambda: ex.metrics().overdue_calls == 0, timeout=10)
     ex.check_health()
 
 

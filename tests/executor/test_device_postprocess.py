@@ -124,7 +124,7 @@ def test_a_failing_device_stage_fails_that_output_typed(ex: DiffusionExecutor) -
     del out.output["image"]
     ex.release_output(out)
     m = ex.metrics()
-    assert m["pending_outputs"] == 0 and m["held_payloads"] == 0
+    assert m.pending_outputs == 0 and m.held_payloads == 0
 
 
 def test_step_mode_runs_the_device_stage_too() -> None:

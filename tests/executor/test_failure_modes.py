@@ -86,7 +86,7 @@ class Releases:
 
 def quiet(ex: DiffusionExecutor) -> bool:
     m = ex.metrics()
-    return m["pending_outputs"] == 0 and m["pending_rpcs"] == 0
+    return m.pending_outputs == 0 and m.pending_rpcs == 0
 
 
 @pytest.fixture
@@ -239,11 +239,11 @@ def test_f3_no_exception_in_dispatch_stops_the_pump_and_liveness_is_health(execu
     object.__setattr__(bad, "output", None)  # slipped past validation
     ex.channel.put(bad)
     GATES.open(g)
-    wait_until(lambda: ex.metrics()["released"] == 1)
+    wait_until(lambda: ex.metrics().released == 1)
     ex.check_health()
     ro2 = ex.execute_request(req("r2"))
     assert ex.wait_output_ready(ro2.async_output_id or "").result(timeout=TIMEOUT).request_id == "r2"
-    assert ex.metrics()["dispatch_errors"] == 1 and ex.registry.stats.release_errors == 1
+    assert ex.metrics().dispatch_errors == 1 and ex.registry.stats.release_errors == 1
     ex.pump.stop("pump stopped by the test")
     with pytest.raises(ExecutorShutdown, match="pump"):
         ex.check_health()
@@ -275,15 +275,15 @@ def test_f3_an_exception_while_dispatching_a_valid_message_is_caught_by_the_pump
     ex = harness(executors, tracer=tracer)
     ro1 = ex.execute_request(req("r1"))
     assert ex.wait_output_ready(ro1.async_output_id or "").result(timeout=TIMEOUT).request_id == "r1"
-    assert ex.metrics()["dispatch_errors"] == 0
+    assert ex.metrics().dispatch_errors == 0
     ex.channel.put(RpcResult(token, None))  # valid: the channel hands it to the dispatcher
-    wait_until(lambda: ex.metrics()["dispatch_errors"] == 1 or not ex.pump.healthy())
+    wait_until(lambda: ex.metrics().dispatch_errors == 1 or not ex.pump.healthy())
     assert raised == [token]
     assert ex.pump.healthy(), "the exception from Dispatcher.handle ended the pump"
     ex.check_health()
     ro2 = ex.execute_request(req("r2"))
     assert ex.wait_output_ready(ro2.async_output_id or "").result(timeout=TIMEOUT).request_id == "r2"
-    assert ex.pump.healthy() and ex.metrics()["dispatch_errors"] == 1
+    assert ex.pump.healthy() and ex.metrics().dispatch_errors == 1
     ex.check_health()
     logged = [r.getMessage() for r in caplog.records if r.name == "omni_async.executor.pump"]
     assert any("dispatching" in m and token in m and "message dropped" in m for m in logged), logged
@@ -448,7 +448,7 @@ def test_f9_late_output_for_cancelled_waiter_is_released(executors: list[Diffusi
     GATES.open(g)
     wait_until(lambda: len(released) == 1)
     assert released.payloads[0].async_output_id == ro.async_output_id
-    assert quiet(ex) and ex.metrics()["delivered"] == 0
+    assert quiet(ex) and ex.metrics().delivered == 0
     ex.drain(TIMEOUT)
     assert len(released) == 1, "released once"
 
@@ -522,7 +522,7 @@ def test_f11_unclaimed_outputs_released_when_the_consumer_leaves_times_out_or_sh
     gone_consumer = ex.execute_batch([req("a"), req("b")], consumer="stream-that-vanished")
     kept = ex.execute_request(req("c"), consumer="stream-alive")
     ex.drain(TIMEOUT)
-    wait_until(lambda: ex.metrics()["held_payloads"] == 3)
+    wait_until(lambda: ex.metrics().held_payloads == 3)
     assert ex.release_consumer("stream-that-vanished") == 2
     assert sorted(p.request_id for p in released.payloads) == ["a", "b"]
     for ro in gone_consumer:
@@ -536,13 +536,13 @@ def test_f11_unclaimed_outputs_released_when_the_consumer_leaves_times_out_or_sh
     unclaimed = ex_t.execute_request(req("d"))
     wait_until(lambda: len(released_t) == 1)  # nobody claimed it within its output deadline
     assert released_t.payloads[0].async_output_id == unclaimed.async_output_id
-    assert ex_t.metrics()["timeouts"] == 1 and quiet(ex_t)
+    assert ex_t.metrics().timeouts == 1 and quiet(ex_t)
 
     released_s = Releases()
     ex_s = harness(executors, release_hook=released_s)
     ro = ex_s.execute_request(req("e"))
     ex_s.drain(TIMEOUT)
-    wait_until(lambda: ex_s.metrics()["held_payloads"] == 1)
+    wait_until(lambda: ex_s.metrics().held_payloads == 1)
     ex_s.shutdown()
     assert [p.async_output_id for p in released_s.payloads] == [ro.async_output_id]
 
@@ -561,14 +561,14 @@ def test_f12_reply_rank_compute_done_does_not_hide_another_ranks_error(executors
     g = gate_name()
     fut = ex.submit_batch([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
     assert GATES.wait_entered(g)
-    wait_until(lambda: ex.metrics()["pending_outputs"] == 2)  # rank 0's COMPUTE_DONE is in
+    wait_until(lambda: ex.metrics().pending_outputs == 2)  # rank 0's COMPUTE_DONE is in
     assert not fut.done(), "one rank's answer must not resolve the call"
     GATES.open(g)
     err = exc_of(fut)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == [1]
     assert "failed on rank 1" in err.failures[1].message
-    wait_until(lambda: ex.metrics()["released"] == 2)
-    assert quiet(ex) and ex.metrics()["delivered"] == 0
+    wait_until(lambda: ex.metrics().released == 2)
+    assert quiet(ex) and ex.metrics().delivered == 0
 
 
 # --------------------------------------------------------------------------- defect 3
@@ -613,7 +613,7 @@ def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list
     wait_until(lambda: len(released) == 2)
     wait_until(lambda: quiet(ex))
     m = ex.metrics()
-    assert m["held_payloads"] == 0 and m["orphaned_outputs"] == 0 and m["protocol_errors"] == 0
+    assert m.held_payloads == 0 and m.orphaned_outputs == 0 and m.protocol_errors == 0
     assert channel.refused == 1
     ro = ex.collective_rpc("ping")
     assert ro == [("pong", 0)], "the worker keeps serving"
@@ -626,7 +626,7 @@ def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors
 
     The call times out (compute deadline); the record the early OUTPUT_READY created gets
     its own deadline, no earlier than the call's, after which it is released, counted in
-    ``metrics()["orphaned_outputs"]`` and recorded as an ``OutputOrphaned``.
+    ``metrics().orphaned_outputs`` and recorded as an ``OutputOrphaned``.
     """
     released = Releases()
     tracer = ListTracer()
@@ -639,8 +639,8 @@ def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors
     )
     assert isinstance(exc_of(ex.submit_request(req("r1"))), ComputeTimeout)
     wait_until(lambda: len(released) == 1)
-    wait_until(lambda: ex.metrics()["orphaned_outputs"] == 1)
-    assert quiet(ex) and ex.metrics()["held_payloads"] == 0
+    wait_until(lambda: ex.metrics().orphaned_outputs == 1)
+    assert quiet(ex) and ex.metrics().held_payloads == 0
     (orphan,) = ex.pump.call(lambda d: list(d.registry.orphans))
     assert isinstance(orphan, OutputOrphaned)
     ex.shutdown()
@@ -671,7 +671,7 @@ def test_f15_abort_before_packing_cancels_the_packing(executors: list[DiffusionE
     assert out.request_id == "a" and bool((out.output["image"] == expected_image(7.0)).all())
     m = ex.packers[0].metrics
     assert m.cancelled == 1 and m.packed == 1, "'b' was never packed"
-    assert quiet(ex) and ex.metrics()["released"] == 0
+    assert quiet(ex) and ex.metrics().released == 0
 
 
 def test_f15_a_drop_cancels_only_the_dropped_outputs_of_the_queue() -> None:

@@ -100,7 +100,7 @@ from omni_async.core.messages import (
     RpcResult,
     RunnerOutput,
 )
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, ProcessRanks, WorkerOptions, WorkerSpec
 from omni_async.transport.channel import PipeSender
 from omni_async.transport.errors import PoolClosed
 from omni_async.transport.packing import PackedPayload, ShmTensor, pack_diffusion_output_shm
@@ -143,9 +143,9 @@ def _until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "conditi
 def _settled(ex: MultiprocDiffusionExecutor) -> bool:
     m = ex.metrics()
     return (
-        m["pending_outputs"] == 0
-        and m["pending_rpcs"] == 0
-        and m["held_payloads"] == 0
+        m.pending_outputs == 0
+        and m.pending_rpcs == 0
+        and m.held_payloads == 0
         and ex.pool.stats().outstanding == 0
     )
 
@@ -285,7 +285,7 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
     )
     try:
         ready = ex.execute_request(_req("ready", seed=1, **SHM))
-        _until(lambda: ex.metrics()["held_payloads"] == 1, what="the unclaimed output to arrive")
+        _until(lambda: ex.metrics().held_payloads == 1, what="the unclaimed output to arrive")
         kept_params = {"seed": 2, **SHM}
         kept = deliver(ex, "kept", kept_params)
         packing = ex.wait_output_ready(_oid(ex.execute_request(_req("packing", seed=3, **SHM))))
@@ -317,7 +317,7 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
         # Delivered before the kill: the engine's, intact and releasable.
         assert _intact(kept, kept_params)
         assert ex.release_output(kept) == 1
-        _until(lambda: ex.metrics()["held_outputs"] == 0, what="every held output back")
+        _until(lambda: ex.metrics().held_outputs == 0, what="every held output back")
     finally:
         finish(ex)
 
@@ -414,7 +414,7 @@ class Rig:
         return pack_diffusion_output_shm(DiffusionOutput(rid, {"image": image}, async_output_id=oid), pool=self.ex.pool)
 
     def counts(self) -> dict[str, float]:
-        m = self.ex.metrics()
+        m = self.ex.metrics().as_dict()
         return {k: m[k] for k in ("protocol_errors", "dispatch_errors", "released", "timeouts")}
 
     def delta(self, before: Mapping[str, float]) -> dict[str, float]:
@@ -435,7 +435,7 @@ def rig(shared: Shared, caplog: pytest.LogCaptureFixture) -> Iterator[Rig]:
     ex = shared.get()
     settle(ex)
     caplog.set_level(logging.ERROR, logger="omni_async")
-    hostile = ex._channel.new_sender("hostile")
+    hostile = ex.ranks._channel.new_sender("hostile")
     r = Rig(ex, hostile, caplog)
     try:
         yield r
@@ -699,14 +699,14 @@ def test_every_hostile_message_is_counted(rig: Rig, case: str) -> None:
     message is handled (seen on a clean-clone run: ``AssertionError: {}``).
     """
     key = COUNTED_AS[case]
-    before, before_key = rig.counts(), rig.ex.metrics()[key]
+    before, before_key = rig.counts(), rig.ex.metrics().as_dict()[key]
     try:
         COUNTED[case](rig)
-        _until(lambda: rig.ex.metrics()[key] > before_key, what=f"{case} counted in metrics()[{key!r}]")
+        _until(lambda: rig.ex.metrics().as_dict()[key] > before_key, what=f"{case} counted in metrics()[{key!r}]")
         d = rig.delta(before)
         assert d.get("protocol_errors", 0) >= 1, d
         rig.ex.collective_rpc("pid")  # the pump still serves the worker
-        assert rig.ex.metrics()[key] == before_key + 1, "counted once"
+        assert rig.ex.metrics().as_dict()[key] == before_key + 1, "counted once"
     finally:
         settle(rig.ex)
 
@@ -737,12 +737,12 @@ def test_a_truncated_frame_does_not_stall_the_pump(rig: Rig) -> None:
     try:
         assert call.exception(timeout=2.0) is None
         # The other ranks are served, but the torn sender is visible: health fails, naming it.
-        rig.ex.torn_frame_bound = 0.1
+        rig.ex.ranks.torn_frame_bound = 0.1
         time.sleep(0.2)
         with pytest.raises(ProtocolError, match="worker hostile: a message on its result channel has been incomplete"):
             rig.ex.check_health()
     finally:
-        rig.ex.torn_frame_bound = MultiprocDiffusionExecutor.torn_frame_bound
+        rig.ex.ranks.torn_frame_bound = ProcessRanks.torn_frame_bound
         rig.hostile.close()  # EOF: the pump gets out of the read and drops the pipe
         rig.ex.drop_output(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
         settle(rig.ex)
@@ -785,7 +785,7 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
         while not stop.is_set():
             m = ex.metrics()
             files, size = _shm_bytes(ex.pool.prefix)
-            now = {"held_outputs": m["held_outputs"], "held_bytes": m["held_bytes"], "files": files, "file_bytes": size}
+            now = {"held_outputs": m.held_outputs, "held_bytes": m.held_bytes, "files": files, "file_bytes": size}
             for k, v in now.items():
                 peak[k] = max(peak[k], float(v))
             time.sleep(0.005)
@@ -798,7 +798,7 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
         # loaded machine a fixed pause per output need not outpace the forwards.  (Not
         # worker_metrics: the worker answers it on the main thread, which is then waiting.)
         deadline = time.monotonic() + WAIT
-        while ex.metrics()["pool_full"] == 0.0:
+        while ex.metrics().pool_full == 0.0:
             assert time.monotonic() < deadline, "the budget never filled: no back-pressure was exercised"
             time.sleep(0.02)
         time.sleep(0.5)  # the packer's queue fills behind it, and the next forward waits
@@ -818,10 +818,10 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     end = ex.metrics()
     assert peak["held_outputs"] <= 4 and peak["held_bytes"] <= ex.pool.max_bytes, peak
     assert peak["files"] <= 4 and peak["file_bytes"] <= ex.pool.max_bytes, peak
-    assert end["pool_waits"] > start["pool_waits"], "the budget never filled: no back-pressure was exercised"
+    assert end.pool_waits > start.pool_waits, "the budget never filled: no back-pressure was exercised"
     for k in ("released", "timeouts", "pool_exhausted", "protocol_errors"):
-        assert end[k] == start[k], f"{k}: {start[k]} -> {end[k]}"
-    assert end["pool_full"] == 0.0
+        assert end.as_dict()[k] == start.as_dict()[k], f"{k}: {start.as_dict()[k]} -> {end.as_dict()[k]}"
+    assert end.pool_full == 0.0
     worker_after = ex.worker_metrics()[0]["packer"]
     assert worker_after["backpressure_waits"] > worker_before["backpressure_waits"], "the forwards never waited"
     assert fast_s < 15.0, f"throughput did not resume: {n - n // 2} outputs took {fast_s:.1f} s"
@@ -934,9 +934,9 @@ def test_deadlines_expire_mid_forward_and_mid_pack(tight: Shared) -> None:
     err = waiter.exception(timeout=10)
     assert isinstance(err, OutputTimeout) and "still packing" in str(err), err
     assert time.monotonic() - t0 < 3.0
-    released = ex.metrics()["released"]
+    released = ex.metrics().released
     ex.release_output(kept)  # room: the late pack completes, its output arrives for nobody
-    _until(lambda: ex.metrics()["released"] == released + 1, what="the late output released")
+    _until(lambda: ex.metrics().released == released + 1, what="the late output released")
 
     t0 = time.monotonic()
     err = ex.submit_request(_req("slow", sleep=2.0, **SHM)).exception(timeout=10)
@@ -952,17 +952,17 @@ def test_records_of_unknown_ids_are_bounded(tight: Shared) -> None:
     records end within the deadlines, and the segment goes back."""
     ex = tight.get()
     settle(ex)
-    hostile = ex._channel.new_sender("hostile")
+    hostile = ex.ranks._channel.new_sender("hostile")
     try:
         image = expected_image({"seed": 5, **SHM})
         lone = DiffusionOutput("lone", {"image": image}, async_output_id="lone-1")
         packed = pack_diffusion_output_shm(lone, pool=ex.pool)
         hostile.put(OutputReady("lone-1", packed))
         hostile.put(ComputeDone("no-such-call-5", ("lone-2",), ("lone",)))
-        _until(lambda: ex.metrics()["pending_outputs"] == 2, what="both records")
+        _until(lambda: ex.metrics().pending_outputs == 2, what="both records")
         _until(lambda: _settled(ex), 2 * (1.5 + 1.0), "the records of unknown ids to end")
         m = ex.metrics()
-        assert m["orphaned_outputs"] >= 1 and m["orphan_drops_expired"] >= 1, m
+        assert m.orphaned_outputs >= 1 and m.orphan_drops_expired >= 1, m
     finally:
         # The messages each record still waits for end them (late ones are released quietly).
         hostile.put(ComputeDone("no-such-call-6", ("lone-1",), ("lone",)))
@@ -977,7 +977,7 @@ def test_shutdown_with_a_pack_waiting_for_room_is_prompt(tight: Shared) -> None:
     settle(ex)
     kept = deliver(ex, "kept", SHM)
     waiter = ex.wait_output_ready(_oid(ex.execute_request(_req("stuck", **SHM))))
-    _until(lambda: ex.metrics()["pool_full"] == 1.0, what="the pack to wait for room")
+    _until(lambda: ex.metrics().pool_full == 1.0, what="the pack to wait for room")
     t0 = time.monotonic()
     finish(ex)
     elapsed = time.monotonic() - t0
@@ -1000,7 +1000,7 @@ def test_sleep_waits_for_the_copies_in_flight_f8(shared: Shared) -> None:
     held = [deliver(ex, f"f8-held-{i}", {"seed": i, **SHM}) for i in range(4)]
     params = [{"seed": 40 + i, **SHM} for i in range(2)]
     waiters = [ex.wait_output_ready(_oid(ex.execute_request(_req(f"f8-{i}", **p)))) for i, p in enumerate(params)]
-    _until(lambda: ex.metrics()["pool_full"] == 1.0, what="the packs to wait for room")
+    _until(lambda: ex.metrics().pool_full == 1.0, what="the packs to wait for room")
     with pytest.raises(RpcFailed) as failed:
         ex.collective_rpc("sleep", kwargs={"drain_timeout": 0.5})
     assert failed.value.failures[0].type_name == "TimeoutError"
@@ -1037,7 +1037,7 @@ def test_shutdown_with_hundreds_of_outputs_in_flight(shared: Shared) -> None:
     calls += [ex.submit_request(_req(f"sd-{i}", seed=i, **INLINE)) for i in range(300)]
     waiters = [ex.wait_output_ready(_oid(c.result(timeout=WAIT))) for c in calls]
     pending_call = ex.submit_request(_req("sd-forward", sleep=1.0))
-    assert ex.metrics()["pending_outputs"] == 301 and not any(w.done() for w in waiters)
+    assert ex.metrics().pending_outputs == 301 and not any(w.done() for w in waiters)
     stopping = threading.Thread(target=ex.shutdown, args=("shut down with 301 outputs in flight",))
     stopping.start()
     # As the engine goes, it gives back what it held: the stuck pack gets its room, and the

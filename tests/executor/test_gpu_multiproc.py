@@ -41,4 +41,4 @@ def test_cuda_workers_request_mode_bit_exact_and_pooled() -> None:
                 ex.release_output(out)
             created.append(ex.pool.stats().created)
         assert created[-1] == created[1], f"segments created per round: {created}"
-        assert ex.metrics()["pending_outputs"] == 0
+        assert ex.metrics().pending_outputs == 0

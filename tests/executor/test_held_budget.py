@@ -51,19 +51,19 @@ def test_a_full_budget_is_visible_at_once_and_the_output_fails_naming_it(caplog:
     opts = WorkerOptions(lease_timeout=1.0)
     with MultiprocDiffusionExecutor(SPEC, deadlines=deadlines, options=opts, max_held_outputs=3) as ex:
         m = ex.metrics()
-        assert m["max_held_outputs"] == 3 and m["held_outputs"] == 0 and m["pool_full"] == 0, m
-        assert ex.pool.max_segments == 3 and m["max_held_bytes"] == ex.pool.max_bytes
+        assert m.max_held_outputs == 3 and m.held_outputs == 0 and m.pool_full == 0, m
+        assert ex.pool.max_segments == 3 and m.max_held_bytes == ex.pool.max_bytes
         caplog.set_level(logging.WARNING, logger="omni_async.executor.multiproc")
         held = [ex.execute_request(_req(f"h{i}", seed=i)) for i in range(3)]  # nobody claims them yet
-        assert _until(lambda: ex.metrics()["held_outputs"] == 3), ex.metrics()
-        assert ex.metrics()["pool_full"] == 0
+        assert _until(lambda: ex.metrics().held_outputs == 3), ex.metrics()
+        assert ex.metrics().pool_full == 0
         t0 = time.monotonic()
         fourth = ex.execute_request(_req("h3", seed=3))  # its forward runs; its pack finds no room
         waiter = ex.wait_output_ready(_oid(fourth))
         # Visible at once: in metrics() and in the log, naming the budget.
-        assert _until(lambda: ex.metrics()["pool_full"] == 1.0, 1.0), ex.metrics()
+        assert _until(lambda: ex.metrics().pool_full == 1.0, 1.0), ex.metrics()
         assert _until(lambda: "max_held_outputs=3" in caplog.text, 1.5), caplog.text
-        assert ex.metrics()["pool_full_s"] > 0
+        assert ex.metrics().pool_full_s > 0
         warning = caplog.text
         assert "budget of held outputs is full: 3 of max_held_outputs=3" in warning
         assert "MultiprocDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)" in warning
@@ -76,17 +76,17 @@ def test_a_full_budget_is_visible_at_once_and_the_output_fails_naming_it(caplog:
         assert "max_held_outputs=3" in err.value.failure.message
         assert "max_held_bytes=" in err.value.failure.message
         m = ex.metrics()
-        assert m["pool_exhausted"] == 1 and m["pool_waits"] >= 1 and m["pool_wait_s_total"] >= 0.9, m
+        assert m.pool_exhausted == 1 and m.pool_waits >= 1 and m.pool_wait_s_total >= 0.9, m
         # Claiming and releasing the held outputs makes room: the budget works again.
         for i, ro in enumerate(held):
             out = ex.wait_output_ready(_oid(ro)).result(timeout=10)
             assert bool((out.output["image"] == expected_image({**PARAMS, "seed": i})).all())
             assert ex.release_output(out) == 1
-        assert _until(lambda: ex.metrics()["pool_full"] == 0), ex.metrics()
+        assert _until(lambda: ex.metrics().pool_full == 0), ex.metrics()
         again = ex.execute_request(_req("h4", seed=4))
         out = ex.wait_output_ready(_oid(again)).result(timeout=10)
         assert ex.release_output(out) == 1
-        assert _until(lambda: ex.metrics()["held_outputs"] == 0 and ex.metrics()["pending_outputs"] == 0)
+        assert _until(lambda: ex.metrics().held_outputs == 0 and ex.metrics().pending_outputs == 0)
 
 
 @pytest.mark.slow
@@ -100,16 +100,16 @@ def test_outputs_submitted_beyond_the_budget_expire_saying_so() -> None:
     deadlines = Deadlines(compute_timeout=30, output_timeout=1.5, rpc_timeout=30)
     with MultiprocDiffusionExecutor(SPEC, deadlines=deadlines, max_held_outputs=3) as ex:
         ros = [ex.execute_request(_req(f"e{i}", seed=i)) for i in range(5)]
-        assert _until(lambda: ex.metrics()["pool_full"] == 1.0, 1.0), ex.metrics()
-        assert _until(lambda: ex.metrics()["timeouts"] == 5), ex.metrics()
+        assert _until(lambda: ex.metrics().pool_full == 1.0, 1.0), ex.metrics()
+        assert _until(lambda: ex.metrics().timeouts == 5), ex.metrics()
         for ro in ros:
             with pytest.raises(OutputTimeout) as err:
                 ex.wait_output_ready(_oid(ro)).result(timeout=10)
             text = str(err.value)
             assert f"of request {ro.request_id!r} expired unclaimed after" in text, text
             assert "(output_timeout=1.5)" in text and "unknown" not in text
-        assert _until(lambda: ex.metrics()["held_outputs"] == 0 and ex.metrics()["pending_outputs"] == 0)
-        assert ex.metrics()["pool_exhausted"] == 0  # they waited, none gave up: the expiry made room
+        assert _until(lambda: ex.metrics().held_outputs == 0 and ex.metrics().pending_outputs == 0)
+        assert ex.metrics().pool_exhausted == 0  # they waited, none gave up: the expiry made room
 
 
 def test_the_budget_is_one_setting() -> None:

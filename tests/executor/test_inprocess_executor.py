@@ -54,7 +54,7 @@ from omni_async.worker.packer import Packer
 
 def quiet(ex: DiffusionExecutor) -> bool:
     m = ex.metrics()
-    return m["pending_outputs"] == 0 and m["pending_rpcs"] == 0
+    return m.pending_outputs == 0 and m.pending_rpcs == 0
 
 
 E = TypeVar("E", bound=DiffusionExecutor)
@@ -97,8 +97,8 @@ def test_request_mode_single_request(make_executor: Callable[..., InProcessExecu
     assert torch.equal(out.output["image"], expected_image(3.0))
     assert out.output["rank"] == 0
     m = ex.metrics()
-    assert m["delivered"] == 1 and m["pending_outputs"] == 0 and m["protocol_errors"] == 0
-    assert m["dispatch_errors"] == 0
+    assert m.delivered == 1 and m.pending_outputs == 0 and m.protocol_errors == 0
+    assert m.dispatch_errors == 0
 
 
 def test_request_mode_batch_each_request_gets_its_own_output(make_executor: Callable[..., InProcessExecutor]) -> None:
@@ -120,7 +120,7 @@ def test_request_mode_many_requests_in_flight(make_executor: Callable[..., InPro
     waiters = [ex.wait_output_ready(f.result(timeout=TIMEOUT).async_output_id or "") for f in futs]
     for i, w in enumerate(waiters):
         assert torch.equal(w.result(timeout=TIMEOUT).output["image"], expected_image(float(i)))
-    assert ex.metrics()["delivered"] == 30 and quiet(ex)
+    assert ex.metrics().delivered == 30 and quiet(ex)
     assert ex.packers[0].metrics.packed == 30
 
 
@@ -147,7 +147,7 @@ def test_an_output_id_is_delivered_to_exactly_one_waiter(make_executor: Callable
     # An id never announced is still "unknown", and does not count as claimed.
     assert not isinstance(exc_of(ex.wait_output_ready("nope")), OutputAlreadyClaimed)
     assert not isinstance(exc_of(ex.wait_output_ready("nope")), OutputAlreadyClaimed)
-    assert ex.metrics()["delivered"] == 1 and quiet(ex)
+    assert ex.metrics().delivered == 1 and quiet(ex)
 
 
 def test_empty_batch_is_a_usage_error(make_executor: Callable[..., InProcessExecutor]) -> None:
@@ -171,7 +171,7 @@ def test_step_mode_returns_outputs_directly(make_executor: Callable[..., InProce
     with pytest.raises(RpcFailed) as info:
         ex.execute_request(req("s5", fail_on=[1]))
     assert set(info.value.failures) == {1}
-    assert quiet(ex) and ex.metrics()["pending_outputs"] == 0
+    assert quiet(ex) and ex.metrics().pending_outputs == 0
 
 
 # --------------------------------------------------------------------------- several ranks (F12)
@@ -198,9 +198,9 @@ def test_several_ranks_one_failing_fails_the_call(make_executor: Callable[..., I
         assert f"failed on rank {rank}" in err.failures[rank].message
     if 0 not in failing:
         # The reply rank's outputs were announced and then dropped: they are released on arrival.
-        wait_until(lambda: ex.metrics()["released"] == 2)
+        wait_until(lambda: ex.metrics().released == 2)
     wait_until(lambda: quiet(ex))
-    assert ex.metrics()["delivered"] == 0
+    assert ex.metrics().delivered == 0
 
 
 # --------------------------------------------------------------------------- failures (F2)
@@ -326,10 +326,10 @@ def test_metrics_record_how_long_engines_waited_for_outputs(make_executor: Calla
     fut.result(timeout=TIMEOUT)
     failed = ex.wait_output_ready("never-announced")  # fails at once: not a delivered output
     assert failed.exception(timeout=TIMEOUT) is not None
-    wait_until(lambda: ex.metrics()["output_waits"] == 1)  # counted by a done-callback, just after
+    wait_until(lambda: ex.metrics().output_waits == 1)  # counted by a done-callback, just after
     m = ex.metrics()
-    assert m["output_waits"] == 1
-    assert 0.2 <= m["output_wait_s_max"] == m["output_wait_s_total"] < TIMEOUT
+    assert m.output_waits == 1
+    assert 0.2 <= m.output_wait_s_max == m.output_wait_s_total < TIMEOUT
 
 
 # --------------------------------------------------------------------------- waiters, drops, consumers
@@ -342,8 +342,8 @@ def test_cancelled_waiter_output_is_released(make_executor: Callable[..., InProc
     fut = ex.wait_output_ready(ro.async_output_id or "")
     assert fut.cancel()
     GATES.open(gate)
-    wait_until(lambda: ex.metrics()["released"] == 1)
-    assert quiet(ex) and ex.metrics()["delivered"] == 0
+    wait_until(lambda: ex.metrics().released == 1)
+    assert quiet(ex) and ex.metrics().delivered == 0
 
 
 def test_abort_outputs_returns_when_they_are_gone(make_executor: Callable[..., InProcessExecutor]) -> None:
@@ -374,9 +374,9 @@ def test_release_consumer_releases_unclaimed_outputs(make_executor: Callable[...
     mine = ex.execute_batch([req("m1"), req("m2")], consumer="stream-1")
     other = ex.execute_request(req("o1"), consumer="stream-2")
     ex.drain(timeout=TIMEOUT)
-    wait_until(lambda: ex.metrics()["held_payloads"] == 3)
+    wait_until(lambda: ex.metrics().held_payloads == 3)
     assert ex.release_consumer("stream-1") == 2
-    assert ex.metrics()["released"] == 2
+    assert ex.metrics().released == 2
     for ro in mine:
         assert isinstance(exc_of(ex.wait_output_ready(ro.async_output_id or "")), OutputError)
     assert ex.wait_output_ready(other.async_output_id or "").result(timeout=TIMEOUT).request_id == "o1"
@@ -432,21 +432,21 @@ def test_compute_deadline_fails_a_slow_forward(make_executor: Callable[..., InPr
     err = exc_of(ex.submit_request(req("slow", gate=gate)))
     assert isinstance(err, ComputeTimeout) and "[0]" in str(err)
     assert 0.2 <= time.monotonic() - t0 < 5.0
-    assert ex.metrics()["compute_timeouts"] == 1
-    assert ex.metrics()["overdue_calls"] == 1  # the deadline cancelled the forward; the worker has not answered
+    assert ex.metrics().compute_timeouts == 1
+    assert ex.metrics().overdue_calls == 1  # the deadline cancelled the forward; the worker has not answered
     # The forward (which never checks for cancellation) finishes late: the worker sees
     # its call cancelled and discards the output instead of announcing and packing it.
     GATES.open(gate)
-    wait_until(lambda: ex.metrics()["overdue_calls"] == 0)
-    assert ex.metrics()["released"] == 0 and ex.metrics()["orphaned_outputs"] == 0
+    wait_until(lambda: ex.metrics().overdue_calls == 0)
+    assert ex.metrics().released == 0 and ex.metrics().orphaned_outputs == 0
     assert quiet(ex)
 
 
 def test_output_deadline_releases_an_unclaimed_output(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor(deadlines=Deadlines(compute_timeout=60.0, output_timeout=0.2, rpc_timeout=60.0))
     ro = ex.execute_request(req("r1"))
-    wait_until(lambda: ex.metrics()["timeouts"] == 1)
-    assert ex.metrics()["released"] == 1 and quiet(ex)
+    wait_until(lambda: ex.metrics().timeouts == 1)
+    assert ex.metrics().released == 1 and quiet(ex)
     assert isinstance(exc_of(ex.wait_output_ready(ro.async_output_id or "")), OutputError)
 
 
@@ -458,7 +458,7 @@ def test_output_deadline_fails_a_pending_waiter(make_executor: Callable[..., InP
     err = exc_of(ex.wait_output_ready(ro.async_output_id or ""))
     assert isinstance(err, OutputTimeout) and isinstance(err, TimeoutError)
     GATES.open(gate)
-    wait_until(lambda: ex.metrics()["released"] == 1)
+    wait_until(lambda: ex.metrics().released == 1)
     assert quiet(ex)
 
 
@@ -524,7 +524,7 @@ def test_context_manager_shuts_down() -> None:
 def test_health_and_metrics(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor()
     ex.check_health()
-    m = ex.metrics()
+    m = ex.metrics().as_dict()
     for key in (
         "pending_rpcs",
         "pending_outputs",
@@ -619,6 +619,6 @@ def test_outputs_of_a_failed_call_are_not_packed_f15(make_executor: Callable[...
     ex.drain(timeout=TIMEOUT)
     assert ex.packers[0].metrics.cancelled == 1 and ex.packers[0].metrics.packed == 1
     deadline = time.monotonic() + TIMEOUT
-    while ex.metrics()["pending_outputs"] and time.monotonic() < deadline:
+    while ex.metrics().pending_outputs and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ex.metrics()["pending_outputs"] == 0
+    assert ex.metrics().pending_outputs == 0

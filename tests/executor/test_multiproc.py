@@ -51,7 +51,7 @@ def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: Mapping[s
 
 def _assert_quiet(ex: MultiprocDiffusionExecutor) -> None:
     m = ex.metrics()
-    assert m["pending_outputs"] == 0 and m["pending_rpcs"] == 0 and m["held_payloads"] == 0, m
+    assert m.pending_outputs == 0 and m.pending_rpcs == 0 and m.held_payloads == 0, m
     assert ex.pool.stats().outstanding == 0, ex.pool.outstanding()
 
 
@@ -175,7 +175,7 @@ def test_several_ranks_one_failing_fails_the_call_f12(tracer: ListTracer) -> Non
         assert list(err.value.failures) == [1]
         # Rank 0 announced an output; the failed call dropped it: nothing is left.
         deadline = time.monotonic() + 10
-        while ex.metrics()["pending_outputs"] and time.monotonic() < deadline:
+        while ex.metrics().pending_outputs and time.monotonic() < deadline:
             time.sleep(0.05)
         _assert_quiet(ex)
 
@@ -314,7 +314,7 @@ def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> Non
     ros = [ex2.submit_request(_req(f"g{i}", **params), consumer="stream-1").result(timeout=30) for i in range(2)]
     assert ex2.release_consumer("stream-1") == 2
     deadline = time.monotonic() + 10
-    while (ex2.metrics()["pending_outputs"] or ex2.pool.stats().outstanding) and time.monotonic() < deadline:
+    while (ex2.metrics().pending_outputs or ex2.pool.stats().outstanding) and time.monotonic() < deadline:
         time.sleep(0.05)
     _assert_quiet(ex2)
     assert all(r.async_output_id for r in ros)
@@ -360,20 +360,20 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
         time.sleep(0.3)
         # The call's future fails inside the pump's fail_all: the death is handled.
         _kill_and_expect_worker_died(ex, fut)
-        released = ex.metrics()["released"]
+        released = ex.metrics().released
         oid = "r0-dead-7"
         image = torch.arange(1 << 17, dtype=torch.float32)  # 512 KiB: a real segment
         packed = pack_diffusion_output_shm(
             DiffusionOutput("late", {"image": image}, async_output_id=oid), pool=ex.pool
         )
         assert ex.pool.stats().outstanding == 1
-        ex._channel.put(OutputReady(oid, packed, rank=0))
+        ex.ranks._channel.put(OutputReady(oid, packed, rank=0))
         deadline = time.monotonic() + 5
-        while ex.metrics()["released"] == released and time.monotonic() < deadline:
+        while ex.metrics().released == released and time.monotonic() < deadline:
             time.sleep(0.05)
         m = ex.metrics()
-        assert m["released"] == released + 1, f"the late output of the dead worker is held: {m}"
-        assert m["pending_outputs"] == 0 and m["held_payloads"] == 0, m
+        assert m.released == released + 1, f"the late output of the dead worker is held: {m}"
+        assert m.pending_outputs == 0 and m.held_payloads == 0, m
         assert ex.pool.stats().outstanding == 0, ex.pool.outstanding()
         with pytest.raises(WorkerDied):
             ex.wait_output_ready(oid).result(timeout=5)

@@ -59,7 +59,7 @@ def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -
             ex.wait_output_ready(3)  # type: ignore[arg-type]
         assert time.monotonic() - t0 < 1.0
         assert bad.value.parameter == "steps" and bad.value.request_id == "neg"
-        assert ex.metrics()["pending_rpcs"] == 0
+        assert ex.metrics().pending_rpcs == 0
         # What only the worker instance can tell (its own width) fails that call, typed.
         with pytest.raises(RpcFailed) as remote:
             ex.execute_request(DiffusionRequest("wide", {"width": 32}))

@@ -79,10 +79,10 @@ def ex2() -> Iterator[RayDiffusionExecutor]:
 def _quiet(ex: RayDiffusionExecutor) -> bool:
     m = ex.metrics()
     return (
-        m["pending_outputs"] == 0
-        and m["pending_rpcs"] == 0
-        and m["held_payloads"] == 0
-        and m["held_outputs"] == 0  # the pool's and the object store's
+        m.pending_outputs == 0
+        and m.pending_rpcs == 0
+        and m.held_payloads == 0
+        and m.held_outputs == 0  # the pool's and the object store's
         and ex.pool.stats().outstanding == 0
     )
 
@@ -130,7 +130,7 @@ def test_many_requests_keep_each_ranks_order(ex2: RayDiffusionExecutor) -> None:
         _take(ex2, fut.result(timeout=60), p)
     wait_until(lambda: _quiet(ex2), timeout=10)
     m = ex2.metrics()
-    assert m["protocol_errors"] == 0 and m["dispatch_errors"] == 0, m
+    assert m.protocol_errors == 0 and m.dispatch_errors == 0, m
 
 
 def test_a_failing_forward_is_a_typed_error(ex2: RayDiffusionExecutor) -> None:
@@ -273,7 +273,7 @@ def test_a_stored_output_viewed_past_its_release_stays_intact_and_held(ex_store:
         ex_store.release_output(out)
     _take_stored(ex_store, ex_store.execute_request(_req("other", **p)), p)
     assert torch.equal(kept.view(torch.uint8), expected_image(p)[1:].view(torch.uint8))
-    wait_until(lambda: ex_store.metrics()["held_outputs"] == 1, timeout=10)
+    wait_until(lambda: ex_store.metrics().held_outputs == 1, timeout=10)
     del kept
     wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=10)
     budgets: list[tuple[int, int]] = ray.get([a.store_budget.remote() for a in ex_store.actors], timeout=30)
@@ -339,7 +339,7 @@ def test_the_object_store_budget_holds_the_packer_until_room() -> None:
         first = ex.execute_request(_req("held", **p))
         assert first.async_output_id is not None
         held = ex.wait_output_ready(first.async_output_id).result(timeout=30)
-        assert budget() == (1, 0) and ex.metrics()["held_outputs"] == 1
+        assert budget() == (1, 0) and ex.metrics().held_outputs == 1
         # No room: the next pack waits, then fails typed, naming the budget.
         late = ex.execute_request(_req("late", **p))
         assert late.async_output_id is not None
@@ -352,7 +352,7 @@ def test_the_object_store_budget_holds_the_packer_until_room() -> None:
         wait_until(lambda: budget() == (1, 1), timeout=10)
         assert ex.release_output(held) == 1
         _take_stored(ex, third, p)
-        wait_until(lambda: budget() == (0, 0) and ex.metrics()["held_outputs"] == 0, timeout=10)
+        wait_until(lambda: budget() == (0, 0) and ex.metrics().held_outputs == 0, timeout=10)
     _gone(ex)
 
 
@@ -401,7 +401,7 @@ def test_a_node_lost_with_outputs_in_every_stage_fails_its_waiters_and_leaves_no
         wait_until(lambda: ex.stored_outputs() == 0, timeout=10)
         assert torch.equal(kept.output["image"].view(torch.uint8), expected_image(p).view(torch.uint8))
         assert ex.release_output(kept) == 1
-        wait_until(lambda: ex.metrics()["held_outputs"] == 0, timeout=10)
+        wait_until(lambda: ex.metrics().held_outputs == 0, timeout=10)
     finally:
         ex.shutdown()
         remove_placement_group(pg)
@@ -535,7 +535,7 @@ def test_step_mode_answers_over_the_object_store() -> None:
         # the last reference is gone; dropped after the owner died, a fetched copy lingers in
         # the object store until Ray evicts it.
         del ros, r
-        wait_until(lambda: _stored_everywhere(ex) == 0 and ex.metrics()["held_outputs"] == 0, timeout=10)
+        wait_until(lambda: _stored_everywhere(ex) == 0 and ex.metrics().held_outputs == 0, timeout=10)
     assert ex.stored_outputs() == 0
     _gone(ex)
 
@@ -560,7 +560,7 @@ def test_the_guides_cross_node_example_runs() -> None:
 
 
 def test_room_given_back_counts_at_once() -> None:
-    """A stored output's release is counted when it happens (``metrics()["held_outputs"]``
+    """A stored output's release is counted when it happens (``metrics().held_outputs``
     falls to 0 before ``release_output`` returns, as with a pooled segment), not when the
     credit thread gets to it: the engine's abort test read 1 there now and then."""
     from omni_async.executor.ray_executor import _Credits

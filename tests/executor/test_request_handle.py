@@ -37,7 +37,7 @@ def _quiet(ex: MultiprocDiffusionExecutor) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = ex.metrics()
-        if ex.pool.stats().outstanding == 0 and m["pending_outputs"] == 0 and m["pending_rpcs"] == 0:
+        if ex.pool.stats().outstanding == 0 and m.pending_outputs == 0 and m.pending_rpcs == 0:
             return True
         time.sleep(0.05)
     return False

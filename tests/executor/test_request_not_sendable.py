@@ -48,7 +48,7 @@ def test_unpicklable_parameter_raises_request_not_sendable_naming_it(ex: Multipr
     assert isinstance(e, UsageError)
     assert e.request_id == "r-bad" and e.parameter == "fn", str(e)
     assert "'r-bad'" in str(e) and "'fn'" in str(e)
-    assert ex.metrics()["pending_rpcs"] == 0
+    assert ex.metrics().pending_rpcs == 0
     ex.check_health()
     _ok(ex, "r-next")
 
@@ -60,7 +60,7 @@ def test_unpicklable_parameter_in_a_batch_and_in_a_collective_rpc(ex: MultiprocD
     with pytest.raises(errors.RequestNotSendable) as err2:
         ex.collective_rpc("pid", (lambda: 3,))
     assert err2.value.request_id is None and err2.value.parameter == "args[0]"
-    assert ex.metrics()["pending_rpcs"] == 0
+    assert ex.metrics().pending_rpcs == 0
     # Both ranks answer the next call: neither holds half of a failed one.
     pids = ex.collective_rpc("pid")
     assert pids == [p.pid for p in ex.procs]

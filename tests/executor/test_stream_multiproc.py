@@ -38,7 +38,7 @@ def quiet(ex: MultiprocDiffusionExecutor, timeout: float = 30.0) -> None:
     keys = ("pending_rpcs", "pending_outputs", "pending_waiters", "held_payloads", "held_outputs")
     while True:
         settle_releases()
-        m = ex.metrics()
+        m = ex.metrics().as_dict()
         left = {k: m[k] for k in keys if m[k]}
         if not left:
             return
@@ -124,7 +124,7 @@ def test_a_failed_call_ends_the_stream_with_its_error(ex: MultiprocDiffusionExec
 
 
 def test_closing_a_stream_early_releases_everything(ex: MultiprocDiffusionExecutor) -> None:
-    released = ex.metrics()["released"]
+    released = ex.metrics().released
     stream = ex.submit_stream(r("s5", preview_every=1, steps=12, step_ms=20))
     first = stream.next_chunk(timeout=30)
     assert first is not None and first.seq == 0
@@ -135,7 +135,7 @@ def test_closing_a_stream_early_releases_everything(ex: MultiprocDiffusionExecut
     result = stream.result.result(30)  # closing the stream does not stop the forward
     ex.drop_output(result.async_output_id or "").result(30)
     quiet(ex)
-    assert ex.metrics()["released"] - released >= 2  # chunks dropped, released on arrival
+    assert ex.metrics().released - released >= 2  # chunks dropped, released on arrival
     info = ex.worker_metrics()[0]
     assert info["chunks_sent"] >= 12
 
@@ -173,14 +173,14 @@ def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
 
         def watch() -> None:
             while not stop.is_set():
-                held.append(ex.metrics()["held_outputs"])
+                held.append(ex.metrics().held_outputs)
                 time.sleep(0.005)
 
         watcher = threading.Thread(target=watch)
         watcher.start()
         stream = ex.submit_stream(r("slow", preview_every=1, steps=12))
         time.sleep(1.0)  # nobody reads: the budget fills, the worker waits
-        assert ex.metrics()["pool_full"] == 1
+        assert ex.metrics().pool_full == 1
         steps = []
         for out in stream:
             steps.append(out.output["info"]["step"])
@@ -194,9 +194,9 @@ def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
         stop.set()
         watcher.join()
         assert steps == list(range(1, 13))
-        waited = ex.metrics()["pool_waits"]
+        waited = ex.metrics().pool_waits
         assert max(held) <= 2 and waited >= 1, (max(held), waited)
-        assert ex.metrics()["timeouts"] == 0
+        assert ex.metrics().timeouts == 0
         quiet(ex)
     finally:
         stop.set()

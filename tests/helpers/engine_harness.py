@@ -45,7 +45,7 @@ async def in_thread(fn: Callable[[], T]) -> T:
 
 def executor_quiet(ex: DiffusionExecutor) -> dict[str, float]:
     """The executor metrics that must be 0 once nothing is in flight, with their values."""
-    m = ex.metrics()
+    m = ex.metrics().as_dict()
     keys = ["pending_rpcs", "pending_outputs", "pending_waiters", "held_payloads", "held_outputs"]
     return {k: m[k] for k in keys if k in m}
 

@@ -490,7 +490,7 @@ def _abort_runs() -> list[list[TraceEvent]]:
             late = ex.submit_request(rq("late", 300), deadlines=Deadlines(compute_timeout=0.1))
             assert isinstance(late.exception(10), ComputeTimeout)
             deadline = time.monotonic() + 10
-            while ex.metrics()["overdue_calls"] and time.monotonic() < deadline:
+            while ex.metrics().overdue_calls and time.monotonic() < deadline:
                 time.sleep(0.01)
             consume(ex, ex.execute_request(rq("after", 1)))
         finally:
@@ -610,7 +610,7 @@ def _stream_runs() -> list[list[TraceEvent]]:
             with pytest.raises(ComputeTimeout):
                 s.result.result(10)
             deadline = time.monotonic() + 10
-            while ex.metrics()["overdue_calls"] and time.monotonic() < deadline:
+            while ex.metrics().overdue_calls and time.monotonic() < deadline:
                 time.sleep(0.01)
             finish(ex, ex.submit_stream(rq("after", 1)))
         finally:

@@ -33,7 +33,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -50,6 +50,7 @@ from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.metrics import GenerationResult
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.metrics import ExecutorMetrics
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.dit import PIPELINE, DiTPipelineWorker
@@ -164,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
         _write(out, args, runs, summaries)
         m = ex.metrics()
         print(_executor_line(m))
-        if m["pending_outputs"] or m["held_payloads"]:
+        if m.pending_outputs or m.held_payloads:
             print("registry not empty at the end", file=sys.stderr)
             bad += 1
         if isinstance(ex, MultiprocDiffusionExecutor):
@@ -201,10 +202,11 @@ _PROBLEMS = (
 )
 
 
-def _executor_line(m: Mapping[str, float]) -> str:
+def _executor_line(metrics: ExecutorMetrics) -> str:
     """One line: what the executor delivered, and its problem counters that are not 0."""
+    m = metrics.as_dict()
     bad = ", ".join(f"{k}={m[k]:g}" for k in _PROBLEMS if m.get(k))
-    return f"executor: {m.get('delivered', 0):g} outputs delivered; " + (bad or "no timeouts, protocol errors or outputs left")
+    return f"executor: {metrics.delivered:g} outputs delivered; " + (bad or "no timeouts, protocol errors or outputs left")
 
 
 def _check_result(result: GenerationResult, args: argparse.Namespace) -> bool:
@@ -310,11 +312,11 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
 def _leftovers(ex: DiffusionExecutor, mode: str) -> int:
     """1 if the run left an output in the executor or a segment leased, else 0."""
     m = ex.metrics()
-    left = bool(m["pending_outputs"] or m["held_payloads"])
+    left = bool(m.pending_outputs or m.held_payloads)
     if isinstance(ex, MultiprocDiffusionExecutor):
         left = left or bool(ex.pool.stats().outstanding)
     if left:
-        print(f"{mode}: outputs or segments left behind after the run: {dict(m)}", file=sys.stderr)
+        print(f"{mode}: outputs or segments left behind after the run: {m}", file=sys.stderr)
     return int(left)
 
 

@@ -274,7 +274,7 @@ class Life:
         while True:
             m = ex.metrics()
             leases = ex.pool.stats().outstanding
-            empty = m["pending_outputs"] == 0 and m["held_payloads"] == 0
+            empty = m.pending_outputs == 0 and m.held_payloads == 0
             if (empty and leases == 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.02)

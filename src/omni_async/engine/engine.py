@@ -102,6 +102,7 @@ from omni_async.engine.metrics import EngineMetrics, GenerationChunk, Generation
 from omni_async.engine.record import retrieve
 from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.metrics import ExecutorMetrics
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -452,7 +453,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
     def _snapshot(self) -> EngineMetrics:
         s = self._scheduler
         now = time.monotonic()
-        executor: dict[str, float] = {}
+        executor: ExecutorMetrics | None = None
         if self._executor is not None:
             try:
                 executor = self._executor.metrics()

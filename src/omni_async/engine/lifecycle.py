@@ -62,7 +62,7 @@ class EngineLifecycle(EngineDriver):
                     "AsyncDiffusionEngine needs an executor in request mode (step_mode=False): it overlaps each "
                     "output's copy with the next forward"
                 )
-            budget = await asyncio.to_thread(ex.metrics)
+            budget = ex.budget
             self._check_start_wanted()
         except BaseException:
             # What the start built goes before the lifecycle says FAILED: a failed start
@@ -72,17 +72,11 @@ class EngineLifecycle(EngineDriver):
             if not self._life.terminal:  # CLOSED already: a close gave up waiting for the factory
                 self._life.fire(EE.START_FAILED)
             raise
-        held_outputs = budget.get("max_held_outputs")
-        held_bytes = budget.get("max_held_bytes")
         cap = self._max_in_flight
-        if cap is None and held_outputs is None:
+        if cap is None and budget is None:
             cap = DEFAULT_MAX_IN_FLIGHT
         self._scheduler = Scheduler(
-            max_waiting=self._max_waiting,
-            max_running=self._max_running,
-            max_in_flight=cap,
-            max_held_outputs=None if held_outputs is None else int(held_outputs),
-            max_held_bytes=None if held_bytes is None else int(held_bytes),
+            max_waiting=self._max_waiting, max_running=self._max_running, max_in_flight=cap, budget=budget
         )
         self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-send")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-control")

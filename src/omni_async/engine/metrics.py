@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from omni_async.executor.metrics import ExecutorMetrics
+
 __all__ = [
     "LATENCY_BUCKETS",
     "STAGES",
@@ -168,7 +170,7 @@ class EngineMetrics:
     ``RequestTimings`` (finished requests); ``loop_alive``: the engine's scheduling
     task runs; ``pump_alive``: the executor's result pump runs; ``executor_healthy``:
     the executor's ``check_health`` passes (every worker alive); ``executor``: the
-    executor's own ``metrics()``; ``chunks``: intermediate outputs of streams delivered
+    executor's own ``metrics()`` (None when it could not give them: shut down); ``chunks``: intermediate outputs of streams delivered
     to their callers (``generate_stream``).
     """
 
@@ -187,7 +189,7 @@ class EngineMetrics:
     loop_alive: bool
     pump_alive: bool
     executor_healthy: bool
-    executor: Mapping[str, float]
+    executor: ExecutorMetrics | None
     chunks: int = 0
 
     def as_dict(self) -> dict[str, float]:
@@ -210,5 +212,6 @@ class EngineMetrics:
             executor_healthy=float(self.executor_healthy),
             chunks=float(self.chunks),
         )
-        out.update({f"executor_{k}": v for k, v in self.executor.items()})
+        if self.executor is not None:
+            out.update({f"executor_{k}": v for k, v in self.executor.as_dict().items()})
         return out

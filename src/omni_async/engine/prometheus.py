@@ -34,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from omni_async.engine.metrics import EngineMetrics
+from omni_async.executor.metrics import HeldOutputMetrics
 
 __all__ = ["EngineCollector", "engine_registry"]
 
@@ -95,19 +96,23 @@ class EngineCollector(Collector):
             f"{_P}engine_chunks", "Intermediate outputs of streams delivered (generate_stream)", value=m.chunks
         )
         ex = m.executor
-        for name, key, doc in (
-            ("executor_outputs_held", "held_outputs", "Outputs held in shared memory (packed, not released)"),
-            ("executor_bytes_held", "held_bytes", "Bytes held in shared memory (packed, not released)"),
-            ("executor_outputs_pending", "pending_outputs", "Output ids the executor tracks"),
-        ):
-            if key in ex:
-                yield GaugeMetricFamily(f"{_P}{name}", doc, value=ex[key])
-        for name, key, doc in (
-            ("executor_pool_waits", "pool_waits", "Packs that waited for room in the budget of held outputs"),
-            ("executor_pool_wait_seconds", "pool_wait_s_total", "Time packs waited for room"),
-        ):
-            if key in ex:
-                yield CounterMetricFamily(f"{_P}{name}", doc, value=ex[key])
+        if ex is not None:
+            gauges: list[tuple[str, float, str]] = []
+            counters: list[tuple[str, float, str]] = []
+            if isinstance(ex, HeldOutputMetrics):
+                gauges += [
+                    ("executor_outputs_held", ex.held_outputs, "Outputs held in shared memory (packed, not released)"),
+                    ("executor_bytes_held", ex.held_bytes, "Bytes held in shared memory (packed, not released)"),
+                ]
+                counters += [
+                    ("executor_pool_waits", ex.pool_waits, "Packs that waited for room in the budget of held outputs"),
+                    ("executor_pool_wait_seconds", ex.pool_wait_s_total, "Time packs waited for room"),
+                ]
+            gauges.append(("executor_outputs_pending", ex.pending_outputs, "Output ids the executor tracks"))
+            for name, value, doc in gauges:
+                yield GaugeMetricFamily(f"{_P}{name}", doc, value=float(value))
+            for name, value, doc in counters:
+                yield CounterMetricFamily(f"{_P}{name}", doc, value=float(value))
         yield GaugeMetricFamily(f"{_P}engine_loop_up", "The engine's loop task runs", value=float(m.loop_alive))
         yield GaugeMetricFamily(f"{_P}pump_up", "The executor's result pump runs", value=float(m.pump_alive))
         yield GaugeMetricFamily(

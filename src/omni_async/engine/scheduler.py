@@ -20,11 +20,11 @@ A request the engine accepted is in one of three places:
 
 The budget: every running or holding request will hold (or holds) one output in the
 executor's shared memory until the engine releases it, so admission keeps
-``running + holding <= in_flight_limit``, where the limit is the executor's
-``max_held_outputs`` and, once the size of an output is known, as many outputs as fit
-into ``max_held_bytes``.  The byte estimate is deliberately pessimistic: the pool leases
-power-of-two size classes and may hand out a segment one class larger, so an output
-of ``n`` bytes is counted as twice its class.  So "submit many, consume later" waits
+``running + holding <= in_flight_limit``, where the limit is the executor's budget
+(``OutputBudget``: its ``max_outputs`` and, once the size of an output is known, as
+many outputs as fit into its ``max_bytes``).  The byte estimate is the budget's own
+(``OutputBudget.outputs_that_fit``, with the pool's size classes): deliberately
+pessimistic, an output of ``n`` bytes counts as twice its class.  So "submit many, consume later" waits
 here, in the engine's queue, instead of inside a worker's packer waiting for room in
 shared memory while the output deadlines run.  A request refused by the budget alone
 (a running slot was free) is a *budget wait*: counted, and timed, in ``stats``.
@@ -42,8 +42,9 @@ import attrs
 
 from omni_async.core.errors import UsageError
 from omni_async.engine.errors import EngineOverloaded
+from omni_async.transport.budget import OutputBudget
 
-__all__ = ["SchedulerPhase", "Scheduler", "SchedulerStats", "size_class"]
+__all__ = ["SchedulerPhase", "Scheduler", "SchedulerStats"]
 
 
 class SchedulerPhase(enum.Enum):
@@ -55,11 +56,6 @@ class SchedulerPhase(enum.Enum):
 
     def __repr__(self) -> str:
         return self.name
-
-
-def size_class(nbytes: int, min_segment_bytes: int = 1 << 16) -> int:
-    """The segment size the pool leases for ``nbytes``: the next power of two, at least the minimum."""
-    return max(min_segment_bytes, 1 << max(0, nbytes - 1).bit_length())
 
 
 @attrs.define
@@ -88,23 +84,19 @@ class Scheduler:
         max_waiting: int,
         max_running: int,
         max_in_flight: int | None = None,
-        max_held_outputs: int | None = None,
-        max_held_bytes: int | None = None,
-        min_segment_bytes: int = 1 << 16,
+        budget: OutputBudget | None = None,
     ) -> None:
         """``max_in_flight``: the engine's own cap on running + holding requests;
-        ``max_held_outputs`` / ``max_held_bytes``: the executor's budget (None: none)."""
+        ``budget``: the executor's budget of held outputs (None: none)."""
         _positive("max_waiting", max_waiting)
         _positive("max_running", max_running)
         _positive("max_in_flight", max_in_flight, optional=True)
-        _positive("max_held_outputs", max_held_outputs, optional=True)
-        _positive("max_held_bytes", max_held_bytes, optional=True)
+        if budget is not None and not isinstance(budget, OutputBudget):
+            raise UsageError(f"budget must be an OutputBudget or None, got {type(budget).__name__}")
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.max_in_flight = max_in_flight
-        self.max_held_outputs = max_held_outputs
-        self.max_held_bytes = max_held_bytes
-        self._min_segment = min_segment_bytes
+        self.budget = budget
         self._waiting: OrderedDict[str, None] = OrderedDict()
         self._running: set[str] = set()
         self._holding: set[str] = set()
@@ -153,10 +145,9 @@ class Scheduler:
     @property
     def in_flight_limit(self) -> int | None:
         """How many requests may be running or holding at once (None: no limit but ``max_running``)."""
-        limits = [x for x in (self.max_in_flight, self.max_held_outputs) if x is not None]
-        if self.max_held_bytes is not None and self._largest_output > 0:
-            per_output = 2 * size_class(self._largest_output, self._min_segment)
-            limits.append(max(1, self.max_held_bytes // per_output))
+        limits = [] if self.max_in_flight is None else [self.max_in_flight]
+        if self.budget is not None:
+            limits.append(self.budget.in_flight_limit(self._largest_output))
         return min(limits) if limits else None
 
     def waiting_ids(self) -> list[str]:

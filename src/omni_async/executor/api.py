@@ -47,8 +47,10 @@ from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
 from omni_async.executor.futures import all_done, map_future
 from omni_async.executor.handle import RequestHandle
+from omni_async.executor.metrics import ExecutorMetrics
 from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
+from omni_async.transport.budget import OutputBudget
 from omni_async.transport.channel import ResultReceiver
 
 log = logging.getLogger(__name__)
@@ -818,59 +820,49 @@ class DiffusionExecutor(abc.ABC):
         if stuck is not None:
             raise stuck
 
-    def metrics(self) -> dict[str, float]:
-        """Counters of the executor side; ``output_waits``/``output_wait_s_total``/
-        ``output_wait_s_max``: the ``wait_output_ready`` futures that delivered an output,
-        and how long they took from the call."""
+    def metrics(self) -> ExecutorMetrics:
+        """The executor side's counters (``ExecutorMetrics``, whose docstring says what each is)."""
         with self._wait_lock:
-            waits = {
-                "output_waits": float(self._waits),
-                "output_wait_s_total": self._wait_s_total,
-                "output_wait_s_max": self._wait_s_max,
-            }
+            waits, wait_total, wait_max = self._waits, self._wait_s_total, self._wait_s_max
 
-        def read(d: Dispatcher) -> dict[str, float]:
+        def read(d: Dispatcher) -> ExecutorMetrics:
             s = d.registry.stats
-            return {
-                "pending_rpcs": d.pending_rpcs(),
-                "pending_outputs": len(d.registry),
-                "pending_waiters": d.registry.pending_waiters(),
-                "held_payloads": d.registry.held_payloads(),
-                "delivered": s.delivered,
-                "released": s.released,
-                "timeouts": s.timeouts,
-                # Outputs that arrived but that no COMPUTE_DONE named before their call
-                # ended: released by their deadline (OutputOrphaned, defect 3).
-                "orphaned_outputs": s.orphaned,
-                "protocol_errors": s.protocol_errors + d.counters["protocol_errors"] + self.unexpected_sync_answers,
-                # Of which (M3): execute calls the reply rank answered without COMPUTE_DONE;
-                # COMPUTE_DONEs, CHUNKs and RPC_RESULTs of a call never made (or ended longer ago
-                # than remembered); answers a rank repeated in a collective_rpc.
-                "answers_without_compute_done": d.counters["answers_without_compute_done"],
-                "unknown_call_compute_done": d.counters["unknown_call_compute_done"],
-                "unknown_call_chunk": d.counters["unknown_call_chunk"],
-                "unknown_call_rpc_result": d.counters["unknown_call_rpc_result"],
-                "unexpected_sync_answers": self.unexpected_sync_answers,
-                # COMPUTE_DONEs of no pending call, whose ids are dropped: late ones (not
-                # errors) and those of a call never made (counted above too); late answers
-                # of an earlier collective_rpc (not errors).
-                "orphan_compute_done": d.counters["orphan_compute_done"],
-                "stale_sync_answers": self.stale_sync_answers,
-                # Late answers of execute calls that already ended (their compute
-                # deadline): discarded, never kept in the synchronous buffer (S2).
-                "late_rpc_results": d.counters["late_rpc_results"],
-                # DROPPING records of an unknown call given up at their deadline (M6).
-                "orphan_drops_expired": s.orphan_drops_expired,
-                "compute_timeouts": d.counters["compute_timeouts"],
-                # Calls ended by their compute deadline that a rank has not answered yet
-                # (their forward was cancelled; see check_health's WorkerStuck).
-                "overdue_calls": d.overdue_calls(),
-                "dispatch_errors": self.pump.dispatch_errors,
-                "messages": self.pump.messages,
-                **waits,
-            }
+            c = d.counters
+            return ExecutorMetrics(
+                pending_rpcs=d.pending_rpcs(),
+                pending_outputs=len(d.registry),
+                pending_waiters=d.registry.pending_waiters(),
+                held_payloads=d.registry.held_payloads(),
+                delivered=s.delivered,
+                released=s.released,
+                timeouts=s.timeouts,
+                orphaned_outputs=s.orphaned,
+                protocol_errors=s.protocol_errors + c["protocol_errors"] + self.unexpected_sync_answers,
+                answers_without_compute_done=c["answers_without_compute_done"],
+                unknown_call_compute_done=c["unknown_call_compute_done"],
+                unknown_call_chunk=c["unknown_call_chunk"],
+                unknown_call_rpc_result=c["unknown_call_rpc_result"],
+                unexpected_sync_answers=self.unexpected_sync_answers,
+                orphan_compute_done=c["orphan_compute_done"],
+                stale_sync_answers=self.stale_sync_answers,
+                late_rpc_results=c["late_rpc_results"],
+                orphan_drops_expired=s.orphan_drops_expired,
+                compute_timeouts=c["compute_timeouts"],
+                overdue_calls=d.overdue_calls(),
+                dispatch_errors=self.pump.dispatch_errors,
+                messages=self.pump.messages,
+                output_waits=waits,
+                output_wait_s_total=wait_total,
+                output_wait_s_max=wait_max,
+            )
 
         return self.pump.call(read)
+
+    @property
+    def budget(self) -> OutputBudget | None:
+        """The budget of held outputs in force (None: this executor holds outputs in no
+        bounded store); the engine's admission control reads it."""
+        return None
 
     def worker_metrics(self) -> list[dict[str, Any]]:
         """Per rank: pid and packer counters (outputs and bytes in flight, pack time,

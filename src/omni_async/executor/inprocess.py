@@ -15,7 +15,7 @@ from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, stop_budget
-from omni_async.executor.validation import model_validator
+from omni_async.worker.validation import model_validator
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -102,7 +102,7 @@ class InProcessExecutor(DiffusionExecutor):
             self.loops.append(loop)
             self._inboxes.append(inbox)
             self._threads.append(t)
-        # One rule with worker processes (omni_async.executor.validation): the model's
+        # One rule with worker processes (omni_async.worker.validation): the model's
         # validate_request runs without an instance; an instance method is refused.
         found = model_validator(make_worker, "InProcessExecutor(make_worker)")
         for loop in self.loops:

@@ -1,8 +1,10 @@
 """``RayDiffusionExecutor``: one Ray actor per rank, the same two-phase protocol.
 
-Only the transport differs from ``MultiprocDiffusionExecutor``: the registry, the
-dispatcher, the pump and the spec are the same, and each actor hosts the same
-``WorkerLoop`` and ``Packer`` built from a ``WorkerSpec``.  Ray is imported here
+Only the transport differs from ``MultiprocDiffusionExecutor``: both are a
+``RankedExecutor`` (the registry, the dispatcher, the pump, the pool and its budget,
+deaths, outputs), this one over ``RayRanks``, the other over ``ProcessRanks``; each
+actor hosts the same ``WorkerLoop`` and ``Packer`` built from a ``WorkerSpec``
+(``omni_async.worker.host``; the actor's side is ``omni_async.executor.ray_actor``).  Ray is imported here
 only, when the executor is built (``pip install 'omni_async[ray]'``).
 
 Placement: a placement group of ``world_size`` bundles (``{"CPU": 1}``, plus
@@ -85,73 +87,47 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import pickle
 import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Final
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Final, Unpack, cast
 
 import attrs
 
-from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ActorDied,
     ComputeTimeout,
-    ExecutorShutdown,
-    OmniAsyncError,
     OutputUnpackFailed,
     ProtocolError,
     UsageError,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import (
-    AsyncDiffusionOutput,
-    CancelMessage,
-    DiffusionOutput,
-    Failure,
-    RpcRequest,
-)
-from omni_async.core.trace import Tracer
-from omni_async.executor.api import DiffusionExecutor, check_final_step_async, stop_budget
-from omni_async.executor.futures import map_future
-from omni_async.executor.multiproc import (
-    DEFAULT_MAX_HELD_OUTPUTS,
-    MultiprocDiffusionExecutor,
-    WorkerOptions,
-    WorkerSpec,
-    _build_worker,
-)
+from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
+from omni_async.executor.api import stop_budget
+from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
+from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, shut_down_error
+from omni_async.executor.ray_actor import Buffer, OutboxLimits, PollBatch, RankActor, RankActorHandle, StoreBudget
 from omni_async.transport.channel import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_PUT_TIMEOUT,
-    dumps_message,
     loads_message,
 )
-from omni_async.transport.errors import ChannelClosed, ChannelFull, HeldOutputsFull
-from omni_async.transport.packing import (
-    StoredPayload,
-    carried_leases,
-    carried_stored_keys,
-    pack_diffusion_output_host,
-    unpack_diffusion_output_host,
-)
-from omni_async.transport.platform import CopyStream, DeviceEvent
-from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
-from omni_async.worker.baselines import check_output_path
+from omni_async.transport.errors import ChannelClosed
+from omni_async.transport.packing import StoredPayload, carried_leases, unpack_diffusion_output_host
+from omni_async.transport.shm import SegmentPool
+from omni_async.worker.host import WorkerOptions, WorkerSpec
 
 if TYPE_CHECKING:
+    from ray import ObjectRef
     from ray.util.placement_group import PlacementGroup
 
-    from omni_async.worker.loop import WorkerLoop
-    from omni_async.worker.packer import Packer, PackFn
-
-__all__ = ["RayDiffusionExecutor"]
+__all__ = ["RayDiffusionExecutor", "RayRanks"]
 
 log = logging.getLogger(__name__)
 
@@ -162,304 +138,10 @@ _ACTOR_CONCURRENCY: Final = 8
 _TRANSPORTS: Final = ("auto", "shm", "object_store")
 
 
-def _get_stored(ref: Any, timeout: float | None) -> Any:
+def _get_stored(ref: ObjectRef[Buffer], timeout: float | None) -> Buffer:
     import ray
 
     return ray.get(ref, timeout=timeout)
-
-
-# ---------------------------------------------------------------------------- actor side
-
-
-@attrs.frozen
-class _StoreBudget:
-    """Per rank, the budget of its buffers in Ray's object store: put by its packer and not
-    yet released by the executor (dropped unread, or read and every view of it gone),
-    as the pool's budget of held outputs is for shared memory."""
-
-    max_outputs: int
-    max_bytes: int | None
-    timeout: float
-    rank: int
-
-    def full(self, output: DiffusionOutput, held: int, held_bytes: int, nbytes: int) -> HeldOutputsFull:
-        return HeldOutputsFull(
-            f"output {output.async_output_id} of request {output.request_id!r} found no room in rank {self.rank}'s "
-            f"budget of outputs in Ray's object store within lease_timeout={self.timeout} s: {held} of "
-            f"max_held_outputs={self.max_outputs} outputs and {held_bytes} of max_held_bytes={self.max_bytes} bytes "
-            f"are held (put, and not yet released: read by a waiter whose views are still alive, or not read yet); "
-            f"it needs {nbytes} bytes.  Drop the views of delivered outputs sooner (or drop_output), or raise "
-            "RayDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)",
-            nbytes=nbytes,
-            timeout=self.timeout,
-        )
-
-
-class _Outbox:
-    """The actor's end of the result channel: numbered pickled messages, bounded, in put order."""
-
-    def __init__(self, max_messages: int, max_bytes: int, max_message_bytes: int, put_timeout: float | None) -> None:
-        self._cond = threading.Condition()
-        self._items: collections.deque[tuple[bytes, dict[str, Any]]] = collections.deque()
-        # Object-store path: key -> ObjectRef of each stored buffer not yet in a message
-        # (``ray.put`` by the packer); a message takes its refs along, out of band.
-        self.stored: dict[str, Any] = {}
-        self._bytes = 0
-        self._first = 0  # the number of _items[0]
-        self._max_messages = max_messages
-        self._max_bytes = max_bytes
-        self._max_message_bytes = max_message_bytes
-        self._put_timeout = put_timeout
-        self._closed = False
-        # The budget of stored buffers (``_StoreBudget``): key -> bytes of each buffer put
-        # and not yet released by the executor.
-        self.held: dict[str, int] = {}
-        self.waiting = 0  # packs waiting for room now
-
-    def put(self, msg: AsyncDiffusionOutput, timeout: float | None = None) -> None:
-        data = dumps_message(msg, self._max_message_bytes)  # the caller's thread (F5)
-        keys = carried_stored_keys(msg)
-        limit = self._put_timeout if timeout is None else timeout
-        deadline = None if limit is None else time.monotonic() + limit
-        with self._cond:
-            while not self._closed and (
-                len(self._items) >= self._max_messages or (self._items and self._bytes + len(data) > self._max_bytes)
-            ):
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise ChannelFull(
-                        f"the result outbox is full ({len(self._items)} messages, {self._bytes} bytes): the "
-                        "executor's pump takes nothing",
-                        nbytes=len(data),
-                        timeout=limit,
-                    )
-                self._cond.wait(left)
-            if self._closed:
-                raise ChannelClosed("the result outbox is closed (the executor shut down)")
-            self._items.append((data, {k: self.stored.pop(k) for k in keys if k in self.stored}))
-            self._bytes += len(data)
-            self._cond.notify_all()
-
-    def store(self, ref: Any, key: str) -> None:
-        with self._cond:
-            self.stored[key] = ref
-
-    def drop(self, key: str) -> None:
-        with self._cond:
-            self.stored.pop(key, None)
-            self.held.pop(key, None)
-            self._cond.notify_all()
-
-    def hold(self, key: str, nbytes: int, budget: _StoreBudget, output: DiffusionOutput) -> None:
-        """Room for one more stored buffer of ``nbytes`` (the packer's thread): waits while
-        the budget is full; ``HeldOutputsFull`` after its timeout."""
-        deadline = time.monotonic() + budget.timeout
-        with self._cond:
-            self.waiting += 1
-            try:
-                while not self._closed and (
-                    len(self.held) >= budget.max_outputs
-                    or (budget.max_bytes is not None and self.held and sum(self.held.values()) + nbytes > budget.max_bytes)
-                ):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise budget.full(output, len(self.held), sum(self.held.values()), nbytes)
-                    self._cond.wait(left)
-            finally:
-                self.waiting -= 1
-            if self._closed:
-                raise ChannelClosed("the result outbox is closed (the executor shut down)")
-            self.held[key] = nbytes
-
-    def released(self, keys: list[str]) -> None:
-        with self._cond:
-            for key in keys:
-                self.held.pop(key, None)
-            self._cond.notify_all()
-
-    def take(self, wait: float) -> tuple[int, list[tuple[bytes, dict[str, Any]]]]:
-        """Everything queued (waiting up to ``wait`` for something), and the number of the first:
-        each message with the refs of the buffers it refers to (returned in band, never
-        pickled inside the message, where Ray's reference counting would pin them forever)."""
-        with self._cond:
-            if not self._items and not self._closed:
-                self._cond.wait(wait)
-            first, batch = self._first, list(self._items)
-            self._items.clear()
-            self._bytes = 0
-            self._first += len(batch)
-            self._cond.notify_all()
-            return first, batch
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
-class _OrderedInbox:
-    """RPCs in their sequence order, whatever order the actor's threads deliver them in."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._waiting: dict[int, RpcRequest | None] = {}
-        self._next = 0
-
-    def put(self, seq: int, req: RpcRequest | None) -> None:
-        with self._cond:
-            self._waiting[seq] = req
-            self._cond.notify_all()
-
-    def get(self) -> RpcRequest | None:
-        with self._cond:
-            while self._next not in self._waiting:
-                self._cond.wait()
-            self._next += 1
-            return self._waiting.pop(self._next - 1)
-
-
-class RankActor:
-    """The body of one rank's Ray actor: the worker loop on a thread, fed in RPC order."""
-
-    def __init__(
-        self,
-        rank: int,
-        spec: WorkerSpec,
-        opts: WorkerOptions,
-        pool_state: bytes,
-        outbox: dict[str, Any],
-        driver_path: list[str] | None = None,
-        driver_node: str = "",
-        transport: str = "auto",
-        budget: _StoreBudget | None = None,
-    ):
-        # The driver's import path, as a spawned worker process inherits it: a factory the
-        # driver can import (its own package, a test's helpers) is importable here too.
-        for entry in reversed(driver_path or []):
-            if entry and entry not in sys.path:
-                sys.path.insert(0, entry)
-        self._rank = rank
-        self._outbox = _Outbox(**outbox)
-        self._inbox = _OrderedInbox()
-        self._built = threading.Event()
-        self._failure: Failure | None = None
-        self._loop: WorkerLoop | None = None
-        self._packer: Packer | None = None
-        import ray
-
-        self._node = ray.get_runtime_context().get_node_id()
-        self._remote = self._node != driver_node
-        # Decided once, here: the pool where the executor's node is ours, Ray's object store otherwise.
-        self._via_store = transport == "object_store" or (transport == "auto" and self._remote)
-        self._stored_n = 0
-        self._budget = budget or _StoreBudget(DEFAULT_MAX_HELD_OUTPUTS, None, 30.0, rank)
-        self._thread = threading.Thread(
-            target=self._main, args=(spec, opts, pool_state), name=f"omni-worker-{rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _main(self, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes) -> None:
-        # Built on this thread: a CUDA worker's current device is set per thread.
-        try:
-            if self._via_store:
-                packer, loop = _build_worker(
-                    self._rank, spec, opts, None, self._outbox, packing=(self._pack_stored(opts), self._release_stored)
-                )
-            elif self._remote:
-                raise UsageError("transport='shm' on another node than the executor's")  # the executor says more
-            else:
-                pool = pickle.loads(pool_state)
-                packer, loop = _build_worker(self._rank, spec, opts, pool, self._outbox)
-            packer.start()
-        except BaseException as exc:
-            self._failure = Failure.from_exception(exc)
-            self._built.set()
-            return
-        self._packer, self._loop = packer, loop
-        self._built.set()
-        try:
-            while (req := self._inbox.get()) is not None:
-                try:
-                    loop.handle_rpc(req)
-                except Exception:
-                    log.exception("worker rank %d: handling %s failed", self._rank, req.method)
-        finally:
-            packer.stop(timeout=10.0, abandon=True)  # exiting: a pack waiting for room must not hold it
-
-    def _pack_stored(self, opts: WorkerOptions) -> PackFn:
-        import ray
-
-        def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
-            def put(buf: Any) -> str:
-                key = f"{self._rank}.{self._stored_n}"
-                self._stored_n += 1  # the packer's thread, or the loop's in step mode: one at a time
-                self._outbox.hold(key, int(buf.nbytes), self._budget, output)  # back-pressure: waits for room
-                try:
-                    ref = ray.put(buf)
-                except BaseException:
-                    self._outbox.released([key])
-                    raise
-                self._outbox.store(ref, key)
-                return key
-
-            return pack_diffusion_output_host(
-                output, stream, put=put, inline_threshold=opts.inline_threshold, ready_event=event
-            )
-
-        return pack
-
-    def _release_stored(self, packed: DiffusionOutput) -> None:
-        if isinstance(packed.output, StoredPayload) and packed.output.key:
-            self._outbox.drop(packed.output.key)  # never sent: the ref goes here
-
-    def ready(self, timeout: float) -> tuple[Failure | None, int, str, str, bool]:
-        """Once the model is built: the failure that stopped it (None), pid, node id, address,
-        and whether its outputs go through the object store."""
-        import ray
-
-        address = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        if self._remote and not self._via_store:
-            return None, os.getpid(), self._node, address, False  # the executor refuses it
-        if not self._built.wait(timeout):
-            return Failure("ComputeTimeout", f"no model in {timeout} s", ""), os.getpid(), "", "", False
-        return self._failure, os.getpid(), self._node, address, self._via_store
-
-    def stored_refs(self) -> int:
-        """How many stored buffers this actor still holds a ref to (not yet in a polled message)."""
-        with self._outbox._cond:
-            return len(self._outbox.stored) + sum(len(refs) for _, refs in self._outbox._items)
-
-    def store_budget(self) -> tuple[int, int]:
-        """This actor's budget of stored buffers (``_StoreBudget``) now: how many are held,
-        and how many packs wait for room."""
-        with self._outbox._cond:
-            return len(self._outbox.held), self._outbox.waiting
-
-    def released(self, keys: list[str]) -> None:
-        """The executor is done with these stored buffers: room in the budget again."""
-        self._outbox.released(keys)
-
-    def rpc(self, seq: int, req: RpcRequest | None) -> None:
-        self._inbox.put(seq, req)
-
-    def cancel(self, cancels: list[CancelMessage]) -> None:
-        if self._loop is not None:
-            for msg in cancels:
-                self._loop.cancel(msg)
-
-    def poll(self, wait: float) -> tuple[int, list[tuple[bytes, dict[str, Any]]]]:
-        return self._outbox.take(wait)
-
-    def stop(self, seq: int, timeout: float) -> bool:
-        """Finish the RPC in hand, stop the packer; True once the loop thread ended."""
-        self._inbox.put(seq, None)
-        self._outbox.close()  # nobody polls any more: a put fails at once
-        self._thread.join(timeout)
-        with self._outbox._cond:
-            self._outbox.stored.clear()  # what was stored and never sent
-            self._outbox.held.clear()
-            self._outbox._items.clear()
-        return not self._thread.is_alive()
 
 
 # ------------------------------------------------------------------------- executor side
@@ -476,19 +158,19 @@ class _RayReceiver:
 
     def __init__(self, pool: SegmentPool) -> None:
         self._pool = pool
+        self.on_death: Callable[[int, str], None] | None = None  # set by RayRanks.start
         # Object-store path: key -> ObjectRef of each received output's stored buffer, until
         # its unpack or its release (the executor's); emptied at shutdown.
-        self.stored: dict[str, Any] = {}
+        self.stored: dict[str, ObjectRef[Buffer]] = {}
         self.stored_lock = threading.Lock()
         self.received_stored = 0  # stored buffers received in all (the held count's one side)
         self._queue: collections.deque[AsyncDiffusionOutput | _Death | ProtocolError] = collections.deque()
-        self._pending: dict[Any, int] = {}  # poll ObjectRef -> rank
-        self._actors: list[Any] = []
+        self._pending: dict[ObjectRef[PollBatch], int] = {}  # poll -> rank
+        self._actors: list[RankActorHandle] = []
         self._next: list[int] = []
         self._closed = False
-        self.on_death: Any = None  # (rank, cause) -> None, set by the executor
 
-    def start(self, actors: list[Any]) -> None:
+    def start(self, actors: list[RankActorHandle]) -> None:
         self._actors = actors
         self._next = [0] * len(actors)
         for rank in range(len(actors)):
@@ -527,7 +209,7 @@ class _RayReceiver:
             raise item  # the pump counts it and reads on
         return item
 
-    def _take(self, rank: int, first: int, batch: list[tuple[bytes, dict[str, Any]]]) -> None:
+    def _take(self, rank: int, first: int, batch: list[tuple[bytes, dict[str, ObjectRef[Buffer]]]]) -> None:
         if first != self._next[rank]:
             self._queue.append(
                 ProtocolError(f"rank {rank}: results {self._next[rank]}..{first - 1} never arrived (per-rank order)")
@@ -558,7 +240,7 @@ class _RayReceiver:
             self._closed = True
             self.stored.clear()  # every stored buffer still referenced goes
 
-    def take_stored(self, key: str) -> Any:
+    def take_stored(self, key: str) -> ObjectRef[Buffer] | None:
         """The ref of a stored buffer, out of the table (None when already taken): once."""
         with self.stored_lock:
             return self.stored.pop(key, None)
@@ -587,14 +269,14 @@ class _Credits:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # put() is reentrant
-        self._actors: list[Any] = []
+        self._actors: list[RankActorHandle] = []
         # Keys given back in all, counted at once (``metrics()``' held outputs): under a
         # reentrant lock, since ``give`` may run in a finalizer on a thread inside it.
         self.given = 0
         self._count_lock = threading.RLock()
         self._thread = threading.Thread(target=self._run, name="omni-credit", daemon=True)
 
-    def start(self, actors: list[Any]) -> None:
+    def start(self, actors: list[RankActorHandle]) -> None:
         self._actors = actors
         self._thread.start()
 
@@ -632,166 +314,111 @@ class _Credits:
             self._thread.join(5.0)
 
 
-class RayDiffusionExecutor(MultiprocDiffusionExecutor):
-    """``world_size`` Ray actors built from ``spec`` (one per rank, in a placement group).
 
-    Same arguments as ``MultiprocDiffusionExecutor`` where they apply (``options``,
-    ``max_held_outputs``/``max_held_bytes``: the budget of held outputs, ``copy_outputs``,
-    ``start_timeout``), plus:
 
-    * ``num_cpus_per_rank`` (each actor's CPUs, default 1) and ``num_gpus_per_rank``
-      (default: 1 when ``options.device`` is a CUDA device, else 0);
-    * ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...) of the placement
-      group the executor makes (one bundle per rank) and removes at shutdown; or
-      ``placement_group``, one the caller made (and removes): rank r runs in its bundle
-      r, which must hold the rank's CPUs and GPUs;
-    * ``transport``: ``"auto"`` (the outputs of an actor on the executor's node through
-      its shared-memory pool, of one on another node through Ray's object store),
-      ``"shm"`` (the pool only: a rank on another node is a ``UsageError``) or
-      ``"object_store"`` (every rank through the object store); ``via_store`` says per
-      rank what was chosen.  ``max_held_outputs``/``max_held_bytes`` bound each rank's
-      buffers in the object store as they bound the pool;
-    * ``fetch_threads``: the threads that read stored outputs (default 4).
+@attrs.frozen
+class _Placement:
+    """Where the actors go: each rank's resources, and the group (None: the executor makes one)."""
 
-    Ray must be initialised (``ray.init``) or it is started here with its defaults.
-    See the module docstring.
-    """
+    bundle: dict[str, float]
+    num_cpus: float
+    num_gpus: float
+    strategy: str
+    group: PlacementGroup | None
+
+
+class RayRanks(RankTransport):
+    """Ranks in Ray actors: RPCs and cancels as actor calls, results by polling each
+    actor's outbox (``_RayReceiver``), stored outputs read on fetch threads, their room
+    given back by ``_Credits``."""
 
     def __init__(
         self,
         spec: WorkerSpec,
-        *,
-        world_size: int = 1,
-        reply_rank: int = 0,
-        step_mode: bool = False,
-        deadlines: Deadlines | None = None,
-        options: WorkerOptions | None = None,
-        max_held_outputs: int | None = None,
-        max_held_bytes: int | None = None,
-        copy_outputs: bool = False,
-        start_timeout: float = 120.0,
-        tracer: Tracer | None = None,
-        final_step_async: bool = False,
-        num_cpus_per_rank: float = 1.0,
-        num_gpus_per_rank: float | None = None,
-        placement_strategy: str = "PACK",
-        placement_group: PlacementGroup | None = None,
-        transport: str = "auto",
-        fetch_threads: int = 4,
+        opts: WorkerOptions,
+        cfg: ExecutorConfig,
+        pool: SegmentPool,
+        placement: _Placement,
+        transport: str,
+        fetch_threads: int,
     ) -> None:
-        try:
-            import ray
-            from ray.util.placement_group import PlacementGroup as RayPlacementGroup
-            from ray.util.placement_group import placement_group as make_placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        except ImportError as exc:
-            raise UsageError("RayDiffusionExecutor needs Ray: pip install 'omni_async[ray]'") from exc
-        if not isinstance(spec, WorkerSpec):
-            raise UsageError(f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}")
-        opts = options if options is not None else WorkerOptions(reply_rank=reply_rank)
-        check_output_path(opts.output_path, step_mode=step_mode)
-        if opts.output_path != "omni":
-            raise UsageError("RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)")
-        if opts.reply_rank != reply_rank:
-            opts = attrs.evolve(opts, reply_rank=reply_rank)
-        for name, value in (("max_held_outputs", max_held_outputs), ("max_held_bytes", max_held_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"{name} must be a positive int, got {value!r}")
-        check_final_step_async(final_step_async, step_mode)
-        if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
-            raise UsageError(f"fetch_threads must be a positive int, got {fetch_threads!r}")
-        if transport not in _TRANSPORTS:
-            raise UsageError(f"transport must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
+        self._spec = spec
+        self._opts = opts
+        self._cfg = cfg
+        self._pool = pool
+        self._placement = placement
         self.transport = transport
-        gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
-        if num_cpus_per_rank < 0 or gpus < 0:
-            raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
-        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
-        if placement_group is not None:
-            if not isinstance(placement_group, RayPlacementGroup):
-                raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
-            _check_bundles(placement_group.bundle_specs, world_size, bundle)
-        if not ray.is_initialized():
-            ray.init()
-        self.pool = SegmentPool(
-            max_bytes=max_held_bytes,
-            max_segments=max_held_outputs if max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS,
-            attach_by_name=True,
-        )
-        self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else self.pool.lease_timeout
-        self._budget_full_logged = False
-        self._copy_outputs = copy_outputs
-        self._receiver = _RayReceiver(self.pool)
+        self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else pool.lease_timeout
+        self._receiver = _RayReceiver(pool)
+        self.receiver = self._receiver
         self._credits = _Credits()
         self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="omni-fetch")
-        self._receiver.on_death = self._on_actor_death
-        DiffusionExecutor.__init__(
-            self,
-            self._receiver,
-            world_size=world_size,
-            reply_rank=reply_rank,
-            step_mode=step_mode,
-            deadlines=deadlines,
-            release_hook=self._release_packed,
-            tracer=tracer,
-            validate_request=spec.request_validator(),
-            final_step_async=final_step_async,
-        )
         self._rpc_lock = threading.Lock()
-        self._actor_seq = [0] * world_size
-        self._failure: ActorDied | None = None
-        self.actors: list[Any] = []
+        self._actor_seq = [0] * cfg.world_size
+        self.actors: list[RankActorHandle] = []
         self.nodes: list[str] = []  # per rank: "node id (address)"
         self.pids: list[int] = []
         self.via_store: list[bool] = []  # per rank: outputs through Ray's object store
         self._stopped = False
-        self._own_placement = placement_group is None
-        if placement_group is None:
-            placement_group = make_placement_group([dict(bundle) for _ in range(world_size)], strategy=placement_strategy)
-        self.placement_group = placement_group
+        self._own_placement = placement.group is None
+        self.placement_group: PlacementGroup | None = placement.group
+        self._host: RankHost | None = None
+
+    @property
+    def host(self) -> RankHost:
+        assert self._host is not None, "RayRanks.start sets the host"
+        return self._host
+
+    def start(self, host: RankHost, deadline: float, start_timeout: float) -> None:
+        import ray
+        from ray.util.placement_group import placement_group as make_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._host = host
+        self._receiver.on_death = self._on_actor_death
+        p = self._placement
+        world_size = self._cfg.world_size
+        if self.placement_group is None:
+            self.placement_group = make_placement_group([dict(p.bundle) for _ in range(world_size)], strategy=p.strategy)
+        group = self.placement_group
         try:
-            deadline = time.monotonic() + start_timeout
-            try:
-                ray.get(self.placement_group.ready(), timeout=start_timeout)
-            except ray.exceptions.GetTimeoutError as exc:
-                raise ComputeTimeout(
-                    f"Ray could not place {world_size} bundle(s) of {bundle} in {start_timeout} s "
-                    f"(strategy {placement_strategy}): not enough resources in the cluster"
-                ) from exc
-            actor_cls = ray.remote(RankActor)
-            here = ray.get_runtime_context().get_node_id()
-            state = pickle.dumps(self.pool)
-            outbox = {
-                "max_messages": DEFAULT_MAX_MESSAGES,
-                "max_bytes": DEFAULT_CAPACITY_BYTES,
-                "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
-                "put_timeout": DEFAULT_PUT_TIMEOUT,
-            }
-            held_outputs = max_held_outputs if max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS
-
-            def budget(rank: int) -> _StoreBudget:
-                return _StoreBudget(held_outputs, max_held_bytes, self._lease_timeout, rank)
-
-            for rank in range(world_size):
-                strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
-                actor = actor_cls.options(
-                    num_cpus=num_cpus_per_rank,
-                    num_gpus=gpus,
-                    scheduling_strategy=strategy,
-                    max_concurrency=_ACTOR_CONCURRENCY,
-                    max_restarts=0,
-                    max_task_retries=0,
-                    name=f"omni-worker-{self.token}-{rank}",
-                ).remote(rank, spec, opts, state, outbox, list(sys.path), here, transport, budget(rank))
-                self.actors.append(actor)
-            self._await_actors(deadline, start_timeout)
-            self._receiver.start(self.actors)
-            self._credits.start(self.actors)
-            self.pump.start()
-            self.collective_rpc("loop_info", timeout=max(1.0, deadline - time.monotonic()))
-        except BaseException:
-            self.shutdown("the executor failed to start")
-            raise
+            ray.get(group.ready(), timeout=start_timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise ComputeTimeout(
+                f"Ray could not place {world_size} bundle(s) of {p.bundle} in {start_timeout} s "
+                f"(strategy {p.strategy}): not enough resources in the cluster"
+            ) from exc
+        actor_cls = ray.remote(RankActor)
+        here = ray.get_runtime_context().get_node_id()
+        state = pickle.dumps(self._pool)
+        outbox = OutboxLimits(DEFAULT_MAX_MESSAGES, DEFAULT_CAPACITY_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUT_TIMEOUT)
+        budget = self._cfg.budget
+        for rank in range(world_size):
+            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
+            actor = actor_cls.options(
+                num_cpus=p.num_cpus,
+                num_gpus=p.num_gpus,
+                scheduling_strategy=strategy,
+                max_concurrency=_ACTOR_CONCURRENCY,
+                max_restarts=0,
+                max_task_retries=0,
+                name=f"omni-worker-{host.token}-{rank}",
+            ).remote(
+                rank,
+                self._spec,
+                self._opts,
+                state,
+                outbox,
+                list(sys.path),
+                here,
+                self.transport,
+                StoreBudget(budget, self._lease_timeout, rank),
+            )
+            # Ray types a handle's methods as it cannot know them: ours, named.
+            self.actors.append(cast("RankActorHandle", actor))
+        self._await_actors(deadline, start_timeout)
+        self._receiver.start(self.actors)
+        self._credits.start(self.actors)
 
     def _await_actors(self, deadline: float, start_timeout: float) -> None:
         import ray
@@ -800,9 +427,7 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         refs = [a.ready.remote(max(1.0, deadline - time.monotonic())) for a in self.actors]
         for rank, ref in enumerate(refs):
             try:
-                failure, pid, node_id, address, via_store = ray.get(
-                    ref, timeout=max(1.0, deadline - time.monotonic())
-                )
+                failure, pid, node_id, address, via_store = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError as exc:
                 raise ComputeTimeout(f"worker rank {rank} did not build its model in {start_timeout} s") from exc
             except ray.exceptions.RayActorError as exc:
@@ -820,35 +445,27 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             self.nodes.append(f"{node_id} ({address})")
             self.via_store.append(via_store)
 
-    # ----------------------------------------------------------------- transport
+    # ----------------------------------------------------------------- sending
 
-    def _encode(self, req: RpcRequest) -> list[bytes] | None:
+    def broadcast(self, req: RpcRequest, wire: list[bytes] | None) -> None:
         # Ray serializes each actor call itself (cloudpickle: a lambda travels, a lock
-        # does not), so nothing is pickled ahead here -- not the worker processes' pipes.
-        return None
-
-    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+        # does not), so nothing is pickled ahead (``encode`` stays None), unlike the
+        # worker processes' pipes.
         with self._rpc_lock:
-            if self._closed:
-                raise ExecutorShutdown("the executor is shut down")
+            if self.host.closed:
+                raise shut_down_error()
             for rank, actor in enumerate(self.actors):
                 seq = self._actor_seq[rank]
                 self._actor_seq[rank] += 1
                 actor.rpc.remote(seq, req)  # a dead actor: its poll reports the death
 
-    def _deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+    def deliver_cancels(self, cancels: list[CancelMessage]) -> None:
         for actor in self.actors:
             actor.cancel.remote(cancels)  # returns at once
 
-    def _worker_failure(self) -> OmniAsyncError | None:
-        return self._failure
-
     # ------------------------------------------------------- object-store outputs
 
-    def _deliver(self, packed: Future[DiffusionOutput]) -> Future[DiffusionOutput]:
-        return map_future(packed, self._receive, discard=self._discard, run=self._run_unpack)
-
-    def _run_unpack(self, packed: DiffusionOutput, finish: Callable[[], None]) -> None:
+    def run_unpack(self, packed: DiffusionOutput, finish: Callable[[], None]) -> None:
         """The pump's thread: a stored output's unpack goes to a fetch thread (its
         ``ray.get`` is a transfer); a pooled one is unpacked here, as by the multiprocess
         executor."""
@@ -860,84 +477,60 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
         except RuntimeError:  # shut down: unpack here (the table is empty, it fails at once)
             finish()
 
-    def _receive(self, packed: DiffusionOutput) -> DiffusionOutput:
+    def unpack(self, packed: DiffusionOutput, copy: bool) -> DiffusionOutput | None:
         payload = packed.output
         if not isinstance(payload, StoredPayload):
-            return super()._receive(packed)
+            return None
         try:
-            buf = None
             if payload.key:
                 ref = self._receiver.take_stored(payload.key)  # freed once: the views hold the buffer now
                 if ref is None:
                     raise UsageError(f"stored buffer {payload.key} is gone (released, or the executor shut down)")
                 try:
-                    buf = _get_stored(ref, self.deadlines.output_timeout)
+                    buf = _get_stored(ref, self.host.deadlines.output_timeout)
                 except BaseException:
                     self._credits.give(payload.key)
                     raise
                 key = payload.key
-                return unpack_diffusion_output_host(
-                    packed, buf, copy=self._copy_outputs, on_gone=lambda: self._credits.give(key)
-                )
-            return unpack_diffusion_output_host(packed, None, copy=self._copy_outputs)
+                return unpack_diffusion_output_host(packed, buf, copy=copy, on_gone=lambda: self._credits.give(key))
+            return unpack_diffusion_output_host(packed, None, copy=copy)
         except Exception as exc:
             raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
 
-    def _release_stored(self, packed: DiffusionOutput) -> bool:
+    def release(self, packed: DiffusionOutput) -> bool:
         if isinstance(packed.output, StoredPayload):
             if packed.output.key and self._receiver.take_stored(packed.output.key) is not None:
                 self._credits.give(packed.output.key)
             return True
         return False
 
-    def _release_packed(self, packed: DiffusionOutput) -> None:
-        if not self._release_stored(packed):
-            super()._release_packed(packed)
-
-    def _release_failed_unpack(self, packed: DiffusionOutput) -> None:
-        if not self._release_stored(packed):
-            super()._release_failed_unpack(packed)
-
-    def metrics(self) -> dict[str, float]:
-        """``MultiprocDiffusionExecutor.metrics``, where ``held_outputs`` also counts the
-        outputs held in Ray's object store (received and not yet released: unread, or read
-        and some view of them still alive); ``stored_outputs`` counts the unread ones."""
-        m = super().metrics()
+    def held_elsewhere(self) -> int:
+        """Stored outputs received and not yet released (unread, or read and some view alive)."""
         with self._receiver.stored_lock:
-            received, unread = self._receiver.received_stored, len(self._receiver.stored)
-        m["held_outputs"] = m.get("held_outputs", 0.0) + float(max(0, received - self._credits.given))
-        m["stored_outputs"] = float(unread)
-        return m
+            received = self._receiver.received_stored
+        return max(0, received - self._credits.given)
 
     def stored_outputs(self) -> int:
-        """How many received outputs' buffers in Ray's object store the executor still
-        references (neither unpacked for a waiter nor released)."""
         with self._receiver.stored_lock:
             return len(self._receiver.stored)
 
     def _on_actor_death(self, rank: int, cause: str) -> None:
-        """Pump thread: rank's poll failed, after every message it sent before was received."""
-        if self._closed:
+        """Pump thread: rank's poll failed, after every message it sent before was received
+        (so what it shipped and no message carried can be reclaimed at once)."""
+        if self.host.closed:
             return
         node = self.nodes[rank] if rank < len(self.nodes) else "?"
-        err = ActorDied(rank, node, cause=cause)
-        log.error("%s", err)
-        if self._failure is None:
-            self._failure = err
-        self.pump.fail_all(lambda oid: ActorDied(rank, node, output_id=oid, cause=cause), outcome="worker_died", close=True)
-        if rank < len(self.pids):
-            pid = self.pids[rank]
-            try:
-                n = self.pool.reclaim_owner(pid) + self.pool.reclaim_shipped(pid)
-            except Exception:
-                log.exception("reclaiming the segments of dead worker rank %d failed", rank)
-            else:
-                if n:
-                    log.warning("worker rank %d died holding %d segment(s); they went back to the pool", rank, n)
+        self.host.rank_died(
+            rank,
+            ActorDied(rank, node, cause=cause),
+            lambda oid: ActorDied(rank, node, output_id=oid, cause=cause),
+            self.pids[rank] if rank < len(self.pids) else None,
+            reclaim_shipped=True,
+        )
 
     # ------------------------------------------------------------------ shutdown
 
-    def _stop_workers(self, deadline: float | None) -> None:
+    def stop(self, deadline: float | None) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -963,15 +556,120 @@ class RayDiffusionExecutor(MultiprocDiffusionExecutor):
             log.debug("stopping the actors failed", exc_info=True)
         for actor in self.actors:
             try:
-                ray.kill(actor, no_restart=True)
+                ray.kill(cast("ray.actor.ActorHandle[RankActor]", actor), no_restart=True)
             except Exception:  # noqa: BLE001  # already gone
                 log.debug("killing an actor failed", exc_info=True)
-        if hasattr(self, "placement_group") and self._own_placement:
+        if self.placement_group is not None and self._own_placement:
             try:
                 remove_placement_group(self.placement_group)
             except Exception:  # noqa: BLE001
                 log.warning("removing the placement group failed", exc_info=True)
         self._fetchers.shutdown(wait=False)
         self._credits.close()  # what is queued still runs, and fails at once: the table is empty
-        self.pool.close()
-        unlink_all_with_prefix(self.pool.prefix)
+
+
+class RayDiffusionExecutor(RankedExecutor[RayRanks]):
+    """``world_size`` Ray actors built from ``spec`` (one per rank, in a placement group).
+
+    The settings shared with ``MultiprocDiffusionExecutor`` are the same
+    ``ExecutorConfig`` (``config=``, or its fields as keyword arguments: ``options``,
+    ``max_held_outputs``/``max_held_bytes``: the budget of held outputs,
+    ``copy_outputs``, ``start_timeout``, ...), plus:
+
+    * ``num_cpus_per_rank`` (each actor's CPUs, default 1) and ``num_gpus_per_rank``
+      (default: 1 when ``options.device`` is a CUDA device, else 0);
+    * ``placement_strategy`` (Ray's: ``"PACK"``, ``"SPREAD"``, ...) of the placement
+      group the executor makes (one bundle per rank) and removes at shutdown; or
+      ``placement_group``, one the caller made (and removes): rank r runs in its bundle
+      r, which must hold the rank's CPUs and GPUs;
+    * ``transport``: ``"auto"`` (the outputs of an actor on the executor's node through
+      its shared-memory pool, of one on another node through Ray's object store),
+      ``"shm"`` (the pool only: a rank on another node is a ``UsageError``) or
+      ``"object_store"`` (every rank through the object store); ``via_store`` says per
+      rank what was chosen.  ``max_held_outputs``/``max_held_bytes`` bound each rank's
+      buffers in the object store as they bound the pool;
+    * ``fetch_threads``: the threads that read stored outputs (default 4).
+
+    Ray must be initialised (``ray.init``) or it is started here with its defaults.
+    See the module docstring.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        config: ExecutorConfig | None = None,
+        *,
+        num_cpus_per_rank: float = 1.0,
+        num_gpus_per_rank: float | None = None,
+        placement_strategy: str = "PACK",
+        placement_group: PlacementGroup | None = None,
+        transport: str = "auto",
+        fetch_threads: int = 4,
+        **options: Unpack[ExecutorOptions],
+    ) -> None:
+        try:
+            import ray
+            from ray.util.placement_group import PlacementGroup as RayPlacementGroup
+        except ImportError as exc:
+            raise UsageError("RayDiffusionExecutor needs Ray: pip install 'omni_async[ray]'") from exc
+        if not isinstance(spec, WorkerSpec):
+            raise UsageError(f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}")
+        cfg = (config if config is not None else ExecutorConfig()).with_options(options)
+        opts = cfg.worker_options
+        if opts.output_path != "omni":
+            raise InvalidConfig(
+                "options", "is refused: RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)"
+            )
+        if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
+            raise InvalidConfig("fetch_threads", f"must be a positive int, got {fetch_threads!r}")
+        if transport not in _TRANSPORTS:
+            raise InvalidConfig("transport", f"must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
+        gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
+        if num_cpus_per_rank < 0 or gpus < 0:
+            raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
+        bundle = {"CPU": float(num_cpus_per_rank), **({"GPU": float(gpus)} if gpus else {})}
+        if placement_group is not None:
+            if not isinstance(placement_group, RayPlacementGroup):
+                raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
+            _check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
+        validator = spec.request_validator()
+        if not ray.is_initialized():
+            ray.init()
+        pool = cfg.budget.make_pool(attach_by_name=True)
+        placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
+        ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads)
+        super().__init__(ranks, pool, cfg, validator)
+        self._start()
+
+    @property
+    def transport(self) -> str:
+        """``"auto"``, ``"shm"`` or ``"object_store"`` (see the class docstring)."""
+        return self.ranks.transport
+
+    @property
+    def actors(self) -> list[RankActorHandle]:
+        """The actor of each rank."""
+        return self.ranks.actors
+
+    @property
+    def nodes(self) -> list[str]:
+        """Per rank: its node, as "node id (address)"."""
+        return self.ranks.nodes
+
+    @property
+    def pids(self) -> list[int]:
+        return self.ranks.pids
+
+    @property
+    def via_store(self) -> list[bool]:
+        """Per rank: whether its outputs go through Ray's object store."""
+        return self.ranks.via_store
+
+    @property
+    def placement_group(self) -> PlacementGroup | None:
+        return self.ranks.placement_group
+
+    def stored_outputs(self) -> int:
+        """How many received outputs' buffers in Ray's object store the executor still
+        references (neither unpacked for a waiter nor released)."""
+        return self.ranks.stored_outputs()

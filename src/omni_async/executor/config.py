@@ -1,0 +1,138 @@
+"""One validated configuration for the executors with ranks (processes, Ray actors).
+
+``MultiprocDiffusionExecutor`` and ``RayDiffusionExecutor`` share eleven settings:
+the world, step mode, deadlines, the worker-side options, the budget of held outputs,
+how outputs are delivered, the start-up bound, the tracer.  They used to be repeated
+argument by argument in both constructors, each checking them its own way (or not at
+all).  Now they are one frozen ``ExecutorConfig``, checked once when it is made: a bad
+value raises ``InvalidConfig`` naming the field.
+
+Both executors take it as ``config=``, and still take each setting as a keyword
+argument (``MultiprocDiffusionExecutor(spec, world_size=2)``): the keywords are typed
+once, by ``ExecutorOptions`` (``**options: Unpack[ExecutorOptions]``), and override the
+fields of ``config`` (``ExecutorConfig.with_options``).  Keeping the keywords was the
+choice because every engine author, the README and the tests construct executors
+that way; declaring them once (not once per executor) was the point of the issue.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import attrs
+
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import UsageError
+from omni_async.core.trace import Tracer
+from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
+from omni_async.worker.baselines import check_output_path
+from omni_async.worker.host import WorkerOptions
+
+__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig"]
+
+
+class InvalidConfig(UsageError, ValueError):
+    """A setting of an executor that cannot work; ``field`` names it (and starts the message)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field} {message}")
+        self.field = field
+
+
+class ExecutorOptions(TypedDict, total=False):
+    """The keyword arguments every executor with ranks takes: the fields of ``ExecutorConfig``."""
+
+    world_size: int
+    reply_rank: int
+    step_mode: bool
+    deadlines: Deadlines | None
+    options: WorkerOptions | None
+    max_held_outputs: int | None
+    max_held_bytes: int | None
+    copy_outputs: bool
+    start_timeout: float
+    tracer: Tracer | None
+    final_step_async: bool
+
+
+def _int_at_least(field: str, value: object, low: int, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        what = "a positive int" if low == 1 else f"an int >= {low}"
+        raise InvalidConfig(field, f"must be {what}{' or None' if optional else ''}, got {value!r}")
+
+
+def _bool(field: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfig(field, f"must be a bool, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ExecutorConfig:
+    """What the executors with ranks share (see the module docstring).
+
+    ``world_size`` ranks, ``reply_rank`` the one that ships the outputs; ``step_mode``
+    (and its ``final_step_async`` default); ``deadlines`` (None: ``Deadlines.from_env()``
+    when the executor is built); ``options``: the worker-side settings (None: the
+    defaults, with ``reply_rank``; a different ``reply_rank`` in them is replaced by
+    this one); ``max_held_outputs``/``max_held_bytes``: the budget of held outputs
+    (``budget``; None: 64 outputs, and the pool's byte default); ``copy_outputs``:
+    deliver owned copies instead of zero-copy views; ``start_timeout``: seconds until
+    every rank has built its model; ``tracer``: the protocol trace.
+    """
+
+    world_size: int = 1
+    reply_rank: int = 0
+    step_mode: bool = False
+    deadlines: Deadlines | None = None
+    options: WorkerOptions | None = None
+    max_held_outputs: int | None = None
+    max_held_bytes: int | None = None
+    copy_outputs: bool = False
+    start_timeout: float = 120.0
+    tracer: Tracer | None = None
+    final_step_async: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _int_at_least("world_size", self.world_size, 1)
+        _int_at_least("reply_rank", self.reply_rank, 0)
+        if self.reply_rank >= self.world_size:
+            raise InvalidConfig("reply_rank", f"must be below world_size={self.world_size}, got {self.reply_rank}")
+        for name in ("step_mode", "copy_outputs", "final_step_async"):
+            _bool(name, getattr(self, name))
+        if self.final_step_async and not self.step_mode:
+            raise InvalidConfig(
+                "final_step_async",
+                "True is an option of step mode (step_mode=True); request mode always takes the asynchronous path",
+            )
+        if self.deadlines is not None and not isinstance(self.deadlines, Deadlines):
+            raise InvalidConfig("deadlines", f"must be a Deadlines or None, got {type(self.deadlines).__name__}")
+        if self.options is not None and not isinstance(self.options, WorkerOptions):
+            raise InvalidConfig("options", f"must be a WorkerOptions or None, got {type(self.options).__name__}")
+        _int_at_least("max_held_outputs", self.max_held_outputs, 1, optional=True)
+        _int_at_least("max_held_bytes", self.max_held_bytes, 1, optional=True)
+        t = self.start_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise InvalidConfig("start_timeout", f"must be a number of seconds > 0, got {t!r}")
+        # InvalidOutputPath (a UsageError of its own, which callers catch by name).
+        check_output_path(self.worker_options.output_path, step_mode=self.step_mode)
+
+    def with_options(self, options: ExecutorOptions) -> ExecutorConfig:
+        """This configuration with the fields ``options`` names replaced (checked again)."""
+        unknown = set(options) - set(attrs.fields_dict(ExecutorConfig))
+        if unknown:  # a dict built at run time, past the type checker
+            raise InvalidConfig(sorted(unknown)[0], "is not a setting of an executor (ExecutorConfig)")
+        return attrs.evolve(self, **options) if options else self
+
+    @property
+    def worker_options(self) -> WorkerOptions:
+        """``options``, with this configuration's ``reply_rank``."""
+        opts = self.options if self.options is not None else WorkerOptions(reply_rank=self.reply_rank)
+        return opts if opts.reply_rank == self.reply_rank else attrs.evolve(opts, reply_rank=self.reply_rank)
+
+    @property
+    def budget(self) -> OutputBudget:
+        """The budget of held outputs asked for (the pool's byte default still open: None)."""
+        held = self.max_held_outputs if self.max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS
+        return OutputBudget(max_outputs=held, max_bytes=self.max_held_bytes)

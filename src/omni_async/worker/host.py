@@ -1,0 +1,319 @@
+"""The worker's host: what every rank runs, whatever carries it (a process, a Ray actor).
+
+``WorkerSpec`` says how a rank builds its model, ``WorkerOptions`` the worker-side
+settings; ``build_worker`` turns both into the rank's ``Packer`` and ``WorkerLoop`` on
+the rank's device (``device_for_rank``).  A worker process runs them from
+``omni_async.worker.process``; ``RayDiffusionExecutor``'s actors from their own thread.
+Both live here, in the worker layer, because they run where the model runs: the
+executor only sends a ``WorkerSpec`` and ``WorkerOptions`` across.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
+
+import attrs
+
+from omni_async.core.errors import UsageError
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.transport.channel import ResultSender
+from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
+from omni_async.transport.packing import pack_diffusion_output_shm, release_packed_output
+from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.transport.rpc import pickle_problem
+from omni_async.transport.shm import SegmentPool
+from omni_async.worker.baselines import (
+    OutputPath,
+    check_output_path,
+    discard_fresh_output,
+    is_fresh,
+    pack_reference_fresh,
+    pack_sync_fresh,
+)
+from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.packer import Packer, PackFn
+from omni_async.worker.postprocess import DeviceStage, get_postprocess
+from omni_async.worker.validation import model_validator
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WorkerOptions", "WorkerSpec", "budget_full", "build_worker", "device_for_rank", "device_setup"]
+
+_SPEC_HINT = "pass the import path, e.g. 'mypkg.models:MyWorker'"
+
+
+@attrs.frozen
+class WorkerSpec:
+    """How a worker process builds its model: ``"package.module:factory"`` plus keyword arguments.
+
+    The factory is called as ``factory(**kwargs)``; with ``pass_rank`` it also gets
+    ``rank=``.  A string, not a callable, so that it pickles into a spawned process.
+
+    The constructor checks the fields (``UsageError`` naming the problem) and, with
+    ``check_import`` (the default), imports the factory here, in the engine's process:
+    a typo fails now rather than as a worker that dies at start-up.  Turn it off for a
+    module that must not be imported outside a worker (one that initialises a device
+    at import time, say); the worker then reports the import error at start-up.
+
+    A factory with a static (or class) method ``validate_request(request)`` -- or, for
+    a factory function, such an attribute -- gets it called by the executor on every
+    request before sending it (``request_validator``): a bad request fails in the
+    caller's thread, and no worker sees it.  A factory class whose ``validate_request``
+    is an instance method is refused here (``UsageError``): the executor could not run
+    it, and a bad request would reach the model unchecked.  The kwargs must pickle (they
+    travel to every worker): one that does not is refused here, named.
+
+    ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
+    stage the worker's packer runs on every output before the copy (see
+    ``omni_async.worker.postprocess``).  The worker looks it up after building the
+    model (the factory's module, imported there, registers it); with ``check_import``
+    the constructor looks it up here too, so an unknown name fails now
+    (``UnknownPostProcess``), not as a worker that cannot start.
+    """
+
+    factory: str
+    kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    pass_rank: bool = False
+    check_import: bool = attrs.field(default=True, kw_only=True)
+    postprocess: str | None = attrs.field(default=None, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.factory, str):
+            raise UsageError(
+                f"WorkerSpec.factory must be a 'module:callable' string (it travels to the worker "
+                f"processes by name), got {type(self.factory).__name__} {self.factory!r}: {_SPEC_HINT}"
+            )
+        module, _, name = self.factory.partition(":")
+        if not module or not name or not all(p.isidentifier() for p in (*module.split("."), *name.split("."))):
+            raise UsageError(f"WorkerSpec.factory must be 'module:callable', got {self.factory!r}: {_SPEC_HINT}")
+        if not isinstance(self.kwargs, Mapping):
+            raise UsageError(
+                f"WorkerSpec.kwargs must be a mapping of keyword arguments, got {type(self.kwargs).__name__} "
+                f"{self.kwargs!r}"
+            )
+        bad_keys = [k for k in self.kwargs if not isinstance(k, str)]
+        if bad_keys:
+            raise UsageError(f"WorkerSpec.kwargs keys must be str (keyword arguments), got {bad_keys!r}")
+        for key, value in self.kwargs.items():
+            problem = pickle_problem(value, spawning=True)
+            if problem is not None:
+                raise UsageError(
+                    f"WorkerSpec.kwargs[{key!r}] does not pickle ({type(problem).__name__}: {problem}): the "
+                    "kwargs travel to every worker process by pickle; pass data (or an import path) and "
+                    "build the object in the factory"
+                )
+        for field in ("pass_rank", "check_import"):
+            if not isinstance(getattr(self, field), bool):
+                raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
+        if self.postprocess is not None and (not isinstance(self.postprocess, str) or not self.postprocess):
+            raise UsageError(
+                f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
+            )
+        if self.check_import:
+            model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")  # the one rule, checked now
+            self.device_stage()
+
+    def device_stage(self) -> DeviceStage | None:
+        """The device stage of ``postprocess`` in this process (None without one);
+        ``UnknownPostProcess`` when no post-process is registered under the name."""
+        if self.postprocess is None:
+            return None
+        return get_postprocess(self.postprocess).device
+
+    def resolve(self) -> Callable[..., object]:
+        """Import the factory in this process; ``UsageError`` when it cannot be found."""
+        module_name, _, qualname = self.factory.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except Exception as exc:
+            raise UsageError(
+                f"WorkerSpec.factory {self.factory!r}: cannot import {module_name!r} "
+                f"({type(exc).__name__}: {exc}); {_SPEC_HINT}"
+            ) from exc
+        for part in qualname.split("."):
+            try:
+                obj = getattr(obj, part)
+            except AttributeError as exc:
+                raise UsageError(f"WorkerSpec.factory {self.factory!r}: {module_name!r} has no {qualname!r}") from exc
+        if not callable(obj):
+            raise UsageError(f"WorkerSpec.factory {self.factory!r} is a {type(obj).__name__}, not a callable")
+        return cast("Callable[..., object]", obj)
+
+    def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
+        """The factory's ``validate_request`` (a static or class method, or a factory
+        function's attribute), run by the executor in the caller's thread; None without
+        one, and without ``check_import`` (the factory is not imported here).  An instance
+        method is refused (``UsageError``): see ``omni_async.worker.validation``."""
+        if not self.check_import:
+            return None
+        return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
+
+    def build(self, rank: int) -> object:
+        factory = self.resolve()
+        kwargs = dict(self.kwargs)
+        if self.pass_rank:
+            kwargs["rank"] = rank
+        return factory(**kwargs)
+
+
+@attrs.frozen
+class WorkerOptions:
+    """Worker-side settings, sent to every worker process."""
+
+    reply_rank: int = 0
+    device: str = "cpu"
+    max_outputs_in_flight: int = 4
+    max_bytes_in_flight: int | None = None
+    backpressure_timeout: float | None = None
+    inline_threshold: int = 64 << 10
+    # How long packing waits for room in the budget of held outputs before the output
+    # fails with HeldOutputsFull (None: the pool's own lease timeout).
+    lease_timeout: float | None = 30.0
+    # How outputs are shipped: ours ("omni"), or a baseline that ``omni-async bench``
+    # measures ours against ("sync": the seed's, step mode; "reference": the reference
+    # implementation's, request mode); see ``omni_async.worker.baselines``.
+    output_path: OutputPath = "omni"
+
+    def __attrs_post_init__(self) -> None:
+        check_output_path(self.output_path)
+
+
+def device_for_rank(device: str, rank: int, device_count: int) -> str:
+    """The device rank ``rank`` computes on: ``"cuda"`` without an index puts rank r on
+    ``cuda:r`` when the machine has that many GPUs, round-robin when it has fewer
+    (``cuda:{r % count}``); an explicit index, or another device, is used as given."""
+    if device == "cuda" and device_count > 0:
+        return f"cuda:{rank % device_count}"
+    return device
+
+
+def device_setup(device: str, rank: int = 0) -> torch.device:
+    """Select rank ``rank``'s device (``device_for_rank``) on the calling thread; returns it."""
+    import torch
+
+    count = torch.cuda.device_count() if device == "cuda" else 0
+    dev = torch.device(device_for_rank(device, rank, count))
+    if dev.type == "cuda":
+        if str(dev) == "cuda":  # no GPU counted: the process's current device
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    return dev
+
+
+
+def build_worker(
+    rank: int,
+    spec: WorkerSpec,
+    opts: WorkerOptions,
+    pool: SegmentPool | None,
+    sender: ResultSender,
+    *,
+    packing: tuple[PackFn, Callable[[DiffusionOutput], None]] | None = None,
+) -> tuple[Packer, WorkerLoop]:
+    """The worker's model, packer and loop (the packer not started yet).
+
+    ``packing``: (pack, release) replacing the pool's (the Ray executor's object-store
+    path, where ``pool`` is None: a remote node cannot attach to it).
+    """
+    import torch
+
+    from omni_async.transport.platform import record_device_event
+
+    dev = device_setup(opts.device, rank)
+
+    def make_stream() -> CopyStream:
+        # Runs on the packer thread: the current device is per thread, set it first.
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+        return None
+
+    def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        assert pool is not None
+        try:
+            return pack_diffusion_output_shm(
+                output,
+                stream,
+                pool=pool,
+                inline_threshold=opts.inline_threshold,
+                ready_event=event,
+                lease_timeout=opts.lease_timeout,
+            )
+        except PoolExhausted as exc:
+            if isinstance(exc.__cause__, OSError):  # /dev/shm itself is full, not the budget
+                raise
+            raise budget_full(output, exc, pool) from exc
+
+    def release_pooled(packed: DiffusionOutput) -> None:
+        assert pool is not None
+        if is_fresh(packed):
+            discard_fresh_output(packed)
+        else:
+            release_packed_output(packed, pool=pool)
+
+    baseline = pack_sync_fresh if opts.output_path == "sync" else pack_reference_fresh
+
+    def pack_baseline(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        assert pool is not None
+        return baseline(output, stream, event, prefix=pool.prefix, inline_threshold=opts.inline_threshold)
+
+    # A baseline path replaces ours for both the packer and step mode's answers.
+    pack: PackFn = pack_omni if opts.output_path == "omni" else pack_baseline
+    release: Callable[[DiffusionOutput], None] = release_pooled
+    if packing is not None:
+        pack, release = packing
+
+    worker = spec.build(rank)
+    # After the build: importing the factory's module registers its post-processes here.
+    stage = spec.device_stage()
+    packer = Packer(
+        rank,
+        sender,
+        pack=pack,
+        release=release,
+        make_stream=make_stream,
+        max_outputs=opts.max_outputs_in_flight,
+        max_bytes=opts.max_bytes_in_flight,
+        interrupt=pool.cancel_waits if pool is not None else None,
+        device_stage=stage,
+    )
+    loop = WorkerLoop(
+        rank,
+        worker,
+        sender,
+        reply_rank=opts.reply_rank,
+        packer=packer,
+        pack_sync=pack,
+        record_event=lambda: record_device_event(dev),
+        backpressure_timeout=opts.backpressure_timeout,
+        device_stage=stage,
+    )
+    if pool is not None and packing is None and opts.output_path == "omni" and rank == opts.reply_rank:
+        # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now
+        # rather than in its first packs (SegmentPool.map_segments).
+        mapped, pinned = pool.map_segments()
+        loop.info.update(mapped_segments=mapped, pinned_segments=pinned)
+    return packer, loop
+
+
+
+def budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:
+    """The error of an output that found no room in the budget of held outputs."""
+    try:
+        st = pool.stats()
+        held = f"{st.outstanding} of max_held_outputs={pool.max_segments} outputs and {st.bytes_leased} of "
+    except Exception:  # noqa: BLE001  # closing at shutdown: the numbers are not essential
+        held = f"up to max_held_outputs={pool.max_segments} outputs and "
+    return HeldOutputsFull(
+        f"output {output.async_output_id} of request {output.request_id!r} found no room in the budget of held "
+        f"outputs within lease_timeout={exc.timeout} s: {held}max_held_bytes={pool.max_bytes} bytes are held in "
+        f"shared memory (packed, not yet released); it needs {exc.nbytes} bytes.  Release outputs sooner "
+        "(release_output after wait_output_ready, or drop_output), or raise "
+        "MultiprocDiffusionExecutor(max_held_outputs=..., max_held_bytes=...)",
+        nbytes=exc.nbytes,
+        timeout=exc.timeout,
+    )
+
