@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -74,7 +74,7 @@ from omni_async.cli.bench_stats import (
     steady_rate,
 )
 from omni_async.core.config import Deadlines
-from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.core.messages import DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.shm.files import entries
 from omni_async.worker.baselines import OutputPath

@@ -44,8 +44,6 @@ from omni_async.cli.parsers import add_demo as add_parser
 from omni_async.cli.parsers import deadlines as _deadlines
 from omni_async.cli.figures import ModeSummary, speedup, summarize_mode
 from omni_async.cli.timeline import Span, chrome_trace, draw_timeline, forward_intervals, request_spans
-from omni_async.core.config import Deadlines
-from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.metrics import GenerationResult

@@ -1,11 +1,12 @@
 """Executor side: the API an engine calls, over any transport.
 
-``DiffusionExecutor`` holds the pump, the dispatcher and the registry, and
-implements the whole executor protocol; a subclass only says how an RPC reaches
-every worker (``_broadcast``) and whether the workers are alive
-(``_worker_failure``).  ``InProcessExecutor`` runs each rank's ``WorkerLoop`` on
-a thread (tests, the demo without processes); ``MultiprocDiffusionExecutor`` in
-``omni_async.executor.multiproc`` runs them in worker processes.
+``DiffusionExecutor`` holds the pump, the dispatcher and the registry and implements
+the calls (this module), the outputs they announce (``outputs.py``, with the
+exactly-once claims in ``claims.py``) and the argument checks (``checks.py``).  An
+executor says how an RPC reaches every rank (``_broadcast``) and whether the ranks are
+alive (``_worker_failure``): ``InProcessExecutor`` runs each rank on a thread;
+``RankedExecutor`` (``ranked.py``) runs them over a rank transport, processes
+(``MultiprocDiffusionExecutor``) or Ray actors (``RayDiffusionExecutor``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
@@ -28,7 +28,6 @@ from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
     OmniAsyncError,
-    OutputAlreadyClaimed,
     RpcFailed,
     UsageError,
 )
@@ -45,9 +44,16 @@ from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
 from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
+from omni_async.executor.checks import (
+    check_final_step_async,
+    requests_in,
+    stop_budget,
+)
+from omni_async.executor.claims import OutputClaims
 from omni_async.executor.futures import all_done, map_future
 from omni_async.executor.handle import RequestHandle
 from omni_async.executor.metrics import ExecutorMetrics
+from omni_async.executor.outputs import ExecutorOutputs
 from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.budget import OutputBudget
@@ -57,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 
-class DiffusionExecutor(abc.ABC):
+class DiffusionExecutor(ExecutorOutputs):
     def __init__(
         self,
         receiver: ResultReceiver,
@@ -111,17 +117,9 @@ class DiffusionExecutor(abc.ABC):
         # not get there: the dispatcher counts and discards it, known_call.)
         self.stale_sync_answers = 0
         self.unexpected_sync_answers = 0
-        # How long engines waited on wait_output_ready futures that delivered an output
-        # (from the call to the result): the part of packing the engine did not hide.
-        self._wait_lock = threading.Lock()
-        self._waits = 0
-        self._wait_s_total = 0.0
-        self._wait_s_max = 0.0
-        # Exactly-once delivery: the ids a wait_output_ready call claimed, oldest first,
-        # each with what became of its claim (a one-element list the claim's future
-        # updates).  Read and written under the pump's lock (inside pump.call), bounded.
-        self._claims: OrderedDict[str, list[str]] = OrderedDict()
-        self._max_claims = 4096
+        # Exactly-once delivery of each output to one wait_output_ready call, and how long
+        # the engines waited for what was delivered (executor/claims.py).
+        self._output_claims = OutputClaims()
 
     # --------------------------------------------------------------- transport
 
@@ -299,66 +297,6 @@ class DiffusionExecutor(abc.ABC):
         computed = self._submit_one(request, consumer, deadlines, first=lambda f: self._claim_for(f, output))
         return RequestHandle(request.request_id, computed, output)
 
-    def _claim_for(self, call: Future[tuple[RunnerOutput, ...]], output: Future[DiffusionOutput]) -> None:
-        """On the thread that resolved ``call`` (the pump's, right after its COMPUTE_DONE),
-        before anyone else sees the id: claim the output for ``output``."""
-        if call.cancelled():
-            output.cancel()
-            return
-        exc = call.exception()
-        oid = None if exc is not None else call.result()[0].async_output_id
-        if exc is not None or oid is None:
-            if output.set_running_or_notify_cancel():
-                output.set_exception(exc if exc is not None else UsageError("the request has no output"))
-            return
-        # Claimed even when ``output`` was cancelled already: ``on_output`` below then
-        # cancels the claim at once, and the registry releases the output on arrival
-        # (F9) -- never a drop sent from here, which would write a pipe on the pump thread.
-        t0 = time.monotonic()
-        status = ["waiting"]
-        try:
-            delivered = self._watch_claim(self.pump.call(lambda d: self._claim(d, oid, status)), oid, t0, status)
-        except Exception as err:  # a callback's exception would be logged and lost: fail the future
-            if output.set_running_or_notify_cancel():
-                output.set_exception(err)
-            return
-
-        # ``output`` and ``delivered`` each call back into the other: hold ``delivered``
-        # in a box that the relay empties, so the two futures form no reference cycle
-        # (cycles wait for the garbage collector: its pauses showed as a p99 of 130 ms
-        # instead of 54 ms at the engine's ceiling, bench/engine_ceiling.py).
-        box: list[Future[DiffusionOutput] | None] = [delivered]
-
-        def relay(g: Future[DiffusionOutput]) -> None:
-            box[0] = None
-            if g.cancelled():
-                output.cancel()
-                return
-            err = g.exception()
-            if not output.set_running_or_notify_cancel():
-                if err is None:  # cancelled as it was delivered: nobody else holds it
-                    self._release_abandoned(g.result())
-                return
-            if err is not None:
-                output.set_exception(err)
-            else:
-                output.set_result(g.result())
-
-        def on_output(o: Future[DiffusionOutput]) -> None:
-            pending = box[0]
-            if o.cancelled() and pending is not None:
-                pending.cancel()  # before arrival: the registry releases it when it comes
-
-        output.add_done_callback(on_output)
-        delivered.add_done_callback(relay)
-        del delivered
-
-    def _release_abandoned(self, output: DiffusionOutput) -> None:
-        try:
-            self.release_output(output)
-        except Exception:
-            log.exception("releasing the abandoned output %s failed", output.async_output_id)
-
     def execute_request(
         self,
         request: DiffusionRequest,
@@ -470,13 +408,6 @@ class DiffusionExecutor(abc.ABC):
             return
         self.pump.call(lambda d: d.cancel(ids))
 
-    @staticmethod
-    def _check_deadlines(deadlines: object, method: str) -> None:
-        if deadlines is not None and not isinstance(deadlines, Deadlines):
-            raise UsageError(
-                f"{method}: deadlines must be a Deadlines or None, got {type(deadlines).__name__} {deadlines!r:.80}"
-            )
-
     # Argument checks: API misuse fails here, at once, with a UsageError naming the
     # argument -- never after a round trip to a worker.
 
@@ -512,27 +443,6 @@ class DiffusionExecutor(abc.ABC):
                 raise UsageError(f"{method}: request id {r.request_id!r} appears more than once in the batch")
             seen.add(r.request_id)
         return reqs
-
-    @staticmethod
-    def _check_consumer(consumer: object) -> None:
-        if consumer is not None and (not isinstance(consumer, str) or not consumer):
-            raise UsageError(f"consumer must be a non-empty str or None, got {consumer!r}")
-
-    @staticmethod
-    def _check_output_id(async_output_id: object, method: str) -> None:
-        if not isinstance(async_output_id, str) or not async_output_id:
-            raise UsageError(
-                f"{method}: async_output_id must be a non-empty str (a RunnerOutput's async_output_id), "
-                f"got {type(async_output_id).__name__} {async_output_id!r:.80}"
-            )
-
-    @staticmethod
-    def _check_output(output: object, method: str) -> None:
-        if not isinstance(output, DiffusionOutput):
-            raise UsageError(
-                f"{method}: output must be the DiffusionOutput that wait_output_ready delivered, "
-                f"got {type(output).__name__} {output!r:.80}"
-            )
 
     def _submit(
         self,
@@ -628,7 +538,7 @@ class DiffusionExecutor(abc.ABC):
         return ``RunnerOutput``s (one per request) from the reply rank.
         """
         if method in ASYNC_METHODS and not self.step_mode:
-            fut = self._submit(method, args, None, _requests_in(method, args))
+            fut = self._submit(method, args, None, requests_in(method, args))
             return list(fut.result())
         if method == DROP_OUTPUTS:
             # The workers never answer this control message: waiting for an answer
@@ -683,124 +593,6 @@ class DiffusionExecutor(abc.ABC):
             answers[msg.rank] = msg
         return answers
 
-    # ---------------------------------------------------------------- outputs
-
-    def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
-        """The future of an output announced by COMPUTE_DONE.
-
-        **Exactly one waiter per id.**  The first call for an id claims it and is the
-        only one ever to get its output (or its failure).  Every later call for the same
-        id fails at once -- its future already holds ``OutputAlreadyClaimed``, a
-        ``UsageError`` naming the id and what became of the first claim (waiting,
-        delivered, failed, cancelled) -- never a second delivery of the same segment and
-        never "unknown id".  Share the first future, or the output it delivers, instead.
-        A call that fails at once for another reason (an id never announced, already
-        dropped, a closed executor) claims nothing.  Claims are remembered for the
-        last 4096 ids; an older id is "unknown" again.
-
-        Cancelling the future abandons the output: it is released the moment it
-        arrives (F9).
-        """
-        self._check_output_id(async_output_id, "wait_output_ready")
-        t0 = time.monotonic()
-        status = ["waiting"]
-        fut = self.pump.call(lambda d: self._claim(d, async_output_id, status))
-        if fut.done() and isinstance(fut.exception(), OutputAlreadyClaimed):
-            return fut
-        return self._watch_claim(fut, async_output_id, t0, status)
-
-    def _claim(self, d: Dispatcher, async_output_id: str, status: list[str]) -> Future[DiffusionOutput]:
-        """Under the pump's lock: the registry's future of ``async_output_id``, claimed once
-        (``OutputAlreadyClaimed`` for a second claim; see ``wait_output_ready``)."""
-        earlier = self._claims.get(async_output_id)
-        if earlier is not None and not d.registry.closed:  # closed: that error says more
-            refused: Future[DiffusionOutput] = Future()
-            refused.set_exception(
-                OutputAlreadyClaimed(
-                    f"output {async_output_id!r} was already claimed by an earlier wait_output_ready "
-                    f"({earlier[0]}): an output is delivered to exactly one waiter; share that future "
-                    "or the output it delivered (copy what you keep)",
-                    output_id=async_output_id,
-                )
-            )
-            return refused
-        fut = d.registry.wait(async_output_id)
-        if not fut.done():  # a claim; a future failed at once claims nothing
-            self._claims[async_output_id] = status
-            while len(self._claims) > self._max_claims:
-                self._claims.popitem(last=False)
-        return fut
-
-    def _watch_claim(
-        self, fut: Future[DiffusionOutput], async_output_id: str, t0: float, status: list[str]
-    ) -> Future[DiffusionOutput]:
-        """A claimed output's future for the engine: cancelling it abandons the output (F9);
-        its delivery is timed; ``_deliver`` turns what travelled into what the engine gets."""
-
-        def on_done(f: Future[DiffusionOutput]) -> None:
-            if f.cancelled():
-                status[0] = "cancelled"
-                self.pump.call(lambda d: d.registry.cancel(async_output_id, f))
-            elif (exc := f.exception()) is None:
-                status[0] = "delivered"
-                waited = time.monotonic() - t0
-                with self._wait_lock:
-                    self._waits += 1
-                    self._wait_s_total += waited
-                    self._wait_s_max = max(self._wait_s_max, waited)
-            else:
-                status[0] = f"failed with {type(exc).__name__}"
-
-        fut.add_done_callback(on_done)
-        return self._deliver(fut)
-
-    def _deliver(self, packed: Future[DiffusionOutput]) -> Future[DiffusionOutput]:
-        """The future the engine gets for a claimed output (identity in process)."""
-        return packed
-
-    def drop_output(self, async_output_id: str) -> Future[None]:
-        """Drop/abort an output in any state (F10).
-
-        The returned future resolves once nothing of it remains in the executor
-        (an acknowledged abort); a packing that has not started is cancelled (F15).
-        """
-        self._check_output_id(async_output_id, "drop_output")
-        done = self.pump.call(lambda d: d.registry.drop(async_output_id))
-        if not done.done():
-            self._notify_drop([async_output_id])
-        return done
-
-    def abort_outputs(self, async_output_ids: Iterable[str], timeout: float | None = None) -> None:
-        """Drop several outputs and return only when all of them are gone (before a weight update)."""
-        futs = [self.drop_output(oid) for oid in async_output_ids]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in futs:
-            f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-    def release_output(self, output: DiffusionOutput) -> int:
-        """The engine is done with a delivered output: give back what it holds (segments).
-
-        Returns how many segments went back; 0 for an executor without shared memory.
-        Where outputs are zero-copy views of shared memory (``MultiprocDiffusionExecutor``)
-        the segment goes back only once no tensor or array viewing it is alive: this call
-        takes the output's own views back (``output.output`` is unusable afterwards) and
-        raises ``OutputStillViewed`` if the engine still holds others -- it never hands
-        the segment to the next request under a live view.  Dropping every view without
-        calling it releases the segment too.
-        """
-        self._check_output(output, "release_output")
-        return 0
-
-    def release_consumer(self, consumer: str) -> int:
-        """The consumer went away without aborting (F11): release everything it owned."""
-        return self.pump.call(lambda d: d.release_consumer(consumer))
-
-    def _notify_drop(self, output_ids: list[str]) -> None:
-        try:
-            self._broadcast(RpcRequest(self.next_rpc_id(), DROP_OUTPUTS, (output_ids,)))
-        except Exception as exc:  # best effort: the registry already released everything
-            log.debug("cannot tell the workers about dropped outputs: %s", exc)
-
     # ----------------------------------------------------------------- health
 
     def check_health(self) -> None:
@@ -822,8 +614,7 @@ class DiffusionExecutor(abc.ABC):
 
     def metrics(self) -> ExecutorMetrics:
         """The executor side's counters (``ExecutorMetrics``, whose docstring says what each is)."""
-        with self._wait_lock:
-            waits, wait_total, wait_max = self._waits, self._wait_s_total, self._wait_s_max
+        waits, wait_total, wait_max = self._output_claims.wait_stats()
 
         def read(d: Dispatcher) -> ExecutorMetrics:
             s = d.registry.stats
@@ -900,34 +691,6 @@ class DiffusionExecutor(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def stop_budget(deadline: float | None, default: float, fraction: float = 1.0) -> float:
-    """How long one step of a shutdown may wait: ``default`` seconds without a deadline,
-    else ``fraction`` of what is left of it (at most ``default``, never negative)."""
-    if deadline is None:
-        return default
-    return min(default, max(0.0, deadline - time.monotonic()) * fraction)
-
-
-def check_final_step_async(final_step_async: object, step_mode: bool) -> None:
-    """An executor's ``final_step_async`` argument: a bool, True only in step mode (``UsageError``)."""
-    if not isinstance(final_step_async, bool):
-        raise UsageError(f"final_step_async must be a bool, got {final_step_async!r}")
-    if final_step_async and not step_mode:
-        raise UsageError(
-            "final_step_async=True is an option of step mode (step_mode=True); request mode always "
-            "takes the asynchronous path"
-        )
-
-
-def _requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:
-    """The requests of an execute call made through ``collective_rpc`` (what cancel finds it by)."""
-    try:
-        found = list(args[0]) if method == "execute_model_batch" else list(args[:1])
-    except (IndexError, TypeError):
-        return []  # malformed: the worker fails the call with a typed error
-    return [r for r in found if isinstance(r, DiffusionRequest)]
 
 
 __all__ = ["DiffusionExecutor", "stop_budget"]

@@ -44,7 +44,7 @@ from omni_async.core.engine_states import (
     StageEvent,
     StageState,
 )
-from omni_async.core.trace import FieldValue, TraceEvent
+from omni_async.core.trace import TraceEvent
 from omni_async.verify.locate import tla_dir
 from omni_async.verify.tlc import TlcResult, Toolchain, run_tlc
 from omni_async.verify.tracecheck import TraceCheckResult, TraceFailure

@@ -31,7 +31,7 @@ from typing import TypeAlias
 
 import attrs
 
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, Failure, OutputReady
+from omni_async.core.messages import DiffusionOutput, Failure, OutputReady
 from omni_async.core.registry import no_release
 from omni_async.core.states import (
     LifecycleEvent,
