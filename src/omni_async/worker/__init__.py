@@ -1,12 +1,70 @@
-"""worker layer.
+"""worker layer, and the names a model author uses.
 
-The model-facing names: ``cancel_requested`` and ``raise_if_cancelled`` (cooperative
-cancellation between denoising steps, ``omni_async.worker.cancel``); ``emit_chunk`` and
-``streaming_requested`` (intermediate outputs of a streaming request,
-``omni_async.worker.stream``).
+What a model implements (``DiffusionWorkerModel``: ``execute_model`` and
+``execute_model_batch`` over ``DiffusionRequest`` / ``DiffusionOutput``), how worker
+processes build it (``WorkerSpec``, ``WorkerOptions``), its post-processing
+(``PostProcess`` and its registry), cooperative cancellation between denoising steps
+(``cancel_requested``, ``raise_if_cancelled``) and intermediate outputs of a streaming
+request (``emit_chunk``, ``streaming_requested``).  The names that need torch load on
+first use (PEP 562), so ``import omni_async.worker`` stays light.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
-__all__ = ["cancel_requested", "emit_chunk", "raise_if_cancelled", "streaming_requested"]
+if TYPE_CHECKING:
+    from omni_async.worker.host import WorkerOptions, WorkerSpec
+    from omni_async.worker.loop import DiffusionWorkerModel
+    from omni_async.worker.postprocess import (
+        PostProcess,
+        get_postprocess,
+        register_postprocess,
+        registered_postprocesses,
+    )
+
+_LAZY: dict[str, str] = {
+    "WorkerOptions": "omni_async.worker.host",
+    "WorkerSpec": "omni_async.worker.host",
+    "DiffusionWorkerModel": "omni_async.worker.loop",
+    "PostProcess": "omni_async.worker.postprocess",
+    "get_postprocess": "omni_async.worker.postprocess",
+    "register_postprocess": "omni_async.worker.postprocess",
+    "registered_postprocesses": "omni_async.worker.postprocess",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni_async.worker' has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "BatchDiffusionOutput",
+    "DiffusionOutput",
+    "DiffusionRequest",
+    "DiffusionWorkerModel",
+    "PostProcess",
+    "WorkerOptions",
+    "WorkerSpec",
+    "cancel_requested",
+    "emit_chunk",
+    "get_postprocess",
+    "raise_if_cancelled",
+    "register_postprocess",
+    "registered_postprocesses",
+    "streaming_requested",
+]

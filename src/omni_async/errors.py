@@ -1,0 +1,134 @@
+"""Every error ``omni_async`` raises, for code that catches them.
+
+All of them derive from ``OmniAsyncError``; ``UsageError`` (you called the API wrongly)
+and ``ProtocolError`` (a peer broke the protocol) split misuse from faults, as section 6
+of ``docs/guide.md`` describes.  ``import omni_async.errors`` imports no torch: the three
+errors defined beside torch code are loaded on first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from omni_async.core.errors import (
+    ActorDied,
+    ComputeTimeout,
+    ExecutorShutdown,
+    IllegalTransition,
+    InvalidRequest,
+    MessageValidationError,
+    OmniAsyncError,
+    OutputAlreadyClaimed,
+    OutputDropped,
+    OutputError,
+    OutputOrphaned,
+    OutputTimeout,
+    OutputUnpackFailed,
+    ProtocolError,
+    RemoteError,
+    RequestAborted,
+    RequestNotSendable,
+    RpcFailed,
+    UsageError,
+    WorkerDied,
+    WorkerStartupFailed,
+    WorkerStuck,
+)
+from omni_async.engine.errors import (
+    EngineClosed,
+    EngineDead,
+    EngineError,
+    EngineNotStarted,
+    EngineOverloaded,
+    PostProcessFailed,
+)
+from omni_async.transport.errors import (
+    ChannelClosed,
+    ChannelFull,
+    DeviceSyncUnavailable,
+    HeldOutputsFull,
+    LeaseAlreadyReleased,
+    MessageTooLarge,
+    OutputStillViewed,
+    PoolClosed,
+    PoolExhausted,
+    SegmentTooLarge,
+    TransportError,
+    UnknownSegment,
+    UnpicklableMessage,
+    UnsupportedOutputType,
+)
+
+if TYPE_CHECKING:
+    from omni_async.executor.config import InvalidConfig
+    from omni_async.worker.baselines import InvalidOutputPath
+    from omni_async.worker.postprocess import UnknownPostProcess
+
+_LAZY: dict[str, str] = {
+    "InvalidConfig": "omni_async.executor.config",
+    "InvalidOutputPath": "omni_async.worker.baselines",
+    "UnknownPostProcess": "omni_async.worker.postprocess",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni_async.errors' has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "ActorDied",
+    "ChannelClosed",
+    "ChannelFull",
+    "ComputeTimeout",
+    "DeviceSyncUnavailable",
+    "EngineClosed",
+    "EngineDead",
+    "EngineError",
+    "EngineNotStarted",
+    "EngineOverloaded",
+    "ExecutorShutdown",
+    "HeldOutputsFull",
+    "IllegalTransition",
+    "InvalidConfig",
+    "InvalidOutputPath",
+    "InvalidRequest",
+    "LeaseAlreadyReleased",
+    "MessageTooLarge",
+    "MessageValidationError",
+    "OmniAsyncError",
+    "OutputAlreadyClaimed",
+    "OutputDropped",
+    "OutputError",
+    "OutputOrphaned",
+    "OutputStillViewed",
+    "OutputTimeout",
+    "OutputUnpackFailed",
+    "PoolClosed",
+    "PoolExhausted",
+    "PostProcessFailed",
+    "ProtocolError",
+    "RemoteError",
+    "RequestAborted",
+    "RequestNotSendable",
+    "RpcFailed",
+    "SegmentTooLarge",
+    "TransportError",
+    "UnknownPostProcess",
+    "UnknownSegment",
+    "UnpicklableMessage",
+    "UnsupportedOutputType",
+    "UsageError",
+    "WorkerDied",
+    "WorkerStartupFailed",
+    "WorkerStuck",
+]
