@@ -16,11 +16,15 @@ from collections.abc import Callable
 import pytest
 from helpers.mp_workers import expected_image
 
-from omni_async import HeldOutputsFull
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import OutputTimeout, RemoteError, UsageError
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.errors import HeldOutputsFull
+from omni_async.executor.multiproc import (
+    MultiprocDiffusionExecutor,
+    WorkerOptions,
+    WorkerSpec,
+)
 from omni_async.transport.shm import SegmentPool
 
 SPEC = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)

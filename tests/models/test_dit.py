@@ -13,17 +13,29 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_async import DiTPipelineWorker, InvalidRequest, UsageError, get_postprocess
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RequestAborted, RpcFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.metrics import GenerationResult
 from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.errors import InvalidRequest, UsageError
 from omni_async.executor.inprocess import InProcessExecutor
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
-from omni_async.models.dit import POSTPROCESS, device_stage, host_stage, make_worker, pixels_to_uint8
+from omni_async.executor.multiproc import (
+    MultiprocDiffusionExecutor,
+    WorkerOptions,
+    WorkerSpec,
+)
+from omni_async.models.dit import (
+    POSTPROCESS,
+    DiTPipelineWorker,
+    device_stage,
+    host_stage,
+    make_worker,
+    pixels_to_uint8,
+)
 from omni_async.models.tiny import image_digest
+from omni_async.worker import get_postprocess
 
 DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
 # A small model for the tests that only need the pipeline's behaviour.

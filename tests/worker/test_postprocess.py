@@ -3,8 +3,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_async import DiffusionOutput, PostProcess, UnknownPostProcess, UsageError
-from omni_async import get_postprocess, register_postprocess, registered_postprocesses
+from omni_async import DiffusionOutput
+from omni_async.errors import UnknownPostProcess, UsageError
+from omni_async.worker import (
+    PostProcess,
+    get_postprocess,
+    register_postprocess,
+    registered_postprocesses,
+)
 
 
 def _to_uint8(out: DiffusionOutput) -> DiffusionOutput:
