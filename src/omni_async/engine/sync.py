@@ -75,7 +75,7 @@ class DiffusionEngine:
     def executor(self) -> DiffusionExecutor:
         return self._engine.executor
 
-    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def _run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         if self._closed:
             coro.close()
             raise EngineClosed("the engine is closed")
