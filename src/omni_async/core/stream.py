@@ -11,7 +11,7 @@ output comes through ``wait_output_ready`` as in request mode.
 ``ChunkFeed`` is what the dispatcher keeps of one request's stream, under the
 pump's lock like everything in the dispatcher: the chunks announced and not yet
 taken by the consumer, in order, and how the stream ended.  The rules (the
-dispatcher applies them; ``tla/AsyncOutput.tla`` states them as ``HandleChunk``):
+dispatcher applies them; ``tla/AsyncOutputExecutor.tla`` states them as ``HandleChunk``):
 
 * A CHUNK of a pending call, from its reply rank, the next in its request's stream,
   is registered like a COMPUTE_DONE of its one id and appended to the feed (its id is

@@ -343,7 +343,7 @@ class WorkerLoop:
                 # The outputs are with the packer already: their OUTPUT_READY will come.  The
                 # failure that answers the call names them, so the executor registers and drops
                 # them (what arrives is released) instead of holding them for nobody (defect 3;
-                # tla/AsyncOutput.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
+                # tla/AsyncOutputWorker.tla: WorkerMainComputeDoneFails, buggy/SendFailKeepsShipped).
                 log.warning("rank %d: cannot send COMPUTE_DONE of %s: %s", self.rank, req.rpc_id, exc)
                 self._send(
                     RpcResult.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
