@@ -16,6 +16,7 @@ import pytest
 from helpers.executor_harness import RELAXED, ToyWorker, req
 
 import omni_async
+import omni_async.errors
 import omni_async.core.errors as errors
 from omni_async.core.errors import MessageValidationError, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
@@ -172,8 +173,9 @@ def test_multiproc_executor_wants_a_worker_spec() -> None:
 
 
 def test_new_error_types_are_exported() -> None:
+    """Errors are exported from omni_async.errors, and still import from omni_async."""
     for name in ("InvalidRequest", "WorkerStartupFailed"):
-        assert name in omni_async.__all__ and getattr(omni_async, name) is getattr(errors, name)
+        assert name in omni_async.errors.__all__ and getattr(omni_async, name) is getattr(errors, name)
 
 
 def test_in_process_executor_checks_requests_with_the_models_validator_at_the_call() -> None:

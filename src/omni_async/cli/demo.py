@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
         print(_summary_text(summaries, out, args, ok=not bad))
         if args.json is not None:
             with open(args.json, "w") as fh:
-                json.dump(_summary_json(summaries, out, args, ok=not bad) | {"executor_metrics": m}, fh, indent=2)
+                json.dump(_summary_json(summaries, out, args, ok=not bad) | {"executor_metrics": m.as_dict()}, fh, indent=2)
                 fh.write("\n")
     finally:
         with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
