@@ -9,6 +9,9 @@
   every test checks that it left no segment or lock file of this session in
   /dev/shm, and blames nothing else (another suite, engine or crashed run on the
   machine); the executors it builds sweep only this session's dead files.
+* Under ``pytest -n auto`` (pytest-xdist; README's test command) each worker is a
+  session of its own, with its own tag.  The test that checks the traces other tests
+  recorded is moved to the end of the collection.
 * ``ray_session``: one local Ray instance for every module that needs one (its start
   is the dear part), started on first use, shut down at the end of the session;
   skips the test where Ray is not installed (CI installs it with ``.[dev]``).
@@ -52,6 +55,15 @@ def pytest_configure(config: pytest.Config) -> None:
     tag_session()  # before any test builds a pool (children inherit the tag)
     if config.getoption("hypothesis_profile", None) is None and deselects_slow(config.getoption("markexpr", "")):
         settings.load_profile(f"{_PROFILE}-fast")
+
+
+# Checks what the other tests of its session (or xdist worker) recorded: it runs last.
+_LAST = "test_traces_collected_by_other_tests_are_behaviours"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Move the test that checks the traces other tests collected to the end."""
+    items.sort(key=lambda item: item.name == _LAST)  # stable: the rest keep their order
 
 
 def deselects_slow(markexpr: str) -> bool:
