@@ -200,3 +200,17 @@ def test_cuda_worker_processes_time_a_forward_that_returns_early() -> None:
             assert m.pack_s < PACK_MAX_S, f"pack_s {m.pack_s:.3f} s"
         for out in outs:
             ex.release_output(out)
+
+
+def test_cuda_warm_copy_path_leaves_the_stream_usable() -> None:
+    from omni_async.transport.device_copy import warm_copy_path
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    warm_copy_path(stream)
+    assert stream.query()
+    with torch.cuda.stream(stream):
+        host = torch.empty(8, pin_memory=True)
+        host.copy_(torch.arange(8.0, device=dev), non_blocking=True)
+    stream.synchronize()
+    assert host.tolist() == [float(i) for i in range(8)]

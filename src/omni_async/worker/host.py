@@ -221,6 +221,7 @@ def build_worker(
     import torch
 
     from omni_async.transport.clock import DeviceClock
+    from omni_async.transport.device_copy import warm_copy_path
     from omni_async.transport.platform import record_device_event
 
     dev = device_setup(opts.device, rank)
@@ -232,7 +233,9 @@ def build_worker(
         # Runs on the packer thread: the current device is per thread, set it first.
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-            return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+            stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+            warm_copy_path(stream)  # while starting, not in the first request's pack
+            return stream
         return None
 
     def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
