@@ -207,6 +207,11 @@ def pack_diffusion_output_shm(
     ``record_device_event`` after the forward; the copies are ordered after it.
     ``pool``: where shared-memory leaves go; None takes the process's one pool.
     Raises ``UnsupportedOutputType``, ``SegmentTooLarge``, ``PoolExhausted``.
+
+    ``metrics.pack_s``: the host seconds of this call, which include waiting for
+    ``ready_event`` (the synchronize waits for the forward's kernels too); a worker's
+    packer replaces it with the time from the copy's start on the device
+    (``omni_async.worker.stamps``).
     """
     _check_unpacked(output, "pack_diffusion_output_shm")
     t0 = time.perf_counter()
