@@ -10,6 +10,7 @@ as a worker builds them) on both output paths, and through worker processes with
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -168,7 +169,7 @@ def test_cuda_sync_path_times_the_same_way(pool: SegmentPool) -> None:
         outs = _outputs(channel, 3)
         try:
             _check(outs)
-            for a, b in zip(outs, outs[1:], strict=False):
+            for a, b in itertools.pairwise(outs):
                 start, end = b.metrics.forward_started_at, a.metrics.forward_ended_at
                 assert start is not None and end is not None
                 # The device idles for the copy and the answer, never for its own tail.

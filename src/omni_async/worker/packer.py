@@ -43,9 +43,9 @@ from omni_async.core.states import (
 )
 from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.clock import DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
-from omni_async.transport.clock import DeviceClock
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
 from omni_async.worker.stamps import ForwardMarks, timed
