@@ -450,6 +450,32 @@ def test_transport_is_checked() -> None:
         RayDiffusionExecutor(SPEC, transport="tcp")
 
 
+def test_prewarm_fills_the_pool_before_the_actors_start() -> None:
+    """``prewarm=`` with the budget: the segments exist before the first request, the
+    packing actor mapped them while starting, and requests reuse them."""
+    from omni_async.executor.config import Prewarm
+
+    params = {"numel": 1 << 18, "seed": 5}
+    ex = RayDiffusionExecutor(SPEC, deadlines=DEADLINES, max_held_outputs=4, max_held_bytes=16 << 20,
+                              prewarm=Prewarm.of_tensor((1 << 18,), torch.float32, count=2))  # fmt: skip
+    try:
+        assert ex.pool.stats().created == 2
+        assert ex.collective_rpc("loop_info")[0]["mapped_segments"] == 2
+        for i in range(3):
+            _take(ex, ex.execute_request(_req(f"p{i}", **params)), params)
+        assert ex.pool.stats().created == 2
+    finally:
+        ex.shutdown()
+    _gone(ex)
+
+
+def test_prewarm_is_refused_without_the_pool() -> None:
+    from omni_async.executor.config import InvalidConfig, Prewarm
+
+    with pytest.raises(InvalidConfig, match="prewarm is refused with transport='object_store'"):
+        RayDiffusionExecutor(SPEC, transport="object_store", prewarm=Prewarm.of_bytes(1 << 20))
+
+
 def _on_the_other_node() -> Any:
     """A placement group of one bundle on the session cluster's other node (not the
     executor's: another raylet, another object store)."""

@@ -78,7 +78,7 @@ from omni_async.core.messages import DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.shm.files import entries
 from omni_async.worker.baselines import OutputPath
-from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_STARTED_AT
+from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_RETURNED_AT, FORWARD_STARTED_AT
 
 __all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
 
@@ -423,7 +423,8 @@ def run_pump(requests: int, concurrency: int = 1) -> dict[str, Any]:
                 assert ro.async_output_id is not None
                 out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
                 with lock:
-                    wake.append(woke - out.metrics[FORWARD_ENDED_AT])
+                    # From the host's return of the forward (COMPUTE_DONE is sent then).
+                    wake.append(woke - out.metrics[FORWARD_RETURNED_AT])
                 ex.release_output(out)
 
         before = ex.pump.messages

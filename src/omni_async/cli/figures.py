@@ -35,7 +35,8 @@ def idle_gaps(intervals: Sequence[tuple[float, float]]) -> list[float]:
     ``(start, end)`` on one worker, in any order; the result has one gap per forward
     after the earliest, in start order: how long the worker had nothing to compute
     before it (0 when it started before the forwards so far had ended -- a batch, or
-    overlapping stamps).  Sum them for the worker's idle time between forwards."""
+    overlapping stamps).  Sum them for the worker's idle time between forwards; from
+    the worker's stamps (``omni_async.worker.stamps``), the device's."""
     ordered = sorted(intervals)
     gaps: list[float] = []
     busy_until: float | None = None

@@ -5,16 +5,19 @@ clock (``time.monotonic()``, which the worker's stamps share):
 
 * ``queued``: from ``generate`` until its forward started (the engine's queue, then
   behind the forward before it on the worker);
-* ``forward``: the model call on the worker's main thread;
-* ``pack``: the device stage and the copy into shared memory (on the packer thread on
-  the asynchronous output path, on the main thread on the synchronous one);
+* ``forward``: the forward on the device, from when the device began it to when it
+  finished its kernels (a real pipeline's call returns before: its tail is in);
+* ``pack``: the device stage and the copy into shared memory, from the copy's start on
+  the device (on the packer thread on the asynchronous output path, on the main thread
+  on the synchronous one; ``omni_async.worker.stamps``);
 * ``wait``: from the end of the copy until the engine's host stage started (the
   message, the unpack, the answer of a synchronous call);
 * ``postprocess``: the engine's host stage and the release, until the result.
 
 ``chrome_trace`` writes them as Chrome trace events (``{"traceEvents": [...]}``; open in
 https://ui.perfetto.dev or chrome://tracing): one process per output path, one thread
-per request plus a ``worker`` thread with the forwards and the idle gaps between them.
+per request plus a ``worker`` thread with the forwards and the device's idle gaps
+between them.
 ``draw_timeline`` draws one output path as a PNG with matplotlib (imported when called).
 """
 

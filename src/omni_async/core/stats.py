@@ -29,16 +29,19 @@ def _extra(values: Mapping[str, float]) -> dict[str, float]:
 class OutputStats(Mapping[str, float]):
     """One output's stats (None: not measured).  Times in seconds; ``*_at``: ``time.monotonic()``."""
 
-    # The packer (``transport.packing``; ``worker.baselines`` for the reference paths).
+    # The packer (``transport.packing``; ``worker.baselines`` for the reference paths);
+    # the worker's ``pack_s`` is ``pack_ended_at - pack_started_at`` (``worker.stamps``).
     pack_s: float | None = None
     pack_shm_bytes: float | None = None
     pack_inline_bytes: float | None = None
     pack_stored_bytes: float | None = None
     pack_pinned: float | None = None
     pack_segments: float | None = None
-    # The worker's timestamps (``worker.stamps``).
+    # The worker's timestamps (``worker.stamps``): the forward and the pack on the
+    # device, converted to the host's clock; ``forward_returned_at`` on the host.
     forward_started_at: float | None = None
     forward_ended_at: float | None = None
+    forward_returned_at: float | None = None
     pack_started_at: float | None = None
     pack_ended_at: float | None = None
     # A post-process device stage (``worker.postprocess.run_device_stage``).

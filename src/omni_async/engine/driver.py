@@ -20,10 +20,16 @@ from omni_async.core.errors import OutputDropped, UsageError
 from omni_async.core.messages import DiffusionOutput, RunnerOutput
 from omni_async.engine.base import log
 from omni_async.engine.errors import PostProcessFailed
-from omni_async.engine.metrics import STAGES, GenerationResult, RequestTimings
+from omni_async.engine.metrics import STAGES, GenerationResult, RequestTimings, forward_end
 from omni_async.engine.record import RequestRecord
 from omni_async.engine.streaming import EngineStreams
-from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_STARTED_AT, PACK_ENDED_AT, PACK_STARTED_AT
+from omni_async.worker.stamps import (
+    FORWARD_ENDED_AT,
+    FORWARD_RETURNED_AT,
+    FORWARD_STARTED_AT,
+    PACK_ENDED_AT,
+    PACK_STARTED_AT,
+)
 
 __all__ = ["EngineDriver"]
 
@@ -224,11 +230,12 @@ class EngineDriver(EngineStreams):
             return
         finished = time.monotonic()
         pack_s = metrics.get("pack_s")
+        forward_ended = forward_end(rec.compute_done_at, metrics.get(FORWARD_ENDED_AT))
         timings = RequestTimings(
             queued=rec.submitted_at - rec.enqueued_at,
-            forward=rec.compute_done_at - rec.submitted_at,
+            forward=forward_ended - rec.submitted_at,
             pack=pack_s,
-            transfer_wait=rec.output_ready_at - rec.compute_done_at,
+            transfer_wait=max(0.0, rec.output_ready_at - forward_ended),
             postprocess=post_s,
             total=finished - rec.enqueued_at,
             enqueued_at=rec.enqueued_at,
@@ -239,6 +246,7 @@ class EngineDriver(EngineStreams):
             postprocess_started_at=post_at,
             forward_started_at=metrics.get(FORWARD_STARTED_AT),
             forward_ended_at=metrics.get(FORWARD_ENDED_AT),
+            forward_returned_at=metrics.get(FORWARD_RETURNED_AT),
             pack_started_at=metrics.get(PACK_STARTED_AT),
             pack_ended_at=metrics.get(PACK_ENDED_AT),
         )

@@ -23,6 +23,7 @@ __all__ = [
     "HistogramSnapshot",
     "LatencyHistogram",
     "RequestTimings",
+    "forward_end",
 ]
 
 # Upper bounds in seconds (the last bucket, +Inf, is implicit), from a sub-millisecond
@@ -40,12 +41,16 @@ class RequestTimings:
     """Where one request's time went, in seconds, and when each step happened.
 
     * ``queued``: from ``generate`` to the engine sending it (time in the engine's queue);
-    * ``forward``: from sending to COMPUTE_DONE (includes waiting behind an earlier
-      forward on the worker: with ``max_running >= 2`` the next request is sent early);
-    * ``pack``: the worker's copy into shared memory (the packer's ``pack_s``; None when
-      the output did not say);
-    * ``transfer_wait``: from COMPUTE_DONE to the output being ready in the engine
-      (packing, the message, the unpack), the part of the copy the engine waited for;
+    * ``forward``: from sending to the end of its forward (``forward_end``: on the device,
+      when the worker's stamps say so, its tail included -- a real pipeline returns
+      before its kernels end -- else COMPUTE_DONE here; includes waiting behind an
+      earlier forward on the worker: with ``max_running >= 2`` the next request is sent
+      early);
+    * ``pack``: the worker's copy into shared memory, from the copy's start on the
+      device to the packed output (the output's ``pack_s``; None when it did not say);
+    * ``transfer_wait``: from the end of the forward to the output being ready in the
+      engine (packing, the message, the unpack), the part of the copy the engine waited
+      for;
     * ``postprocess``: the host stage (or the copy of the tensors) and the release;
     * ``total``: from ``generate`` to the result.
 
@@ -55,10 +60,12 @@ class RequestTimings:
     (sent), ``compute_done_at`` (COMPUTE_DONE here), ``output_ready_at`` (the output
     here: OUTPUT_READY, unpacked), ``postprocess_started_at`` (its host stage began, on
     an ``omni-postprocess`` thread), ``finished_at`` (the result).  The worker's stamps
-    (``omni_async.worker.stamps``, carried in the output's metrics): ``forward_started_at``
-    / ``forward_ended_at`` (the model call on the worker's main thread) and
-    ``pack_started_at`` / ``pack_ended_at`` (device stage and copy: on the packer, or on
-    the main thread on the synchronous path); None when the output did not carry them.
+    (``omni_async.worker.stamps``, carried in the output's metrics), on the device's
+    time converted to the host's clock: ``forward_started_at`` / ``forward_ended_at``
+    (the forward on the device, its tail included), ``forward_returned_at`` (the model
+    call returned on the host) and ``pack_started_at`` / ``pack_ended_at`` (device stage
+    and copy, from the copy's start on the device: on the packer, or on the main thread
+    on the synchronous path); None when the output did not carry them.
     CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the worker's
     stamps and the engine's compare on one timeline.
     """
@@ -79,9 +86,18 @@ class RequestTimings:
     forward_ended_at: float | None = None
     pack_started_at: float | None = None
     pack_ended_at: float | None = None
+    forward_returned_at: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return attrs.asdict(self)
+
+
+def forward_end(compute_done_at: float, forward_ended_at: float | None) -> float:
+    """When a request's forward ended, for ``RequestTimings.forward``: COMPUTE_DONE's
+    arrival here, or the forward's end on the device when that came later (the worker
+    sends COMPUTE_DONE when the call returns on the host, while a real pipeline's kernels
+    may still run)."""
+    return compute_done_at if forward_ended_at is None else max(compute_done_at, forward_ended_at)
 
 
 @attrs.frozen

@@ -17,18 +17,23 @@ that way; declaring them once (not once per executor) was the point of the issue
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import TypedDict
 
 import attrs
+import torch
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
+from omni_async.core.messages import DiffusionOutput
 from omni_async.core.trace import Tracer
 from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
+from omni_async.transport.packing import leaf_nbytes, segment_nbytes
 from omni_async.worker.baselines import check_output_path
 from omni_async.worker.host import WorkerOptions
 
-__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig"]
+__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig", "Prewarm"]
 
 
 class InvalidConfig(UsageError, ValueError):
@@ -37,6 +42,72 @@ class InvalidConfig(UsageError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field} {message}")
         self.field = field
+
+
+def _count(value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidConfig("prewarm", f"count must be a positive int or None, got {value!r}")
+
+
+@attrs.frozen
+class Prewarm:
+    """Shared-memory segments the executor makes (and its packing rank maps, and on CUDA
+    pins) before the first request, so that no request pays for one: ``count`` of them,
+    each the segment one output needs.  Build it by what you know of the output:
+
+    * ``Prewarm.of_bytes(nbytes)``: a segment of ``nbytes`` (the bytes one output holds
+      in shared memory: its ``metrics["pack_shm_bytes"]``, what ``SegmentPool.prewarm``
+      takes);
+    * ``Prewarm.of_tensor(shape, dtype)``: an output of one tensor of that shape and dtype;
+    * ``Prewarm.of_output(sample)``: an output like ``sample`` (a ``DiffusionOutput`` or its
+      ``output``: any structure the transport packs -- dicts, lists, tuples, attrs and
+      dataclass instances; tensor, array and bytes leaves), sized by the transport's own
+      rule (``packing.segment_nbytes``: small leaves travel inline, the rest at aligned
+      offsets) with the worker's ``inline_threshold``.  Size what the packer receives:
+      after a post-process's device stage, if the pipeline has one.
+
+    ``count`` None: as many as the worker's packer holds at once plus two (one being
+    read, one being released), within the budget of held outputs; a count or a size the
+    budget cannot hold is an ``InvalidConfig``.  Nothing of ``sample`` is kept: its leaves'
+    sizes only (``leaves``, in the packer's walk order; ``segment``, a size given as is).
+    """
+
+    leaves: tuple[int, ...] = ()
+    count: int | None = None
+    segment: int | None = None
+
+    @classmethod
+    def of_bytes(cls, nbytes: int, count: int | None = None) -> Prewarm:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise InvalidConfig("prewarm", f"nbytes must be a positive int, got {nbytes!r}")
+        _count(count)
+        return cls(count=count, segment=nbytes)
+
+    @classmethod
+    def of_tensor(cls, shape: Sequence[int], dtype: torch.dtype, count: int | None = None) -> Prewarm:
+        dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+        if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
+            raise InvalidConfig("prewarm", f"shape must be a sequence of ints >= 0, got {shape!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise InvalidConfig("prewarm", f"dtype must be a torch.dtype, got {dtype!r}")
+        _count(count)
+        return cls((math.prod(dims) * dtype.itemsize,), count)
+
+    @classmethod
+    def of_output(cls, sample: object, count: int | None = None) -> Prewarm:
+        tree = sample.output if isinstance(sample, DiffusionOutput) else sample
+        try:
+            leaves = leaf_nbytes(tree)
+        except UsageError as exc:  # UnsupportedOutputType too: the packer would refuse it
+            raise InvalidConfig("prewarm", f"sample cannot be packed, so it cannot size a segment: {exc}") from exc
+        _count(count)
+        return cls(tuple(leaves), count)
+
+    def segment_nbytes(self, inline_threshold: int) -> int:
+        """The bytes of one output's segment (0: it travels inline, it needs none)."""
+        if self.segment is not None:
+            return self.segment
+        return segment_nbytes(self.leaves, inline_threshold=inline_threshold)
 
 
 class ExecutorOptions(TypedDict, total=False):
@@ -53,6 +124,7 @@ class ExecutorOptions(TypedDict, total=False):
     start_timeout: float
     tracer: Tracer | None
     final_step_async: bool
+    prewarm: Prewarm | None
 
 
 def _int_at_least(field: str, value: object, low: int, *, optional: bool = False) -> None:
@@ -79,7 +151,10 @@ class ExecutorConfig:
     this one); ``max_held_outputs``/``max_held_bytes``: the budget of held outputs
     (``budget``; None: 64 outputs, and the pool's byte default); ``copy_outputs``:
     deliver owned copies instead of zero-copy views; ``start_timeout``: seconds until
-    every rank has built its model; ``tracer``: the protocol trace.
+    every rank has built its model; ``tracer``: the protocol trace; ``prewarm``: the
+    segments to make before the first request (``Prewarm``; checked against the budget
+    here when ``max_held_outputs``/``max_held_bytes`` are given, against the pool's when
+    the executor has it: ``prewarm_plan``).
     """
 
     world_size: int = 1
@@ -93,6 +168,7 @@ class ExecutorConfig:
     start_timeout: float = 120.0
     tracer: Tracer | None = None
     final_step_async: bool = False
+    prewarm: Prewarm | None = None
 
     def __attrs_post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)
@@ -117,6 +193,57 @@ class ExecutorConfig:
             raise InvalidConfig("start_timeout", f"must be a number of seconds > 0, got {t!r}")
         # InvalidOutputPath (a UsageError of its own, which callers catch by name).
         check_output_path(self.worker_options.output_path, step_mode=self.step_mode)
+        if self.prewarm is not None:
+            if not isinstance(self.prewarm, Prewarm):
+                raise InvalidConfig(
+                    "prewarm",
+                    f"must be a Prewarm (Prewarm.of_bytes, .of_tensor or .of_output) or None, got {self.prewarm!r}",
+                )
+            self._prewarm_segment()
+            if self.max_held_outputs is not None or self.max_held_bytes is not None:
+                self.prewarm_plan(self.budget)  # the executor checks it again against its pool's
+
+    def prewarm_plan(self, budget: OutputBudget) -> tuple[int, int] | None:
+        """``(segment bytes, count)`` of ``prewarm`` under ``budget`` (the pool's, once the
+        executor has one); None without ``prewarm``.  ``InvalidConfig`` when the output
+        needs no segment, or when the budget cannot hold the segments at once."""
+        if self.prewarm is None:
+            return None
+        opts = self.worker_options
+        nbytes = self._prewarm_segment()
+        size = budget.size_class(nbytes)
+        by_bytes = None if budget.max_bytes is None else budget.max_bytes // size
+        count = self.prewarm.count
+        if count is None:
+            fit = budget.max_outputs if by_bytes is None else min(budget.max_outputs, by_bytes)
+            count = max(1, min(opts.max_outputs_in_flight + 2, fit))
+        elif count > budget.max_outputs:
+            raise InvalidConfig(
+                "prewarm",
+                f"count={count} is more than max_held_outputs={budget.max_outputs} segments can be held at once; "
+                "lower the count or raise max_held_outputs",
+            )
+        if by_bytes is not None and count > by_bytes:
+            raise InvalidConfig(
+                "prewarm",
+                f"needs {count} segment(s) of {size} bytes (an output of {nbytes} bytes, in the pool's size class), "
+                f"{count * size} bytes in all, over max_held_bytes={budget.max_bytes}; lower the count or raise "
+                "max_held_bytes",
+            )
+        return nbytes, count
+
+    def _prewarm_segment(self) -> int:
+        """The bytes of ``prewarm``'s segment; ``InvalidConfig`` when the output needs none."""
+        assert self.prewarm is not None
+        threshold = self.worker_options.inline_threshold
+        nbytes = self.prewarm.segment_nbytes(threshold)
+        if nbytes == 0:
+            raise InvalidConfig(
+                "prewarm",
+                f"sizes an output that travels inline (every leaf within inline_threshold={threshold} bytes): it "
+                "uses no segment, there is nothing to prewarm; drop prewarm=",
+            )
+        return nbytes
 
     def with_options(self, options: ExecutorOptions) -> ExecutorConfig:
         """This configuration with the fields ``options`` names replaced (checked again)."""

@@ -96,7 +96,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
-from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, shut_down_error
+from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.transport.channel import PipeChannel
 from omni_async.transport.packing import carried_leases
 from omni_async.transport.rpc import encode_rpc
@@ -511,6 +511,8 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
     copies and give the segment back at once instead of zero-copy views.  ``pool``: a
     shared-memory pool made by the caller instead, whose ``max_segments`` and
     ``max_bytes`` are then the budget (either way the executor closes it at shutdown).
+    ``prewarm`` (``Prewarm``): segments made in the pool before the workers start, with
+    either budget.
     The constructor returns once every rank has built its model and answered; a rank
     whose model fails to build makes it raise ``WorkerStartupFailed`` carrying the
     remote error.
@@ -542,8 +544,10 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
         validator = spec.request_validator()
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()
+        owned = pool is None
         if pool is None:
             pool = cfg.budget.make_pool(mp_context=multiprocessing.get_context("spawn"))
+        prewarm_pool(pool, cfg, owned=owned)  # before the workers start: they map what it made
         ranks = ProcessRanks(spec, cfg.worker_options, cfg.world_size, pool)
         super().__init__(ranks, pool, cfg, validator)
         self._start()

@@ -33,7 +33,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, OutputUnpackFailed, WorkerDied
 from omni_async.core.messages import BatchDiffusionOutput, CancelMessage, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.executor.api import DiffusionExecutor
-from omni_async.executor.config import ExecutorConfig
+from omni_async.executor.config import ExecutorConfig, InvalidConfig
 from omni_async.executor.futures import map_future
 from omni_async.executor.metrics import HeldOutputMetrics
 from omni_async.executor.pump import ResultPump
@@ -48,7 +48,7 @@ from omni_async.transport.packing import (
 from omni_async.transport.shm import PoolStats, SegmentPool, unlink_all_with_prefix
 from omni_async.worker.baselines import discard_fresh_output, is_fresh, receive_fresh_output
 
-__all__ = ["RankHost", "RankTransport", "RankedExecutor"]
+__all__ = ["RankHost", "RankTransport", "RankedExecutor", "prewarm_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +145,32 @@ class RankTransport(abc.ABC):
 
 
 TransportT = TypeVar("TransportT", bound=RankTransport)
+
+
+def prewarm_pool(pool: SegmentPool, config: ExecutorConfig, *, owned: bool) -> None:
+    """Make the segments ``config.prewarm`` asks for in ``pool``, in the executor's process,
+    before any rank starts (the packing rank then maps them, and on CUDA pins them, while
+    starting: ``SegmentPool.map_segments``).  Checked against the pool's budget first;
+    ``InvalidConfig`` naming what failed -- and the pool closed when the executor made it
+    (``owned``), so a constructor that raises leaves nothing in /dev/shm."""
+    try:
+        plan = config.prewarm_plan(OutputBudget.of_pool(pool))
+        if plan is None:
+            return
+        nbytes, count = plan
+        try:
+            pool.prewarm(nbytes, count)
+        except Exception as exc:
+            raise InvalidConfig(
+                "prewarm",
+                f"could not make {count} segment(s) of {nbytes} bytes in /dev/shm ({type(exc).__name__}: {exc}); "
+                "free /dev/shm, lower the count, or drop prewarm=",
+            ) from exc
+    except BaseException:
+        if owned:
+            pool.close()
+        raise
+    log.debug("prewarmed %d segment(s) of %d bytes", count, nbytes)
 
 
 class RankedExecutor(DiffusionExecutor, Generic[TransportT]):

@@ -109,7 +109,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
-from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, shut_down_error
+from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.executor.ray_actor import Buffer, OutboxLimits, PollBatch, RankActor, RankActorHandle, StoreBudget
 from omni_async.transport.channel import (
     DEFAULT_CAPACITY_BYTES,
@@ -590,6 +590,9 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
       buffers in the object store as they bound the pool;
     * ``fetch_threads``: the threads that read stored outputs (default 4).
 
+    ``prewarm`` (``Prewarm``) fills the shared-memory pool before the actors start (the
+    ranks on the executor's node use it; refused with ``transport="object_store"``).
+
     Ray must be initialised (``ray.init``) or it is started here with its defaults.
     See the module docstring.
     """
@@ -624,6 +627,12 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
             raise InvalidConfig("fetch_threads", f"must be a positive int, got {fetch_threads!r}")
         if transport not in _TRANSPORTS:
             raise InvalidConfig("transport", f"must be one of {', '.join(map(repr, _TRANSPORTS))}, got {transport!r}")
+        if cfg.prewarm is not None and transport == "object_store":
+            raise InvalidConfig(
+                "prewarm",
+                "is refused with transport='object_store': every output goes through Ray's object store, none "
+                "through the shared-memory pool it would fill; drop prewarm= or use transport='auto'",
+            )
         gpus = num_gpus_per_rank if num_gpus_per_rank is not None else float(opts.device.startswith("cuda"))
         if num_cpus_per_rank < 0 or gpus < 0:
             raise UsageError(f"num_cpus_per_rank/num_gpus_per_rank must be >= 0, got {num_cpus_per_rank}/{gpus}")
@@ -636,6 +645,9 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
         if not ray.is_initialized():
             ray.init()
         pool = cfg.budget.make_pool(attach_by_name=True)
+        # In the executor's process, before the actors start: an actor on this node maps
+        # (and on CUDA pins) what it made while starting, as a worker process does.
+        prewarm_pool(pool, cfg, owned=True)
         placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
         ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads)
         super().__init__(ranks, pool, cfg, validator)

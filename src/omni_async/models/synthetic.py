@@ -6,9 +6,11 @@ Each request names its forward length (``forward_ms``) and its output (``shape``
 * on CUDA, a real kernel loop: square bfloat16 matmuls, as many as take ``forward_ms``
   on this device (calibrated once per worker, ``iteration_s``), then the output is
   written (a fresh tensor per request, written last, as a pipeline's decoder does) and
-  the forward's own stream is synchronized, so that the worker's ``forward_ended_at``
-  stamp (``omni_async.worker.stamps``) is when the device finished -- not the whole device: the packer's side-stream copy of the
-  previous output goes on meanwhile, which is the overlap being measured;
+  the forward's own stream is synchronized -- not the whole device: the packer's
+  side-stream copy of the previous output goes on meanwhile, which is the overlap being
+  measured.  With ``"sync": False`` the forward returns as soon as its kernels are
+  queued, as a real pipeline's does (diffusers'): the worker's stamps
+  (``omni_async.worker.stamps``) time the device either way;
 * on CPU, the output is written, then the forward sleeps out the rest of ``forward_ms``
   (a sleeping forward leaves the CPU to the packer, as a device forward leaves the host).
 
@@ -96,8 +98,9 @@ class SyntheticForwardWorker:
     def validate_request(request: DiffusionRequest) -> None:
         """``forward_ms``: a number >= 0 (default 0); ``shape``: a non-empty sequence of ints
         >= 1 (default ``(3, 64, 64)``); ``dtype``: one of ``DTYPES`` (``"float32"``);
-        ``seed``: an int; nothing else."""
-        known = {"forward_ms", "shape", "dtype", "seed"}
+        ``seed``: an int; ``sync``: a bool (default True: the forward synchronizes its
+        stream before it returns; False: it returns with its kernels queued); nothing else."""
+        known = {"forward_ms", "shape", "dtype", "seed", "sync"}
         p = request.params
         for name in p:
             if name not in known:
@@ -113,6 +116,8 @@ class SyntheticForwardWorker:
         seed = p.get("seed", 0)
         if not _is_int(seed):
             raise InvalidRequest(request.request_id, "seed", f"must be an int, got {seed!r}")
+        if not isinstance(p.get("sync", True), bool):
+            raise InvalidRequest(request.request_id, "sync", f"must be a bool, got {p['sync']!r}")
 
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         self.validate_request(request)
@@ -123,6 +128,7 @@ class SyntheticForwardWorker:
             DTYPES[p.get("dtype", "float32")],
             int(p.get("seed", 0)),
             time.monotonic(),
+            sync=bool(p.get("sync", True)),
         )
         return DiffusionOutput(request.request_id, {"video": video})
 
@@ -180,7 +186,9 @@ class SyntheticForwardWorker:
             stream.synchronize()
             self.iteration_s = max((time.monotonic() - t0) / reps, 1e-6)
 
-    def _forward(self, forward_s: float, shape: tuple[int, ...], dtype: torch.dtype, seed: int, t0: float) -> torch.Tensor:
+    def _forward(
+        self, forward_s: float, shape: tuple[int, ...], dtype: torch.dtype, seed: int, t0: float, *, sync: bool = True
+    ) -> torch.Tensor:
         if self.device.type == "cuda":
             assert self.iteration_s is not None
             x = self.a
@@ -189,8 +197,9 @@ class SyntheticForwardWorker:
                     raise_if_cancelled()
                 x = x @ self.b
             video = synthetic_output(shape, dtype, seed, self.device)
-            # The forward's own stream only: the packer's copy on its side stream goes on.
-            torch.cuda.current_stream(self.device).synchronize()
+            if sync:
+                # The forward's own stream only: the packer's copy on its side stream goes on.
+                torch.cuda.current_stream(self.device).synchronize()
             return video
         raise_if_cancelled()
         video = synthetic_output(shape, dtype, seed, self.device)

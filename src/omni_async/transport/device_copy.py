@@ -17,7 +17,7 @@ import torch
 from omni_async.transport.pack_walk import Plan
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
-__all__ = ["copy_in", "ordered_streams", "stage_and_sync"]
+__all__ = ["copy_in", "ordered_streams", "stage_and_sync", "warm_copy_path"]
 
 
 def copy_in(
@@ -102,3 +102,15 @@ def stage_and_sync(
         s.synchronize()
     for host, buf in staging:
         buf[:] = host.view(torch.uint8).numpy().tobytes()
+
+
+def warm_copy_path(stream: torch.cuda.Stream) -> None:
+    """Run the copy path once on ``stream`` with a few bytes: torch's pinned host allocator
+    (the staging of small device tensors), the device-to-host copy and the stream's
+    synchronize are initialised here -- the packer calls it while starting, on its own
+    thread -- instead of in the first request's pack."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        src = torch.zeros(4096, dtype=torch.uint8, device=stream.device)
+        host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+        host.copy_(src, non_blocking=True)
+    stream.synchronize()

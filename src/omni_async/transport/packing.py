@@ -129,12 +129,14 @@ __all__ = [
     "carried_leases",
     "carried_stored_keys",
     "is_packed",
+    "leaf_nbytes",
     "pack_diffusion_output_host",
     "pack_diffusion_output_shm",
     "packed_lease",
     "packed_nbytes",
     "release_packed_output",
     "release_unpacked_output",
+    "segment_nbytes",
     "settle_releases",
     "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
@@ -159,9 +161,32 @@ def packed_nbytes(output: DiffusionOutput) -> int:
     (``UnsupportedOutputType``, ``UsageError``) for an output the packer would refuse.
     """
     _check_unpacked(output, "packed_nbytes")
+    return sum(leaf_nbytes(output.output))
+
+
+def leaf_nbytes(tree: object) -> list[int]:
+    """The bytes of every tensor, array and bytes leaf of ``tree`` (an output's structure),
+    in the order the packer walks them; raises what the packer's walk raises."""
     sizes: list[int] = []
-    walk(output.output, lambda _, n: sizes.append(n), "output", 0)
-    return sum(sizes)
+    walk(tree, lambda _, n: sizes.append(n), "output", 0)
+    return sizes
+
+
+def segment_nbytes(
+    leaves: list[int] | tuple[int, ...],
+    *,
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+) -> int:
+    """The bytes of the segment ``pack_diffusion_output_shm`` leases for an output whose
+    leaves (``leaf_nbytes``, in walk order) have these sizes: its own placement rule
+    (inline while small, aligned offsets in the segment otherwise); 0 when every leaf
+    travels inline (no segment)."""
+    plan = Plan(inline_threshold, max_inline_bytes)
+    for n in leaves:
+        if not plan.inline_ok(n):
+            plan.place(b"", n)
+    return plan.size
 
 
 
@@ -182,6 +207,11 @@ def pack_diffusion_output_shm(
     ``record_device_event`` after the forward; the copies are ordered after it.
     ``pool``: where shared-memory leaves go; None takes the process's one pool.
     Raises ``UnsupportedOutputType``, ``SegmentTooLarge``, ``PoolExhausted``.
+
+    ``metrics.pack_s``: the host seconds of this call, which include waiting for
+    ``ready_event`` (the synchronize waits for the forward's kernels too); a worker's
+    packer replaces it with the time from the copy's start on the device
+    (``omni_async.worker.stamps``).
     """
     _check_unpacked(output, "pack_diffusion_output_shm")
     t0 = time.perf_counter()

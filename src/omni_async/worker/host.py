@@ -220,15 +220,22 @@ def build_worker(
     """
     import torch
 
+    from omni_async.transport.clock import DeviceClock
+    from omni_async.transport.device_copy import warm_copy_path
     from omni_async.transport.platform import record_device_event
 
     dev = device_setup(opts.device, rank)
+    # One clock for the loop (which marks each forward) and the packer (which marks each
+    # copy and reads them all): the timings true to the device (omni_async.worker.stamps).
+    clock = DeviceClock(dev)
 
     def make_stream() -> CopyStream:
         # Runs on the packer thread: the current device is per thread, set it first.
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-            return torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+            stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
+            warm_copy_path(stream)  # while starting, not in the first request's pack
+            return stream
         return None
 
     def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
@@ -279,6 +286,7 @@ def build_worker(
         max_bytes=opts.max_bytes_in_flight,
         interrupt=pool.cancel_waits if pool is not None else None,
         device_stage=stage,
+        clock=clock,
     )
     loop = WorkerLoop(
         rank,
@@ -290,6 +298,7 @@ def build_worker(
         record_event=lambda: record_device_event(dev),
         backpressure_timeout=opts.backpressure_timeout,
         device_stage=stage,
+        clock=clock,
     )
     if pool is not None and packing is None and opts.output_path == "omni" and rank == opts.reply_rank:
         # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now

@@ -76,18 +76,13 @@ from omni_async.core.methods import (
 from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
 from omni_async.core.trace import Tracer
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.clock import ClockMark, DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
 from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
-from omni_async.worker.stamps import (
-    FORWARD_ENDED_AT,
-    FORWARD_STARTED_AT,
-    PACK_ENDED_AT,
-    PACK_STARTED_AT,
-    stamped,
-)
+from omni_async.worker.stamps import ForwardMarks, timed
 from omni_async.worker.stream import ChunkScope, streaming
 
 log = logging.getLogger(__name__)
@@ -121,10 +116,15 @@ class WorkerLoop:
         backpressure_timeout: float | None = None,
         tracer: Tracer | None = None,
         device_stage: DeviceStage | None = None,
+        clock: DeviceClock | None = None,
     ) -> None:
         """``device_stage``: a post-process's device stage, run on step mode's outputs
-        before ``pack_sync`` (request mode's run in the packer, which has its own)."""
+        before ``pack_sync`` (request mode's run in the packer, which has its own).
+        ``clock``: the worker's ``DeviceClock`` (the packer's too; None: the host's clock),
+        with which the reply rank marks each forward's start and end on the device
+        (``omni_async.worker.stamps``): recorded here, never waited for."""
         self._device_stage = device_stage
+        self._clock = clock if clock is not None else DeviceClock("cpu")
         # What the process that hosts the loop adds to ``loop_info`` (the segments it
         # mapped and pinned while starting, ``_build_worker``).
         self.info: dict[str, object] = {}
@@ -212,12 +212,17 @@ class WorkerLoop:
             )
         return True
 
+    def _mark(self) -> ClockMark:
+        """A mark on the compute stream; the host's clock on ranks that ship nothing (their
+        marks would never be read)."""
+        return self._clock.mark() if self.is_reply_rank else ClockMark(time.monotonic())
+
     def _call_sync(self, req: RpcRequest) -> object:
-        started = time.monotonic()
-        result = self._call(req)
         if req.method not in ASYNC_METHODS:
-            return result
-        return self._step_result(result, {FORWARD_STARTED_AT: started, FORWARD_ENDED_AT: time.monotonic()})
+            return self._call(req)
+        started = self._mark()
+        result = self._call(req)
+        return self._step_result(result, ForwardMarks(started, self._mark()))
 
     def _call(self, req: RpcRequest) -> object:
         """Call the model's method; its result is whatever that method returns (any RPC result)."""
@@ -231,10 +236,11 @@ class WorkerLoop:
             raise UsageError(f"worker has no RPC method {req.method!r}")
         return fn(*req.args, **req.kwargs)
 
-    def _step_result(self, result: object, forward: dict[str, float]) -> object:
+    def _step_result(self, result: object, forward: ForwardMarks) -> object:
         """The synchronous output path (step mode, ``sync_output``): only the reply rank
         ships its output, packed here on the main thread; ``forward``: the forward's
-        stamps (``omni_async.worker.stamps``), added to each output with the pack's."""
+        marks, read into each output's stamps with the pack's (``omni_async.worker.stamps``:
+        the same definitions as the packer's, so the baselines compare like with like)."""
         if not self.is_reply_rank:
             return None
         pack = self._pack_sync
@@ -242,12 +248,14 @@ class WorkerLoop:
         event = self._record_event() if pack is not None or stage is not None else None
 
         def ship(o: DiffusionOutput) -> DiffusionOutput:
-            started = time.monotonic()
+            # On the compute stream, behind the forward: the device reaches it when the
+            # forward's kernels end, where this path's copy starts.
+            copy = self._clock.mark()
             if stage is not None:
                 o = run_device_stage(stage, o, None, event)
             if pack is not None:
                 o = pack(o, None, event)
-            return stamped(o, **forward, **{PACK_STARTED_AT: started, PACK_ENDED_AT: time.monotonic()})
+            return timed(o, self._clock, forward, copy, time.monotonic())
 
         if isinstance(result, BatchDiffusionOutput):
             return BatchDiffusionOutput(tuple(ship(o) for o in result.per_request()))
@@ -286,10 +294,12 @@ class WorkerLoop:
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
         try:
-            forward_started = time.monotonic()
+            # Marks on the compute stream around the call (recorded, never waited for):
+            # the packer reads when the device began and ended the forward.
+            forward_started = self._mark()
             with self._streaming(req, requests, scope):
                 result = self._call(req)
-            forward = {FORWARD_STARTED_AT: forward_started, FORWARD_ENDED_AT: time.monotonic()}
+            forward = ForwardMarks(forward_started, self._mark())
             # A step call whose forward returned nothing: an intermediate step.
             outputs = None if req.step and result is None else self._split(result, requests)
         except Exception as exc:
@@ -327,8 +337,9 @@ class WorkerLoop:
             for m, out in zip(machines, outputs, strict=True):
                 self._fire(m, RequestEvent.COMPUTE_DONE)
                 skip = out.request_id in cancelled
-                out = stamped(out, **forward)
-                self._packer.submit(m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip)
+                self._packer.submit(
+                    m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip, forward=forward
+                )
             ids = tuple(m.key for m in machines)
             try:
                 self._sender.put(

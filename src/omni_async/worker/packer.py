@@ -43,11 +43,12 @@ from omni_async.core.states import (
 )
 from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
+from omni_async.transport.clock import DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
-from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
-from omni_async.worker.stamps import PACK_ENDED_AT, PACK_STARTED_AT, stamped
+from omni_async.worker.stamps import ForwardMarks, timed
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class PackJob:
     nbytes: int
     machine: Machine[RequestState, RequestEvent]
     submitted_at: float
+    # The forward's marks (None: a streamed chunk); the packer stamps the output with
+    # them once its copy has synchronized (``worker.stamps.timed``).
+    forward: ForwardMarks | None = None
 
 
 @attrs.define
@@ -96,6 +100,8 @@ class PackerMetrics:
     failed: int = 0
     cancelled: int = 0
     bytes_packed: int = 0
+    # The sum of the packed outputs' ``pack_s`` (the copy and the packing alone, from
+    # the copy's start on the device: ``worker.stamps``).
     pack_seconds: float = 0.0
     backpressure_waits: int = 0
     backpressure_seconds: float = 0.0
@@ -117,10 +123,13 @@ class Packer:
         tracer: Tracer | None = None,
         interrupt: Callable[[], None] | None = None,
         device_stage: DeviceStage | None = None,
+        clock: DeviceClock | None = None,
     ) -> None:
         """``device_stage``: a post-process's device stage (``PostProcess.device``), run on
         each output on the side stream before ``pack``; the byte budget then counts what
-        it returned (see ``omni_async.worker.postprocess``)."""
+        it returned (see ``omni_async.worker.postprocess``).  ``clock``: the worker's
+        ``DeviceClock`` (the one its loop marks forwards with; None: the host's clock),
+        which times each pack from the copy's start on the device (``worker.stamps``)."""
         if max_outputs < 1:
             raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
         self.rank = rank
@@ -133,6 +142,7 @@ class Packer:
         self._trace = tracer
         self._interrupt = interrupt
         self._device_stage = device_stage
+        self._clock = clock if clock is not None else DeviceClock("cpu")
         self._cond = threading.Condition()
         self._jobs: collections.deque[PackJob] = collections.deque()
         self._cancelled: set[str] = set()
@@ -207,16 +217,18 @@ class Packer:
         event: DeviceEvent | None = None,
         nbytes: int = 0,
         cancelled: bool = False,
+        forward: ForwardMarks | None = None,
     ) -> None:
         """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``.
 
         ``cancelled``: its request was cancelled meanwhile: it is not packed, but reported
         cancelled in its turn, exactly as if it had been dropped before packing (F15).
+        ``forward``: its forward's marks, read into its stamps once it is packed.
         """
         with self._cond:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
-            self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic()))
+            self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward))
             if cancelled:
                 self._cancelled.add(output_id)
             self.metrics.in_flight_outputs += 1
@@ -328,19 +340,22 @@ class Packer:
 
     def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
         self._fire(job, RequestEvent.PACK)
-        t0 = time.perf_counter()
-        started = time.monotonic()
         output = attrs.evolve(job.output, async_output_id=job.output_id)
         try:
+            # The copy's stream waits for the forward first (device-side on CUDA; the pack
+            # waits again, at no cost), so the mark after it is where the copy can start
+            # -- never the forward's tail, which the pack's own time must not include.
+            wait_device_event(job.event, stream)
+            copy = self._clock.mark(stream)
             if self._device_stage is not None:
                 output = run_device_stage(self._device_stage, output, stream, job.event)
                 self._resize(job, budget_nbytes(output))
             packed = self._pack(output, stream, job.event)
-            packed = stamped(packed, **{PACK_STARTED_AT: started, PACK_ENDED_AT: time.monotonic()})
+            packed = timed(packed, self._clock, job.forward, copy, time.monotonic())
         except Exception as exc:
             self._fail(job, exc)
             return
-        self.metrics.pack_seconds += time.perf_counter() - t0
+        self.metrics.pack_seconds += packed.metrics.pack_s or 0.0
         try:
             self._sender.put(OutputReady(job.output_id, packed, rank=self.rank))
         except Exception as exc:

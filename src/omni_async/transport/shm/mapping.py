@@ -67,6 +67,16 @@ class SegmentMapping:
         self.pinned = False
         self.pin_failed = False
 
+    def populate(self) -> None:
+        """Fault every page of the mapping into this process now (its page table entries,
+        the pages themselves being reserved at creation), so that a first copy into it
+        pays no page faults: MADV_POPULATE_WRITE (Linux 5.14), else a read of one byte
+        per page.  Never changes the bytes.  ``pin`` does as much on CUDA."""
+        try:
+            self.mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # an older kernel: one read per page maps it too
+            int(self.base[:: mmap.PAGESIZE].sum())
+
     def pin(self) -> bool:
         """Register the mapping with CUDA once, so device->host copies DMA straight into it."""
         if self.pinned:
@@ -96,6 +106,9 @@ class SegmentMapping:
 
 
 _LOCK = threading.Lock()
+# Linux's value (Python's mmap module names it from 3.13 on only, where the kernel has it).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
 _MAPPINGS: dict[str, SegmentMapping] = {}
 
 
