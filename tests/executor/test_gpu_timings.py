@@ -138,11 +138,16 @@ def test_cuda_async_path_pack_is_the_copy_and_the_forward_has_its_tail(pool: Seg
     packer.start()
     try:
         torch.cuda.synchronize()
+        took: list[float] = []
         for i in range(3):
             t0 = time.monotonic()
             loop.handle_rpc(RpcRequest(f"a{i}", "execute_model", (DiffusionRequest(f"a{i}", {"value": i}),),
                                        async_output=True))  # fmt: skip
-            assert time.monotonic() - t0 < RETURN_MAX_S, "the worker's main thread waited for the device"
+            took.append(time.monotonic() - t0)
+        # The first call finds an idle device (nothing to wait for) and pays for first
+        # use (0.15 s seen on an H200); the later ones each find the previous call's
+        # 0.3 s tail still running: a wait for the device would show there.
+        assert max(took[1:]) < RETURN_MAX_S, f"the worker's main thread waited for the device: {took}"
         outs = _outputs(channel, 3)
         try:
             _check(outs)
@@ -197,7 +202,11 @@ def test_cuda_worker_processes_time_a_forward_that_returns_early() -> None:
             assert m.forward_started_at is not None and m.forward_ended_at is not None
             assert m.forward_returned_at is not None and m.pack_s is not None
             assert m.forward_ended_at - m.forward_started_at >= 0.25
-            assert m.forward_ended_at - m.forward_returned_at >= 0.2, "the forward returned early: its tail"
+            # The synthetic forward launches many small matmuls: the launch queue fills and
+            # the host spends most of the 300 ms launching (0.1 s of device tail seen on an
+            # H200). Its end is the device's, never the host's return.
+            assert m.forward_ended_at > m.forward_returned_at, "the forward's end is the host's return, not the device's"
+            assert m.pack_started_at is not None and m.pack_started_at >= m.forward_ended_at
             assert m.pack_s < PACK_MAX_S, f"pack_s {m.pack_s:.3f} s"
         for out in outs:
             ex.release_output(out)
