@@ -120,7 +120,7 @@ if TYPE_CHECKING:
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
     from omni_async.executor.inprocess import InProcessExecutor
-    from omni_async.executor.config import ExecutorConfig, InvalidConfig
+    from omni_async.executor.config import ExecutorConfig, InvalidConfig, ProcessGroupConfig
     from omni_async.executor.metrics import ExecutorMetrics
     from omni_async.executor.multiproc import MultiprocDiffusionExecutor
     from omni_async.transport.budget import OutputBudget
@@ -157,6 +157,7 @@ _LAZY: dict[str, str] = {
     "MultiprocDiffusionExecutor": "omni_async.executor.multiproc",
     "ExecutorConfig": "omni_async.executor.config",
     "InvalidConfig": "omni_async.executor.config",
+    "ProcessGroupConfig": "omni_async.executor.config",
     "ExecutorMetrics": "omni_async.executor.metrics",
     "OutputBudget": "omni_async.transport.budget",
     "WorkerOptions": "omni_async.worker.host",
@@ -227,6 +228,7 @@ __all__ = [
     "MultiprocDiffusionExecutor",
     "OutputBudget",
     "OutputChunk",
+    "ProcessGroupConfig",
     "RayDiffusionExecutor",
     "RequestStream",
     "RequestTimings",

@@ -17,7 +17,7 @@ that way; declaring them once (not once per executor) was the point of the issue
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import attrs
 
@@ -26,9 +26,10 @@ from omni_async.core.errors import UsageError
 from omni_async.core.trace import Tracer
 from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
 from omni_async.worker.baselines import check_output_path
+from omni_async.worker.dist import BACKENDS, Backend
 from omni_async.worker.host import WorkerOptions
 
-__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig"]
+__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig", "ProcessGroupConfig"]
 
 
 class InvalidConfig(UsageError, ValueError):
@@ -53,6 +54,7 @@ class ExecutorOptions(TypedDict, total=False):
     start_timeout: float
     tracer: Tracer | None
     final_step_async: bool
+    process_group: ProcessGroupConfig | bool
 
 
 def _int_at_least(field: str, value: object, low: int, *, optional: bool = False) -> None:
@@ -69,6 +71,34 @@ def _bool(field: str, value: object) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class ProcessGroupConfig:
+    """A ``torch.distributed`` process group over the executor's ranks, joined by every rank
+    before its model is built (``ExecutorConfig.process_group``; see
+    ``omni_async.worker.dist`` and "Models split across ranks" in docs/guide.md).
+
+    ``backend``: ``"gloo"`` or ``"nccl"`` (None: NCCL when ``WorkerOptions.device`` is a
+    CUDA device, gloo otherwise); ``rendezvous``: ``"tcp"`` (a store the executor hosts on
+    a port the kernel picks) or ``"file"`` (a file in a private temporary directory: one
+    machine only); ``timeout``: seconds a rank may wait in one collective before it fails
+    (None: the executor's compute deadline, 600 s when that is off -- no collective of a
+    call can rightly take longer than the call).
+    """
+
+    backend: Backend | None = None
+    rendezvous: Literal["tcp", "file"] = "tcp"
+    timeout: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise InvalidConfig("process_group.backend", f"must be one of {BACKENDS} or None, got {self.backend!r}")
+        if self.rendezvous not in ("tcp", "file"):
+            raise InvalidConfig("process_group.rendezvous", f"must be 'tcp' or 'file', got {self.rendezvous!r}")
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise InvalidConfig("process_group.timeout", f"must be a number of seconds > 0 or None, got {t!r}")
+
+
+@attrs.frozen(kw_only=True)
 class ExecutorConfig:
     """What the executors with ranks share (see the module docstring).
 
@@ -79,7 +109,9 @@ class ExecutorConfig:
     this one); ``max_held_outputs``/``max_held_bytes``: the budget of held outputs
     (``budget``; None: 64 outputs, and the pool's byte default); ``copy_outputs``:
     deliver owned copies instead of zero-copy views; ``start_timeout``: seconds until
-    every rank has built its model; ``tracer``: the protocol trace.
+    every rank has built its model; ``tracer``: the protocol trace; ``process_group``:
+    a ``ProcessGroupConfig`` (``True``: its defaults; ``False``, the default: none) for
+    a model split across ranks, ``process_group_config`` reads it as one or None.
     """
 
     world_size: int = 1
@@ -93,9 +125,14 @@ class ExecutorConfig:
     start_timeout: float = 120.0
     tracer: Tracer | None = None
     final_step_async: bool = False
+    process_group: ProcessGroupConfig | bool = False
 
     def __attrs_post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)
+        if not isinstance(self.process_group, (bool, ProcessGroupConfig)):
+            raise InvalidConfig(
+                "process_group", f"must be a bool or a ProcessGroupConfig, got {type(self.process_group).__name__}"
+            )
         _int_at_least("reply_rank", self.reply_rank, 0)
         if self.reply_rank >= self.world_size:
             raise InvalidConfig("reply_rank", f"must be below world_size={self.world_size}, got {self.reply_rank}")
@@ -130,6 +167,14 @@ class ExecutorConfig:
         """``options``, with this configuration's ``reply_rank``."""
         opts = self.options if self.options is not None else WorkerOptions(reply_rank=self.reply_rank)
         return opts if opts.reply_rank == self.reply_rank else attrs.evolve(opts, reply_rank=self.reply_rank)
+
+    @property
+    def process_group_config(self) -> ProcessGroupConfig | None:
+        """``process_group`` as a ``ProcessGroupConfig`` (``True``: the defaults), or None when off."""
+        pg = self.process_group
+        if isinstance(pg, ProcessGroupConfig):
+            return pg
+        return ProcessGroupConfig() if pg else None
 
     @property
     def budget(self) -> OutputBudget:
