@@ -20,7 +20,7 @@ import torch
 from helpers.executor_harness import exc_of
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ComputeTimeout, WorkerDied
+from omni_async.core.errors import ComputeTimeout, WorkerDied, WorkerStuck
 from omni_async.core.messages import DiffusionRequest
 from omni_async.executor.config import ExecutorConfig, InvalidConfig, ProcessGroupConfig
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
@@ -185,4 +185,29 @@ def test_a_rank_killed_mid_collective_fails_every_waiter_naming_it_and_leaves_no
             ex.submit_request(DiffusionRequest("after", {}))
     finally:
         ex.shutdown()
+    assert _procs_gone(pids), [p for p in pids if pid_alive(p)]
+
+
+@pytest.mark.slow
+def test_a_rank_hung_outside_the_collective_fails_its_call_at_the_deadline_and_is_reaped() -> None:
+    """Rank 1 sleeps while ranks 0 and 2 wait in the all-reduce: the call fails at its compute
+    deadline, the survivors' collective fails at the group's timeout (their answer comes, rank
+    1's never does), new calls are refused with ``WorkerStuck`` naming rank 1 once the grace
+    period passed, and shutdown kills the hung rank: no process left."""
+    deadlines = Deadlines(compute_timeout=3, output_timeout=30, rpc_timeout=30, cancel_grace=1.0)
+    pg = ProcessGroupConfig(timeout=2.0)
+    ex = MultiprocDiffusionExecutor(COLLECTIVE, world_size=3, deadlines=deadlines, process_group=pg)
+    try:
+        pids = [p.pid for p in ex.procs if p.pid is not None]
+        started = time.monotonic()
+        err = exc_of(ex.submit_request(DiffusionRequest("hangs", {"hang_rank": 1})))
+        assert isinstance(err, ComputeTimeout) and "rank(s) [" in str(err) and "1" in str(err), err
+        assert time.monotonic() - started < 10
+        time.sleep(deadlines.cancel_grace + 0.5)
+        # Rank 1, not rank 0: ranks 0 and 2 answered once their collective timed out (the
+        # stuck rank named is the lowest that has not answered).
+        with pytest.raises(WorkerStuck, match="worker rank 1 is stuck"):
+            ex.submit_request(DiffusionRequest("after", {}))
+    finally:
+        ex.shutdown(timeout=10)
     assert _procs_gone(pids), [p for p in pids if pid_alive(p)]
