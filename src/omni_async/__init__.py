@@ -124,6 +124,7 @@ if TYPE_CHECKING:
     from omni_async.executor.metrics import ExecutorMetrics
     from omni_async.executor.multiproc import MultiprocDiffusionExecutor
     from omni_async.transport.budget import OutputBudget
+    from omni_async.worker.dist import DistContext
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.models.dit import DiTPipelineWorker
     from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
@@ -160,6 +161,7 @@ _LAZY: dict[str, str] = {
     "ProcessGroupConfig": "omni_async.executor.config",
     "ExecutorMetrics": "omni_async.executor.metrics",
     "OutputBudget": "omni_async.transport.budget",
+    "DistContext": "omni_async.worker.dist",
     "WorkerOptions": "omni_async.worker.host",
     "WorkerSpec": "omni_async.worker.host",
     "DiTPipelineWorker": "omni_async.models.dit",

@@ -167,7 +167,8 @@ def test_a_rank_killed_mid_collective_fails_every_waiter_naming_it_and_leaves_no
     """Rank 1 is SIGKILLed while ranks 0 and 2 wait in the all-reduce: the call and the one
     queued behind it fail with ``WorkerDied`` naming rank 1 -- within the compute deadline,
     not at it -- the executor stays failed, and shutdown reaps the survivors (stuck or not)."""
-    deadlines = Deadlines(compute_timeout=30, output_timeout=30, rpc_timeout=30)
+    compute_timeout = 30.0
+    deadlines = Deadlines(compute_timeout=compute_timeout, output_timeout=30, rpc_timeout=30)
     ex = MultiprocDiffusionExecutor(COLLECTIVE, world_size=3, deadlines=deadlines, process_group=True)
     try:
         pids = [p.pid for p in ex.procs if p.pid is not None]
@@ -178,7 +179,7 @@ def test_a_rank_killed_mid_collective_fails_every_waiter_naming_it_and_leaves_no
             err = exc_of(fut)
             assert isinstance(err, WorkerDied) and not isinstance(err, ComputeTimeout), repr(err)
             assert err.rank == 1 and "worker rank 1 died" in str(err), err
-        assert time.monotonic() - started < deadlines.compute_timeout  # the death, not the deadline
+        assert time.monotonic() - started < compute_timeout  # the death, not the deadline
         with pytest.raises(WorkerDied, match="worker rank 1"):
             ex.check_health()
         with pytest.raises(WorkerDied, match="worker rank 1"):  # failed until restarted
@@ -194,7 +195,8 @@ def test_a_rank_hung_outside_the_collective_fails_its_call_at_the_deadline_and_i
     deadline, the survivors' collective fails at the group's timeout (their answer comes, rank
     1's never does), new calls are refused with ``WorkerStuck`` naming rank 1 once the grace
     period passed, and shutdown kills the hung rank: no process left."""
-    deadlines = Deadlines(compute_timeout=3, output_timeout=30, rpc_timeout=30, cancel_grace=1.0)
+    grace = 1.0
+    deadlines = Deadlines(compute_timeout=3, output_timeout=30, rpc_timeout=30, cancel_grace=grace)
     pg = ProcessGroupConfig(timeout=2.0)
     ex = MultiprocDiffusionExecutor(COLLECTIVE, world_size=3, deadlines=deadlines, process_group=pg)
     try:
@@ -203,7 +205,7 @@ def test_a_rank_hung_outside_the_collective_fails_its_call_at_the_deadline_and_i
         err = exc_of(ex.submit_request(DiffusionRequest("hangs", {"hang_rank": 1})))
         assert isinstance(err, ComputeTimeout) and "rank(s) [" in str(err) and "1" in str(err), err
         assert time.monotonic() - started < 10
-        time.sleep(deadlines.cancel_grace + 0.5)
+        time.sleep(grace + 0.5)
         # Rank 1, not rank 0: ranks 0 and 2 answered once their collective timed out (the
         # stuck rank named is the lowest that has not answered).
         with pytest.raises(WorkerStuck, match="worker rank 1 is stuck"):

@@ -42,7 +42,6 @@ from omni_async.models.dit import (
     DECODER_FACTOR,
     PATCH_SIZE,
     DiTPipelineWorker,
-    PatchGrid,
     _Attention,
     _Block,
     _Denoiser,
