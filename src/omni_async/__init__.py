@@ -120,10 +120,11 @@ if TYPE_CHECKING:
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
     from omni_async.executor.inprocess import InProcessExecutor
-    from omni_async.executor.config import ExecutorConfig, InvalidConfig, Prewarm
+    from omni_async.executor.config import ExecutorConfig, InvalidConfig, Prewarm, ProcessGroupConfig
     from omni_async.executor.metrics import ExecutorMetrics
     from omni_async.executor.multiproc import MultiprocDiffusionExecutor
     from omni_async.transport.budget import OutputBudget
+    from omni_async.worker.dist import DistContext
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.models.dit import DiTPipelineWorker
     from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
@@ -158,8 +159,10 @@ _LAZY: dict[str, str] = {
     "ExecutorConfig": "omni_async.executor.config",
     "InvalidConfig": "omni_async.executor.config",
     "Prewarm": "omni_async.executor.config",
+    "ProcessGroupConfig": "omni_async.executor.config",
     "ExecutorMetrics": "omni_async.executor.metrics",
     "OutputBudget": "omni_async.transport.budget",
+    "DistContext": "omni_async.worker.dist",
     "WorkerOptions": "omni_async.worker.host",
     "WorkerSpec": "omni_async.worker.host",
     "DiTPipelineWorker": "omni_async.models.dit",
@@ -229,6 +232,7 @@ __all__ = [
     "OutputBudget",
     "OutputChunk",
     "Prewarm",
+    "ProcessGroupConfig",
     "RayDiffusionExecutor",
     "RequestStream",
     "RequestTimings",

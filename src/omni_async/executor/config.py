@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import attrs
 import torch
@@ -31,9 +31,10 @@ from omni_async.core.trace import Tracer
 from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
 from omni_async.transport.packing import leaf_nbytes, segment_nbytes
 from omni_async.worker.baselines import check_output_path
+from omni_async.worker.dist import BACKENDS, Backend
 from omni_async.worker.host import WorkerOptions
 
-__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig", "Prewarm"]
+__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig", "Prewarm", "ProcessGroupConfig"]
 
 
 class InvalidConfig(UsageError, ValueError):
@@ -125,6 +126,7 @@ class ExecutorOptions(TypedDict, total=False):
     tracer: Tracer | None
     final_step_async: bool
     prewarm: Prewarm | None
+    process_group: ProcessGroupConfig | bool
 
 
 def _int_at_least(field: str, value: object, low: int, *, optional: bool = False) -> None:
@@ -141,6 +143,34 @@ def _bool(field: str, value: object) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class ProcessGroupConfig:
+    """A ``torch.distributed`` process group over the executor's ranks, joined by every rank
+    before its model is built (``ExecutorConfig.process_group``; see
+    ``omni_async.worker.dist`` and "Models split across ranks" in docs/guide.md).
+
+    ``backend``: ``"gloo"`` or ``"nccl"`` (None: NCCL when ``WorkerOptions.device`` is a
+    CUDA device, gloo otherwise); ``rendezvous``: ``"tcp"`` (a store the executor hosts on
+    a port the kernel picks) or ``"file"`` (a file in a private temporary directory: one
+    machine only); ``timeout``: seconds a rank may wait in one collective before it fails
+    (None: the executor's compute deadline, 600 s when that is off -- no collective of a
+    call can rightly take longer than the call).
+    """
+
+    backend: Backend | None = None
+    rendezvous: Literal["tcp", "file"] = "tcp"
+    timeout: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise InvalidConfig("process_group.backend", f"must be one of {BACKENDS} or None, got {self.backend!r}")
+        if self.rendezvous not in ("tcp", "file"):
+            raise InvalidConfig("process_group.rendezvous", f"must be 'tcp' or 'file', got {self.rendezvous!r}")
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise InvalidConfig("process_group.timeout", f"must be a number of seconds > 0 or None, got {t!r}")
+
+
+@attrs.frozen(kw_only=True)
 class ExecutorConfig:
     """What the executors with ranks share (see the module docstring).
 
@@ -154,7 +184,9 @@ class ExecutorConfig:
     every rank has built its model; ``tracer``: the protocol trace; ``prewarm``: the
     segments to make before the first request (``Prewarm``; checked against the budget
     here when ``max_held_outputs``/``max_held_bytes`` are given, against the pool's when
-    the executor has it: ``prewarm_plan``).
+    the executor has it: ``prewarm_plan``); ``process_group``: a ``ProcessGroupConfig``
+    (``True``: its defaults; ``False``, the default: none) for a model split across
+    ranks, ``process_group_config`` reads it as one or None.
     """
 
     world_size: int = 1
@@ -169,9 +201,14 @@ class ExecutorConfig:
     tracer: Tracer | None = None
     final_step_async: bool = False
     prewarm: Prewarm | None = None
+    process_group: ProcessGroupConfig | bool = False
 
     def __attrs_post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)
+        if not isinstance(self.process_group, (bool, ProcessGroupConfig)):
+            raise InvalidConfig(
+                "process_group", f"must be a bool or a ProcessGroupConfig, got {type(self.process_group).__name__}"
+            )
         _int_at_least("reply_rank", self.reply_rank, 0)
         if self.reply_rank >= self.world_size:
             raise InvalidConfig("reply_rank", f"must be below world_size={self.world_size}, got {self.reply_rank}")
@@ -257,6 +294,14 @@ class ExecutorConfig:
         """``options``, with this configuration's ``reply_rank``."""
         opts = self.options if self.options is not None else WorkerOptions(reply_rank=self.reply_rank)
         return opts if opts.reply_rank == self.reply_rank else attrs.evolve(opts, reply_rank=self.reply_rank)
+
+    @property
+    def process_group_config(self) -> ProcessGroupConfig | None:
+        """``process_group`` as a ``ProcessGroupConfig`` (``True``: the defaults), or None when off."""
+        pg = self.process_group
+        if isinstance(pg, ProcessGroupConfig):
+            return pg
+        return ProcessGroupConfig() if pg else None
 
     @property
     def budget(self) -> OutputBudget:

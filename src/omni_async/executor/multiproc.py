@@ -84,6 +84,7 @@ import time
 from collections.abc import Iterator
 from typing import Unpack
 
+from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
@@ -96,6 +97,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
+from omni_async.executor.dist import GroupRendezvous, check_process_group
 from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.transport.channel import PipeChannel
 from omni_async.transport.packing import carried_leases
@@ -236,8 +238,16 @@ class ProcessRanks(RankTransport):
     """Ranks in worker processes (spawn): pipes for RPCs, cancels, start-up status and
     results, a lifeline the workers watch, and a monitor thread on their sentinels."""
 
-    def __init__(self, spec: WorkerSpec, opts: WorkerOptions, world_size: int, pool: SegmentPool) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        opts: WorkerOptions,
+        world_size: int,
+        pool: SegmentPool,
+        group: GroupRendezvous | None = None,
+    ) -> None:
         self._spec = spec
+        self._group = group  # the ranks' process group's rendezvous, closed by ``stop``
         self._opts = opts
         self._world_size = world_size
         self._pool = pool
@@ -280,7 +290,18 @@ class ProcessRanks(RankTransport):
                 control_r, control_w = self._ctx.Pipe(duplex=False)
                 proc = self._ctx.Process(
                     target=worker_main,
-                    args=(rank, self._spec, self._opts, self._pool, sender, rpc_r, status_w, lifeline_r, control_r),
+                    args=(
+                        rank,
+                        self._spec,
+                        self._opts,
+                        self._pool,
+                        sender,
+                        rpc_r,
+                        status_w,
+                        lifeline_r,
+                        control_r,
+                        None if self._group is None else self._group.rendezvous,
+                    ),
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
@@ -497,6 +518,8 @@ class ProcessRanks(RankTransport):
         self._lifeline_w.close()
         for conn in self._status_conns:
             conn.close()
+        if self._group is not None:
+            self._group.close()
 
 
 class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
@@ -542,13 +565,20 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
                 "pool", "or max_held_outputs=/max_held_bytes=: pass either, not both (the pool is the budget)"
             )
         validator = spec.request_validator()
+        pg = check_process_group(spec, cfg)
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()
         owned = pool is None
         if pool is None:
             pool = cfg.budget.make_pool(mp_context=multiprocessing.get_context("spawn"))
         prewarm_pool(pool, cfg, owned=owned)  # before the workers start: they map what it made
-        ranks = ProcessRanks(spec, cfg.worker_options, cfg.world_size, pool)
+        try:
+            group = None if pg is None else GroupRendezvous(pg, cfg, cfg.deadlines or Deadlines.from_env())
+        except BaseException:
+            if owned:  # a constructor that raises leaves nothing in /dev/shm
+                pool.close()
+            raise
+        ranks = ProcessRanks(spec, cfg.worker_options, cfg.world_size, pool, group)
         super().__init__(ranks, pool, cfg, validator)
         self._start()
 

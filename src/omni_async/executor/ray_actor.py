@@ -28,6 +28,7 @@ from omni_async.transport.channel import dumps_message
 from omni_async.transport.errors import ChannelClosed, ChannelFull, HeldOutputsFull
 from omni_async.transport.packing import StoredPayload, carried_stored_keys, pack_diffusion_output_host
 from omni_async.transport.platform import CopyStream, DeviceEvent
+from omni_async.worker.dist import Rendezvous, leave_process_group
 from omni_async.worker.host import WorkerOptions, WorkerSpec, build_worker
 
 if TYPE_CHECKING:
@@ -271,6 +272,7 @@ class RankActor:
         driver_node: str = "",
         transport: str = "auto",
         budget: StoreBudget | None = None,
+        rendezvous: Rendezvous | None = None,
     ):
         # The driver's import path, as a spawned worker process inherits it: a factory the
         # driver can import (its own package, a test's helpers) is importable here too.
@@ -293,22 +295,28 @@ class RankActor:
         self._stored_n = 0
         self._budget = budget or StoreBudget(OutputBudget(), 30.0, rank)
         self._thread = threading.Thread(
-            target=self._main, args=(spec, opts, pool_state), name=f"omni-worker-{rank}", daemon=True
+            target=self._main, args=(spec, opts, pool_state, rendezvous), name=f"omni-worker-{rank}", daemon=True
         )
         self._thread.start()
 
-    def _main(self, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes) -> None:
+    def _main(self, spec: WorkerSpec, opts: WorkerOptions, pool_state: bytes, rendezvous: Rendezvous | None) -> None:
         # Built on this thread: a CUDA worker's current device is set per thread.
         try:
             if self._via_store:
                 packer, loop = build_worker(
-                    self._rank, spec, opts, None, self._outbox, packing=(self._pack_stored(opts), self._release_stored)
+                    self._rank,
+                    spec,
+                    opts,
+                    None,
+                    self._outbox,
+                    packing=(self._pack_stored(opts), self._release_stored),
+                    rendezvous=rendezvous,
                 )
             elif self._remote:
                 raise UsageError("transport='shm' on another node than the executor's")  # the executor says more
             else:
                 pool = pickle.loads(pool_state)
-                packer, loop = build_worker(self._rank, spec, opts, pool, self._outbox)
+                packer, loop = build_worker(self._rank, spec, opts, pool, self._outbox, rendezvous=rendezvous)
             packer.start()
         except BaseException as exc:
             self._failure = Failure.from_exception(exc)
@@ -324,6 +332,7 @@ class RankActor:
                     log.exception("worker rank %d: handling %s failed", self._rank, req.method)
         finally:
             packer.stop(timeout=10.0, abandon=True)  # exiting: a pack waiting for room must not hold it
+            leave_process_group()  # the loop ended: no collective of ours is in flight
 
     def _pack_stored(self, opts: WorkerOptions) -> PackFn:
         import ray

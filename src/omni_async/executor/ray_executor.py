@@ -98,6 +98,7 @@ from typing import TYPE_CHECKING, Final, Unpack, cast
 
 import attrs
 
+from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ActorDied,
     ComputeTimeout,
@@ -109,6 +110,7 @@ from omni_async.core.errors import (
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
+from omni_async.executor.dist import GroupRendezvous, check_process_group
 from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.executor.ray_actor import Buffer, OutboxLimits, PollBatch, RankActor, RankActorHandle, StoreBudget
 from omni_async.transport.channel import (
@@ -341,8 +343,10 @@ class RayRanks(RankTransport):
         placement: _Placement,
         transport: str,
         fetch_threads: int,
+        group: GroupRendezvous | None = None,
     ) -> None:
         self._spec = spec
+        self._group = group  # the ranks' process group's rendezvous (on this node), closed by ``stop``
         self._opts = opts
         self._cfg = cfg
         self._pool = pool
@@ -413,6 +417,7 @@ class RayRanks(RankTransport):
                 here,
                 self.transport,
                 StoreBudget(budget, self._lease_timeout, rank),
+                None if self._group is None else self._group.rendezvous,
             )
             # Ray types a handle's methods as it cannot know them: ours, named.
             self.actors.append(cast("RankActorHandle", actor))
@@ -566,6 +571,8 @@ class RayRanks(RankTransport):
                 log.warning("removing the placement group failed", exc_info=True)
         self._fetchers.shutdown(wait=False)
         self._credits.close()  # what is queued still runs, and fails at once: the table is empty
+        if self._group is not None:
+            self._group.close()  # every actor is killed: nobody meets there any more
 
 
 class RayDiffusionExecutor(RankedExecutor[RayRanks]):
@@ -642,14 +649,24 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
                 raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
             _check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
         validator = spec.request_validator()
+        pg = check_process_group(spec, cfg)
         if not ray.is_initialized():
             ray.init()
         pool = cfg.budget.make_pool(attach_by_name=True)
         # In the executor's process, before the actors start: an actor on this node maps
         # (and on CUDA pins) what it made while starting, as a worker process does.
         prewarm_pool(pool, cfg, owned=True)
+        # The rendezvous is served from the driver's node, at the address the actors reach it by.
+        group = None
+        if pg is not None:
+            try:
+                host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+                group = GroupRendezvous(pg, cfg, cfg.deadlines or Deadlines.from_env(), host=host)
+            except BaseException:
+                pool.close()  # a constructor that raises leaves nothing in /dev/shm
+                raise
         placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
-        ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads)
+        ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads, group)
         super().__init__(ranks, pool, cfg, validator)
         self._start()
 

@@ -177,12 +177,24 @@ class _Denoiser(nn.Module):
         self.final = nn.Linear(dim, patch)
 
     def forward(self, z: Tensor, sigma: Tensor) -> Tensor:
+        x, cond, grid = self.tokens(z, sigma)
+        for block in self.blocks:
+            x = block(x, cond)
+        return self.velocity(self.head(x, cond), grid)
+
+    # The stages of ``forward``, apart, so that a model split across ranks
+    # (``omni_async.models.parallel_dit``) runs its own blocks between them.
+
+    def tokens(self, z: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor, PatchGrid]:
+        """Latents ``[B, T, C, h, w]`` to embedded tokens ``[B, T, N, D]`` (N patches per
+        frame, with their positions), the timestep condition ``[B, D]`` and the grid."""
         b, t, c, h, w = z.shape
         p = PATCH_SIZE
         ph, pw = -h % p, -w % p  # an odd latent side is padded to whole patches, then cropped
         if ph or pw:
             z = F.pad(z.reshape(b * t, c, h, w), (0, pw, 0, ph), mode="replicate").view(b, t, c, h + ph, w + pw)
-        rows, cols = (h + ph) // p, (w + pw) // p
+        grid = PatchGrid(t, c, h, w, (h + ph) // p, (w + pw) // p)
+        rows, cols = grid.rows, grid.cols
         tokens = z.reshape(b, t, c, rows, p, cols, p).permute(0, 1, 3, 5, 2, 4, 6).reshape(b, t, rows * cols, c * p * p)
         x: Tensor = self.embed(tokens)
         pos = _grid_embedding(rows, cols, self.dim, z.device)[None, None]
@@ -192,12 +204,33 @@ class _Denoiser(nn.Module):
             x = x + frames.to(x.dtype)
         temb = _sincos(sigma * 1000.0, 256).to(x.dtype)
         cond: Tensor = self.t_fc2(F.silu(self.t_fc1(temb)))
-        for block in self.blocks:
-            x = block(x, cond)
+        return x, cond, grid
+
+    def head(self, x: Tensor, cond: Tensor) -> Tensor:
+        """Tokens ``[B, T, n, D]`` to patch velocities ``[B, T, n, C*p*p]`` (token-wise: any subset of tokens)."""
         shift, scale = self.final_modulation(F.silu(cond))[:, None, None, :].chunk(2, dim=-1)
         out: Tensor = self.final(_modulate(x, shift, scale))
-        v = out.view(b, t, rows, cols, c, p, p).permute(0, 1, 4, 2, 5, 3, 6).reshape(b, t, c, h + ph, w + pw)
-        return v[..., :h, :w]
+        return out
+
+    @staticmethod
+    def velocity(out: Tensor, grid: PatchGrid) -> Tensor:
+        """Patch velocities ``[B, T, N, C*p*p]`` of every patch back to latents ``[B, T, C, h, w]``."""
+        g, p = grid, PATCH_SIZE
+        b = out.shape[0]
+        v = out.reshape(b, g.t, g.rows, g.cols, g.c, p, p).permute(0, 1, 4, 2, 5, 3, 6)
+        return v.reshape(b, g.t, g.c, g.rows * p, g.cols * p)[..., : g.h, : g.w]
+
+
+@attrs.frozen
+class PatchGrid:
+    """How ``_Denoiser.tokens`` cut latents: frames, channels, the latent size, the patch grid."""
+
+    t: int
+    c: int
+    h: int
+    w: int
+    rows: int
+    cols: int
 
 
 class _Decoder(nn.Module):

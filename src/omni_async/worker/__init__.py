@@ -2,7 +2,8 @@
 
 What a model implements (``DiffusionWorkerModel``: ``execute_model`` and
 ``execute_model_batch`` over ``DiffusionRequest`` / ``DiffusionOutput``), how worker
-processes build it (``WorkerSpec``, ``WorkerOptions``), its post-processing
+processes build it (``WorkerSpec``, ``WorkerOptions``), what a model split across
+ranks is told of its world (``DistContext``), its post-processing
 (``PostProcess`` and its registry), cooperative cancellation between denoising steps
 (``cancel_requested``, ``raise_if_cancelled``) and intermediate outputs of a streaming
 request (``emit_chunk``, ``streaming_requested``).  The names that need torch load on
@@ -19,6 +20,7 @@ from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
 if TYPE_CHECKING:
+    from omni_async.worker.dist import DistContext
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.worker.loop import DiffusionWorkerModel
     from omni_async.worker.postprocess import (
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
+    "DistContext": "omni_async.worker.dist",
     "WorkerOptions": "omni_async.worker.host",
     "WorkerSpec": "omni_async.worker.host",
     "DiffusionWorkerModel": "omni_async.worker.loop",
@@ -57,6 +60,7 @@ __all__ = [
     "DiffusionOutput",
     "DiffusionRequest",
     "DiffusionWorkerModel",
+    "DistContext",
     "PostProcess",
     "WorkerOptions",
     "WorkerSpec",

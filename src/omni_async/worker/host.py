@@ -32,6 +32,7 @@ from omni_async.worker.baselines import (
     pack_reference_fresh,
     pack_sync_fresh,
 )
+from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer, PackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
@@ -50,7 +51,10 @@ class WorkerSpec:
     """How a worker process builds its model: ``"package.module:factory"`` plus keyword arguments.
 
     The factory is called as ``factory(**kwargs)``; with ``pass_rank`` it also gets
-    ``rank=``.  A string, not a callable, so that it pickles into a spawned process.
+    ``rank=``, with ``pass_dist`` ``dist=`` (a ``DistContext``: rank, world size, device
+    and the ranks' process group, joined before the factory runs; the executor needs
+    ``process_group`` on, see ``omni_async.worker.dist``).  A string, not a callable, so
+    that it pickles into a spawned process.
 
     The constructor checks the fields (``UsageError`` naming the problem) and, with
     ``check_import`` (the default), imports the factory here, in the engine's process:
@@ -79,6 +83,7 @@ class WorkerSpec:
     pass_rank: bool = False
     check_import: bool = attrs.field(default=True, kw_only=True)
     postprocess: str | None = attrs.field(default=None, kw_only=True)
+    pass_dist: bool = attrs.field(default=False, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.factory, str):
@@ -105,7 +110,7 @@ class WorkerSpec:
                     "kwargs travel to every worker process by pickle; pass data (or an import path) and "
                     "build the object in the factory"
                 )
-        for field in ("pass_rank", "check_import"):
+        for field in ("pass_rank", "check_import", "pass_dist"):
             if not isinstance(getattr(self, field), bool):
                 raise UsageError(f"WorkerSpec.{field} must be a bool, got {getattr(self, field)!r}")
         if self.postprocess is not None and (not isinstance(self.postprocess, str) or not self.postprocess):
@@ -151,11 +156,18 @@ class WorkerSpec:
             return None
         return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
 
-    def build(self, rank: int) -> object:
+    def build(self, rank: int, dist: DistContext | None = None) -> object:
         factory = self.resolve()
         kwargs = dict(self.kwargs)
         if self.pass_rank:
             kwargs["rank"] = rank
+        if self.pass_dist:
+            if dist is None:
+                raise UsageError(
+                    f"WorkerSpec({self.factory!r}, pass_dist=True) on rank {rank}: the ranks share no process "
+                    "group; build the executor with process_group=True (ExecutorConfig.process_group)"
+                )
+            kwargs["dist"] = dist
         return factory(**kwargs)
 
 
@@ -212,11 +224,15 @@ def build_worker(
     sender: ResultSender,
     *,
     packing: tuple[PackFn, Callable[[DiffusionOutput], None]] | None = None,
+    rendezvous: Rendezvous | None = None,
 ) -> tuple[Packer, WorkerLoop]:
     """The worker's model, packer and loop (the packer not started yet).
 
     ``packing``: (pack, release) replacing the pool's (the Ray executor's object-store
-    path, where ``pool`` is None: a remote node cannot attach to it).
+    path, where ``pool`` is None: a remote node cannot attach to it).  ``rendezvous``:
+    join the executor's process group on the rank's device before the model is built
+    (``omni_async.worker.dist``); the caller leaves it (``leave_process_group``) when the
+    rank stops.
     """
     import torch
 
@@ -273,7 +289,8 @@ def build_worker(
     if packing is not None:
         pack, release = packing
 
-    worker = spec.build(rank)
+    dist = join_process_group(rank, rendezvous, dev) if rendezvous is not None else None
+    worker = spec.build(rank, dist)
     # After the build: importing the factory's module registers its post-processes here.
     stage = spec.device_stage()
     packer = Packer(

@@ -23,6 +23,7 @@ from typing import NoReturn
 from omni_async.core.messages import CancelMessage, Failure
 from omni_async.transport.channel import PipeSender
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
+from omni_async.worker.dist import Rendezvous, leave_process_group
 from omni_async.worker.host import WorkerOptions, WorkerSpec, build_worker
 from omni_async.worker.loop import WorkerLoop
 
@@ -119,8 +120,10 @@ def worker_main(
     status: multiprocessing.connection.Connection,
     lifeline: multiprocessing.connection.Connection,
     control: multiprocessing.connection.Connection,
+    rendezvous: Rendezvous | None = None,
 ) -> None:
-    """Entry point of a worker process (module level: spawn pickles it by name)."""
+    """Entry point of a worker process (module level: spawn pickles it by name);
+    ``rendezvous``: the executor's process group, joined before the model is built."""
     # Ctrl-C reaches the whole process group; the executor stops its workers in order.
     # Spawned with SIGINT blocked (``_sigint_blocked``), so a pending one is discarded here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -128,7 +131,7 @@ def worker_main(
     watch = ExecutorWatch(rank, pool, lifeline)
     watch.start()
     try:
-        packer, loop = build_worker(rank, spec, opts, pool, sender)
+        packer, loop = build_worker(rank, spec, opts, pool, sender, rendezvous=rendezvous)
     except BaseException as exc:
         # The executor raises it (WorkerStartupFailed, with the traceback); print it
         # here only if the executor cannot hear.
@@ -159,6 +162,9 @@ def worker_main(
         # Exiting: a pack still waiting for room must not hold the exit (F16).
         packer.stop(timeout=10.0, abandon=True)
         sender.close()
+        # Reached only with the main thread free: a rank stuck in a collective is
+        # terminated by the executor instead, and its peers' collectives fail.
+        leave_process_group()
     # Leave without the interpreter's finalization: an abandoned packer (or a torch
     # thread pool) may still be inside C++ code, and tearing the runtime down under it
     # aborts the process ("terminate called without an active exception", seen once
