@@ -540,12 +540,13 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
                 "pool", "or max_held_outputs=/max_held_bytes=: pass either, not both (the pool is the budget)"
             )
         validator = spec.request_validator()
+        keyer = spec.batch_keyer()
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()
         if pool is None:
             pool = cfg.budget.make_pool(mp_context=multiprocessing.get_context("spawn"))
         ranks = ProcessRanks(spec, cfg.worker_options, cfg.world_size, pool)
-        super().__init__(ranks, pool, cfg, validator)
+        super().__init__(ranks, pool, cfg, validator, keyer)
         self._start()
 
     @property

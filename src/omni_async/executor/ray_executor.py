@@ -633,12 +633,13 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
                 raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
             _check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
         validator = spec.request_validator()
+        keyer = spec.batch_keyer()
         if not ray.is_initialized():
             ray.init()
         pool = cfg.budget.make_pool(attach_by_name=True)
         placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
         ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads)
-        super().__init__(ranks, pool, cfg, validator)
+        super().__init__(ranks, pool, cfg, validator, keyer)
         self._start()
 
     @property
