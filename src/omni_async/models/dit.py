@@ -612,4 +612,4 @@ def host_stage(output: DiffusionOutput) -> HostResult:
     return result
 
 
-POSTPROCESS = register_postprocess(PostProcess(PIPELINE, host=host_stage, device=device_stage))
+POSTPROCESS = register_postprocess(PostProcess(PIPELINE, host=host_stage, device=device_stage, host_reads_only=True))

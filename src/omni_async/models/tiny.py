@@ -281,4 +281,6 @@ def tiny_to_pil(output: DiffusionOutput) -> Image.Image:
 
 
 # ``WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="tiny")``
-TINY_POSTPROCESS = register_postprocess(PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8))
+TINY_POSTPROCESS = register_postprocess(
+    PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8, host_reads_only=True)
+)
