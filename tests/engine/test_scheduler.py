@@ -202,7 +202,8 @@ def test_a_group_that_could_grow_waits_batch_wait_s_from_its_oldest_member() -> 
     s.add("a", key="k", now=10.0)
     s.add("x", key=None, now=10.1)  # behind the held group: waits too (first come, first served)
     assert s.schedule_batches(10.2) == []
-    assert s.held_until == 10.5
+    held: float | None = s.held_until
+    assert held == 10.5
     s.add("b", key="k", now=10.3)
     assert s.schedule_batches(10.4) == []
     assert s.schedule_batches(10.5) == [["a", "b"], ["x"]]
