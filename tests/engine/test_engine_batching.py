@@ -19,17 +19,32 @@ from typing import Any
 import pytest
 import torch
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
-from helpers.executor_harness import GATES, RELAXED, ToyWorker, expected_image, gate_name, opened_gates_on_exit
+from helpers.executor_harness import (
+    GATES,
+    RELAXED,
+    ToyWorker,
+    expected_image,
+    gate_name,
+    opened_gates_on_exit,
+)
 
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import StageState
 from omni_async.core.errors import ComputeTimeout, RequestAborted, RpcFailed, UsageError
-from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
+from omni_async.core.messages import (
+    BatchDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+)
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import PostProcessFailed
 from omni_async.engine.metrics import GenerationChunk, GenerationResult
 from omni_async.executor.inprocess import InProcessExecutor
-from omni_async.worker.postprocess import PostProcess, UnknownPostProcess, register_postprocess
+from omni_async.worker.postprocess import (
+    PostProcess,
+    UnknownPostProcess,
+    register_postprocess,
+)
 
 
 class BatchingToy(ToyWorker):

@@ -196,6 +196,8 @@ class EngineBatches(EngineStreams):
             return {r.request_id: exc for r in members}
         got: dict[str, MemberSend] = {}
         for rec in members:
+            if rec.ended():
+                continue  # aborted meanwhile: not sent again (its driver sees it is not in the call)
             try:
                 got[rec.request_id] = await self._loop.run_in_executor(
                     self._sync, functools.partial(ex.execute_request, rec.request, sync_output=True)

@@ -44,12 +44,12 @@ from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
 from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
+from omni_async.executor.batches import BatchKeyer, ExecutorBatches
 from omni_async.executor.checks import (
     check_final_step_async,
     requests_in,
     stop_budget,
 )
-from omni_async.executor.batches import BatchKeyer, ExecutorBatches
 from omni_async.executor.claims import OutputClaims
 from omni_async.executor.futures import all_done, map_future
 from omni_async.executor.handle import RequestHandle

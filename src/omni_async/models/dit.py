@@ -418,7 +418,7 @@ class DiTPipelineWorker:
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, T, C, h, w]`` to pixels ``[B, T, 3, 8h, 8w]`` in [0, 1], in the model's
         dtype, ``decode_chunk`` images at a time."""
-        b, t, c, h, w = latents.shape
+        b, t, _, h, w = latents.shape
         with torch.no_grad():
             pixels = torch.empty(b, t, 3, h * DECODER_FACTOR, w * DECODER_FACTOR, device=latents.device, dtype=latents.dtype)
             # Each request's frames on their own (never another request's in the same
