@@ -415,11 +415,11 @@ def test_check_health_fails_when_the_loop_task_died(ex: InProcessExecutor) -> No
             b = asyncio.create_task(engine.generate(req("b")))
             await asyncio.sleep(0)
 
-            def broken(now: float) -> list[str]:
+            def broken(now: float) -> list[list[str]]:
                 raise RuntimeError("scheduler bug")
 
             assert engine._scheduler is not None
-            engine._scheduler.schedule = broken  # type: ignore[method-assign]  # fault injection
+            engine._scheduler.schedule_batches = broken  # type: ignore[method-assign]  # fault injection
             engine._wake.set()
             with pytest.raises(EngineDead, match="scheduler bug"):
                 await b  # waiting requests fail at once: nobody would admit them

@@ -192,7 +192,7 @@ def test_abort_while_post_processing_releases_the_segment(shared: MultiprocDiffu
         image: torch.Tensor = out.output["image"]
         return image.clone()
 
-    register_postprocess(PostProcess("engine-mp-slow", host=slow), replace=True)
+    register_postprocess(PostProcess("engine-mp-slow", host=slow, host_reads_only=True), replace=True)
 
     async def body() -> None:
         async with AsyncDiffusionEngine(shared, pipeline="engine-mp-slow") as engine:
@@ -215,7 +215,7 @@ def _keeps_a_view(out: DiffusionOutput) -> torch.Tensor:
     return image[:4]  # a view of the segment: not allowed
 
 
-register_postprocess(PostProcess("engine-mp-view", host=_keeps_a_view))
+register_postprocess(PostProcess("engine-mp-view", host=_keeps_a_view, host_reads_only=True))
 
 
 def test_a_host_stage_that_returns_a_view_fails_typed_and_leaks_nothing(shared: MultiprocDiffusionExecutor) -> None:

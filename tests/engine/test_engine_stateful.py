@@ -38,11 +38,18 @@ CHUNKS = 3
 
 
 class EngineMachine(RuleBasedStateMachine):
+    MAX_RUNNING, MAX_WAITING, MAX_IN_FLIGHT = 2, 4, 3
+
+    def make_engine(self) -> AsyncDiffusionEngine:
+        return AsyncDiffusionEngine(
+            self.ex, max_running=self.MAX_RUNNING, max_waiting=self.MAX_WAITING, max_in_flight=self.MAX_IN_FLIGHT
+        )
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.ex = InProcessExecutor(make_toy, deadlines=RELAXED)
-        self.engine = AsyncDiffusionEngine(self.ex, max_running=2, max_waiting=4, max_in_flight=3)
+        self.engine = self.make_engine()
         self.loop.run_until_complete(self.engine.start())
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.kinds: dict[str, str] = {}
@@ -130,7 +137,7 @@ class EngineMachine(RuleBasedStateMachine):
     def limits_hold(self) -> None:
         s = self.engine._scheduler
         assert s is not None
-        assert s.running <= 2 and s.in_flight <= 3 and s.waiting <= 4
+        assert s.running <= self.MAX_RUNNING and s.in_flight <= self.MAX_IN_FLIGHT and s.waiting <= self.MAX_WAITING
 
     @invariant()
     def every_finished_caller_saw_one_typed_outcome(self) -> None:
@@ -199,3 +206,37 @@ TestEngineMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+class BatchingEngineMachine(EngineMachine):
+    """The same machine with batching on (issue 19): compatible requests go to the worker
+    in batches of up to three (a stream with streams, a short deadline with its own
+    kind), a member's abort, failure, deadline and cancelled caller are its own, and the
+    limits count members."""
+
+    MAX_RUNNING, MAX_WAITING, MAX_IN_FLIGHT = 4, 6, 5
+
+    def make_engine(self) -> AsyncDiffusionEngine:
+        return AsyncDiffusionEngine(
+            self.ex,
+            max_running=self.MAX_RUNNING,
+            max_waiting=self.MAX_WAITING,
+            max_in_flight=self.MAX_IN_FLIGHT,
+            max_batch_size=3,
+            batch_wait_s=0.03,
+            batch_key=lambda r: "k",
+        )
+
+    @rule(kinds=st.lists(st.sampled_from(KINDS), min_size=2, max_size=4))
+    def submit_together(self, kinds: list[str]) -> None:
+        """Several requests in one tick of the loop: they may share a batch."""
+        for kind in kinds:
+            self.submit(kind)
+
+    @invariant()
+    def batches_stay_within_max_batch_size(self) -> None:
+        assert self.engine.metrics().batch_size_max <= 3
+
+
+TestBatchingEngineMachine = BatchingEngineMachine.TestCase
+TestBatchingEngineMachine.settings = TestEngineMachine.settings

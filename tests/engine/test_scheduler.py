@@ -172,3 +172,49 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------- batches (issue 19)
+
+
+def test_groups_take_the_oldest_request_and_later_ones_of_its_key() -> None:
+    s = Scheduler(max_waiting=16, max_running=8, max_batch_size=3, batch_wait_s=0.0)
+    for rid, key in [("a0", "a"), ("b0", "b"), ("a1", "a"), ("n0", None), ("a2", "a"), ("a3", "a"), ("b1", "b")]:
+        s.add(rid, key=key, now=0.0)
+    assert s.schedule_batches(0.0) == [["a0", "a1", "a2"], ["b0", "b1"], ["n0"], ["a3"]]
+    assert s.running == 7
+    assert (s.stats.batches, s.stats.batched, s.stats.max_batch, s.stats.admitted) == (4, 2, 3, 7)
+
+
+def test_members_count_against_max_running_and_the_in_flight_cap() -> None:
+    s = Scheduler(max_waiting=16, max_running=4, max_in_flight=3, max_batch_size=4, batch_wait_s=0.0)
+    for i in range(6):
+        s.add(f"r{i}", key="k", now=0.0)
+    assert s.schedule_batches(0.0) == [["r0", "r1", "r2"]]  # room for 3 members, not 4
+    s.compute_done("r0")
+    assert s.schedule_batches(0.0) == []  # r0 still holds its output: in flight
+    s.remove("r0")
+    assert s.schedule_batches(0.0) == [["r3"]]
+
+
+def test_a_group_that_could_grow_waits_batch_wait_s_from_its_oldest_member() -> None:
+    s = Scheduler(max_waiting=16, max_running=8, max_batch_size=4, batch_wait_s=0.5)
+    s.add("a", key="k", now=10.0)
+    s.add("x", key=None, now=10.1)  # behind the held group: waits too (first come, first served)
+    assert s.schedule_batches(10.2) == []
+    held: float | None = s.held_until
+    assert held == 10.5
+    s.add("b", key="k", now=10.3)
+    assert s.schedule_batches(10.4) == []
+    assert s.schedule_batches(10.5) == [["a", "b"], ["x"]]
+    assert s.held_until is None
+    for i in range(4):
+        s.add(f"f{i}", key="k", now=20.0)
+    assert s.schedule_batches(20.0) == [["f0", "f1", "f2", "f3"]]  # full: no wait
+
+
+def test_batch_options_are_checked() -> None:
+    with pytest.raises(UsageError, match="max_batch_size must be a positive int"):
+        Scheduler(max_waiting=1, max_running=1, max_batch_size=0)
+    with pytest.raises(UsageError, match="batch_wait_s must be a number of seconds >= 0"):
+        Scheduler(max_waiting=1, max_running=1, batch_wait_s=float("nan"))

@@ -87,9 +87,9 @@ def test_the_device_stage_ships_uint8_and_is_timed(ex: DiffusionExecutor) -> Non
         assert out.metrics["pack_shm_bytes"] == HEIGHT * WIDTH  # a quarter of the float image
         assert "pack_s" in out.metrics
     # The host stage, as the engine runs it: a PIL image that owns its pixels.
-    pil = get_postprocess("test-tiny-failing").host
-    assert pil is not None
-    picture: Any = pil(out)
+    post = get_postprocess("test-tiny-failing")
+    assert post.host is not None
+    picture: Any = post.run_host(out, DiffusionRequest("img"))
     arrived = image.clone()
     del image, out.output["image"]
     ex.release_output(out)  # the picture owns its pixels: the segment can go back

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from helpers.engine_harness import eventually, in_thread, run
@@ -18,7 +19,7 @@ from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
 from helpers.tlc import require_tlc
 
 from omni_async.core.engine_states import StageState
-from omni_async.core.errors import RequestAborted
+from omni_async.core.errors import RequestAborted, RpcFailed
 from omni_async.core.trace import TraceEvent
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
@@ -117,7 +118,38 @@ async def start_cancelled(tracer: ListTracer) -> None:
     await engine.close()
 
 
-RUNS = [served_and_aborted, left_and_closed, stream_left, close_during_start, factory_fails, start_cancelled]
+async def batched(tracer: ListTracer) -> None:
+    """A batch of three: one finishes, one is aborted mid-forward, one's forward raises
+    (the batch fails, each member is sent again alone: only it fails); then a batch of
+    two streams."""
+    gate = gate_name()
+    with InProcessExecutor(make_toy, deadlines=RELAXED) as ex:
+        async with AsyncDiffusionEngine(
+            ex, max_batch_size=3, batch_wait_s=1.0, batch_key=lambda r: "k", tracer=tracer
+        ) as engine:
+            tasks = [
+                asyncio.create_task(engine.generate(req("ok", gate=gate))),
+                asyncio.create_task(engine.generate(req("aborted", gate=gate))),
+                asyncio.create_task(engine.generate(req("raises", gate=gate, fail_on=[0]))),
+            ]
+            await eventually(lambda: engine.stage_of("aborted") is StageState.COMPUTING)
+            await engine.abort("aborted")
+            GATES.open(gate)
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            assert outcomes[0].request_id == "ok"  # type: ignore[union-attr]
+            assert isinstance(outcomes[1], RequestAborted) and isinstance(outcomes[2], RpcFailed)
+            streams = await asyncio.gather(
+                *(collect(engine.generate_stream(req(f"s{i}", chunks=1))) for i in range(2))
+            )
+            assert all(len(items) == 2 for items in streams)
+            assert engine.metrics().batch_size_max == 3
+
+
+async def collect(stream: AsyncIterator[object]) -> list[object]:
+    return [item async for item in stream]
+
+
+RUNS = [batched, served_and_aborted, left_and_closed, stream_left, close_during_start, factory_fails, start_cancelled]
 
 
 @pytest.mark.tlc

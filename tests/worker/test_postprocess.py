@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_async import DiffusionOutput
+from omni_async import DiffusionOutput, DiffusionRequest
 from omni_async.errors import UnknownPostProcess, UsageError
 from omni_async.worker import (
     PostProcess,
@@ -54,7 +54,7 @@ def test_stages_run_as_given() -> None:
     out = DiffusionOutput(request_id="r", output={"image": torch.ones(2)})
     pp = PostProcess("test-pp-d", host=lambda o: o.request_id, device=_to_uint8)
     assert pp.device is not None and pp.device(out) is out
-    assert pp.host is not None and pp.host(out) == "r"
+    assert pp.host is not None and pp.run_host(out, DiffusionRequest("r")) == "r"
 
 
 def test_a_reference_pipeline_not_yet_imported_names_its_module() -> None:
@@ -70,3 +70,44 @@ def test_a_reference_pipeline_not_yet_imported_names_its_module() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "import omni_async.models.tiny first" in out and out.strip().endswith("tiny")
+
+
+def test_the_host_stage_form_is_detected_once_at_construction() -> None:
+    out = DiffusionOutput("r", {"x": 1})
+    request = DiffusionRequest("r", {"scale": 2})
+
+    def one(output: DiffusionOutput) -> object:
+        return output.output["x"]
+
+    def two(output: DiffusionOutput, request: DiffusionRequest) -> object:
+        return output.output["x"] * request.params["scale"]
+
+    def two_with_default(output: DiffusionOutput, request: DiffusionRequest | None = None) -> object:
+        return request is not None
+
+    class Callable1:
+        def __call__(self, output: DiffusionOutput) -> object:
+            return "one"
+
+    assert PostProcess("f1", host=one).host_takes_request is False
+    assert PostProcess("f2", host=two).host_takes_request is True
+    assert PostProcess("f1", host=one).run_host(out, request) == 1
+    assert PostProcess("f2", host=two).run_host(out, request) == 2
+    assert PostProcess("f3", host=two_with_default).run_host(out, request) is True
+    assert PostProcess("f4", host=Callable1()).run_host(out, request) == "one"
+    assert PostProcess("f5", host=lambda *args: len(args)).run_host(out, request) == 2
+    with pytest.raises(UsageError, match=r"must take \(output\) or \(output, request\)"):
+        PostProcess("f6", host=lambda a, b, c: None)  # type: ignore[arg-type]  # the point: refused
+    with pytest.raises(UsageError, match="host_reads_only must be a bool"):
+        PostProcess("f7", host=one, host_reads_only=1)  # type: ignore[arg-type]
+    # Equal post-processes stay equal (register twice is harmless); the flag is part of it.
+    assert PostProcess("f1", host=one) == PostProcess("f1", host=one)
+    assert PostProcess("f1", host=one) != PostProcess("f1", host=one, host_reads_only=True)
+
+
+def test_an_unknown_name_asked_for_by_a_request_names_the_request() -> None:
+    register_postprocess(PostProcess("test-pp-a", device=_to_uint8))
+    with pytest.raises(UnknownPostProcess) as err:
+        get_postprocess("test-pp-nope", request_id="req-7")
+    assert str(err.value).startswith("request 'req-7' asks for post-process 'test-pp-nope': no post-process")
+    assert err.value.request_id == "req-7" and "test-pp-a" in err.value.known

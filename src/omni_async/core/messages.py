@@ -314,10 +314,16 @@ def check_wire_message(msg: object) -> AsyncDiffusionOutput:
 
 @attrs.frozen
 class DiffusionRequest:
-    """One generation request as the worker sees it: an id and the model's parameters."""
+    """One generation request as the worker sees it: an id and the model's parameters.
+
+    ``postprocess``: the registered post-process (pipeline name) whose host stage turns
+    this request's output into its result in ``AsyncDiffusionEngine``, instead of the
+    engine's ``pipeline``; None: the engine's.  Not a model parameter: the model's
+    ``validate_request`` never sees it in ``params``."""
 
     request_id: str
     params: Mapping[str, Any] = attrs.field(factory=dict)
+    postprocess: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         _check_id("request_id", self.request_id)
@@ -330,6 +336,11 @@ class DiffusionRequest:
         if bad:
             raise MessageValidationError(
                 f"DiffusionRequest {self.request_id!r}: params keys must be str, got {bad!r:.80}"
+            )
+        if self.postprocess is not None and (not isinstance(self.postprocess, str) or not self.postprocess):
+            raise MessageValidationError(
+                f"DiffusionRequest {self.request_id!r}: postprocess must be a registered pipeline name (a "
+                f"non-empty str) or None, got {self.postprocess!r:.80}"
             )
 
 

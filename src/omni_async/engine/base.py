@@ -22,6 +22,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+import attrs
+
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import (
     OUTCOME_OF,
@@ -45,17 +47,24 @@ from omni_async.engine.errors import (
     PostProcessFailed,
 )
 from omni_async.engine.metrics import STAGES, LatencyHistogram
-from omni_async.engine.owned import owned_copy
+from omni_async.engine.owned import Guarded, guard_input, owned_copy, written
 from omni_async.engine.record import RequestRecord, retrieve
 from omni_async.engine.scheduler import Scheduler
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.batches import BatchKeyer
 from omni_async.transport.errors import OutputStillViewed
-from omni_async.worker.postprocess import HostStage, get_postprocess
+from omni_async.worker.postprocess import PostProcess, get_postprocess
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["EngineBase", "log"]
+__all__ = ["DEFAULT_BATCH_WAIT_S", "DEFAULT_MAX_RUNNING", "EngineBase", "log"]
+
+# Requests sent to the executor whose forward has not finished, per batch member: 2
+# keeps the worker fed (one computing, one queued behind it).
+DEFAULT_MAX_RUNNING = 2
+# How long a batch that could take more members waits for them (seconds).
+DEFAULT_BATCH_WAIT_S = 0.002
 
 # The engine's one logger, whichever of its modules logs: a user's logging set-up for
 # ``omni_async.engine.engine`` sees all of it.
@@ -89,14 +98,40 @@ class EngineBase:
         factory: Callable[[], DiffusionExecutor] | None,
         *,
         pipeline: str | None,
-        max_running: int,
+        max_running: int | None,
         max_waiting: int,
         max_in_flight: int | None,
         postprocess_workers: int,
         close_timeout: float,
         async_output: bool,
         tracer: Tracer | None,
+        max_batch_size: int = 1,
+        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+        batch_key: BatchKeyer | None = None,
     ) -> None:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise UsageError(f"max_batch_size must be a positive int (1: no batching), got {max_batch_size!r}")
+        if max_running is None:
+            # Members count as running requests: one batch computing, one queued behind it.
+            max_running = DEFAULT_MAX_RUNNING * max_batch_size
+        elif isinstance(max_running, int) and not isinstance(max_running, bool) and 1 <= max_running < max_batch_size:
+            raise UsageError(
+                f"max_running ({max_running}) is below max_batch_size ({max_batch_size}): the members of a batch "
+                f"count as running requests, so no batch could fill; raise max_running to at least "
+                f"{max_batch_size} (2 x max_batch_size keeps a batch queued behind the running one), or leave it "
+                "out for that default"
+            )
+        if (
+            isinstance(batch_wait_s, bool)
+            or not isinstance(batch_wait_s, (int, float))
+            or not 0 <= batch_wait_s < float("inf")
+        ):
+            raise UsageError(f"batch_wait_s must be a number of seconds >= 0 (0: take what waits), got {batch_wait_s!r}")
+        if batch_key is not None and not callable(batch_key):
+            raise UsageError(f"batch_key must be a callable (request -> key or None) or None, got {batch_key!r:.80}")
+        self._max_batch_size = max_batch_size
+        self._batch_wait_s = float(batch_wait_s)
+        self._batch_key = batch_key
         for name, value in (
             ("max_running", max_running),
             ("max_waiting", max_waiting),
@@ -116,9 +151,10 @@ class EngineBase:
         self._factory = factory
         self._owns_executor = factory is not None
         self.pipeline = pipeline
-        self._host: HostStage | None = None
+        # The engine's post-process: a request's own (DiffusionRequest.postprocess) wins.
+        self._default_post: PostProcess | None = None
         if pipeline is not None:
-            self._host = get_postprocess(pipeline).host
+            self._default_post = get_postprocess(pipeline)
         self._max_running = max_running
         self._max_waiting = max_waiting
         self._max_in_flight = max_in_flight
@@ -211,19 +247,52 @@ class EngineBase:
         rid = request.request_id
         if rid in self._records:
             raise UsageError(f"{what}: request id {rid!r} is already in the engine; request ids must be unique")
+        now = time.monotonic()
         try:
             self.executor.validate_request(request)
-            self._scheduler.add(rid)
+            post = self._post_of(request)
+            key = self._compat_key(request, deadlines, streaming)
+            self._scheduler.add(rid, key=key, now=now)
         except (EngineOverloaded, UsageError):
             self._counts["rejected"] += 1
             raise
         machine = stage_machine(rid, self._trace_stage)
-        rec = RequestRecord(request, deadlines, self._loop.create_future(), time.monotonic(), machine, streaming=streaming)
+        rec = RequestRecord(request, deadlines, self._loop.create_future(), now, machine, streaming=streaming)
+        rec.postprocess = post
+        rec.pipeline = request.postprocess if request.postprocess is not None else self.pipeline
         rec.result.add_done_callback(retrieve)
         rec.result.add_done_callback(lambda _: rec.changed.set())
         self._records[rid] = rec
         self._wake.set()
         return rec
+
+
+    def _post_of(self, request: DiffusionRequest) -> PostProcess | None:
+        """The post-process ``request`` asks for (``UnknownPostProcess`` naming it and the
+        registered names), or the engine's."""
+        if request.postprocess is None:
+            return self._default_post
+        return get_postprocess(request.postprocess, request_id=request.request_id)
+
+
+    def _compat_key(self, request: DiffusionRequest, deadlines: Deadlines | None, streaming: bool) -> object:
+        """What the requests of one batch share (None: ``request`` goes alone): the
+        model's batch key, the deadlines (one call, one compute deadline: a member keeps
+        the deadline it has alone) and whether it streams."""
+        if self._max_batch_size == 1:
+            return None
+        keyer = self._batch_key if self._batch_key is not None else self.executor.batch_key
+        try:
+            key = keyer(request)
+            hash(key)
+        except (UsageError, EngineOverloaded):
+            raise
+        except Exception as exc:
+            raise UsageError(
+                f"request {request.request_id!r}: its batch key could not be taken ({type(exc).__name__}: {exc}); "
+                "a batch_key must return a hashable value (or None: never batched) for every valid request"
+            ) from exc
+        return None if key is None else (key, deadlines, streaming)
 
 
     def _end_early(self, rec: RequestRecord, event: StageEvent, *, error: BaseException | None = None) -> None:
@@ -328,15 +397,15 @@ class EngineBase:
         rec.poke.set()
 
 
-    def _postprocess(
-        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
-    ) -> tuple[object, float, float]:
-        """On an ``omni-postprocess`` thread: the host stage (or an owned copy), then the
-        release; the value, when it started (``time.monotonic()``) and its seconds."""
+    def _postprocess(self, rec: RequestRecord, output: DiffusionOutput, wanted: bool) -> tuple[object, float, float]:
+        """On an ``omni-postprocess`` thread: the request's host stage (or an owned copy),
+        and the release; the value, when it started (``time.monotonic()``) and its seconds.
+        ``wanted`` False (the request ended): only the release."""
+        rid = rec.request_id
         with self._host_lock:
             self._host_running[rid] = self._host_running.get(rid, 0) + 1
         try:
-            return self._run_host_stage(rid, output, host, wanted)
+            return self._run_host_stage(rec, output, wanted)
         finally:
             with self._host_lock:
                 left = self._host_running.pop(rid) - 1
@@ -344,37 +413,63 @@ class EngineBase:
                     self._host_running[rid] = left
 
 
-    def _run_host_stage(
-        self, rid: str, output: DiffusionOutput, host: HostStage | None, wanted: bool
-    ) -> tuple[object, float, float]:
+    def _run_host_stage(self, rec: RequestRecord, output: DiffusionOutput, wanted: bool) -> tuple[object, float, float]:
+        """The host stage never writes into shared memory: it gets an owned copy (the
+        segment goes back first), or, declared ``host_reads_only``, the views, checked
+        for in-place writes afterwards (``omni_async.worker.postprocess``)."""
+        rid, pipeline = rec.request_id, rec.pipeline
+        post = rec.postprocess if wanted else None
         started = time.monotonic()
         t0 = time.perf_counter()
         value: object = None
+        guarded: Guarded | None = None
         try:
-            if wanted:
-                value = host(output) if host is not None else owned_copy(output.output)
+            if wanted and (post is None or post.host is None):
+                value = owned_copy(output.output)
+            elif post is not None and post.host_reads_only:
+                guarded = guard_input(output.output)
+                value = post.run_host(output, rec.request)
+            elif post is not None:
+                owned = attrs.evolve(output, output=owned_copy(output.output))
+                self._release_quietly(output)  # the stage holds no view of it: back to the pool now
+                value = post.run_host(owned, rec.request)
+                return value, started, time.perf_counter() - t0
         except Exception as exc:
+            guarded = None
             self._release_quietly(output)
             # The traceback's frames may hold views of the segment: keep the text, free them.
             text = "".join(traceback.format_exception(exc))
             if exc.__traceback__ is not None:
                 traceback.clear_frames(exc.__traceback__)
             raise PostProcessFailed(
-                f"request {rid!r}: the host stage of pipeline {self.pipeline!r} raised "
+                f"request {rid!r}: the host stage of pipeline {pipeline!r} raised "
                 f"{type(exc).__name__}: {exc}\n--- traceback ---\n{text}",
                 request_id=rid,
-                pipeline=self.pipeline,
+                pipeline=pipeline,
             ) from exc
+        wrote = [] if guarded is None else written(guarded)
+        guarded = None  # it holds the input's tensors: views of the segment, which the release takes back
+        if wrote:
+            del value
+            self._release_quietly(output)
+            raise PostProcessFailed(
+                f"request {rid!r}: the host stage of pipeline {pipeline!r} is declared host_reads_only=True but "
+                f"wrote into its input in place ({', '.join(wrote[:5])}), which is the output's shared memory; "
+                "copy before writing (t.clone(), t.to(torch.float32, copy=True)), or register the post-process "
+                "without host_reads_only so that its stage gets an owned copy",
+                request_id=rid,
+                pipeline=pipeline,
+            )
         try:
             self.executor.release_output(output)
         except OutputStillViewed as exc:
             del value  # dropping the views gives the segment back
             raise PostProcessFailed(
-                f"request {rid!r}: the result of pipeline {self.pipeline!r}'s host stage still views the output's "
+                f"request {rid!r}: the result of pipeline {pipeline!r}'s host stage still views the output's "
                 f"shared memory ({exc.views} view(s) alive); a result must own its memory: copy what it keeps "
                 "(tensor.clone(), numpy.array(a, copy=True), bytes(...))",
                 request_id=rid,
-                pipeline=self.pipeline,
+                pipeline=pipeline,
             ) from exc
         except Exception as exc:  # the pool closed under us (executor shut down): nothing to give back
             log.debug("engine: releasing the output of %r: %s", rid, exc)

@@ -13,16 +13,15 @@ import asyncio
 import functools
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
 
 from omni_async.core.engine_states import EngineState, StageEvent, StageState
 from omni_async.core.errors import OutputDropped, UsageError
 from omni_async.core.messages import DiffusionOutput, RunnerOutput
 from omni_async.engine.base import log
+from omni_async.engine.batching import EngineBatches
 from omni_async.engine.errors import PostProcessFailed
 from omni_async.engine.metrics import STAGES, GenerationResult, RequestTimings, forward_end
 from omni_async.engine.record import RequestRecord
-from omni_async.engine.streaming import EngineStreams
 from omni_async.worker.stamps import (
     FORWARD_ENDED_AT,
     FORWARD_RETURNED_AT,
@@ -44,18 +43,33 @@ def _held_bytes(metrics: Mapping[str, float]) -> float:
     return metrics.get("pack_shm_bytes", 0.0) + metrics.get("pack_stored_bytes", 0.0)
 
 
-class EngineDriver(EngineStreams):
+class EngineDriver(EngineBatches):
     """The loop task and the request drivers (see the module docstring)."""
 
     async def _run(self) -> None:
         assert self._scheduler is not None and self._loop is not None
+        timer: asyncio.TimerHandle | None = None
         while True:
             self._wake.clear()
-            for rid in self._scheduler.schedule(time.monotonic()):
-                rec = self._records[rid]
-                self._fire(rec, SE.ADMIT)
-                rec.driver = self._loop.create_task(self._drive(rec), name=f"omni-engine-request-{rid}")
-            await self._wake.wait()
+            for batch in self._scheduler.schedule_batches(time.monotonic()):
+                recs = [self._records[rid] for rid in batch]
+                for rec in recs:
+                    self._fire(rec, SE.ADMIT)
+                if len(recs) > 1:
+                    self._start_group(recs)  # before the drivers: they await its send
+                for rec in recs:
+                    rid = rec.request_id
+                    rec.driver = self._loop.create_task(self._drive(rec), name=f"omni-engine-request-{rid}")
+            held = self._scheduler.held_until
+            if held is not None:
+                # A batch waits for more members: look again when its wait ends.
+                timer = self._loop.call_later(max(0.0, held - time.monotonic()), self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                    timer = None
 
 
     def _on_loop_end(self, task: asyncio.Task[None]) -> None:
@@ -90,46 +104,38 @@ class EngineDriver(EngineStreams):
     async def _walk(self, rec: RequestRecord) -> None:
         ex = self.executor
         rid = rec.request_id
-        if rec.ended():
+        if rec.group is None and rec.ended():
             return  # aborted before it was sent: it never reaches a worker
         if not self._async_output:
             await self._walk_sync(rec)
             return
         rec.submitted_at = time.monotonic()
         try:
-            if rec.streaming:
-                stream = await self._on_io(functools.partial(ex.submit_stream, rec.request, deadlines=rec.deadlines))
-                rec.stream = stream
-                loop = self._loop
-                assert loop is not None
-
-                def wake() -> None:  # on the pump's thread: only schedule
-                    try:
-                        loop.call_soon_threadsafe(rec.changed.set)
-                    except RuntimeError:  # the loop closed: nobody consumes the stream any more
-                        pass
-
-                stream.add_listener(wake)
-                rec.changed.set()
-                execute = stream.result
-                output_future: Future[DiffusionOutput] | None = None
+            if rec.group is None:
+                sent = await self._send_alone(rec)
             else:
-                # One handle: its COMPUTE_DONE, and its output, claimed by the pump as it
-                # dispatches that COMPUTE_DONE (no id travels back down to claim it).
-                handle = await self._on_io(functools.partial(ex.submit_handle, rec.request, deadlines=rec.deadlines))
-                execute, output_future = handle.computed, handle.output
+                member = await self._member_sent(rec)
+                if member is None:
+                    return  # it ended before its batch was sent: not in the call
+                sent = member
         except Exception as exc:
             self._fail(rec, exc)
             return
+        execute, output_future = sent
         self._fire(rec, SE.SENT)
         if rec.ended():
             self._cancel_forward(rec)
             self._close_stream(rec)
-        try:
-            announced: RunnerOutput = await asyncio.wrap_future(execute)
-        except Exception as exc:
-            self._fail(rec, exc)
-            return
+        while True:
+            try:
+                announced: RunnerOutput = await asyncio.wrap_future(execute)
+                break
+            except Exception as exc:
+                again = await self._alone_after_batch_failed(rec, exc)
+                if again is None:
+                    self._fail(rec, exc)
+                    return
+                execute, output_future = again
         rec.compute_done_at = time.monotonic()
         assert self._scheduler is not None
         self._scheduler.compute_done(rid)
@@ -160,8 +166,10 @@ class EngineDriver(EngineStreams):
         """``async_output=False``: the request's call on the synchronous output path, on
         an ``omni-engine-sync`` thread; COMPUTE_DONE and the output arrive together."""
         ex = self.executor
-        rid = rec.request_id
         assert self._loop is not None and self._sync is not None and self._scheduler is not None
+        if rec.group is not None:
+            await self._walk_sync_member(rec)
+            return
         self._fire(rec, SE.SENT)  # the call is in flight on its thread
         rec.submitted_at = time.monotonic()
         call = self._loop.run_in_executor(
@@ -177,6 +185,36 @@ class EngineDriver(EngineStreams):
         except Exception as exc:
             self._fail(rec, exc)
             return
+        await self._sync_answered(rec, announced)
+
+
+    async def _walk_sync_member(self, rec: RequestRecord) -> None:
+        """A batch member on the synchronous path: its batch's one call (the group's send
+        task, on a sync thread), its own ``RunnerOutput`` from it."""
+        group = rec.group
+        assert group is not None and group.send is not None
+        rec.submitted_at = time.monotonic()
+        sent = group.send
+        try:
+            # Shielded: a cancelled driver cannot stop the call; its member's output is
+            # released when the call ends.
+            got = (await asyncio.shield(sent)).get(rec.request_id)
+        except asyncio.CancelledError:
+            sent.add_done_callback(functools.partial(self._release_member_late, rec.request_id))
+            raise
+        if got is None:
+            return  # it ended before the call: not in it
+        self._fire(rec, SE.SENT)
+        if isinstance(got, BaseException):
+            self._fail(rec, got)
+            return
+        assert isinstance(got, RunnerOutput)
+        await self._sync_answered(rec, got)
+
+
+    async def _sync_answered(self, rec: RequestRecord, announced: RunnerOutput) -> None:
+        rid = rec.request_id
+        assert self._scheduler is not None
         rec.compute_done_at = rec.output_ready_at = time.monotonic()
         self._scheduler.compute_done(rid)
         self._wake.set()
@@ -193,11 +231,8 @@ class EngineDriver(EngineStreams):
         if call.cancelled() or call.exception() is not None:
             return
         output = call.result().result
-        if output is not None and self._post is not None:
-            try:
-                self._post.submit(self._release_quietly, output)
-            except RuntimeError:  # the engine's threads are gone: release here
-                self._release_quietly(output)
+        if output is not None:
+            self._release_output_later(output)
 
 
     async def _finish(self, rec: RequestRecord, output: DiffusionOutput) -> None:
@@ -208,13 +243,12 @@ class EngineDriver(EngineStreams):
         if nbytes:
             self._scheduler.observe_output(int(nbytes))
         self._fire(rec, SE.OUTPUT)
-        host = None if rec.ended() else self._host  # aborted: only release
         self._postprocessing += 1
         try:
             assert self._post is not None and self._loop is not None
             try:
                 value, post_at, post_s = await self._loop.run_in_executor(
-                    self._post, functools.partial(self._postprocess, rid, output, host, not rec.ended())
+                    self._post, functools.partial(self._postprocess, rec, output, not rec.ended())
                 )
             finally:
                 metrics = dict(output.metrics)
@@ -259,7 +293,7 @@ class EngineDriver(EngineStreams):
             self._pack_bytes_total += _held_bytes(metrics) + metrics.get("pack_inline_bytes", 0.0)
         # A plain request is FINISHED here; a stream's consumer still decides (RESOLVED).
         self._fire(rec, SE.STREAM_RESULT if rec.streaming else SE.RESULT)
-        rec.result.set_result(GenerationResult(rid, value, timings, metrics, self.pipeline))
+        rec.result.set_result(GenerationResult(rid, value, timings, metrics, rec.pipeline))
 
 
     async def _await_drop(self, rec: RequestRecord) -> None:

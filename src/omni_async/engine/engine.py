@@ -95,13 +95,14 @@ from omni_async.core.engine_states import EngineEvent, EngineState, StageEvent, 
 from omni_async.core.errors import OmniAsyncError, UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.core.trace import Tracer
-from omni_async.engine.base import log
+from omni_async.engine.base import DEFAULT_BATCH_WAIT_S, log
 from omni_async.engine.errors import EngineClosed, EngineNotStarted
 from omni_async.engine.lifecycle import EngineLifecycle
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
 from omni_async.engine.record import retrieve
 from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.batches import BatchKeyer
 from omni_async.executor.metrics import ExecutorMetrics
 
 if TYPE_CHECKING:
@@ -114,7 +115,6 @@ SE = StageEvent
 EE = EngineEvent
 ES = EngineState
 
-DEFAULT_MAX_RUNNING = 2
 DEFAULT_MAX_WAITING = 4096
 
 
@@ -123,9 +123,16 @@ class AsyncDiffusionEngine(EngineLifecycle):
 
     ``pipeline``: the name of a registered ``PostProcess`` whose ``host`` stage turns each
     output into the caller's result (``UnknownPostProcess`` at once if none is
-    registered); without one the result is an owned copy of the model's output.
-    ``max_running``: requests sent to the executor whose forward has not finished
-    (2 keeps the worker fed); ``max_waiting``: the engine's queue (full:
+    registered); without one the result is an owned copy of the model's output.  A
+    request may choose its own (``DiffusionRequest(..., postprocess="name")``, checked
+    at ``generate``).  ``max_running``: requests sent to the executor whose forward has
+    not finished, batch members counted one by one (default ``2 * max_batch_size``: one
+    batch computing, one queued behind it); ``max_batch_size`` (1: no batching):
+    requests with equal batch keys go to the workers together, up to this many, in one
+    ``execute_model_batch`` (``omni_async.engine.batching``); ``batch_wait_s`` (2 ms;
+    0: take what waits): how long a batch that could take more members waits for them;
+    ``batch_key`` (``request -> key or None``): which requests may share a batch,
+    instead of the executor's ``batch_key`` (the model's); ``max_waiting``: the engine's queue (full:
     ``EngineOverloaded`` at the call); ``max_in_flight``: cap on running requests plus
     outputs not yet released, in addition to the executor's budget of held outputs
     (default: that budget, or 64 for an executor without one); ``postprocess_workers``:
@@ -146,13 +153,16 @@ class AsyncDiffusionEngine(EngineLifecycle):
         executor: DiffusionExecutor,
         *,
         pipeline: str | None = None,
-        max_running: int = DEFAULT_MAX_RUNNING,
+        max_running: int | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
         max_in_flight: int | None = None,
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
         async_output: bool = True,
         tracer: Tracer | None = None,
+        max_batch_size: int = 1,
+        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+        batch_key: BatchKeyer | None = None,
     ) -> None:
         if not isinstance(executor, DiffusionExecutor):
             raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
@@ -167,6 +177,9 @@ class AsyncDiffusionEngine(EngineLifecycle):
             close_timeout=close_timeout,
             async_output=async_output,
             tracer=tracer,
+            max_batch_size=max_batch_size,
+            batch_wait_s=batch_wait_s,
+            batch_key=batch_key,
         )
 
 
@@ -176,13 +189,16 @@ class AsyncDiffusionEngine(EngineLifecycle):
         factory: Callable[[], DiffusionExecutor],
         *,
         pipeline: str | None = None,
-        max_running: int = DEFAULT_MAX_RUNNING,
+        max_running: int | None = None,
         max_waiting: int = DEFAULT_MAX_WAITING,
         max_in_flight: int | None = None,
         postprocess_workers: int = 2,
         close_timeout: float = 60.0,
         async_output: bool = True,
         tracer: Tracer | None = None,
+        max_batch_size: int = 1,
+        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+        batch_key: BatchKeyer | None = None,
     ) -> AsyncDiffusionEngine:
         """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
         shuts the executor down, both on a worker thread (the executor's constructor and
@@ -201,6 +217,9 @@ class AsyncDiffusionEngine(EngineLifecycle):
             close_timeout=close_timeout,
             async_output=async_output,
             tracer=tracer,
+            max_batch_size=max_batch_size,
+            batch_wait_s=batch_wait_s,
+            batch_key=batch_key,
         )
         return engine
 
@@ -486,6 +505,10 @@ class AsyncDiffusionEngine(EngineLifecycle):
             executor_healthy=executor_healthy,
             executor=executor,
             chunks=self._chunks,
+            batches=0 if s is None else s.stats.batches,
+            batched=0 if s is None else s.stats.batched,
+            batch_size_mean=0.0 if s is None or not s.stats.batches else s.stats.admitted / s.stats.batches,
+            batch_size_max=0 if s is None else s.stats.max_batch,
         )
 
 

@@ -76,7 +76,12 @@ class EngineLifecycle(EngineDriver):
         if cap is None and budget is None:
             cap = DEFAULT_MAX_IN_FLIGHT
         self._scheduler = Scheduler(
-            max_waiting=self._max_waiting, max_running=self._max_running, max_in_flight=cap, budget=budget
+            max_waiting=self._max_waiting,
+            max_running=self._max_running,
+            max_in_flight=cap,
+            budget=budget,
+            max_batch_size=self._max_batch_size,
+            batch_wait_s=self._batch_wait_s,
         )
         self._io = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-send")
         self._control = ThreadPoolExecutor(1, thread_name_prefix="omni-engine-control")

@@ -187,7 +187,11 @@ class EngineMetrics:
     task runs; ``pump_alive``: the executor's result pump runs; ``executor_healthy``:
     the executor's ``check_health`` passes (every worker alive); ``executor``: the
     executor's own ``metrics()`` (None when it could not give them: shut down); ``chunks``: intermediate outputs of streams delivered
-    to their callers (``generate_stream``).
+    to their callers (``generate_stream``).  Batching (``max_batch_size``): ``batches``:
+    groups of requests admitted to go to the workers together (a request alone is a
+    group of one), ``batched``: those of two or more members, ``batch_size_mean`` /
+    ``batch_size_max``: their members on average (admitted requests / ``batches``; 0
+    before the first) and at most.
     """
 
     requests: Mapping[str, int]
@@ -207,6 +211,10 @@ class EngineMetrics:
     executor_healthy: bool
     executor: ExecutorMetrics | None
     chunks: int = 0
+    batches: int = 0
+    batched: int = 0
+    batch_size_mean: float = 0.0
+    batch_size_max: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers: ``requests_<outcome>``, the depths and counters, and
@@ -227,6 +235,10 @@ class EngineMetrics:
             pump_alive=float(self.pump_alive),
             executor_healthy=float(self.executor_healthy),
             chunks=float(self.chunks),
+            batches=float(self.batches),
+            batched=float(self.batched),
+            batch_size_mean=self.batch_size_mean,
+            batch_size_max=float(self.batch_size_max),
         )
         if self.executor is not None:
             out.update({f"executor_{k}": v for k, v in self.executor.as_dict().items()})

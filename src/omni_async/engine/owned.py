@@ -29,7 +29,7 @@ import attrs
 import numpy as np
 import torch
 
-__all__ = ["owned_copy"]
+__all__ = ["Guarded", "guard_input", "owned_copy", "written"]
 
 T = TypeVar("T")
 
@@ -88,3 +88,48 @@ def _walk(x: Any) -> Any:
             object.__setattr__(obj, name, _walk(getattr(x, name)))
         return obj
     return copy.deepcopy(x)
+
+
+#: What ``guard_input`` found: each tensor, where it is in the output, its version.
+Guarded = list[tuple[str, torch.Tensor, int]]
+
+
+def guard_input(value: object) -> Guarded:
+    """What a host stage declared read-only (``PostProcess(host_reads_only=True)``) is
+    handed: numpy arrays of ``value`` are made read-only (a write raises ``ValueError``
+    in the stage), and every tensor is listed with its version counter, which every
+    in-place torch op bumps (on the tensor or any view of it: ``t.float()`` of a float32
+    tensor is ``t`` itself).  ``written`` reads them again after the stage.  The list
+    holds views of the segment: drop it before the release."""
+    found: Guarded = []
+    _guard(value, "output", 0, found)
+    return found
+
+
+def _guard(x: Any, where: str, depth: int, found: Guarded) -> None:
+    # A plain function, not a closure over ``found``: a recursive closure is a reference
+    # cycle, which would keep the segment's views alive until the garbage collector ran
+    # (and the release would find them: OutputStillViewed).
+    if depth > 64 or isinstance(x, _IMMUTABLE):
+        return
+    if isinstance(x, torch.Tensor):
+        found.append((where, x, x._version))
+    elif isinstance(x, np.ndarray):
+        x.flags.writeable = False
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            _guard(v, f"{where}[{i}]", depth + 1, found)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _guard(v, f"{where}[{k!r}]", depth + 1, found)
+    elif attrs.has(type(x)) or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
+        names = (
+            [f.name for f in attrs.fields(type(x))] if attrs.has(type(x)) else [f.name for f in dataclasses.fields(x)]
+        )
+        for name in names:
+            _guard(getattr(x, name, None), f"{where}.{name}", depth + 1, found)
+
+
+def written(guarded: Guarded) -> list[str]:
+    """The tensors of ``guard_input`` that were written in place since (by where they are)."""
+    return [where for where, t, version in guarded if t._version != version]

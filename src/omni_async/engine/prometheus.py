@@ -22,6 +22,9 @@ Families (all prefixed ``omni_async_``):
   and not released), ``executor_outputs_pending`` (ids the executor tracks),
   ``executor_pool_waits_total`` / ``executor_pool_wait_seconds_total`` (packs that
   waited for room);
+* ``engine_batches_total`` / ``engine_batched_total`` / ``engine_batch_size_mean`` /
+  ``engine_batch_size_max``: batching (``max_batch_size``): groups admitted, those of
+  two or more, their mean and largest size;
 * ``engine_loop_up``, ``pump_up``, ``workers_up``: liveness (1 or 0).
 """
 
@@ -95,6 +98,17 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             f"{_P}engine_chunks", "Intermediate outputs of streams delivered (generate_stream)", value=m.chunks
         )
+        yield CounterMetricFamily(
+            f"{_P}engine_batches", "Groups of requests admitted to the workers together (one alone included)",
+            value=m.batches,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{_P}engine_batched", "Groups of two or more requests sent in one execute_model_batch", value=m.batched
+        )
+        yield GaugeMetricFamily(
+            f"{_P}engine_batch_size_mean", "Requests per admitted group, on average", value=m.batch_size_mean
+        )
+        yield GaugeMetricFamily(f"{_P}engine_batch_size_max", "The largest admitted group", value=m.batch_size_max)
         ex = m.executor
         if ex is not None:
             gauges: list[tuple[str, float, str]] = []

@@ -11,14 +11,34 @@ import attrs
 
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import OUTCOME_OF, StageEvent, StageState
-from omni_async.core.messages import DiffusionRequest
+from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.core.states import Machine
 from omni_async.engine.metrics import GenerationResult
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.stream import RequestStream
+from omni_async.worker.postprocess import PostProcess
 
-__all__ = ["RequestRecord", "retrieve"]
+__all__ = ["BatchGroup", "MemberSend", "RequestRecord", "retrieve"]
 
 T = TypeVar("T")
+
+
+#: What a batch's send gave one member: its handle (the asynchronous path), its
+#: ``RunnerOutput`` with its output (the synchronous path), or the error that ended it.
+MemberSend = RequestHandle | RunnerOutput | BaseException
+
+
+@attrs.define(eq=False)
+class BatchGroup:
+    """Requests the scheduler admitted together (``max_batch_size > 1``): one
+    ``execute_model_batch`` for all of them.  ``send``: the task that sends it (and, on
+    the synchronous path, runs it); its result maps each member it sent to what the
+    member got; a member not in it had ended before the send and never left the engine."""
+
+    records: list[RequestRecord]
+    send: asyncio.Task[dict[str, MemberSend]] | None = None
+    # How many members the batched call carried (0: not sent as one).
+    sent: int = 0
 
 
 @attrs.define(eq=False)
@@ -41,6 +61,14 @@ class RequestRecord:
     driver: asyncio.Task[None] | None = None
     # Set once nothing of the request remains anywhere (what abort(wait=True) awaits).
     gone: asyncio.Event = attrs.field(factory=asyncio.Event)
+    # The post-process whose host stage makes its result (its own, or the engine's:
+    # None for an owned copy), and its name (GenerationResult.pipeline).
+    postprocess: PostProcess | None = None
+    pipeline: str | None = None
+    # The batch it was admitted in (None: alone): its members share one send.
+    group: BatchGroup | None = None
+    # Sent again alone after its batch's forward failed (once at most).
+    retried: bool = False
     submitted_at: float = 0.0
     compute_done_at: float = 0.0
     output_ready_at: float = 0.0

@@ -29,6 +29,18 @@ here, in the engine's queue, instead of inside a worker's packer waiting for roo
 shared memory while the output deadlines run.  A request refused by the budget alone
 (a running slot was free) is a *budget wait*: counted, and timed, in ``stats``.
 
+Batches: with ``max_batch_size > 1`` a request carries a *batch key* (``add(...,
+key=...)``; None: never batched), and ``schedule`` admits groups: the oldest waiting
+request with every later waiting request of the same key, oldest first, up to
+``max_batch_size`` members and as many as the limits leave room for.  Members count
+as requests everywhere (``max_running``, ``max_in_flight``, the budget).  A group
+smaller than it could be waits for more members for at most ``batch_wait_s`` after
+its oldest member arrived (``held_until`` says until when: the engine wakes then);
+while it waits nothing behind it is admitted (first come, first served: the wait is
+short, and a request behind it must not take the room the group waits to fill).
+``batch_wait_s=0`` takes what is waiting now.  ``max_batch_size=1`` admits one request
+at a time, as before batching existed.
+
 Sans-IO: no clocks, no threads, no asyncio.  The engine passes ``now`` and calls
 every method from its event loop; a test drives it directly.
 """
@@ -37,6 +49,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import attrs
 
@@ -66,6 +79,11 @@ class SchedulerStats:
     # the budget of held outputs was full, and their total length in seconds.
     budget_waits: int = 0
     budget_wait_s: float = 0.0
+    # Groups admitted together (a single request is a group of one), those of two or
+    # more members, and the largest.
+    batches: int = 0
+    batched: int = 0
+    max_batch: int = 0
 
 
 def _positive(name: str, value: int | None, *, optional: bool = False) -> None:
@@ -85,19 +103,33 @@ class Scheduler:
         max_running: int,
         max_in_flight: int | None = None,
         budget: OutputBudget | None = None,
+        max_batch_size: int = 1,
+        batch_wait_s: float = 0.0,
     ) -> None:
         """``max_in_flight``: the engine's own cap on running + holding requests;
-        ``budget``: the executor's budget of held outputs (None: none)."""
+        ``budget``: the executor's budget of held outputs (None: none);
+        ``max_batch_size``, ``batch_wait_s``: batching (see the module docstring)."""
         _positive("max_waiting", max_waiting)
         _positive("max_running", max_running)
         _positive("max_in_flight", max_in_flight, optional=True)
+        _positive("max_batch_size", max_batch_size)
+        if (
+            isinstance(batch_wait_s, bool)
+            or not isinstance(batch_wait_s, (int, float))
+            or not 0 <= batch_wait_s < float("inf")
+        ):
+            raise UsageError(f"batch_wait_s must be a number of seconds >= 0, got {batch_wait_s!r}")
         if budget is not None and not isinstance(budget, OutputBudget):
             raise UsageError(f"budget must be an OutputBudget or None, got {type(budget).__name__}")
         self.max_waiting = max_waiting
         self.max_running = max_running
         self.max_in_flight = max_in_flight
         self.budget = budget
-        self._waiting: OrderedDict[str, None] = OrderedDict()
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = float(batch_wait_s)
+        # Waiting requests, oldest first: their batch key and when they arrived.
+        self._waiting: OrderedDict[str, tuple[Hashable | None, float]] = OrderedDict()
+        self._held_until: float | None = None
         self._running: set[str] = set()
         self._holding: set[str] = set()
         self._largest_output = 0
@@ -153,10 +185,18 @@ class Scheduler:
     def waiting_ids(self) -> list[str]:
         return list(self._waiting)
 
+    @property
+    def held_until(self) -> float | None:
+        """When the group the last ``schedule`` held back stops waiting for members (None:
+        none held): call ``schedule`` again then."""
+        return self._held_until
+
     # ------------------------------------------------------------------ events
 
-    def add(self, request_id: str) -> None:
-        """Queue a request (FIFO); ``EngineOverloaded`` when ``max_waiting`` already wait."""
+    def add(self, request_id: str, *, key: Hashable | None = None, now: float = 0.0) -> None:
+        """Queue a request (FIFO); ``EngineOverloaded`` when ``max_waiting`` already wait.
+        ``key``: its batch key (None: never batched); ``now``: when it arrived (what
+        ``batch_wait_s`` counts from)."""
         if request_id in self:
             raise UsageError(f"request id {request_id!r} is already in the engine; request ids must be unique")
         if len(self._waiting) >= self.max_waiting:
@@ -168,20 +208,41 @@ class Scheduler:
                 request_id=request_id,
                 max_waiting=self.max_waiting,
             )
-        self._waiting[request_id] = None
+        self._waiting[request_id] = (key, now)
 
     def schedule(self, now: float) -> list[str]:
-        """Move waiting requests to running, oldest first, as far as the limits allow;
-        returns them in order (the engine sends them in this order)."""
-        admitted: list[str] = []
+        """``schedule_batches``' requests, one after the other (oldest first)."""
+        return [rid for group in self.schedule_batches(now) for rid in group]
+
+    def schedule_batches(self, now: float) -> list[list[str]]:
+        """Move waiting requests to running, oldest first, as far as the limits allow, in
+        groups that go to the workers together (one request each with
+        ``max_batch_size=1``); returns the groups in order, each oldest member first (the
+        engine sends them in this order)."""
+        groups: list[list[str]] = []
         limit = self.in_flight_limit
+        self._held_until = None
         while self._waiting and len(self._running) < self.max_running:
             if limit is not None and self.in_flight >= limit:
                 break
-            rid, _ = self._waiting.popitem(last=False)
-            self._running.add(rid)
-            admitted.append(rid)
-        self.stats.admitted += len(admitted)
+            room = self.max_running - len(self._running)
+            if limit is not None:
+                room = min(room, limit - self.in_flight)
+            group = self._group(room)
+            head_key, head_at = self._waiting[group[0]]
+            if head_key is not None and len(group) < min(self.max_batch_size, room):
+                until = head_at + self.batch_wait_s
+                if now < until:
+                    self._held_until = until  # wait for more members (nothing behind it goes first)
+                    break
+            for rid in group:
+                del self._waiting[rid]
+                self._running.add(rid)
+            groups.append(group)
+            self.stats.admitted += len(group)
+            self.stats.batches += 1
+            self.stats.batched += len(group) > 1
+            self.stats.max_batch = max(self.stats.max_batch, len(group))
         held_by_budget = (
             bool(self._waiting)
             and len(self._running) < self.max_running
@@ -194,7 +255,23 @@ class Scheduler:
         elif not held_by_budget and self._budget_wait_since is not None:
             self.stats.budget_wait_s += max(0.0, now - self._budget_wait_since)
             self._budget_wait_since = None
-        return admitted
+        return groups
+
+    def _group(self, room: int) -> list[str]:
+        """The oldest waiting request and the later ones of its batch key, up to
+        ``max_batch_size`` and ``room``."""
+        it = iter(self._waiting.items())
+        head, (key, _) = next(it)
+        group = [head]
+        if key is None:
+            return group
+        size = min(self.max_batch_size, room)
+        for rid, (other, _) in it:
+            if len(group) >= size:
+                break
+            if other == key:
+                group.append(rid)
+        return group
 
     def budget_wait_s(self, now: float) -> float:
         """Total time spent in budget waits, the current one included."""

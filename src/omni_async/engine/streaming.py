@@ -64,7 +64,7 @@ class EngineStreams(EngineBase):
             try:
                 metrics = dict(output.metrics)
                 value, _, post_s = await self._loop.run_in_executor(
-                    self._post, functools.partial(self._postprocess, rec.request_id, output, self._host, True)
+                    self._post, functools.partial(self._postprocess, rec, output, True)
                 )
             finally:
                 self._postprocessing -= 1
@@ -73,7 +73,7 @@ class EngineStreams(EngineBase):
             rec.taking -= 1
             rec.poke.set()
         self._chunks += 1
-        return GenerationChunk(rec.request_id, chunk.seq, value, metrics, self.pipeline, arrived, post_s)
+        return GenerationChunk(rec.request_id, chunk.seq, value, metrics, rec.pipeline, arrived, post_s)
 
 
     def _discard_chunk(self, chunk: OutputChunk) -> None:

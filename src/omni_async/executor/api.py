@@ -44,6 +44,7 @@ from omni_async.core.methods import ASYNC_METHODS, DROP_OUTPUTS
 from omni_async.core.registry import OutputRegistry, ReleaseHook, no_release
 from omni_async.core.stream import ChunkFeed, ChunkRef
 from omni_async.core.trace import Tracer
+from omni_async.executor.batches import BatchKeyer, ExecutorBatches
 from omni_async.executor.checks import (
     check_final_step_async,
     requests_in,
@@ -53,7 +54,6 @@ from omni_async.executor.claims import OutputClaims
 from omni_async.executor.futures import all_done, map_future
 from omni_async.executor.handle import RequestHandle
 from omni_async.executor.metrics import ExecutorMetrics
-from omni_async.executor.outputs import ExecutorOutputs
 from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.budget import OutputBudget
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 
 
-class DiffusionExecutor(ExecutorOutputs):
+class DiffusionExecutor(ExecutorBatches):
     def __init__(
         self,
         receiver: ResultReceiver,
@@ -76,9 +76,11 @@ class DiffusionExecutor(ExecutorOutputs):
         tracer: Tracer | None = None,
         validate_request: Callable[[DiffusionRequest], None] | None = None,
         final_step_async: bool = False,
+        batch_key: BatchKeyer | None = None,
     ) -> None:
         """``validate_request``: the model's parameter check, run on every request in the
         caller's thread before it is sent (a bad request raises there, no worker sees it).
+        ``batch_key``: the model's batch key (``batch_key``; None: no request is batched).
         ``final_step_async`` (step mode only): the default of ``execute_request`` /
         ``execute_batch``'s ``final_step_async`` (see there)."""
         if world_size < 1:
@@ -91,6 +93,7 @@ class DiffusionExecutor(ExecutorOutputs):
         self._issued = 0  # rpc ids "{token}-{n}" with n below this were issued
         self._issue_lock = threading.Lock()  # callers on several threads: no lost update
         self._validate_request = validate_request
+        self._batch_keyer = batch_key
         self.reply_rank = reply_rank
         self.step_mode = step_mode
         self.deadlines = deadlines if deadlines is not None else Deadlines.from_env()
@@ -182,26 +185,6 @@ class DiffusionExecutor(ExecutorOutputs):
         token, _, n = rpc_id.rpartition("-")
         return token == self.token and n.isdigit() and int(n) < self._issued
 
-    def submit_batch(
-        self,
-        requests: Sequence[DiffusionRequest],
-        *,
-        consumer: str | None = None,
-        deadlines: Deadlines | None = None,
-    ) -> Future[list[RunnerOutput]]:
-        """Start a batched forward; the future resolves on COMPUTE_DONE (request mode).
-
-        ``deadlines``: this call's ``compute_timeout`` and ``output_timeout`` instead of
-        the executor's (its ``rpc_timeout`` and ``cancel_grace`` are not used).  A request
-        cancelled (``cancel_requests``) while the rest of the batch goes on comes back as
-        ``RunnerOutput(aborted=True)``; with every request cancelled the future fails with
-        ``RequestAborted``.
-        """
-        reqs = self._check_batch(requests, "submit_batch")
-        self._check_consumer(consumer)
-        self._check_deadlines(deadlines, "submit_batch")
-        return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines)
-
     def submit_request(
         self, request: DiffusionRequest, *, consumer: str | None = None, deadlines: Deadlines | None = None
     ) -> Future[RunnerOutput]:
@@ -233,10 +216,13 @@ class DiffusionExecutor(ExecutorOutputs):
         self._check_consumer(consumer)
         self._check_deadlines(deadlines, "submit_stream")
         feed = ChunkFeed(request.request_id)
-        stream = RequestStream(feed, self._take_chunk, self._peek_stream, self._close_stream)
+        stream = self._stream_of(feed)
         inner = self._submit("execute_model", (request,), consumer, [request], deadlines, streams=[feed])
         stream.result = map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
         return stream
+
+    def _stream_of(self, feed: ChunkFeed) -> RequestStream:
+        return RequestStream(feed, self._take_chunk, self._peek_stream, self._close_stream)
 
     def _take_chunk(self, feed: ChunkFeed) -> tuple[OutputChunk | None, bool, BaseException | None]:
         """The next chunk of ``feed``, claimed (or None), whether the feed is finished, and
@@ -357,24 +343,6 @@ class DiffusionExecutor(ExecutorOutputs):
                 "asynchronous path"
             )
         return per_call
-
-    def execute_batch(
-        self,
-        requests: Sequence[DiffusionRequest],
-        *,
-        consumer: str | None = None,
-        deadlines: Deadlines | None = None,
-        final_step_async: bool | None = None,
-    ) -> list[RunnerOutput]:
-        """``submit_batch(...).result()``; step mode (and ``final_step_async``) as ``execute_request``."""
-        reqs = self._check_batch(requests, "execute_batch")
-        self._check_consumer(consumer)
-        self._check_deadlines(deadlines, "execute_batch")
-        if self._final_async(final_step_async, "execute_batch"):
-            return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines, step=True).result()
-        if self.step_mode:
-            return self._execute_sync("execute_model_batch", (reqs,), reqs)
-        return self._submit("execute_model_batch", (reqs,), consumer, reqs, deadlines).result()
 
     def cancel_requests(self, request_ids: Iterable[str]) -> None:
         """Abort the forwards of these requests, wherever they are; returns at once.

@@ -7,6 +7,7 @@ from concurrent.futures import Future
 import attrs
 
 from omni_async.core.messages import DiffusionOutput, RunnerOutput
+from omni_async.executor.stream import RequestStream
 
 __all__ = ["RequestHandle"]
 
@@ -27,3 +28,4 @@ class RequestHandle:
     request_id: str
     computed: Future[RunnerOutput]
     output: Future[DiffusionOutput]
+    stream: RequestStream | None = None

@@ -15,7 +15,7 @@ from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, stop_budget
-from omni_async.worker.validation import model_validator
+from omni_async.worker.validation import model_batch_keyer, model_validator
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -110,6 +110,11 @@ class InProcessExecutor(DiffusionExecutor):
             found = found if found is not None else in_class
         if validate_request is None:
             self._validate_request = found
+        # The model's batch_key, found by the same rule (AsyncDiffusionEngine's batching).
+        keyer = model_batch_keyer(make_worker, "InProcessExecutor(make_worker)")
+        for loop in self.loops:
+            keyer = keyer if keyer is not None else model_batch_keyer(type(loop.worker), "InProcessExecutor")
+        self._batch_keyer = keyer
         self.pump.start()
         for p, t in zip(self.packers, self._threads, strict=True):
             p.start()

@@ -566,6 +566,7 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
             )
         validator = spec.request_validator()
         pg = check_process_group(spec, cfg)
+        keyer = spec.batch_keyer()
         if sweep_dead_pools:  # after the argument checks: a call that fails touches nothing
             _sweep_dead_pools()
         owned = pool is None
@@ -579,7 +580,7 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
                 pool.close()
             raise
         ranks = ProcessRanks(spec, cfg.worker_options, cfg.world_size, pool, group)
-        super().__init__(ranks, pool, cfg, validator)
+        super().__init__(ranks, pool, cfg, validator, keyer)
         self._start()
 
     @property

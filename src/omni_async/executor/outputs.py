@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 
 from omni_async.core.dispatch import Dispatcher
-from omni_async.core.errors import OutputAlreadyClaimed, UsageError
+from omni_async.core.errors import OutputAlreadyClaimed, RequestAborted, UsageError
 from omni_async.core.messages import DiffusionOutput, RpcRequest, RunnerOutput
 from omni_async.core.methods import DROP_OUTPUTS
 from omni_async.executor.checks import check_consumer, check_deadlines, check_output, check_output_id
@@ -43,14 +43,20 @@ class ExecutorOutputs(abc.ABC):
     def next_rpc_id(self) -> str:
         """A fresh RPC id of this executor."""
 
-    def _claim_for(self, call: Future[tuple[RunnerOutput, ...]], output: Future[DiffusionOutput]) -> None:
+    def _claim_for(
+        self, call: Future[tuple[RunnerOutput, ...]], output: Future[DiffusionOutput], index: int = 0
+    ) -> None:
         """On the thread that resolved ``call`` (the pump's, right after its COMPUTE_DONE),
-        before anyone else sees the id: claim the output for ``output``."""
+        before anyone else sees the id: claim the output of the call's ``index``-th
+        request for ``output``."""
         if call.cancelled():
             output.cancel()
             return
         exc = call.exception()
-        oid = None if exc is not None else call.result()[0].async_output_id
+        announced = None if exc is not None else call.result()[index]
+        oid = None if announced is None else announced.async_output_id
+        if exc is None and announced is not None and announced.aborted:
+            exc = RequestAborted(announced.request_id, detail="cancelled while the rest of its batch went on")
         if exc is not None or oid is None:
             if output.set_running_or_notify_cancel():
                 output.set_exception(exc if exc is not None else UsageError("the request has no output"))

@@ -33,6 +33,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, OmniAsyncError, OutputUnpackFailed, WorkerDied
 from omni_async.core.messages import BatchDiffusionOutput, CancelMessage, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.batches import BatchKeyer
 from omni_async.executor.config import ExecutorConfig, InvalidConfig
 from omni_async.executor.futures import map_future
 from omni_async.executor.metrics import HeldOutputMetrics
@@ -183,6 +184,7 @@ class RankedExecutor(DiffusionExecutor, Generic[TransportT]):
         pool: SegmentPool,
         config: ExecutorConfig,
         validate_request: Callable[[DiffusionRequest], None] | None,
+        batch_key: BatchKeyer | None = None,
     ) -> None:
         self.ranks = ranks
         self.pool = pool
@@ -203,6 +205,7 @@ class RankedExecutor(DiffusionExecutor, Generic[TransportT]):
             release_hook=self._release_packed,
             tracer=config.tracer,
             validate_request=validate_request,
+            batch_key=batch_key,
             final_step_async=config.final_step_async,
         )
 

@@ -650,6 +650,7 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
             _check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
         validator = spec.request_validator()
         pg = check_process_group(spec, cfg)
+        keyer = spec.batch_keyer()
         if not ray.is_initialized():
             ray.init()
         pool = cfg.budget.make_pool(attach_by_name=True)
@@ -667,7 +668,7 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
                 raise
         placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
         ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads, group)
-        super().__init__(ranks, pool, cfg, validator)
+        super().__init__(ranks, pool, cfg, validator, keyer)
         self._start()
 
     @property

@@ -20,7 +20,7 @@ forward with a tolerance (it is the right request's image).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING
 
@@ -108,6 +108,14 @@ class TinyDiffusionWorker:
                 raise InvalidRequest(request.request_id, name, f"must be {kind.__name__}, got {value!r}")
             if low is not None and value < low:
                 raise InvalidRequest(request.request_id, name, f"must be >= {low}, got {value!r}")
+
+    @staticmethod
+    def batch_key(request: DiffusionRequest) -> Hashable:
+        """Requests of one image size and step count batch together (an engine with
+        ``max_batch_size > 1`` sends them in one ``execute_model_batch``).  The batch runs
+        each request's own seeded forward, so a member gets the bits it gets alone."""
+        p = request.params
+        return ("tiny", p.get("height", 32), p.get("width"), p.get("steps"))
 
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         return self._forward(request)
@@ -273,4 +281,6 @@ def tiny_to_pil(output: DiffusionOutput) -> Image.Image:
 
 
 # ``WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", postprocess="tiny")``
-TINY_POSTPROCESS = register_postprocess(PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8))
+TINY_POSTPROCESS = register_postprocess(
+    PostProcess("tiny", host=tiny_to_pil, device=tiny_to_uint8, host_reads_only=True)
+)

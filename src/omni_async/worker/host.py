@@ -11,7 +11,7 @@ executor only sends a ``WorkerSpec`` and ``WorkerOptions`` across.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
@@ -36,7 +36,7 @@ from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer, PackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
-from omni_async.worker.validation import model_validator
+from omni_async.worker.validation import model_batch_keyer, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +155,14 @@ class WorkerSpec:
         if not self.check_import:
             return None
         return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
+
+    def batch_keyer(self) -> Callable[[DiffusionRequest], Hashable | None] | None:
+        """The factory's ``batch_key`` (a static or class method, or a factory function's
+        attribute): which requests may share one ``execute_model_batch``; None without
+        one, and without ``check_import``.  An instance method is refused (``UsageError``)."""
+        if not self.check_import:
+            return None
+        return model_batch_keyer(self.resolve(), f"WorkerSpec({self.factory!r})")
 
     def build(self, rank: int, dist: DistContext | None = None) -> object:
         factory = self.resolve()

@@ -10,10 +10,21 @@ that work in two optional stages:
   shrink the bytes that cross PCIe (float32 -> uint8 is four times fewer).  It must
   not change ``request_id`` and must not keep references to its input.
 * ``host``: runs in the engine process in a thread pool, never on the event loop.
-  It takes the unpacked output (its tensors are zero-copy views of a shared-memory
-  segment that is released once the stage returns) and returns the user's result.
-  The result must own its memory: a view it returns would outlive the segment, so
-  copy (``tensor.clone()``, ``bytes(...)``, a PIL image) what you keep.
+  It takes the output, ``host(output)``, or, when it takes two positional arguments,
+  ``host(output, request)`` (the ``DiffusionRequest``, so it can read the request's
+  parameters; the form is detected once, when the ``PostProcess`` is built), and
+  returns the user's result.  The result must own its memory: copy
+  (``tensor.clone()``, ``bytes(...)``, a PIL image) what you keep.
+
+  **The host stage's input never writes into shared memory.**  By default the stage
+  gets an owned copy of the output (``owned_copy``: the segment goes back to the pool
+  before the stage runs), so nothing it does -- ``t.float()`` returns ``t`` itself for
+  a float32 tensor, and an in-place op on it would otherwise write into the segment --
+  can reach the shared memory.  A stage that only reads declares it,
+  ``host_reads_only=True``, and gets the zero-copy views of the segment instead (no
+  copy: the built-in stages do); the engine then checks after the stage that no tensor
+  of the input was written in place (its version counter) and fails the request with
+  ``PostProcessFailed`` if one was, and hands numpy arrays over read-only.
 
 Both stages are found by name (``get_postprocess``), so the worker process and the
 engine process each look the pipeline up in their own registry: the module that
@@ -32,20 +43,24 @@ output like a pack failure: its waiter gets ``RemoteError`` with the stage's exc
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import attrs
 import torch
 
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import DiffusionOutput
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.core.stats import as_stats
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
 DeviceStage = Callable[[DiffusionOutput], DiffusionOutput]
 HostStage = Callable[[DiffusionOutput], object]
+#: A host stage that also reads the request's parameters.
+RequestHostStage = Callable[[DiffusionOutput, DiffusionRequest], object]
 
 
 # Where the reference models register their pipelines (for the error's hint only: the
@@ -60,7 +75,7 @@ _REFERENCE_PIPELINES = {
 class UnknownPostProcess(UsageError, KeyError):
     """No post-process is registered under the pipeline name asked for."""
 
-    def __init__(self, name: str, known: list[str]) -> None:
+    def __init__(self, name: str, known: list[str], *, request_id: str | None = None) -> None:
         # ``import omni_async`` imports no reference model, so their pipelines are
         # registered only once their module is imported: say which one.
         where = _REFERENCE_PIPELINES.get(name)
@@ -69,8 +84,11 @@ class UnknownPostProcess(UsageError, KeyError):
             if where is not None
             else "import the module that defines it, or register it with register_postprocess()"
         )
-        super().__init__(f"no post-process is registered for pipeline {name!r} (registered: {known}); {hint}")
+        who = "" if request_id is None else f"request {request_id!r} asks for post-process {name!r}: "
+        super().__init__(f"{who}no post-process is registered for pipeline {name!r} (registered: {known}); {hint}")
         self.name = name
+        self.known = known
+        self.request_id = request_id
 
     def __str__(self) -> str:  # KeyError would quote the whole message
         return str(self.args[0])
@@ -81,8 +99,13 @@ class PostProcess:
     """The two stages of one pipeline's post-processing (either may be ``None``)."""
 
     name: str
-    host: HostStage | None = None
+    host: HostStage | RequestHostStage | None = None
     device: DeviceStage | None = None
+    # The host stage only reads its input: it gets the zero-copy views of the shared
+    # memory instead of an owned copy (see the module docstring).
+    host_reads_only: bool = attrs.field(default=False, kw_only=True)
+    # Whether ``host`` takes the request too (detected once, from its signature).
+    host_takes_request: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -92,6 +115,38 @@ class PostProcess:
                 raise UsageError(
                     f"PostProcess {stage}: must be callable or None, got {type(value).__name__} {value!r:.60}"
                 )
+        if not isinstance(self.host_reads_only, bool):
+            raise UsageError(f"PostProcess {self.name!r}: host_reads_only must be a bool, got {self.host_reads_only!r}")
+        if self.host is not None:
+            object.__setattr__(self, "host_takes_request", _takes_request(self.host, self.name))
+
+    def run_host(self, output: DiffusionOutput, request: DiffusionRequest) -> object:
+        """Call the host stage in the form it was written in (``UsageError`` without one)."""
+        if self.host is None:
+            raise UsageError(f"PostProcess {self.name!r} has no host stage")
+        if self.host_takes_request:
+            return cast("RequestHostStage", self.host)(output, request)
+        return cast("HostStage", self.host)(output)
+
+
+def _takes_request(host: Callable[..., object], name: str) -> bool:
+    """Whether ``host`` is ``host(output, request)``: it accepts two positional
+    arguments.  ``UsageError`` for one that cannot take the output."""
+    try:
+        sig = inspect.signature(host)
+    except (TypeError, ValueError):  # a builtin without a signature: the one-argument form
+        return False
+    positional = [
+        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+    required = [p for p in positional if p.default is p.empty]
+    if len(required) > 2 or (not positional and not varargs):
+        raise UsageError(
+            f"PostProcess {name!r}: the host stage must take (output) or (output, request), got a callable "
+            f"with signature {sig}"
+        )
+    return varargs or len(positional) >= 2
 
 
 _lock = threading.Lock()
@@ -118,12 +173,13 @@ def register_postprocess(postprocess: PostProcess, *, replace: bool = False) -> 
     return postprocess
 
 
-def get_postprocess(name: str) -> PostProcess:
-    """The post-process registered for pipeline ``name``; ``UnknownPostProcess`` if none."""
+def get_postprocess(name: str, *, request_id: str | None = None) -> PostProcess:
+    """The post-process registered for pipeline ``name``; ``UnknownPostProcess`` if none
+    (naming ``request_id`` when a request asked for it)."""
     with _lock:
         found = _registry.get(name)
         if found is None:
-            raise UnknownPostProcess(name, sorted(_registry))
+            raise UnknownPostProcess(name, sorted(_registry), request_id=request_id)
         return found
 
 

@@ -11,13 +11,13 @@ refused where the executor is built (``UsageError``), never silently skipped.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import cast
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
 
-__all__ = ["model_validator"]
+__all__ = ["model_batch_keyer", "model_validator"]
 
 Validator = Callable[[DiffusionRequest], None]
 
@@ -43,3 +43,26 @@ def model_validator(owner: object, where: str) -> Validator | None:
             )
     hook = getattr(owner, "validate_request", None)
     return cast("Validator", hook) if callable(hook) else None
+
+
+BatchKeyer = Callable[[DiffusionRequest], Hashable | None]
+
+
+def model_batch_keyer(owner: object, where: str) -> BatchKeyer | None:
+    """The ``batch_key`` of ``owner`` (a model class, or a factory function carrying one as
+    an attribute), callable without an instance, by the same rule as ``validate_request``
+    (the engine asks it in its own process); None when it has none.
+
+    ``UsageError`` when a class defines it as an instance method."""
+    if isinstance(owner, type):
+        hook = inspect.getattr_static(owner, "batch_key", None)
+        if hook is None:
+            return None
+        if inspect.isfunction(hook):
+            raise UsageError(
+                f"{where}: {owner.__module__}.{owner.__qualname__}.batch_key is an instance method; the engine "
+                "asks a model's batch_key in its own process, where no model instance exists: make it a "
+                "@staticmethod (or @classmethod) that reads the request's parameters alone"
+            )
+    hook = getattr(owner, "batch_key", None)
+    return cast("BatchKeyer", hook) if callable(hook) else None
