@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 from helpers.mp_workers import ScriptedWorker
-
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import DiffusionRequest
 
