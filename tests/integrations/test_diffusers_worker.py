@@ -75,6 +75,7 @@ def test_dit_batch_members_are_bit_exact_against_their_own_calls(dit: DiffusersP
         assert torch.equal(out.output.images, direct_call(dit_direct, p).images), out.request_id
 
 
+@pytest.mark.slow
 def test_wan_batch_is_the_direct_batched_call_and_each_member_close_to_its_own(
     wan: DiffusersPipelineWorker, wan_direct: Any
 ) -> None:
@@ -98,6 +99,7 @@ def test_wan_batch_is_the_direct_batched_call_and_each_member_close_to_its_own(
         torch.testing.assert_close(out.output.frames, direct_call(wan_direct, p).frames, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_mixed_batch_runs_one_call_per_batch_key(dit: DiffusersPipelineWorker, dit_direct: Any) -> None:
     params = [dit_params(seed=1), dit_params(seed=2, steps=2), dit_params(seed=3), dit_params(seed=4, guidance_scale=1.0)]
     calls = dit.pipeline_calls
@@ -107,6 +109,7 @@ def test_a_mixed_batch_runs_one_call_per_batch_key(dit: DiffusersPipelineWorker,
         assert torch.equal(out.output.images, direct_call(dit_direct, p).images)
 
 
+@pytest.mark.slow
 def test_latent_output_where_the_pipeline_has_it(wan: DiffusersPipelineWorker, wan_direct: Any) -> None:
     params = wan_params(seed=4, output_type="latent")
     out = wan.execute_model(DiffusionRequest("l", params)).output
