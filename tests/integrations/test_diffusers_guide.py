@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from cli.test_guide import RUN_MARKER, python_blocks
-
 ROOT = Path(__file__).resolve().parents[2]
+RUN_MARKER = "<!-- guide: run -->"
+
+
+def python_blocks(markdown: str) -> list[tuple[str, bool]]:
+    """Each python block's body, and whether the run marker precedes it (as tests/cli/test_guide.py reads them)."""
+    blocks = []
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", markdown, re.S | re.M):
+        if m.group(1) == "python":
+            before = markdown[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            blocks.append((m.group(2), before.strip() == RUN_MARKER))
+    return blocks
 
 
 def test_the_diffusers_section_runs_as_written(tmp_path: Path) -> None:
