@@ -66,7 +66,7 @@ class UnknownPostProcess(UsageError, KeyError):
         # registered only once their module is imported: say which one.
         where = _REFERENCE_PIPELINES.get(name)
         hint = (
-            f"pipeline {name!r} is registered by {where}: import it first"
+            f"pipeline {name!r} is registered by {where}: import {where} first"
             if where is not None
             else "import the module that defines it, or register it with register_postprocess()"
         )
