@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RUN_MARKER = "<!-- guide: run -->"
 
@@ -14,13 +16,14 @@ RUN_MARKER = "<!-- guide: run -->"
 def python_blocks(markdown: str) -> list[tuple[str, bool]]:
     """Each python block's body, and whether the run marker precedes it (as tests/cli/test_guide.py reads them)."""
     blocks = []
-    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", markdown, re.S | re.M):
+    for m in re.finditer(r"^```(\w*)\n(.*?)^```$", markdown, re.DOTALL | re.MULTILINE):
         if m.group(1) == "python":
             before = markdown[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
             blocks.append((m.group(2), before.strip() == RUN_MARKER))
     return blocks
 
 
+@pytest.mark.slow
 def test_the_diffusers_section_runs_as_written(tmp_path: Path) -> None:
     section = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8").split("### Serving a diffusers pipeline", 1)[1]
     section = section.split("\n## ", 1)[0]

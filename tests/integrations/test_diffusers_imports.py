@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = ("diffusers", "transformers", "omni_async.integrations")
 
 
@@ -34,6 +36,7 @@ def test_the_help_imports_no_integration() -> None:
     assert _loaded_after(code) == []
 
 
+@pytest.mark.slow
 def test_the_integration_and_its_spec_import_diffusers_only_when_a_pipeline_is_read() -> None:
     code = (
         "from omni_async.integrations.diffusers import DiffusersPipelineWorker\n"
