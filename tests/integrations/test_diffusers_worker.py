@@ -4,6 +4,7 @@ the batch key.  Real tiny pipelines (DiT and Wan, random weights from configs)."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -202,3 +203,16 @@ def test_a_wrong_source_is_refused_with_what_to_do() -> None:
         DiffusersPipelineWorker.spec(builder=DIT, steps=3)
     with pytest.raises(UsageError, match="cannot be found"):
         DiffusersPipelineWorker.request_validator(builder="omni_async.integrations.diffusers.tiny:nope")
+
+
+def test_a_pretrained_folder_is_served_and_checked_from_its_json(tmp_path: Path, dit_direct: Any) -> None:
+    """``pretrained=``: the worker loads the folder (``from_pretrained``), the executor's check
+    reads its JSON configs alone."""
+    dit_direct.save_pretrained(tmp_path)
+    check = DiffusersPipelineWorker.request_validator(pretrained=str(tmp_path))
+    with pytest.raises(InvalidRequest, match="'class_labels' must be one class"):
+        check(DiffusionRequest("bad", {"class_labels": 1000}))
+    worker = DiffusersPipelineWorker(pretrained=str(tmp_path))
+    params = dit_params(seed=8, label=12)
+    out = worker.execute_model(DiffusionRequest("p", params)).output
+    assert torch.equal(out.images, direct_call(dit_direct, params).images)

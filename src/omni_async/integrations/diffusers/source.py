@@ -85,7 +85,11 @@ def random_pipeline(
 class PipelineSource:
     """How to get a pipeline: ``builder`` (``"module:function"``) plus ``builder_kwargs``,
     or ``pretrained`` (a folder, or a hub id already in the local cache) plus
-    ``pretrained_kwargs`` for ``DiffusionPipeline.from_pretrained``.  Exactly one."""
+    ``pretrained_kwargs`` for ``DiffusionPipeline.from_pretrained``.  Exactly one.
+
+    diffusers loads a model that keeps modules in float32 (``WanTransformer3DModel``)
+    from a folder only with ``accelerate`` installed (its ``low_cpu_mem_usage``); a
+    builder has no such need."""
 
     builder: str | None = None
     builder_kwargs: Mapping[str, object] = attrs.field(factory=dict)
