@@ -113,6 +113,8 @@ _DEV_IMPORTS = {
     "prometheus-client": "prometheus_client",
     "ray": "ray",
     "grpcio": "grpc",
+    "diffusers": "diffusers",
+    "transformers": "transformers",
 }
 
 # Runs README's demo with every dev-only package made unimportable, as on a machine that

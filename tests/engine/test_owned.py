@@ -9,7 +9,9 @@ from typing import Any, NamedTuple
 
 import attrs
 import numpy as np
+import pytest
 import torch
+from helpers.output_shapes import SHAPES, assert_same, make_shape
 
 from omni_async.engine.owned import owned_copy
 
@@ -66,3 +68,38 @@ def test_the_copy_keeps_structure_types_and_values_and_shares_no_memory() -> Non
     assert out["raw"] == bytearray(b"abc")
     assert torch.equal(out["clip"].frames[0].pixels, torch.ones(2, 2))
     assert out["image"].untyped_storage().nbytes() == 32 * 4  # only its own bytes, not the whole buffer
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_output_shape_the_transport_carries_is_copied_whole(shape: str) -> None:
+    """The shapes of tests/helpers/output_shapes.py (dict subclasses such as diffusers'
+    ``ImagePipelineOutput`` among them: ``object.__new__`` refuses to make those) come
+    back the same class, items, fields and values, sharing no memory with the source."""
+    source = make_shape(shape, seed=3)
+    copied = owned_copy(source)
+    assert_same(copied, source)
+    mine = {id(t.untyped_storage()) for t in _tensors(source)}
+    assert mine.isdisjoint(id(t.untyped_storage()) for t in _tensors(copied))
+    for t in _tensors(source):
+        t.add_(1)  # the source changes; the copy does not
+    with pytest.raises(AssertionError):
+        assert_same(copied, source)
+
+
+def _tensors(x: object, depth: int = 0) -> list[torch.Tensor]:
+    if depth > 8:
+        return []
+    if isinstance(x, torch.Tensor):
+        return [x]
+    found: list[torch.Tensor] = []
+    if isinstance(x, dict):
+        for v in dict.values(x):
+            found += _tensors(v, depth + 1)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            found += _tensors(v, depth + 1)
+    for v in getattr(x, "__dict__", {}).values():
+        found += _tensors(v, depth + 1)
+    for name in getattr(type(x), "__slots__", ()):
+        found += _tensors(getattr(x, name, None), depth + 1)
+    return found

@@ -13,8 +13,9 @@ through numpy against 172 ms for ``clone`` and 157 ms for ``copy.deepcopy``; bf1
 numpy copy (``torch.from_numpy``): an ordinary CPU tensor that owns its memory.
 
 The structures walked are the ones the packer carries: tensors, numpy arrays, bytes,
-plain values, lists, tuples (named too), dicts (``OrderedDict``, ``defaultdict``), and
-attrs/dataclass instances (rebuilt field by field, as unpacking builds them).
+plain values, lists, tuples (named too), dicts (``OrderedDict``, ``defaultdict``),
+instances of dict subclasses (diffusers' ``BaseOutput``), and attrs/dataclass instances
+(rebuilt field by field, as unpacking builds them).
 Anything else is ``copy.deepcopy``-ed.
 """
 
@@ -73,10 +74,12 @@ def _walk(x: Any) -> Any:
         if hasattr(x, "_fields"):  # a namedtuple
             return type(x)(*items)
         return copy.deepcopy(x)
-    if isinstance(x, collections.defaultdict):
+    if type(x) is collections.defaultdict:
         return collections.defaultdict(x.default_factory, ((k, _walk(v)) for k, v in x.items()))
     if type(x) in (dict, collections.OrderedDict):
         return type(x)((k, _walk(v)) for k, v in x.items())
+    if isinstance(x, dict):
+        return _dict_object(x)
     if attrs.has(type(x)) or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
         names = (
             [f.name for f in attrs.fields(type(x))]
@@ -88,6 +91,36 @@ def _walk(x: Any) -> Any:
             object.__setattr__(obj, name, _walk(getattr(x, name)))
         return obj
     return copy.deepcopy(x)
+
+
+_UNSET = object()
+
+
+def _dict_object(x: Any) -> Any:
+    """An instance of a dict subclass (diffusers' ``BaseOutput``: a dataclass over an
+    ``OrderedDict``), rebuilt as unpacking rebuilds it (``transport.unpack_walk``): the
+    builtin base makes the instance, no ``__init__`` runs (``object.__new__`` refuses
+    these classes), dict's own ``__setitem__`` puts the copied items back, and each
+    attribute takes its item's copy when it was that very item (BaseOutput mirrors its
+    fields into items), a copy of its own otherwise."""
+    cls = type(x)
+    base = next(b for b in cls.__mro__ if b in (collections.defaultdict, collections.OrderedDict, dict))
+    obj: Any = base.__new__(cls)
+    copies: dict[int, Any] = {}
+    for k, v in dict.items(x):  # dict's own view: BaseOutput overrides items() and __getitem__
+        copies[id(v)] = c = _walk(v)
+        base.__setitem__(obj, k, c)
+    if isinstance(x, collections.defaultdict):
+        obj.default_factory = x.default_factory
+    names = [f.name for f in attrs.fields(cls)] if attrs.has(cls) else []
+    if dataclasses.is_dataclass(x):
+        names = [f.name for f in dataclasses.fields(x)]
+    names += [n for n in getattr(x, "__dict__", {}) if n not in names]
+    for name in names:
+        v = getattr(x, name, _UNSET)
+        if v is not _UNSET:
+            object.__setattr__(obj, name, copies[id(v)] if id(v) in copies else _walk(v))
+    return obj
 
 
 #: What ``guard_input`` found: each tensor, where it is in the output, its version.

@@ -23,12 +23,12 @@ from omni_async.core.stream import ChunkFeed
 from omni_async.executor.handle import RequestHandle
 from omni_async.executor.outputs import ExecutorOutputs
 from omni_async.executor.stream import RequestStream
+from omni_async.worker.validation import BatchKeyer
 
 __all__ = ["BatchKeyer", "ExecutorBatches"]
 
-#: A model's batch key: requests with equal keys may share one ``execute_model_batch``;
-#: None: this request is never batched.
-BatchKeyer = Callable[[DiffusionRequest], Hashable | None]
+# BatchKeyer: a model's batch key (requests with equal keys may share one
+# ``execute_model_batch``; None: this request is never batched), from the worker room.
 
 
 class ExecutorBatches(ExecutorOutputs):

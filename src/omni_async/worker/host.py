@@ -36,7 +36,7 @@ from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer, PackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
-from omni_async.worker.validation import model_batch_keyer, model_validator
+from omni_async.worker.validation import check_model_hooks, model_batch_keyer, spec_validator
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +67,11 @@ class WorkerSpec:
     request before sending it (``request_validator``): a bad request fails in the
     caller's thread, and no worker sees it.  A factory class whose ``validate_request``
     is an instance method is refused here (``UsageError``): the executor could not run
-    it, and a bad request would reach the model unchecked.  The kwargs must pickle (they
+    it, and a bad request would reach the model unchecked.  A model whose checks depend on
+    how it is built (a pipeline's config) gives instead a static (or class) method
+    ``request_validator(**kwargs)``: the executor calls it once with these kwargs and runs
+    the validator it returns.  A static (or class) ``batch_key(request)`` says which
+    requests may share a batched forward (``batch_keyer``).  The kwargs must pickle (they
     travel to every worker): one that does not is refused here, named.
 
     ``postprocess``: the pipeline name of a registered ``PostProcess`` whose ``device``
@@ -118,7 +122,7 @@ class WorkerSpec:
                 f"WorkerSpec.postprocess must be a registered pipeline name (str) or None, got {self.postprocess!r}"
             )
         if self.check_import:
-            model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")  # the one rule, checked now
+            check_model_hooks(self.resolve(), f"WorkerSpec({self.factory!r})")  # the one rule, checked now
             self.device_stage()
 
     def device_stage(self) -> DeviceStage | None:
@@ -148,18 +152,21 @@ class WorkerSpec:
         return cast("Callable[..., object]", obj)
 
     def request_validator(self) -> Callable[[DiffusionRequest], None] | None:
-        """The factory's ``validate_request`` (a static or class method, or a factory
-        function's attribute), run by the executor in the caller's thread; None without
-        one, and without ``check_import`` (the factory is not imported here).  An instance
-        method is refused (``UsageError``): see ``omni_async.worker.validation``."""
+        """The check the executor runs on every request in the caller's thread: the
+        factory's ``request_validator(**kwargs)`` called with this spec's kwargs when it
+        has one, else its ``validate_request`` (a static or class method, or a factory
+        function's attribute); None without either, and without ``check_import`` (the
+        factory is not imported here).  An instance method is refused (``UsageError``):
+        see ``omni_async.worker.validation``."""
         if not self.check_import:
             return None
-        return model_validator(self.resolve(), f"WorkerSpec({self.factory!r})")
+        return spec_validator(self.resolve(), self.kwargs, f"WorkerSpec({self.factory!r})")
 
     def batch_keyer(self) -> Callable[[DiffusionRequest], Hashable | None] | None:
-        """The factory's ``batch_key`` (a static or class method, or a factory function's
-        attribute): which requests may share one ``execute_model_batch``; None without
-        one, and without ``check_import``.  An instance method is refused (``UsageError``)."""
+        """The factory's ``batch_key(request)`` (a static or class method, or a factory
+        function's attribute): requests with equal keys may share one batched forward
+        (``execute_model_batch``), a key of None means the request runs alone.  None when
+        the factory has none (no request is batched), and without ``check_import``."""
         if not self.check_import:
             return None
         return model_batch_keyer(self.resolve(), f"WorkerSpec({self.factory!r})")

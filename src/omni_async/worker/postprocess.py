@@ -63,12 +63,13 @@ HostStage = Callable[[DiffusionOutput], object]
 RequestHostStage = Callable[[DiffusionOutput, DiffusionRequest], object]
 
 
-# Where the reference models register their pipelines (for the error's hint only: the
-# worker layer never imports a model).
+# Where the reference models and the integrations register their pipelines (for the
+# error's hint only: the worker layer never imports a model or an integration).
 _REFERENCE_PIPELINES = {
     "tiny": "omni_async.models.tiny",
     "dit": "omni_async.models.dit",
     "bench-u8": "omni_async.models.synthetic",
+    "diffusers": "omni_async.integrations.diffusers",
 }
 
 
@@ -80,7 +81,7 @@ class UnknownPostProcess(UsageError, KeyError):
         # registered only once their module is imported: say which one.
         where = _REFERENCE_PIPELINES.get(name)
         hint = (
-            f"pipeline {name!r} is the reference model's: import {where} first"
+            f"pipeline {name!r} is registered by {where}: import {where} first"
             if where is not None
             else "import the module that defines it, or register it with register_postprocess()"
         )

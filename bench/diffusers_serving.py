@@ -1,0 +1,309 @@
+"""Serving real diffusers pipelines: the direct loop against the engine's two output paths,
+and batched DiT against unbatched.
+
+Each workload is a ``diffusers`` pipeline with random weights from configs written here
+(``random_pipeline``: nothing downloaded, no network).  For each it measures requests
+per second of:
+
+* ``direct``: the loop a client writes: pipeline call, ``.cpu()``, uint8 pixels, next;
+* ``engine-sync``: ``AsyncDiffusionEngine(async_output=False)`` over a worker process
+  (``MultiprocDiffusionExecutor``): the copy on the worker's main thread;
+* ``engine-async``: the same engine with the asynchronous output path (COMPUTE_DONE,
+  the next forward, the copy on the packer's side stream);
+
+with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
+runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
+``--batch`` (one pipeline call each) against one by one: through the engine's own
+batching when it has it (``AsyncDiffusionEngine(max_batch_size=...)``), else through
+``executor.execute_batch``.
+
+Device time: a pipeline returns on the host before its kernels end, so the direct loop
+times each forward with CUDA events around the call (``device_forward_s``: the device's
+time per forward).  Per run, ``device_idle_s`` is then the wall time minus requests x
+that device time: the device's idle time between forwards (CUDA only; null on the CPU,
+where the forward is the host's own work).  ``forward_gap_s`` is the mean gap between one
+forward's end and the next one's start on the worker, from the worker's stamps.
+
+Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_serving.json
+        python bench/diffusers_serving.py --preset h200 --json $OUT/diffusers_serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from omni_async.core.config import Deadlines
+from omni_async.core.messages import DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions
+from omni_async.integrations.diffusers import (
+    DiffusersPipelineWorker,
+    random_pipeline,
+    to_uint8,
+)
+from omni_async.integrations.diffusers.source import ComponentConfig
+from omni_async.integrations.diffusers.tiny import TINY_DIT, TINY_WAN, WAN_TEXT_DIM
+
+BUILDER = "omni_async.integrations.diffusers:random_pipeline"
+DEADLINES = Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600)
+
+# DiT-XL/2 at 512x512 (facebook/DiT-XL-2-512's shapes) with the SD VAE.
+DIT_XL: Mapping[str, ComponentConfig] = {
+    "transformer": (
+        "DiTTransformer2DModel",
+        {
+            "sample_size": 64, "num_layers": 28, "patch_size": 2, "attention_head_dim": 72, "num_attention_heads": 16,
+            "in_channels": 4, "out_channels": 8, "attention_bias": True, "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": 1000, "norm_type": "ada_norm_zero", "norm_elementwise_affine": False,
+        },
+    ),
+    "vae": (
+        "AutoencoderKL",
+        {
+            "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4, "latent_channels": 4, "layers_per_block": 2,
+            "norm_num_groups": 32, "sample_size": 512, "scaling_factor": 0.18215,
+        },
+    ),
+    "scheduler": ("DPMSolverMultistepScheduler", {}),
+}
+# Wan2.1-T2V-1.3B's shapes, no text encoder (requests bring UMT5-shaped prompt_embeds).
+WAN_13B_TEXT_DIM = 4096
+WAN_13B: Mapping[str, ComponentConfig] = {
+    "tokenizer": None,
+    "text_encoder": None,
+    "transformer": (
+        "WanTransformer3DModel",
+        {
+            "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
+            "out_channels": 16, "text_dim": WAN_13B_TEXT_DIM, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
+            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+        },
+    ),
+    "vae": ("AutoencoderKLWan", {}),
+    "scheduler": (
+        "UniPCMultistepScheduler",
+        {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0},
+    ),
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "device": "cpu",
+        "requests": 4,
+        "batch": 4,
+        "workloads": {
+            "dit": {"pipeline": "DiTPipeline", "components": TINY_DIT, "dtype": None, "params": {"num_inference_steps": 4}},
+            "wan": {
+                "pipeline": "WanPipeline", "components": TINY_WAN, "dtype": None, "text_dim": WAN_TEXT_DIM, "seq": 8,
+                "params": {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 5.0},
+            },
+        },
+    },
+    "h200": {
+        "device": "cuda",
+        "requests": 8,
+        "batch": 4,
+        "workloads": {
+            "dit": {"pipeline": "DiTPipeline", "components": DIT_XL, "dtype": "bfloat16", "params": {"num_inference_steps": 25}},
+            "wan": {
+                "pipeline": "WanPipeline", "components": WAN_13B, "dtype": "bfloat16", "text_dim": WAN_13B_TEXT_DIM, "seq": 512,
+                "params": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 4, "guidance_scale": 5.0},
+            },
+        },
+    },
+}
+
+
+def builder_kwargs(work: Mapping[str, Any]) -> dict[str, Any]:
+    return {"pipeline": work["pipeline"], "components": work["components"], "seed": 0, "dtype": work["dtype"]}
+
+
+def requests(name: str, work: Mapping[str, Any], count: int, prefix: str) -> list[DiffusionRequest]:
+    out = []
+    for i in range(count):
+        params: dict[str, object] = {**work["params"], "seed": i}
+        if name == "dit":
+            params["class_labels"] = (7 * i) % 1000
+        else:
+            gen = torch.Generator().manual_seed(i)
+            dtype = getattr(torch, work["dtype"] or "float32")
+            params["prompt_embeds"] = torch.randn(1, work["seq"], work["text_dim"], generator=gen).to(dtype)
+            params["negative_prompt_embeds"] = torch.randn(1, work["seq"], work["text_dim"], generator=gen).to(dtype)
+        out.append(DiffusionRequest(f"{prefix}{i}", params))
+    return out
+
+
+def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> dict[str, Any]:
+    """The client's loop: call, .cpu(), uint8; device time per forward from CUDA events."""
+    with torch.device(device):
+        pipe: Any = random_pipeline(work["pipeline"], work["components"], seed=0, dtype=work["dtype"])
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    if hasattr(pipe, "vae") and hasattr(pipe.vae, "enable_slicing"):
+        pipe.vae.enable_slicing()
+    cuda = device.startswith("cuda")
+
+    def call(r: DiffusionRequest) -> tuple[Any, float | None]:
+        kwargs = {k: v for k, v in r.params.items() if k != "seed"}
+        if "class_labels" in kwargs:
+            kwargs["class_labels"] = [kwargs["class_labels"]]
+        for key in ("prompt_embeds", "negative_prompt_embeds"):
+            if key in kwargs:
+                kwargs[key] = kwargs[key].to(device)
+        start = end = None
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        out = pipe(**kwargs, generator=torch.Generator().manual_seed(int(r.params["seed"])), output_type="pt")
+        if cuda:
+            end.record()
+        pixels = out.images if "images" in out else out.frames
+        to_uint8(pixels.cpu())  # what a client does next (the .cpu() waits for the kernels)
+        return out, (start.elapsed_time(end) / 1e3 if cuda else None)
+
+    for warm in requests(name, work, 2, "warm"):  # the first calls pay for allocations and kernel choice
+        call(warm)
+    t0 = time.perf_counter()
+    device_times = [call(r)[1] for r in requests(name, work, count, "d")]
+    wall = time.perf_counter() - t0
+    forward = statistics.median([t for t in device_times if t is not None]) if cuda else None
+    return summary(name, "direct", count, wall, forward, None)
+
+
+def summary(name: str, path: str, count: int, wall: float, forward: float | None, gap: float | None) -> dict[str, Any]:
+    return {
+        "workload": name,
+        "path": path,
+        "requests": count,
+        "seconds": round(wall, 4),
+        "requests_per_s": round(count / wall, 4),
+        "device_forward_s": None if forward is None else round(forward, 4),
+        "device_idle_s": None if forward is None else round(max(0.0, wall - count * forward), 4),
+        "forward_gap_s": None if gap is None else round(gap, 4),
+    }
+
+
+def _forward_gap(results: list[Any]) -> float | None:
+    spans = sorted(
+        (float(r.metrics["forward_started_at"]), float(r.metrics["forward_ended_at"]))
+        for r in results
+        if "forward_started_at" in r.metrics and "forward_ended_at" in r.metrics
+    )
+    gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)]
+    return statistics.mean(gaps) if gaps else None
+
+
+def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, async_output: bool, forward: float | None) -> dict[str, Any]:
+    spec = DiffusersPipelineWorker.spec(builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers")
+
+    def factory() -> MultiprocDiffusionExecutor:
+        return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device))
+
+    async def body() -> tuple[float, list[Any]]:
+        engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=async_output)
+        async with engine:
+            await engine.generate(requests(name, work, 1, "warm")[0])
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(engine.generate(r) for r in requests(name, work, count, "e")))
+            return time.perf_counter() - t0, list(results)
+
+    wall, results = asyncio.run(body())
+    path = "engine-async" if async_output else "engine-sync"
+    return summary(name, path, count, wall, forward, _forward_gap(results))
+
+
+def engine_batches() -> bool:
+    """Whether the engine batches requests itself (``max_batch_size``, landing separately)."""
+    return "max_batch_size" in inspect.signature(AsyncDiffusionEngine.__init__).parameters
+
+
+def run_batching(work: Mapping[str, Any], device: str, count: int, batch: int, forward: float | None) -> list[dict[str, Any]]:
+    """DiT in batches of ``batch`` against one by one, ``count`` requests each."""
+    spec = DiffusersPipelineWorker.spec(builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers")
+    rows = []
+    if engine_batches():
+        for size in (1, batch):
+            async def body(size: int = size) -> float:
+                engine = AsyncDiffusionEngine.from_factory(
+                    lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)),
+                    pipeline="diffusers",
+                    max_batch_size=size,  # type: ignore[call-arg]  # the engine's batching, where it has landed
+                )
+                async with engine:
+                    await engine.generate(requests("dit", work, 1, "warm")[0])
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(engine.generate(r) for r in requests("dit", work, count, f"b{size}-")))
+                    return time.perf_counter() - t0
+
+            rows.append(summary("dit", f"engine-batch-{size}", count, asyncio.run(body()), forward, None))
+        return rows
+    with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)) as ex:
+        def drain(ros: list[Any]) -> None:
+            for ro in ros:
+                ex.release_output(ex.wait_output_ready(ro.async_output_id).result(timeout=600))
+
+        drain(ex.execute_batch(requests("dit", work, 1, "warm")))
+        for size in (1, batch):
+            reqs = requests("dit", work, count, f"b{size}-")
+            t0 = time.perf_counter()
+            for start in range(0, count, size):
+                drain(ex.execute_batch(reqs[start : start + size]))
+            rows.append(summary("dit", f"execute_batch-{size}", count, time.perf_counter() - t0, forward, None))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--requests", type=int, default=None, help="requests per run (default: the preset's)")
+    parser.add_argument("--workloads", default="dit,wan", help="comma-separated: dit, wan")
+    parser.add_argument("--json", default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.preset]
+    device = str(preset["device"])
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("the h200 preset needs a CUDA device")
+    count = int(args.requests or preset["requests"])
+    rows: list[dict[str, Any]] = []
+    for name in args.workloads.split(","):
+        work = preset["workloads"][name]
+        direct = run_direct(name, work, device, count)
+        rows.append(direct)
+        for async_output in (False, True):
+            rows.append(run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"]))
+        if name == "dit":
+            rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
+    print(f"{'workload':8} {'path':18} {'req/s':>8} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>7}")
+    for row in rows:
+        cells = [row[k] for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
+        shown = ["-" if c is None else f"{c:.3f}" for c in cells]
+        print(f"{row['workload']:8} {row['path']:18} {row['requests_per_s']:8.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>7}")
+    report = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "engine_batches": engine_batches(),
+        "runs": rows,
+    }
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

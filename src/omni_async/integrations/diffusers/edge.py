@@ -1,0 +1,147 @@
+"""The typed edge over ``diffusers``, which is untyped: everything else in this package
+reaches a pipeline through ``PipelineHandle``, never through ``Any``.
+
+``diffusers`` (and ``transformers``, which some of its pipelines import) is imported
+here, on first use, and nowhere else in ``omni_async``: ``import omni_async`` and
+building a ``WorkerSpec`` of this package stay light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Protocol, cast
+
+import attrs
+import torch
+
+from omni_async.core.errors import UsageError
+
+__all__ = ["PipelineHandle", "load_diffusers"]
+
+_INSTALL = "install it with: python3 -m pip install 'omni_async[diffusers]' (diffusers==0.42.1 and transformers)"
+
+
+def load_diffusers() -> ModuleType:
+    """The ``diffusers`` module; ``UsageError`` saying how to install it when it is missing."""
+    try:
+        return importlib.import_module("diffusers")
+    except ImportError as exc:
+        raise UsageError(f"omni_async.integrations.diffusers needs diffusers ({exc}); {_INSTALL}") from exc
+
+
+class Configurable(Protocol):
+    """A diffusers model or scheduler class: built from a config, its config read from a folder."""
+
+    def from_config(self, config: Mapping[str, object]) -> object: ...
+
+    def load_config(self, path: str, *, subfolder: str) -> Mapping[str, object]: ...
+
+
+class Decoder(Protocol):
+    """A diffusers VAE, as the previews use it."""
+
+    def decode(self, z: torch.Tensor, *, return_dict: bool) -> tuple[torch.Tensor, ...]: ...
+
+
+class Stepper(Protocol):
+    """A diffusers scheduler, as the step hook wraps it."""
+
+    step: Callable[..., object]
+
+
+def configurable(name: str, what: str) -> Configurable:
+    """A diffusers model or scheduler class by name (``diffusers_class``)."""
+    return cast("Configurable", diffusers_class(name, what))
+
+
+def diffusers_class(name: str, what: str) -> type:
+    """``diffusers.<name>`` (a pipeline, model or scheduler class); ``UsageError`` naming it when absent."""
+    found = getattr(load_diffusers(), name, None)
+    if not isinstance(found, type):
+        raise UsageError(f"{what}: diffusers has no class {name!r} (diffusers {load_diffusers().__version__})")
+    return found
+
+
+@attrs.frozen
+class PipelineHandle:
+    """A ``diffusers.DiffusionPipeline``, reached through typed accessors."""
+
+    pipeline: object
+
+    @property
+    def class_name(self) -> str:
+        return type(self.pipeline).__name__
+
+    def call_parameters(self) -> frozenset[str]:
+        """The names ``__call__`` takes."""
+        return frozenset(inspect.signature(type(self.pipeline).__call__).parameters)
+
+    def call_default(self, name: str) -> object | None:
+        """The default of ``__call__``'s argument ``name`` (None when it has none)."""
+        found = inspect.signature(type(self.pipeline).__call__).parameters.get(name)
+        if found is None or found.default is inspect.Parameter.empty:
+            return None
+        return cast("object", found.default)
+
+    def call_source(self) -> str:
+        """The source of ``__call__`` ('' when it cannot be read)."""
+        try:
+            return inspect.getsource(type(self.pipeline).__call__)
+        except (OSError, TypeError):
+            return ""
+
+    def __call__(self, **kwargs: object) -> object:
+        return cast("Callable[..., object]", self.pipeline)(**kwargs)
+
+    def component(self, name: str) -> object | None:
+        """A component by name (``transformer``, ``vae``, ``scheduler``, ``text_encoder``...), or None."""
+        components = getattr(self.pipeline, "components", None)
+        if isinstance(components, Mapping):
+            return cast("object | None", components.get(name))
+        return cast("object | None", getattr(self.pipeline, name, None))
+
+    def module(self, name: str) -> torch.nn.Module | None:
+        found = self.component(name)
+        return found if isinstance(found, torch.nn.Module) else None
+
+    def config(self, name: str) -> Mapping[str, object]:
+        """The config of component ``name`` ({} when it has none)."""
+        found = self.component(name)
+        config = getattr(found, "config", None)
+        return cast("Mapping[str, object]", config) if isinstance(config, Mapping) else {}
+
+    def attribute(self, name: str) -> object | None:
+        return cast("object | None", getattr(self.pipeline, name, None))
+
+    def to(self, device: torch.device | None = None, *, dtype: torch.dtype | None = None) -> None:
+        """Move the pipeline's models (``DiffusionPipeline.to``)."""
+        move = getattr(self.pipeline, "to", None)
+        if callable(move):
+            move(device, dtype=dtype) if device is not None else move(dtype=dtype)
+
+    def quiet(self) -> None:
+        """No progress bars: a worker's log is not a terminal."""
+        set_bar = getattr(self.pipeline, "set_progress_bar_config", None)
+        if callable(set_bar):
+            set_bar(disable=True)
+
+    def slice_vae(self) -> bool:
+        """Decode a batch one member at a time (the VAE's own slicing), so each member's pixels
+        are those of its own call: a batched convolution on the CPU rounds differently from one
+        at batch size 1.  True when the VAE has it."""
+        vae = self.component("vae")
+        enable = getattr(vae, "enable_slicing", None)
+        if not callable(enable):
+            return False
+        enable()
+        return True
+
+
+def int_or_none(value: object) -> int | None:
+    """A config's integer (or the last of a tuple, as ``patch_size`` is for video models)."""
+    if isinstance(value, (list, tuple)) and value:
+        value = value[-1]
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,126 @@
+"""Inside a pipeline's denoising loop: cancellation and previews after every step.
+
+A pipeline with ``callback_on_step_end`` (Wan, and most modern pipelines) calls us after
+each step; one without it (DiT) is reached through its scheduler: for the length of the
+call, ``scheduler.step`` is wrapped so that the hook runs after each step.  Either way
+``StepHook.after_step`` runs on the forward's thread, between steps:
+
+* cancellation: ``raise_if_cancelled()`` (``omni_async.worker.cancel``) raises once
+  every request of the call is cancelled; the exception leaves the pipeline's loop, so
+  no further step and never the VAE decode runs.  (diffusers' own ``_interrupt`` is
+  not used: it skips the remaining steps but still decodes.)  The check also runs after
+  the last step, so a cancel that arrives during it still saves the decode.
+* previews: a streamed request with ``preview_every=k`` gets, every k steps but the
+  last, its latents so far decoded by the pipeline's VAE into the final output's
+  layout (``emit_chunk``, ``omni_async.worker.stream``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+
+from omni_async.core.messages import DiffusionRequest
+from omni_async.integrations.diffusers.edge import Decoder, PipelineHandle, Stepper
+from omni_async.worker.cancel import raise_if_cancelled
+from omni_async.worker.stream import emit_chunk, streaming_requested
+
+__all__ = ["StepHook", "decode_latents", "hooked_scheduler"]
+
+
+class StepHook:
+    """Runs after every denoising step of one pipeline call over ``requests``."""
+
+    def __init__(self, handle: PipelineHandle, requests: Sequence[DiffusionRequest], steps: int) -> None:
+        self._handle = handle
+        self._requests = requests
+        self._steps = steps
+        self.done = 0
+        self._previews = {
+            i: int(r.params["preview_every"])
+            for i, r in enumerate(requests)
+            if r.params.get("preview_every") is not None and streaming_requested(r.request_id)
+        }
+
+    def after_step(self, latents: torch.Tensor) -> None:
+        self.done += 1
+        raise_if_cancelled()
+        if self.done >= self._steps:
+            return
+        for i, every in self._previews.items():
+            if self.done % every == 0:
+                rid = self._requests[i].request_id
+                # Row i of the batch (a scheduler hooked under classifier-free guidance sees the
+                # conditional rows first): a fresh decode, which the forward never writes again.
+                preview = dict(decode_latents(self._handle, latents[i : i + 1]))
+                emit_chunk(rid, {**preview, "step": self.done})
+
+    def callback(self, pipeline: object, step: int, timestep: object, tensors: Mapping[str, object]) -> dict[str, object]:
+        """``callback_on_step_end``; returns nothing to replace."""
+        latents = tensors.get("latents")
+        if isinstance(latents, torch.Tensor):
+            self.after_step(latents)
+        return {}
+
+
+@contextmanager
+def hooked_scheduler(handle: PipelineHandle, hook: StepHook) -> Iterator[None]:
+    """``scheduler.step`` wrapped to call ``hook.after_step(prev_sample)`` for the block's length."""
+    found = handle.component("scheduler")
+    if not callable(getattr(found, "step", None)):
+        yield
+        return
+    scheduler = cast("Stepper", found)
+    original = scheduler.step
+
+    def step(*args: object, **kwargs: object) -> object:
+        out = original(*args, **kwargs)
+        prev = getattr(out, "prev_sample", None)
+        if prev is None and isinstance(out, tuple) and out:
+            prev = out[0]
+        if isinstance(prev, torch.Tensor):
+            hook.after_step(prev)
+        return out
+
+    had_own = "step" in vars(scheduler)
+    scheduler.step = step  # an instance attribute shadows the class's method
+    try:
+        yield
+    finally:
+        if had_own:
+            scheduler.step = original
+        else:
+            del scheduler.step
+
+
+def decode_latents(handle: PipelineHandle, latents: torch.Tensor) -> Mapping[str, torch.Tensor]:
+    """Latents to the pixels the pipeline's ``output_type="pt"`` gives: ``{"frames": [B, F, 3,
+    H, W]}`` for a video VAE with per-channel statistics (Wan), ``{"images": [B, 3, H, W]}``
+    for an image VAE with a scaling factor (DiT); ``{"latents": ...}`` (a copy) when the
+    pipeline has neither."""
+    vae = handle.module("vae")
+    config = handle.config("vae")
+    with torch.no_grad():
+        if vae is not None and "latents_mean" in config and latents.dim() == 5:
+            z = latents.to(dtype=next(vae.parameters()).dtype)
+            channels = z.shape[1]
+            mean = torch.tensor(config["latents_mean"]).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
+            inv_std = 1.0 / torch.tensor(config["latents_std"]).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
+            video = _decode(vae, z / inv_std + mean)
+            processor = handle.attribute("video_processor")
+            post = getattr(processor, "postprocess_video", None)
+            if callable(post):
+                return {"frames": post(video, output_type="pt")}
+            return {"frames": (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)}
+        factor = config.get("scaling_factor")
+        if vae is not None and isinstance(factor, float) and latents.dim() == 4:
+            samples = _decode(vae, latents / factor)
+            return {"images": (samples / 2 + 0.5).clamp(0, 1)}
+    return {"latents": latents.clone()}
+
+
+def _decode(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    return cast("Decoder", vae).decode(z, return_dict=False)[0]

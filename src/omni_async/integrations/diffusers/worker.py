@@ -1,0 +1,271 @@
+"""``DiffusersPipelineWorker``: a ``diffusers`` pipeline as an omni_async worker model.
+
+Built in the worker from a picklable description (``PipelineSource``: a builder
+``"module:function"`` plus kwargs, or a pretrained folder), it implements
+``DiffusionWorkerModel``:
+
+* ``execute_model(request)``: one pipeline call with the request's parameters
+  (``omni_async.integrations.diffusers.profile`` lists them), ``output_type="pt"``
+  (or ``"latent"``) and the request's ``seed`` as its own ``torch.Generator`` (on the
+  CPU by default, so a seed gives the same noise on every device).  Its output is the
+  pipeline's own output object (``ImagePipelineOutput``, ``WanPipelineOutput``: dict
+  subclasses the transport carries as they are), its tensors still on the device; with
+  ``output_type="latent"``, ``{"latents": tensor}``.
+* ``execute_model_batch(requests)``: requests with equal ``batch_key`` share one call,
+  batched along the pipeline's batch dimension (DiT's list of ``class_labels``, Wan's
+  stacked ``prompt_embeds``, a list of prompts) with one generator per member, and the
+  output is split back per request.  Each member then draws the noise of its own call;
+  whether its pixels are bit-identical to its own call depends on the kernels (see the
+  guide: on the CPU, DiT's are -- the VAE decodes a batch one member at a time here --
+  and Wan's are not, to the last bit).  A pipeline that cannot take a list of
+  generators (a scheduler that draws noise in its step with them, under guidance) fails
+  its first batched step: the worker then runs that batch, and later ones, one call per
+  member, and logs it once.
+
+Cancellation and previews run between denoising steps (``omni_async.integrations.diffusers.steps``).
+
+The executor checks requests before they reach a worker with ``request_validator(**kwargs)``
+(built from the pipeline's config, without its weights), and groups them with the
+static ``batch_key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import ClassVar
+
+import torch
+
+from omni_async.core.errors import UsageError
+from omni_async.core.messages import (
+    BatchDiffusionOutput,
+    DiffusionOutput,
+    DiffusionRequest,
+)
+from omni_async.integrations.diffusers.pixels import PIPELINE
+from omni_async.integrations.diffusers.profile import (
+    PipelineProfile,
+    batch_key,
+    embeds_2d,
+    profile_of,
+    validate_request,
+)
+from omni_async.integrations.diffusers.source import PipelineSource
+from omni_async.integrations.diffusers.steps import StepHook, hooked_scheduler
+from omni_async.worker.cancel import cancel_requested
+from omni_async.worker.host import WorkerSpec
+
+__all__ = ["DiffusersPipelineWorker"]
+
+log = logging.getLogger(__name__)
+
+_SHARED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
+_SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
+
+
+def _source(kwargs: Mapping[str, object]) -> PipelineSource:
+    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae"})
+    if unknown:
+        raise UsageError(f"DiffusersPipelineWorker: unknown keyword argument(s) {unknown}")
+    builder, pretrained = kwargs.get("builder"), kwargs.get("pretrained")
+    builder_kwargs, pretrained_kwargs = kwargs.get("builder_kwargs") or {}, kwargs.get("pretrained_kwargs") or {}
+    if not isinstance(builder_kwargs, Mapping) or not isinstance(pretrained_kwargs, Mapping):
+        raise UsageError("DiffusersPipelineWorker: builder_kwargs and pretrained_kwargs must be mappings")
+    return PipelineSource(
+        builder=None if builder is None else str(builder),
+        builder_kwargs=dict(builder_kwargs),
+        pretrained=None if pretrained is None else str(pretrained),
+        pretrained_kwargs=dict(pretrained_kwargs),
+    )
+
+
+class DiffusersPipelineWorker:
+    """A ``diffusers`` ``DiffusionPipeline`` served as a worker model (see the module docstring).
+
+    Keyword arguments (all picklable, so they travel in a ``WorkerSpec``): ``builder``
+    (``"module:function"`` returning the pipeline) with ``builder_kwargs``, or
+    ``pretrained`` (a folder for ``DiffusionPipeline.from_pretrained``) with
+    ``pretrained_kwargs``; ``device`` (``"auto"``: the worker's CUDA device when there is
+    one, else the CPU); ``generator_device`` (``"cpu"``: where the seeds' generators
+    draw); ``slice_vae`` (True: the VAE decodes a batch one member at a time, as its own
+    call would).
+    """
+
+    pipeline_name: ClassVar[str] = PIPELINE
+
+    def __init__(
+        self,
+        *,
+        builder: str | None = None,
+        builder_kwargs: Mapping[str, object] | None = None,
+        pretrained: str | None = None,
+        pretrained_kwargs: Mapping[str, object] | None = None,
+        device: str = "auto",
+        generator_device: str = "cpu",
+        slice_vae: bool = True,
+    ) -> None:
+        self.source = _source(
+            {"builder": builder, "builder_kwargs": builder_kwargs, "pretrained": pretrained, "pretrained_kwargs": pretrained_kwargs}
+        )
+        if device == "auto":
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.generator_device = torch.device(generator_device)
+        self.handle = self.source.load(self.device)
+        self.profile: PipelineProfile = profile_of(self.handle)
+        self.sliced_vae = slice_vae and self.handle.slice_vae()
+        # False once the pipeline refused a list of generators: batches run member by member.
+        self.generator_lists = True
+        self.pipeline_calls = 0
+
+    @property
+    def pipeline(self) -> object:
+        """The ``diffusers`` pipeline itself (to call it directly, or hook its modules)."""
+        return self.handle.pipeline
+
+    # -- what the executor runs without an instance --------------------------------------
+
+    @classmethod
+    def request_validator(cls, **kwargs: object) -> Callable[[DiffusionRequest], None]:
+        """The check of every request, made from the pipeline's config (its parameters left
+        uninitialised: cheap), run by the executor in the caller's thread."""
+        profile = profile_of(_source(kwargs).load_config_only())
+        return functools.partial(validate_request, profile)
+
+    @staticmethod
+    def batch_key(request: DiffusionRequest) -> Hashable | None:
+        """Requests with equal keys share one pipeline call (``profile.batch_key``)."""
+        return batch_key(request)
+
+    @classmethod
+    def spec(cls, *, postprocess: str | None = None, **kwargs: object) -> WorkerSpec:
+        """The ``WorkerSpec`` of a worker built with ``kwargs`` (the constructor's);
+        ``postprocess="diffusers"`` converts the pixels to uint8 on the device, before the copy."""
+        _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
+        return WorkerSpec(f"{cls.__module__}:{cls.__qualname__}", kwargs=kwargs, postprocess=postprocess)
+
+    # -- the model interface ------------------------------------------------------------------
+
+    def validate(self, request: DiffusionRequest) -> None:
+        validate_request(self.profile, request)
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        self.validate(request)
+        return self._run([request])[0]
+
+    def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
+        """One pipeline call per group of requests with equal ``batch_key``; outputs in request order."""
+        for r in requests:  # the whole batch is checked before any forward runs
+            self.validate(r)
+        groups: dict[Hashable, list[int]] = {}
+        for i, r in enumerate(requests):
+            key = batch_key(r)
+            groups.setdefault(("alone", i) if key is None else key, []).append(i)
+        outputs: dict[int, DiffusionOutput] = {}
+        for indices in groups.values():
+            for i, out in zip(indices, self._run([requests[i] for i in indices]), strict=True):
+                outputs[i] = out
+        return BatchDiffusionOutput(tuple(outputs[i] for i in range(len(requests))))
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _run(self, requests: Sequence[DiffusionRequest]) -> list[DiffusionOutput]:
+        if len(requests) > 1 and not self.generator_lists:
+            return [out for r in requests for out in self._run([r])]
+        steps = requests[0].params.get("num_inference_steps", self.profile.default_steps)
+        hook = StepHook(self.handle, requests, int(steps) if isinstance(steps, int) else 0)
+        kwargs = self._call_kwargs(requests, hook)
+        try:
+            result = self._call(kwargs, hook)
+        except Exception as exc:
+            if len(requests) == 1 or hook.done > 0 or cancel_requested():
+                raise
+            # Before its first step ended: the pipeline (its scheduler, under guidance) may not
+            # take a list of generators.  One call per member from now on.
+            log.warning(
+                "%s refused a batch of %d with one generator per request (%s: %s); running batches one request "
+                "at a time from now on",
+                self.profile.pipeline,
+                len(requests),
+                type(exc).__name__,
+                exc,
+            )
+            self.generator_lists = False
+            return [out for r in requests for out in self._run([r])]
+        output_type = str(requests[0].params.get("output_type", "pt"))
+        return [
+            DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=output_type == "latent"))
+            for i, r in enumerate(requests)
+        ]
+
+    def _call(self, kwargs: dict[str, object], hook: StepHook) -> object:
+        self.pipeline_calls += 1
+        if self.profile.step_callback:
+            kwargs.update(callback_on_step_end=hook.callback, callback_on_step_end_tensor_inputs=["latents"])
+            return self.handle(**kwargs)
+        with hooked_scheduler(self.handle, hook):
+            return self.handle(**kwargs)
+
+    def _call_kwargs(self, requests: Sequence[DiffusionRequest], hook: StepHook) -> dict[str, object]:
+        first = requests[0].params
+        kwargs: dict[str, object] = {name: first[name] for name in _SHARED if name in first}
+        if "class_labels" in first:
+            kwargs["class_labels"] = [int(r.params["class_labels"]) for r in requests]
+        if "prompt" in first:
+            kwargs["prompt"] = [str(r.params["prompt"]) for r in requests]
+            if any("negative_prompt" in r.params for r in requests):
+                kwargs["negative_prompt"] = [str(r.params.get("negative_prompt", "")) for r in requests]
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            if name in first:
+                tensors = [r.params[name] for r in requests]
+                assert all(isinstance(t, torch.Tensor) for t in tensors)  # validated
+                kwargs[name] = torch.cat([embeds_2d(t) for t in tensors if isinstance(t, torch.Tensor)]).to(self.device)
+        generators = [self._generator(r) for r in requests]
+        kwargs["generator"] = generators[0] if len(generators) == 1 else generators
+        kwargs["output_type"] = first.get("output_type", "pt")
+        kwargs["return_dict"] = True
+        return kwargs
+
+    def _generator(self, request: DiffusionRequest) -> torch.Generator:
+        gen = torch.Generator(self.generator_device)
+        seed = request.params.get("seed")
+        if isinstance(seed, int):
+            gen.manual_seed(seed)
+        else:
+            gen.seed()  # no seed asked for: a fresh one, still one generator per request
+        return gen
+
+
+def _member(result: object, index: int, size: int, *, latent: bool) -> object:
+    """Member ``index`` of a batched pipeline output, in the shape of its own call's output
+    (batch dimension 1), as views of the batch's tensors."""
+    if latent:
+        found = _first_tensor(result)
+        if found is None:
+            raise UsageError(f"the pipeline returned no latents tensor for output_type='latent': {type(result).__name__}")
+        return {"latents": _take(found, index, size)}
+    if dataclasses.is_dataclass(result) and not isinstance(result, type):
+        fields = {f.name: _take(getattr(result, f.name), index, size) for f in dataclasses.fields(result)}
+        return dataclasses.replace(result, **fields)
+    return _take(result, index, size)
+
+
+def _take(value: object, index: int, size: int) -> object:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == size:
+        return value[index : index + 1]
+    if isinstance(value, (list, tuple)) and len(value) == size:
+        return type(value)([value[index]])
+    return value
+
+
+def _first_tensor(result: object) -> torch.Tensor | None:
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, Mapping):
+        for value in result.values():
+            if isinstance(value, torch.Tensor):
+                return value
+    return None
