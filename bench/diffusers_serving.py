@@ -14,15 +14,18 @@ per second of:
 with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
 runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
 ``--batch`` (one pipeline call each) against one by one: through the engine's own
-batching when it has it (``AsyncDiffusionEngine(max_batch_size=...)``), else through
-``executor.execute_batch``.
+batching (``AsyncDiffusionEngine(max_batch_size=...)``).
 
 Device time: a pipeline returns on the host before its kernels end, so the direct loop
 times each forward with CUDA events around the call (``device_forward_s``: the device's
 time per forward).  Per run, ``device_idle_s`` is then the wall time minus requests x
 that device time: the device's idle time between forwards (CUDA only; null on the CPU,
 where the forward is the host's own work).  ``forward_gap_s`` is the mean gap between one
-forward's end and the next one's start on the worker, from the worker's stamps.
+forward's end and the next one's start on the worker, from the worker's stamps, and
+``device_idle_share`` the sum of those gaps over the span of the run's forwards (the
+stamps are device-true: CUDA events on a GPU).  Each engine run also times the first
+request after the executor started (``first_request_s``) against one more request
+alone once warm (``steady_request_s``).
 
 Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_serving.json
         python bench/diffusers_serving.py --preset h200 --json $OUT/diffusers_serving.json
@@ -32,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import itertools
 import json
 import platform
@@ -212,56 +214,64 @@ def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, a
     def factory() -> MultiprocDiffusionExecutor:
         return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device))
 
-    async def body() -> tuple[float, list[Any]]:
+    async def one(engine: AsyncDiffusionEngine, r: DiffusionRequest) -> float:
+        t0 = time.perf_counter()
+        await engine.generate(r)
+        return time.perf_counter() - t0
+
+    async def body() -> tuple[float, list[Any], float, float]:
         engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=async_output)
         async with engine:
-            await engine.generate(requests(name, work, 1, "warm")[0])
+            first = await one(engine, requests(name, work, 1, "first")[0])  # the first after start
             t0 = time.perf_counter()
             results = await asyncio.gather(*(engine.generate(r) for r in requests(name, work, count, "e")))
-            return time.perf_counter() - t0, list(results)
+            wall = time.perf_counter() - t0
+            steady = await one(engine, requests(name, work, 1, "steady")[0])  # alone again, warm
+            return wall, list(results), first, steady
 
-    wall, results = asyncio.run(body())
+    wall, results, first, steady = asyncio.run(body())
     path = "engine-async" if async_output else "engine-sync"
-    return summary(name, path, count, wall, forward, _forward_gap(results))
+    row = summary(name, path, count, wall, forward, _forward_gap(results))
+    row["device_idle_share"] = _idle_share(results)
+    row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
+    row["first_over_steady"] = round(first / steady, 3)
+    return row
 
 
-def engine_batches() -> bool:
-    """Whether the engine batches requests itself (``max_batch_size``, landing separately)."""
-    return "max_batch_size" in inspect.signature(AsyncDiffusionEngine.__init__).parameters
+def _idle_share(results: list[Any]) -> float | None:
+    """The device's idle time between forwards over the span of the run's forwards, from
+    the worker's device-true stamps (CUDA events; the host clock on the CPU)."""
+    spans = sorted(
+        (float(r.metrics["forward_started_at"]), float(r.metrics["forward_ended_at"]))
+        for r in results
+        if "forward_started_at" in r.metrics and "forward_ended_at" in r.metrics
+    )
+    if len(spans) < 2:
+        return None
+    idle = sum(max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans))
+    return round(idle / (spans[-1][1] - spans[0][0]), 4)
 
 
 def run_batching(work: Mapping[str, Any], device: str, count: int, batch: int, forward: float | None) -> list[dict[str, Any]]:
-    """DiT in batches of ``batch`` against one by one, ``count`` requests each."""
+    """DiT through the engine's batching (``max_batch_size``) in batches of ``batch``
+    against one by one (``max_batch_size=1``), ``count`` requests each."""
     spec = DiffusersPipelineWorker.spec(builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers")
     rows = []
-    if engine_batches():
-        for size in (1, batch):
-            async def body(size: int = size) -> float:
-                engine = AsyncDiffusionEngine.from_factory(
-                    lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)),
-                    pipeline="diffusers",
-                    max_batch_size=size,  # type: ignore[call-arg]  # the engine's batching, where it has landed
-                )
-                async with engine:
-                    await engine.generate(requests("dit", work, 1, "warm")[0])
-                    t0 = time.perf_counter()
-                    await asyncio.gather(*(engine.generate(r) for r in requests("dit", work, count, f"b{size}-")))
-                    return time.perf_counter() - t0
+    for size in (1, batch):
+        async def body(size: int = size) -> float:
+            engine = AsyncDiffusionEngine.from_factory(
+                lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)),
+                pipeline="diffusers",
+                max_batch_size=size,
+                batch_wait_s=0.05,
+            )
+            async with engine:
+                await engine.generate(requests("dit", work, 1, "warm")[0])
+                t0 = time.perf_counter()
+                await asyncio.gather(*(engine.generate(r) for r in requests("dit", work, count, f"b{size}-")))
+                return time.perf_counter() - t0
 
-            rows.append(summary("dit", f"engine-batch-{size}", count, asyncio.run(body()), forward, None))
-        return rows
-    with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)) as ex:
-        def drain(ros: list[Any]) -> None:
-            for ro in ros:
-                ex.release_output(ex.wait_output_ready(ro.async_output_id).result(timeout=600))
-
-        drain(ex.execute_batch(requests("dit", work, 1, "warm")))
-        for size in (1, batch):
-            reqs = requests("dit", work, count, f"b{size}-")
-            t0 = time.perf_counter()
-            for start in range(0, count, size):
-                drain(ex.execute_batch(reqs[start : start + size]))
-            rows.append(summary("dit", f"execute_batch-{size}", count, time.perf_counter() - t0, forward, None))
+        rows.append(summary("dit", f"engine-batch-{size}", count, asyncio.run(body()), forward, None))
     return rows
 
 
@@ -286,16 +296,18 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"]))
         if name == "dit":
             rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
-    print(f"{'workload':8} {'path':18} {'req/s':>8} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>7}")
+    print(f"{'workload':8} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10}")
     for row in rows:
-        cells = [row[k] for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
+        cells = [row.get(k) for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
         shown = ["-" if c is None else f"{c:.3f}" for c in cells]
-        print(f"{row['workload']:8} {row['path']:18} {row['requests_per_s']:8.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>7}")
+        share = row.get("device_idle_share")
+        idle = "-" if share is None else f"{100 * share:.1f}%"
+        ratio = "-" if row.get("first_over_steady") is None else f"{row['first_over_steady']:.2f}"
+        print(f"{row['workload']:8} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10}")
     report = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "engine_batches": engine_batches(),
         "runs": rows,
     }
     if args.json:

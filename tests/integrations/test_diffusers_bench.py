@@ -27,6 +27,10 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
     for workload in ("dit", "wan"):
         assert {(workload, p) for p in ("direct", "engine-sync", "engine-async")} <= paths
     batched = {p for w, p in paths if w == "dit" and "batch" in p}
-    assert len(batched) == 2, paths  # batch 1 against batch 4, by the engine or execute_batch
+    assert len(batched) == 2, paths  # batch 1 against batch 4, by the engine
     assert all(row["requests_per_s"] > 0 for row in report["runs"])
+    for row in report["runs"]:
+        if row["path"] in ("engine-sync", "engine-async"):
+            assert row["first_request_s"] > 0 and row["steady_request_s"] > 0, row
+            assert 0 <= row["device_idle_share"] < 1, row
     assert "req/s" in done.stdout
