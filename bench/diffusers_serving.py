@@ -24,8 +24,9 @@ where the forward is the host's own work).  ``forward_gap_s`` is the mean gap be
 forward's end and the next one's start on the worker, from the worker's stamps, and
 ``device_idle_share`` the sum of those gaps over the span of the run's forwards (the
 stamps are device-true: CUDA events on a GPU).  Each engine run also times the first
-request after the executor started (``first_request_s``) against one more request
-alone once warm (``steady_request_s``).
+request after the executor started (``first_request_s``; the worker ran one warm-up
+forward while starting: ``DiffusersPipelineWorker(warmup=...)``) against one more
+request alone once warm (``steady_request_s``).
 
 Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_serving.json
         python bench/diffusers_serving.py --preset h200 --json $OUT/diffusers_serving.json
@@ -209,7 +210,11 @@ def _forward_gap(results: list[Any]) -> float | None:
 
 
 def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, async_output: bool, forward: float | None) -> dict[str, Any]:
-    spec = DiffusersPipelineWorker.spec(builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers")
+    # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
+    spec = DiffusersPipelineWorker.spec(
+        builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers",
+        warmup=requests(name, work, 1, "warmup")[0].params,
+    )  # fmt: skip
 
     def factory() -> MultiprocDiffusionExecutor:
         return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device))

@@ -216,3 +216,27 @@ def test_a_pretrained_folder_is_served_and_checked_from_its_json(tmp_path: Path,
     params = dit_params(seed=8, label=12)
     out = worker.execute_model(DiffusionRequest("p", params)).output
     assert torch.equal(out.images, direct_call(dit_direct, params).images)
+
+
+def test_a_warmup_forward_runs_at_start_and_changes_no_result(dit_direct: Any) -> None:
+    """``warmup=``: one forward with those parameters while the worker is built (the
+    first client does not pay for it), counted by the transformer; a later request is
+    still bit-exact, and a bad warm-up request fails the start, named."""
+    worker = DiffusersPipelineWorker(builder=DIT, warmup=dit_params(seed=1, steps=2))
+    calls = 0
+
+    def count(*_: object) -> None:
+        nonlocal calls
+        calls += 1
+
+    pipeline: Any = worker.handle.pipeline
+    hook = pipeline.transformer.register_forward_hook(count)
+    try:
+        params = dit_params(seed=5, label=42)
+        out = worker.execute_model(DiffusionRequest("d", params))
+    finally:
+        hook.remove()
+    assert calls == 3 and worker.pipeline_calls == 1  # the warm-up ran before the hook: 3 steps of "d" only
+    assert torch.equal(out.output.images, direct_call(dit_direct, params).images)
+    with pytest.raises(InvalidRequest, match="warmup"):
+        DiffusersPipelineWorker(builder=DIT, warmup=dit_params(seed=1, label=10_000))

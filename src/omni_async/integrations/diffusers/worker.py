@@ -67,7 +67,7 @@ _SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
 
 
 def _source(kwargs: Mapping[str, object]) -> PipelineSource:
-    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae"})
+    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae", "warmup"})
     if unknown:
         raise UsageError(f"DiffusersPipelineWorker: unknown keyword argument(s) {unknown}")
     builder, pretrained = kwargs.get("builder"), kwargs.get("pretrained")
@@ -91,7 +91,8 @@ class DiffusersPipelineWorker:
     ``pretrained_kwargs``; ``device`` (``"auto"``: the worker's CUDA device when there is
     one, else the CPU); ``generator_device`` (``"cpu"``: where the seeds' generators
     draw); ``slice_vae`` (True: the VAE decodes a batch one member at a time, as its own
-    call would).
+    call would); ``warmup`` (a request's parameters: one forward with them while the
+    worker starts, so the first client does not pay the first forward's one-time costs).
     """
 
     pipeline_name: ClassVar[str] = PIPELINE
@@ -106,6 +107,7 @@ class DiffusersPipelineWorker:
         device: str = "auto",
         generator_device: str = "cpu",
         slice_vae: bool = True,
+        warmup: Mapping[str, object] | None = None,
     ) -> None:
         self.source = _source(
             {"builder": builder, "builder_kwargs": builder_kwargs, "pretrained": pretrained, "pretrained_kwargs": pretrained_kwargs}
@@ -120,6 +122,13 @@ class DiffusersPipelineWorker:
         # False once the pipeline refused a list of generators: batches run member by member.
         self.generator_lists = True
         self.pipeline_calls = 0
+        if warmup is not None:
+            # One call with a request's parameters before the worker reports ready: the
+            # first forward's one-time costs (kernel choice, allocator growth, lazy
+            # initialisation in torch and the pipeline) are paid at start, not by the
+            # first client.  A bad parameter fails the start, named.
+            self.execute_model(DiffusionRequest("warmup", dict(warmup)))
+            self.pipeline_calls = 0
 
     @property
     def pipeline(self) -> object:
