@@ -113,6 +113,7 @@ _DEV_IMPORTS = {
     "prometheus-client": "prometheus_client",
     "ray": "ray",
     "grpcio": "grpc",
+    "av": "av",
 }
 
 # Runs README's demo with every dev-only package made unimportable, as on a machine that

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -49,17 +49,26 @@ _Key = tuple[str, torch.dtype]
 # Below this many elements a launch costs more than the passes it saves.
 DEFAULT_MIN_NUMEL = 1 << 16
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+# Round every low-precision intermediate as eager does, and no FMA contraction on the GPU.
+_EAGER_BITS: Mapping[str, object] = {"emulate_precision_casts": True}
 
 
 class FusedPointwise:
     """``fn`` fused into one kernel per (device type, dtype); see the module docstring."""
 
     def __init__(
-        self, fn: Pointwise, *, devices: Iterable[str] = ("cuda",), min_numel: int = DEFAULT_MIN_NUMEL
+        self,
+        fn: Pointwise,
+        *,
+        devices: Iterable[str] = ("cuda",),
+        min_numel: int = DEFAULT_MIN_NUMEL,
+        options: Mapping[str, object] | None = None,
     ) -> None:
+        """``options``: Inductor's, for ``torch.compile`` (default: emulate eager's casts)."""
         self.eager = fn
         self.devices = frozenset(devices)
         self.min_numel = min_numel
+        self.options: dict[str, object] = dict(options if options is not None else _EAGER_BITS)
         self._lock = threading.Lock()
         self._compiled: Pointwise | None = None
         # Per (device type, dtype): None compiled and checked, else why it runs eager.
@@ -112,9 +121,7 @@ class FusedPointwise:
                 return self.eager(x), False
             try:
                 if self._compiled is None:
-                    self._compiled = torch.compile(
-                        self.eager, dynamic=True, options={"emulate_precision_casts": True}
-                    )
+                    self._compiled = torch.compile(self.eager, dynamic=True, options=self.options)
                 out = self._run(x)
                 want = self.eager(x)
                 if out.dtype != want.dtype or not torch.equal(out, want):
