@@ -123,12 +123,13 @@ def test_the_fused_stage_waits_for_the_forwards_event() -> None:
     """The forward leaves a long kernel queued, then writes its output; the stage on the
     side stream, ordered after the forward's event, must see the written output."""
     U8.warm_up("cuda", [torch.bfloat16])
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
     x = torch.zeros(1 << 22, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued on the forward's stream
+    # ~0.1 s of GPU time queued on the forward's stream
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
     x.fill_(0.5)  # the forward's last write, behind the sleep
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
     event.record()
     out = run_device_stage(to_uint8, DiffusionOutput("r", {"x": x}), side, event)
     assert out.metrics["finalize_fused"] == 1.0

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ _Key = tuple[str, torch.dtype]
 DEFAULT_MIN_NUMEL = 1 << 16
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 # Round every low-precision intermediate as eager does, and no FMA contraction on the GPU.
-_EAGER_BITS: Mapping[str, object] = {"emulate_precision_casts": True}
+_EAGER_BITS: Mapping[str, str | int | bool] = {"emulate_precision_casts": True}
 
 
 class FusedPointwise:
@@ -62,13 +63,13 @@ class FusedPointwise:
         *,
         devices: Iterable[str] = ("cuda",),
         min_numel: int = DEFAULT_MIN_NUMEL,
-        options: Mapping[str, object] | None = None,
+        options: Mapping[str, str | int | bool] | None = None,
     ) -> None:
         """``options``: Inductor's, for ``torch.compile`` (default: emulate eager's casts)."""
         self.eager = fn
         self.devices = frozenset(devices)
         self.min_numel = min_numel
-        self.options: dict[str, object] = dict(options if options is not None else _EAGER_BITS)
+        self.options: dict[str, str | int | bool] = dict(options if options is not None else _EAGER_BITS)
         self._lock = threading.Lock()
         self._compiled: Pointwise | None = None
         # Per (device type, dtype): None compiled and checked, else why it runs eager.
@@ -121,7 +122,8 @@ class FusedPointwise:
                 return self.eager(x), False
             try:
                 if self._compiled is None:
-                    self._compiled = torch.compile(self.eager, dynamic=True, options=self.options)
+                    options: dict[str, str | int | bool | Callable[..., Any]] = dict(self.options)
+                    self._compiled = torch.compile(self.eager, dynamic=True, options=options)
                 out = self._run(x)
                 want = self.eager(x)
                 if out.dtype != want.dtype or not torch.equal(out, want):
