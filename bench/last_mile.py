@@ -74,7 +74,7 @@ def finalize_rows(device: torch.device, frames: int, repeat: int) -> list[Row]:
         compile_s = time.perf_counter() - t0
         identical = bool(torch.equal(fused(x), u8_eager(x)))
         for path, fn in (("eager (4 passes)", u8_eager), ("fused (torch.compile)", fused)):
-            s = timed(lambda fn=fn: fn(x), device, repeat)
+            s = timed(lambda fn=fn, x=x: fn(x), device, repeat)
             rows.append(
                 {
                     "kind": "finalize",
@@ -114,7 +114,7 @@ def encode_rows(device: torch.device, sizes: list[int], repeat: int) -> list[Row
             ("Pillow WebP lossless", Encoding("webp")),
         ):
             data = encode_image(image, encoding)
-            s = timed(lambda e=encoding: encode_image(image, e), torch.device("cpu"), repeat)
+            s = timed(lambda e=encoding, im=image: encode_image(im, e), torch.device("cpu"), repeat)
             rows.append(
                 {"kind": "encode", "case": f"{size}x{size} RGB", "path": label, "ms": 1e3 * s, "bytes": len(data)}
             )
