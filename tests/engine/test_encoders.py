@@ -25,7 +25,6 @@ from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.encoders import EncodeJob, encode, encode_image, encode_video
 from omni_async.worker.encode import DeviceEncoded, encode_on_device, run_device_encode
 
-av = pytest.importorskip("av")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 Pixels = npt.NDArray[np.uint8]
@@ -85,6 +84,7 @@ def test_lossy_formats_stay_within_a_psnr_bound(fmt: str, quality: int | None, b
 
 
 def test_mp4_gives_back_its_frames_within_a_psnr_bound() -> None:
+    av = pytest.importorskip("av")  # the encode extra; the rest of this module runs without it
     frames = np.stack([smooth(48, 64, 3, seed=i % 3) for i in range(12)])
     data = encode_video(frames, Encoding("mp4"), fps=12)
     with av.open(io.BytesIO(data)) as container:
@@ -99,6 +99,7 @@ def test_mp4_gives_back_its_frames_within_a_psnr_bound() -> None:
 
 
 def test_a_job_encodes_each_image_of_a_sequence_or_one_video() -> None:
+    pytest.importorskip("av")
     batch = np.stack([smooth(16, 16, 3, seed=i) for i in range(3)])
     files, seconds = encode(EncodeJob(batch, Encoding("png"), sequence=True))
     assert len(files) == 3 and seconds > 0

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 from helpers.engine_harness import assert_quiescent, run
 from helpers.leaks import kept_for_the_module
 from PIL import Image
@@ -158,4 +159,39 @@ def test_rgb_images_and_frames_as_mp4_from_the_dit_pipeline() -> None:
             await assert_quiescent(engine)
 
     for ex in kept_for_the_module(MultiprocDiffusionExecutor(DIT, deadlines=DEADLINES)):
+        run(body(ex))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_jpeg_is_encoded_on_the_workers_gpu_and_only_its_bytes_cross() -> None:
+    pytest.importorskip("torchvision")
+    spec = WorkerSpec(
+        "omni_async.models.dit:make_worker",
+        {"device": "cuda", "hidden_size": 32, "depth": 1, "heads": 2, "decoder_width": 16, "steps": 2},
+        postprocess="dit",
+    )
+
+    async def body(ex: MultiprocDiffusionExecutor) -> None:
+        async with AsyncDiffusionEngine(ex, pipeline="dit", encode_workers=1) as engine:
+            size = {"height": 256, "width": 256, "seed": 4}
+            plain, jpeg, batch = await asyncio.gather(
+                engine.generate(DiffusionRequest("plain", size)),
+                engine.generate(DiffusionRequest("jpeg", size, format="jpeg", quality=95)),
+                engine.generate(DiffusionRequest("frames", {**size, "num_frames": 8}, format="jpeg")),
+            )
+            enc = jpeg.output
+            assert isinstance(enc, EncodedOutput) and enc.encoded_on == "cuda" and enc.note == ""
+            assert (enc.width, enc.height) == (256, 256)
+            pixels = np.asarray(plain.output["image"]).astype(np.float64)
+            mse = float(np.mean((decode(enc.data).astype(np.float64) - pixels) ** 2))
+            assert mse < 200.0, mse  # PSNR above 25 dB
+            assert jpeg.timings.encode == jpeg.metrics["device_encode_s"]
+            # Only the JPEG's bytes crossed: fewer than the uint8 pixels.
+            assert jpeg.metrics.get("pack_shm_bytes", 0.0) + jpeg.metrics.get("pack_inline_bytes", 0.0) < 256 * 256 * 3
+            assert len(batch.encoded) == 8 and all(e.encoded_on == "cuda" for e in batch.encoded)
+            assert engine._encoders.pids() == []  # the host encoders never started
+            await assert_quiescent(engine)
+
+    for ex in kept_for_the_module(MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)):
         run(body(ex))
