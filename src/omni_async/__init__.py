@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 # is imported the first time one of its names is used (``__getattr__`` below, PEP 562),
 # so that ``import omni_async`` and ``omni-async --help`` do not pay for importing torch.
 from omni_async.core.config import Deadlines
+from omni_async.core.encoding import InvalidEncoding
 from omni_async.core.engine_states import EngineState, StageState
 from omni_async.core.errors import (
     ActorDied,
@@ -77,7 +78,9 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
+from omni_async.engine.encoders import EncodedOutput
 from omni_async.engine.errors import (
+    EncodeFailed,
     EngineClosed,
     EngineDead,
     EngineError,
@@ -148,6 +151,9 @@ if TYPE_CHECKING:
         registered_postprocesses,
     )
     from omni_async.executor.ray_executor import RayDiffusionExecutor
+    from omni_async.core.encoding import Encoding
+    from omni_async.worker.encode import DeviceEncoded
+    from omni_async.worker.finalize import FusedPointwise
 
 #: The public names imported when first used, and the module of each.
 _LAZY: dict[str, str] = {
@@ -193,6 +199,9 @@ _LAZY: dict[str, str] = {
     "registered_postprocesses": "omni_async.worker.postprocess",
     # The ray extra: ``import omni_async`` works without Ray.
     "RayDiffusionExecutor": "omni_async.executor.ray_executor",
+    "Encoding": "omni_async.core.encoding",
+    "DeviceEncoded": "omni_async.worker.encode",
+    "FusedPointwise": "omni_async.worker.finalize",
 }
 
 
@@ -220,6 +229,7 @@ __all__ = [
     "DiffusionExecutor",
     "DiffusionOutput",
     "DiffusionRequest",
+    "EncodedOutput",
     "EngineMetrics",
     "EngineState",
     "ExecutorConfig",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from omni_async.core.encoding import InvalidEncoding
 from omni_async.core.errors import (
     ActorDied,
     ComputeTimeout,
@@ -36,6 +37,7 @@ from omni_async.core.errors import (
     WorkerStuck,
 )
 from omni_async.engine.errors import (
+    EncodeFailed,
     EngineClosed,
     EngineDead,
     EngineError,
@@ -91,6 +93,7 @@ __all__ = [
     "ChannelFull",
     "ComputeTimeout",
     "DeviceSyncUnavailable",
+    "EncodeFailed",
     "EngineClosed",
     "EngineDead",
     "EngineError",
@@ -100,6 +103,7 @@ __all__ = [
     "HeldOutputsFull",
     "IllegalTransition",
     "InvalidConfig",
+    "InvalidEncoding",
     "InvalidOutputPath",
     "InvalidRequest",
     "LeaseAlreadyReleased",

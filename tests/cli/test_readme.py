@@ -115,6 +115,7 @@ _DEV_IMPORTS = {
     "grpcio": "grpc",
     "diffusers": "diffusers",
     "transformers": "transformers",
+    "av": "av",
 }
 
 # Runs README's demo with every dev-only package made unimportable, as on a machine that

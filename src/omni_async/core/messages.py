@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
+from omni_async.core.encoding import Encoding, check_encoding
 from omni_async.core.errors import MessageValidationError
 from omni_async.core.failure import Failure
 from omni_async.core.stats import OutputStats, as_stats
@@ -319,11 +320,18 @@ class DiffusionRequest:
     ``postprocess``: the registered post-process (pipeline name) whose host stage turns
     this request's output into its result in ``AsyncDiffusionEngine``, instead of the
     engine's ``pipeline``; None: the engine's.  Not a model parameter: the model's
-    ``validate_request`` never sees it in ``params``."""
+    ``validate_request`` never sees it in ``params``.
+
+    ``format`` (``"png"``, ``"jpeg"``, ``"webp"``, ``"mp4"``) and ``quality``: the result
+    is the output's pixels encoded in that format (``omni_async.core.encoding``: what
+    ``quality`` means for each) instead of the host stage's result; None: as before.
+    Checked here: ``InvalidEncoding`` names the request, the value and the choices."""
 
     request_id: str
     params: Mapping[str, Any] = attrs.field(factory=dict)
     postprocess: str | None = attrs.field(default=None, kw_only=True)
+    format: str | None = attrs.field(default=None, kw_only=True)
+    quality: int | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         _check_id("request_id", self.request_id)
@@ -342,6 +350,12 @@ class DiffusionRequest:
                 f"DiffusionRequest {self.request_id!r}: postprocess must be a registered pipeline name (a "
                 f"non-empty str) or None, got {self.postprocess!r:.80}"
             )
+        check_encoding(self.request_id, self.format, self.quality)
+
+    @property
+    def encoding(self) -> Encoding | None:
+        """The format and quality this request asked for (None: no format)."""
+        return check_encoding(self.request_id, self.format, self.quality)
 
 
 @attrs.frozen

@@ -46,6 +46,11 @@ class OutputStats(Mapping[str, float]):
     pack_ended_at: float | None = None
     # A post-process device stage (``worker.postprocess.run_device_stage``).
     device_postprocess_s: float | None = None
+    # A request's JPEG encoded on the worker's GPU (``worker.encode``): its seconds, and
+    # the bytes of the images before (``device_encode_in_bytes``) and after.
+    device_encode_s: float | None = None
+    device_encode_in_bytes: float | None = None
+    device_encode_out_bytes: float | None = None
     # A model's own keys (open-ended: any name the fields above do not take).
     extra: Mapping[str, float] = attrs.field(factory=dict, converter=_extra, kw_only=True)
 

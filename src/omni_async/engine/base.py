@@ -18,8 +18,9 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TYPE_CHECKING, TypeVar
 
 import attrs
@@ -39,7 +40,15 @@ from omni_async.core.engine_trace import trace_observers
 from omni_async.core.errors import RequestAborted, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.core.trace import Tracer
+from omni_async.engine.encode_pool import (
+    EncoderPool,
+    HostEncode,
+    PendingEncode,
+    encoded_value,
+    take_for_encoding,
+)
 from omni_async.engine.errors import (
+    EncodeFailed,
     EngineClosed,
     EngineDead,
     EngineNotStarted,
@@ -108,7 +117,10 @@ class EngineBase:
         max_batch_size: int = 1,
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
         batch_key: BatchKeyer | None = None,
+        encode_workers: int | None = None,
     ) -> None:
+        # Requests that ask for a format are encoded in these processes (started on first use).
+        self._encoders = EncoderPool(encode_workers)
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise UsageError(f"max_batch_size must be a positive int (1: no batching), got {max_batch_size!r}")
         if max_running is None:
@@ -405,7 +417,11 @@ class EngineBase:
         with self._host_lock:
             self._host_running[rid] = self._host_running.get(rid, 0) + 1
         try:
-            return self._run_host_stage(rec, output, wanted)
+            value, started, seconds = self._run_host_stage(rec, output, wanted)
+            if isinstance(value, HostEncode):
+                # After the release: the job owns its pixels.  The event loop awaits it.
+                value = PendingEncode(self._encoders.submit(value.job), value)
+            return value, started, seconds
         finally:
             with self._host_lock:
                 left = self._host_running.pop(rid) - 1
@@ -423,8 +439,12 @@ class EngineBase:
         t0 = time.perf_counter()
         value: object = None
         guarded: Guarded | None = None
+        encoding = rec.request.encoding if wanted else None
         try:
-            if wanted and (post is None or post.host is None):
+            if encoding is not None:
+                # A format asked for: the pixels are encoded instead of the host stage.
+                value = take_for_encoding(output.output, rid, encoding)
+            elif wanted and (post is None or post.host is None):
                 value = owned_copy(output.output)
             elif post is not None and post.host_reads_only:
                 guarded = guard_input(output.output)
@@ -434,6 +454,9 @@ class EngineBase:
                 self._release_quietly(output)  # the stage holds no view of it: back to the pool now
                 value = post.run_host(owned, rec.request)
                 return value, started, time.perf_counter() - t0
+        except EncodeFailed:
+            self._release_quietly(output)
+            raise
         except Exception as exc:
             guarded = None
             self._release_quietly(output)
@@ -474,6 +497,46 @@ class EngineBase:
         except Exception as exc:  # the pool closed under us (executor shut down): nothing to give back
             log.debug("engine: releasing the output of %r: %s", rid, exc)
         return value, started, time.perf_counter() - t0
+
+
+    async def _encoded(self, rec: RequestRecord, value: object, metrics: Mapping[str, float]) -> tuple[object, float | None]:
+        """The result of a request that asked for a format, and the encode's seconds: the
+        encoder pool's job awaited (from its submission to its files here), or the
+        worker's GPU's time (``device_encode_s``).  Other results pass as they are."""
+        if not isinstance(value, PendingEncode):
+            if rec.request.format is not None and "device_encode_s" in metrics:
+                return value, metrics["device_encode_s"]
+            return value, None
+        rid, fmt = rec.request_id, value.encoding.format
+        try:
+            files, _ = await asyncio.wrap_future(value.future)
+        except EncodeFailed:
+            raise
+        except BrokenProcessPool as exc:
+            raise EncodeFailed(
+                f"request {rid!r}: the encoder process encoding it as {fmt} died ({exc}); the pool is replaced at "
+                "the next encode: send the request again",
+                request_id=rid,
+                format=fmt,
+            ) from exc
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the driver is cancelled (its future's cancel follows through wrap_future)
+            # The pool cancelled the job: it shut down (the engine is closing).
+            raise EncodeFailed(
+                f"request {rid!r}: the engine's encoder pool shut down before its {fmt} encode ran",
+                request_id=rid,
+                format=fmt,
+            ) from None
+        except Exception as exc:
+            raise EncodeFailed(
+                f"request {rid!r}: encoding its pixels {tuple(value.shape)} as {fmt} failed: "
+                f"{type(exc).__name__}: {exc}",
+                request_id=rid,
+                format=fmt,
+            ) from exc
+        return encoded_value(value, files), time.perf_counter() - value.submitted_at
 
 
     def _release_quietly(self, output: DiffusionOutput) -> None:

@@ -253,6 +253,8 @@ class EngineDriver(EngineBatches):
             finally:
                 metrics = dict(output.metrics)
                 del output  # the release took its views back; nothing of it is kept here
+            # A format asked for: the encoder pool's files, awaited here (never on a thread).
+            value, encode_s = await self._encoded(rec, value, metrics)
         except PostProcessFailed as exc:
             self._fail(rec, exc)
             return
@@ -271,6 +273,7 @@ class EngineDriver(EngineBatches):
             pack=pack_s,
             transfer_wait=max(0.0, rec.output_ready_at - forward_ended),
             postprocess=post_s,
+            encode=encode_s,
             total=finished - rec.enqueued_at,
             enqueued_at=rec.enqueued_at,
             submitted_at=rec.submitted_at,

@@ -142,6 +142,9 @@ class AsyncDiffusionEngine(EngineLifecycle):
     run one at a time) -- the baseline the asynchronous path is measured against
     (``omni-async demo``), not a way to serve: a request whose call is in flight cannot
     be cancelled (an abort waits for its forward, then releases its output).
+    ``encode_workers``: the processes that encode the requests that ask for a format
+    (``DiffusionRequest(..., format="png")``; default ``os.cpu_count()``), started with
+    the first such request and stopped by ``close`` (``omni_async.engine.encode_pool``).
 
     Use on one event loop: ``async with engine:``, or ``await engine.start()`` ...
     ``await engine.close()``.  ``from_factory`` builds an engine that creates its
@@ -163,6 +166,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
         max_batch_size: int = 1,
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
         batch_key: BatchKeyer | None = None,
+        encode_workers: int | None = None,
     ) -> None:
         if not isinstance(executor, DiffusionExecutor):
             raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
@@ -180,6 +184,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
             max_batch_size=max_batch_size,
             batch_wait_s=batch_wait_s,
             batch_key=batch_key,
+            encode_workers=encode_workers,
         )
 
 
@@ -199,6 +204,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
         max_batch_size: int = 1,
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
         batch_key: BatchKeyer | None = None,
+        encode_workers: int | None = None,
     ) -> AsyncDiffusionEngine:
         """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
         shuts the executor down, both on a worker thread (the executor's constructor and
@@ -220,6 +226,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
             max_batch_size=max_batch_size,
             batch_wait_s=batch_wait_s,
             batch_key=batch_key,
+            encode_workers=encode_workers,
         )
         return engine
 

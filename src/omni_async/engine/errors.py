@@ -56,7 +56,19 @@ class PostProcessFailed(EngineError):
         self.pipeline = pipeline
 
 
+class EncodeFailed(PostProcessFailed):
+    """A request that asked for a format could not be encoded: its output has no uint8
+    pixels to encode (``"image"`` or ``"frames"``, channel-last), an encoder refused them
+    (mp4 of one image, an odd size for H.264, PyAV missing) or raised, or the engine's
+    encoder pool is shut down.  Names the request and the format (``format``)."""
+
+    def __init__(self, message: str, *, request_id: str | None = None, format: str | None = None) -> None:
+        super().__init__(message, request_id=request_id)
+        self.format = format
+
+
 __all__ = [
+    "EncodeFailed",
     "EngineClosed",
     "EngineDead",
     "EngineError",

@@ -120,6 +120,8 @@ class EngineLifecycle(EngineDriver):
                 await asyncio.gather(self._loop_task, return_exceptions=True)
             self._stop_threads()
         finally:
+            # Whatever ended the engine: no encoder process outlives it.
+            await asyncio.to_thread(self._encoders.shutdown, max(0.1, deadline - time.monotonic()))
             self._life.fire(EE.CLOSED)
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from omni_async.core.errors import UsageError
+from omni_async.engine.encoders import EncodedOutput
 from omni_async.executor.metrics import ExecutorMetrics
 
 __all__ = [
@@ -33,7 +35,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 # The stages a finished request's time is split into (``RequestTimings``), plus the total.
-STAGES: tuple[str, ...] = ("queued", "forward", "pack", "transfer_wait", "postprocess", "total")
+STAGES: tuple[str, ...] = ("queued", "forward", "pack", "transfer_wait", "postprocess", "encode", "total")
 
 
 @attrs.frozen
@@ -52,6 +54,12 @@ class RequestTimings:
       engine (packing, the message, the unpack), the part of the copy the engine waited
       for;
     * ``postprocess``: the host stage (or the copy of the tensors) and the release;
+      for a request that asked for a format, the copy of its pixels out of shared
+      memory and the release;
+    * ``encode``: a request that asked for a format: its encode, from handing the pixels
+      to the engine's encoder processes to the files here (their queue included), or,
+      for a JPEG the worker's GPU encoded, that encode's time on the worker
+      (``device_encode_s``); None for the others;
     * ``total``: from ``generate`` to the result.
 
     The ``*_at`` stamps are ``time.monotonic()`` values, comparable across requests of
@@ -87,6 +95,7 @@ class RequestTimings:
     pack_started_at: float | None = None
     pack_ended_at: float | None = None
     forward_returned_at: float | None = None
+    encode: float | None = None
 
     def as_dict(self) -> dict[str, float | None]:
         return attrs.asdict(self)
@@ -110,6 +119,11 @@ class GenerationResult:
     keeping it holds back nothing of the executor's budget.  Its type is the model's
     and the pipeline's to define, as ``DiffusionOutput.output`` is.
     ``metrics``: the output's own metrics (the packer's ``pack_s``, ``pack_shm_bytes``, ...).
+
+    A request that asked for a format (``DiffusionRequest(..., format="png")``) gets an
+    ``EncodedOutput`` as ``output`` (a tuple of them for several images: a batch, or a
+    video's frames in an image format), instead of the host stage's result: ``encoded``,
+    ``data`` and ``media_type`` read it.
     """
 
     request_id: str
@@ -117,6 +131,33 @@ class GenerationResult:
     timings: RequestTimings
     metrics: Mapping[str, float] = attrs.field(factory=dict)
     pipeline: str | None = None
+
+    @property
+    def encoded(self) -> tuple[EncodedOutput, ...]:
+        """The encoded files (empty: the request asked for no format)."""
+        if isinstance(self.output, EncodedOutput):
+            return (self.output,)
+        if isinstance(self.output, tuple) and self.output and all(isinstance(o, EncodedOutput) for o in self.output):
+            return self.output
+        return ()
+
+    @property
+    def media_type(self) -> str | None:
+        """The encoded files' media type (``"image/png"``, ...); None: not encoded."""
+        files = self.encoded
+        return files[0].media_type if files else None
+
+    @property
+    def data(self) -> bytes | None:
+        """The bytes of the one encoded file (None: not encoded); ``UsageError`` when there
+        are several (a batch of images): read ``encoded``."""
+        files = self.encoded
+        if len(files) > 1:
+            raise UsageError(
+                f"request {self.request_id!r} has {len(files)} encoded files (a batch of images): read "
+                "result.encoded, not result.data"
+            )
+        return files[0].data if files else None
 
 
 @attrs.frozen

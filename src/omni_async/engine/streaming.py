@@ -66,6 +66,8 @@ class EngineStreams(EngineBase):
                 value, _, post_s = await self._loop.run_in_executor(
                     self._post, functools.partial(self._postprocess, rec, output, True)
                 )
+                value, encode_s = await self._encoded(rec, value, metrics)
+                post_s += encode_s or 0.0
             finally:
                 self._postprocessing -= 1
                 del output

@@ -308,6 +308,10 @@ def build_worker(
     worker = spec.build(rank, dist)
     # After the build: importing the factory's module registers its post-processes here.
     stage = spec.device_stage()
+    if spec.postprocess is not None:
+        # Compiling a fused device stage takes seconds: here, before the first request,
+        # rather than in its first pack (``PostProcess.warmup``).
+        get_postprocess(spec.postprocess).warm_up(dev)
     packer = Packer(
         rank,
         sender,

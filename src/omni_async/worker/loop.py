@@ -334,11 +334,18 @@ class WorkerLoop:
         cancelled = scope.cancelled()
         # The packer starts on the outputs once COMPUTE_DONE is out (Packer.held).
         with self._packer.held():
-            for m, out in zip(machines, outputs, strict=True):
+            for m, out, request in zip(machines, outputs, requests, strict=True):
                 self._fire(m, RequestEvent.COMPUTE_DONE)
                 skip = out.request_id in cancelled
                 self._packer.submit(
-                    m.key, out, m, event=event, nbytes=0 if skip else budget_nbytes(out), cancelled=skip, forward=forward
+                    m.key,
+                    out,
+                    m,
+                    event=event,
+                    nbytes=0 if skip else budget_nbytes(out),
+                    cancelled=skip,
+                    forward=forward,
+                    encoding=request.encoding,
                 )
             ids = tuple(m.key for m in machines)
             try:

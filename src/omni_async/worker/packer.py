@@ -31,6 +31,7 @@ from typing import TypeAlias
 
 import attrs
 
+from omni_async.core.encoding import Encoding
 from omni_async.core.messages import DiffusionOutput, Failure, OutputReady
 from omni_async.core.registry import no_release
 from omni_async.core.states import (
@@ -47,6 +48,7 @@ from omni_async.transport.clock import DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
+from omni_async.worker.encode import run_device_encode
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
 from omni_async.worker.stamps import ForwardMarks, timed
 
@@ -92,6 +94,9 @@ class PackJob:
     # The forward's marks (None: a streamed chunk); the packer stamps the output with
     # them once its copy has synchronized (``worker.stamps.timed``).
     forward: ForwardMarks | None = None
+    # The format its request asked for: JPEG is encoded on the device before the copy
+    # (``worker.encode``); the others are the engine's.
+    encoding: Encoding | None = None
 
 
 @attrs.define
@@ -218,17 +223,22 @@ class Packer:
         nbytes: int = 0,
         cancelled: bool = False,
         forward: ForwardMarks | None = None,
+        encoding: Encoding | None = None,
     ) -> None:
         """Queue one finished output (its machine in COMPUTE_DONE). Never blocks: see ``wait_for_room``.
 
         ``cancelled``: its request was cancelled meanwhile: it is not packed, but reported
         cancelled in its turn, exactly as if it had been dropped before packing (F15).
         ``forward``: its forward's marks, read into its stamps once it is packed.
+        ``encoding``: the format its request asked for (JPEG: encoded on the device after
+        the device stage, ``omni_async.worker.encode``).
         """
         with self._cond:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
-            self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward))
+            self._jobs.append(
+                PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward, encoding)
+            )
             if cancelled:
                 self._cancelled.add(output_id)
             self.metrics.in_flight_outputs += 1
@@ -349,6 +359,9 @@ class Packer:
             copy = self._clock.mark(stream)
             if self._device_stage is not None:
                 output = run_device_stage(self._device_stage, output, stream, job.event)
+                self._resize(job, budget_nbytes(output))
+            if job.encoding is not None and job.encoding.format == "jpeg":
+                output = run_device_encode(output, job.encoding, stream, job.event)
                 self._resize(job, budget_nbytes(output))
             packed = self._pack(output, stream, job.event)
             packed = timed(packed, self._clock, job.forward, copy, time.monotonic())

@@ -44,6 +44,7 @@ output like a pack failure: its waiter gets ``RemoteError`` with the stage's exc
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +57,8 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.core.stats import as_stats
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
+
+log = logging.getLogger(__name__)
 
 DeviceStage = Callable[[DiffusionOutput], DiffusionOutput]
 HostStage = Callable[[DiffusionOutput], object]
@@ -105,13 +108,17 @@ class PostProcess:
     # The host stage only reads its input: it gets the zero-copy views of the shared
     # memory instead of an owned copy (see the module docstring).
     host_reads_only: bool = attrs.field(default=False, kw_only=True)
+    # Run once in each worker process that runs the device stage, with the worker's
+    # device, after the model is built and before the first request: compile a fused
+    # kernel there (``omni_async.worker.finalize``), not in the first pack.
+    warmup: Callable[[torch.device], None] | None = attrs.field(default=None, kw_only=True)
     # Whether ``host`` takes the request too (detected once, from its signature).
     host_takes_request: bool = attrs.field(init=False, default=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise UsageError(f"PostProcess name must be a non-empty str, got {self.name!r:.60}")
-        for stage, value in (("host", self.host), ("device", self.device)):
+        for stage, value in (("host", self.host), ("device", self.device), ("warmup", self.warmup)):
             if value is not None and not callable(value):
                 raise UsageError(
                     f"PostProcess {stage}: must be callable or None, got {type(value).__name__} {value!r:.60}"
@@ -120,6 +127,17 @@ class PostProcess:
             raise UsageError(f"PostProcess {self.name!r}: host_reads_only must be a bool, got {self.host_reads_only!r}")
         if self.host is not None:
             object.__setattr__(self, "host_takes_request", _takes_request(self.host, self.name))
+
+    def warm_up(self, device: torch.device) -> None:
+        """Run ``warmup`` on ``device`` when there is one and a device stage to warm; a
+        warm-up that raises is logged, never fatal (the stage then warms on first use)."""
+        if self.warmup is None or self.device is None:
+            return
+        try:
+            self.warmup(device)
+        except Exception:
+            log.warning("post-process %r: its warm-up on %s failed; it warms on first use", self.name, device,
+                        exc_info=True)
 
     def run_host(self, output: DiffusionOutput, request: DiffusionRequest) -> object:
         """Call the host stage in the form it was written in (``UsageError`` without one)."""

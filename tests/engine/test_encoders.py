@@ -1,0 +1,181 @@
+"""Issue 20: the host's encoders and the device's JPEG, each decoded again.
+
+Every host encoder round-trips: PNG (every level) and lossless WebP give back the uint8
+pixels exactly (grey, RGB, RGBA), JPEG and lossy WebP within a PSNR bound, MP4 (PyAV,
+H.264) its frames within a PSNR bound at the right count and size.  The request's
+format is checked when the request is built (``InvalidEncoding``).  The worker's JPEG
+on the GPU (``worker.encode``) falls back on the CPU with its reason; on CUDA (``-m
+cuda``) it is a decodable JPEG of the right size, batched, ordered after the forward's
+event.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from PIL import Image
+
+from omni_async.core.encoding import FORMATS, MEDIA_TYPES, Encoding, InvalidEncoding
+from omni_async.core.errors import InvalidRequest
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.engine.encoders import EncodeJob, encode, encode_image, encode_video
+from omni_async.worker.encode import DeviceEncoded, encode_on_device, run_device_encode
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+Pixels = npt.NDArray[np.uint8]
+
+
+def smooth(h: int, w: int, c: int, seed: int = 0) -> Pixels:
+    """A smooth image (gradients and a little noise): what JPEG is for; PSNR stays high."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float64)
+    rng = np.random.default_rng(seed)
+    chans = [127 + 100 * np.sin(x / (7 + i) + y / (11 + 2 * i) + seed) + rng.normal(0, 2, (h, w)) for i in range(c)]
+    out: Pixels = np.clip(np.stack(chans, -1), 0, 255).astype(np.uint8)
+    return out
+
+
+def psnr(a: Pixels, b: Pixels) -> float:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def decode(data: bytes) -> Pixels:
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+@pytest.mark.parametrize("level", [None, 0, 1, 6, 9])
+@pytest.mark.parametrize("channels", [0, 1, 3, 4])
+def test_png_gives_back_the_pixels_exactly(level: int | None, channels: int) -> None:
+    image = smooth(37, 53, max(channels, 1), seed=channels)
+    if channels == 0:
+        image = image[..., 0]  # [H, W]
+    data = encode_image(image, Encoding("png", level))
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    want = image[..., 0] if channels == 1 else image
+    assert np.array_equal(decode(data), want)
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_lossless_webp_gives_back_the_pixels_exactly(channels: int) -> None:
+    image = smooth(40, 24, channels, seed=5)
+    data = encode_image(image, Encoding("webp"))
+    assert data[:4] == b"RIFF" and data[8:12] == b"WEBP"
+    back = decode(data)
+    if channels == 1:
+        assert np.array_equal(back[..., 0], image[..., 0]) and np.array_equal(back[..., 2], image[..., 0])
+    else:
+        assert np.array_equal(back, image)
+
+
+@pytest.mark.parametrize(("fmt", "quality", "bound"), [("jpeg", None, 33.0), ("jpeg", 95, 36.0), ("webp", 90, 33.0)])
+def test_lossy_formats_stay_within_a_psnr_bound(fmt: str, quality: int | None, bound: float) -> None:
+    image = smooth(64, 96, 3, seed=2)
+    data = encode_image(image, Encoding(fmt, quality))  # type: ignore[arg-type]
+    back = decode(data)
+    assert back.shape == image.shape and psnr(back, image) > bound, psnr(back, image)
+    rgba = np.concatenate([image, np.full((*image.shape[:2], 1), 7, np.uint8)], -1)
+    if fmt == "jpeg":  # JPEG drops the alpha channel
+        assert psnr(decode(encode_image(rgba, Encoding("jpeg"))), image) > bound
+
+
+def test_mp4_gives_back_its_frames_within_a_psnr_bound() -> None:
+    av = pytest.importorskip("av")  # the encode extra; the rest of this module runs without it
+    frames = np.stack([smooth(48, 64, 3, seed=i % 3) for i in range(12)])
+    data = encode_video(frames, Encoding("mp4"), fps=12)
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264" and (stream.width, stream.height) == (64, 48)
+        back = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    assert back.shape == frames.shape
+    assert psnr(back, frames) > 28.0, psnr(back, frames)
+    grey = encode_video(frames[..., :1], Encoding("mp4", 100), fps=12)  # [T, H, W, 1]
+    with av.open(io.BytesIO(grey)) as container:
+        assert len(list(container.decode(video=0))) == 12
+
+
+def test_a_job_encodes_each_image_of_a_sequence_or_one_video() -> None:
+    pytest.importorskip("av")
+    batch = np.stack([smooth(16, 16, 3, seed=i) for i in range(3)])
+    files, seconds = encode(EncodeJob(batch, Encoding("png"), sequence=True))
+    assert len(files) == 3 and seconds > 0
+    assert all(np.array_equal(decode(f), img) for f, img in zip(files, batch, strict=True))
+    (video,), _ = encode(EncodeJob(batch, Encoding("mp4"), sequence=True))
+    assert video[4:8] == b"ftyp"
+    with pytest.raises(ValueError, match="mp4 encodes frames"):
+        encode(EncodeJob(batch[0], Encoding("mp4"), sequence=False))
+    with pytest.raises(ValueError, match="even width and height"):
+        encode_video(np.zeros((2, 15, 16, 3), np.uint8), Encoding("mp4"))
+
+
+def test_a_bad_format_or_quality_fails_when_the_request_is_built() -> None:
+    for kwargs, parameter, needle in [
+        ({"format": "tiff"}, "format", "'tiff'; the formats are ['png', 'jpeg', 'webp', 'mp4']"),
+        ({"format": "jpg"}, "format", "'jpg' is spelt 'jpeg'"),
+        ({"format": "jpeg", "quality": 101}, "quality", "for jpeg it is an int 1..100"),
+        ({"format": "png", "quality": 10}, "quality", "the zlib compression level"),
+        ({"format": "webp", "quality": 9.5}, "quality", "for webp it is an int 1..100"),
+        ({"quality": 90}, "quality", "quality needs a format"),
+    ]:
+        with pytest.raises(InvalidEncoding) as info:
+            DiffusionRequest("req-7", {"height": 8}, **kwargs)  # type: ignore[arg-type]
+        err = info.value
+        assert isinstance(err, InvalidRequest) and isinstance(err, ValueError)
+        assert err.request_id == "req-7" and err.parameter == parameter
+        assert "request 'req-7'" in str(err) and needle in str(err), str(err)
+    ok = DiffusionRequest("r", format="webp", quality=80)
+    assert ok.encoding == Encoding("webp", 80) and ok.encoding.media_type == "image/webp"
+    assert DiffusionRequest("r").encoding is None
+    assert set(FORMATS) == set(MEDIA_TYPES) == {"png", "jpeg", "webp", "mp4"}
+
+
+def test_off_cuda_the_device_jpeg_leaves_the_pixels_and_says_why() -> None:
+    pixels = torch.from_numpy(smooth(16, 24, 3))
+    out = run_device_encode(DiffusionOutput("r", {"image": pixels, "info": 1}), Encoding("jpeg"))
+    value = out.output["image"]
+    assert isinstance(value, DeviceEncoded) and not value.parts and value.pixels is pixels
+    assert "on cpu" in value.reason and out.output["info"] == 1
+    assert "device_encode_s" not in out.metrics
+    same = DiffusionOutput("r", {"image": pixels})
+    assert encode_on_device(same, Encoding("png")) is same  # only JPEG is the GPU's
+
+
+# ------------------------------------------------------------------------------ CUDA
+
+
+@cuda
+@pytest.mark.cuda
+def test_nvjpeg_gives_decodable_jpegs_of_the_right_size_in_one_batch() -> None:
+    pytest.importorskip("torchvision")
+    batch = np.stack([smooth(1024, 768, 3, seed=i) for i in range(8)])
+    pixels = torch.from_numpy(batch).cuda()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
+    out = run_device_encode(DiffusionOutput("r", {"image": pixels}), Encoding("jpeg", 90), side)
+    value = out.output["image"]
+    assert isinstance(value, DeviceEncoded) and value.reason == "" and len(value.parts) == 8
+    assert (value.width, value.height, value.batched) == (768, 1024, True)
+    for part, image in zip(value.parts, batch, strict=True):
+        back = decode(part.cpu().numpy().tobytes())
+        assert back.shape == image.shape and psnr(back, image) > 33.0
+    assert out.metrics["device_encode_out_bytes"] < out.metrics["device_encode_in_bytes"] / 4
+
+
+@cuda
+@pytest.mark.cuda
+def test_nvjpeg_waits_for_the_forwards_event() -> None:
+    pytest.importorskip("torchvision")
+    image = torch.from_numpy(smooth(512, 512, 3, seed=9)).cuda()
+    pixels = torch.zeros_like(image)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the forward's tail, queued
+    pixels.copy_(image)  # its last write, behind the sleep
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
+    event.record()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
+    out = run_device_encode(DiffusionOutput("r", {"image": pixels}), Encoding("jpeg", 95), side, event)
+    (part,) = out.output["image"].parts
+    assert psnr(decode(part.cpu().numpy().tobytes()), image.cpu().numpy()) > 36.0
