@@ -198,15 +198,35 @@ class Packer:
         forward's end to the executor's receipt).  The packer loses nothing by waiting:
         on a GPU it waits for the forward's event anyway.
         """
-        with self._cond:
-            self._held += 1
+        self.hold()
         try:
             yield
         finally:
-            with self._cond:
-                self._held -= 1
-                if not self._held:
-                    self._cond.notify_all()
+            self.unhold()
+
+    def hold(self) -> None:
+        """Keep the packer thread from starting on queued outputs until ``unhold`` (counted).
+
+        The worker's loop holds it from a forward's hand-off until the next forward has
+        started or the loop has nothing to do (``WorkerLoop.defer_packing``): in one
+        interpreter the packer's Python competes with the main thread for the GIL, and
+        the main thread's way to the next forward's launch is the device's idle time."""
+        with self._cond:
+            self._held += 1
+
+    def unhold(self) -> None:
+        """End one ``hold``; the packer starts on what is queued once none is left."""
+        with self._cond:
+            if self._held <= 0:
+                raise RuntimeError(f"packer {self.rank}: unhold() without a hold")
+            self._held -= 1
+            if not self._held:
+                self._cond.notify_all()
+
+    def has_room(self, count: int = 1, nbytes: int = 0) -> bool:
+        """Whether ``count`` more outputs (``nbytes`` in all) fit now (``wait_for_room`` would not wait)."""
+        with self._cond:
+            return self._has_room(count, nbytes)
 
     def submit(
         self,
