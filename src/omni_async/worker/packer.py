@@ -92,6 +92,9 @@ class PackJob:
     # The forward's marks (None: a streamed chunk); the packer stamps the output with
     # them once its copy has synchronized (``worker.stamps.timed``).
     forward: ForwardMarks | None = None
+    # Submitted under a hold (``Packer.hold``): not started until the hold ends.  Per job,
+    # so a later hold never takes back a job already released.
+    held: bool = False
 
 
 @attrs.define
@@ -221,6 +224,8 @@ class Packer:
                 raise RuntimeError(f"packer {self.rank}: unhold() without a hold")
             self._held -= 1
             if not self._held:
+                for job in self._jobs:
+                    job.held = False
                 self._cond.notify_all()
 
     def has_room(self, count: int = 1, nbytes: int = 0) -> bool:
@@ -248,7 +253,9 @@ class Packer:
         with self._cond:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
-            self._jobs.append(PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward))
+            self._jobs.append(
+                PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward, held=self._held > 0)
+            )
             if cancelled:
                 self._cancelled.add(output_id)
             self.metrics.in_flight_outputs += 1
@@ -332,7 +339,7 @@ class Packer:
                 self._machine.fire(LifecycleEvent.STARTED)
         while True:
             with self._cond:
-                while (not self._jobs or self._held) and self._machine.state is LifecycleState.RUNNING:
+                while (not self._jobs or self._jobs[0].held) and self._machine.state is LifecycleState.RUNNING:
                     self._cond.wait()
                 if not self._jobs:
                     break
