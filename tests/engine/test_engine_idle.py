@@ -53,7 +53,7 @@ def serve_with_a_held_loop(max_running: int | None) -> list[RequestTimings]:
                     result = await engine.generate(DiffusionRequest(f"r-{i}", dict(params)))
                     timings.append(result.timings)
                     if next(done) == 2:
-                        time.sleep(HOLD_S)  # blocks the event loop on purpose
+                        time.sleep(HOLD_S)  # noqa: ASYNC251  # blocks the event loop on purpose
 
                 await asyncio.gather(*(one(i) for i in range(12)))
         finally:
