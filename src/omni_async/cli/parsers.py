@@ -319,7 +319,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "segment) and omni-u8 (ours with a uint8 device stage).  Sweep output sizes x forward lengths x "
             "concurrency, plus a copy-bound case; per case print requests/s, p50/p95 latency, copy GB/s, the "
             "device's idle gap between forwards and efficiency = throughput / (1 / max(forward, bytes / pinned "
-            "copy bandwidth)), forward and copy measured alone around each case.  --json writes every field, "
+            "copy bandwidth)), forward and copy measured alone around each case, and the time to the client's "
+            "bytes (output in hand and post-processed on the host) against the forward alone.  The table fits 100 "
+            "columns; --json writes every field, "
             "--plot a PNG (needs matplotlib; --plot-from JSON draws it later from a saved report)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -355,7 +357,25 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=20.0,
         help="stop taking new requests in a case after this many seconds (slow modes on large outputs)",
     )
-    d.add_argument("--no-copy-bound", dest="copy_bound", action="store_false", help="skip the copy-bound cases")
+    d.add_argument(
+        "--copy-bound",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "include the copy-bound cases (the largest size behind a forward that only writes its output); "
+            "--no-copy-bound leaves them out"
+        ),
+    )
+    d.add_argument(
+        "--client-bytes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "time each output to the client's bytes: uint8 pixels made on the host as an engine's host stage "
+            "does, before the output is released (the 'client ms' column; its ideal is the forward alone); "
+            "--no-client-bytes takes the output in hand only"
+        ),
+    )
     d.add_argument(
         "--tiny",
         action="store_true",
