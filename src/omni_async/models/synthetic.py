@@ -25,9 +25,9 @@ CPU a reused host buffer).
 The output's values are a function of the request (``synthetic_output``), so a test can
 rebuild the tensor a worker produced and compare bytes.  Post-process ``"bench-u8"``: a
 device stage that turns every floating tensor (values in -1..1) into uint8 pixels
-before the copy, the way a pipeline ships images; ``"bench-client"`` and
-``"bench-u8-client"``: the same with a host stage that hands the client its bytes
-(``to_client_bytes``: the conversion on the host, or, after the device stage, a copy).
+before the copy, the way a pipeline ships images.  ``"bench-client"``: a host stage
+alone that hands the client its bytes (``to_client_bytes``: the conversion on the host);
+``"bench-u8-client"``: ``"bench-u8"``'s device stage, then that host stage (a copy).
 """
 
 from __future__ import annotations
