@@ -28,6 +28,8 @@ def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str, tmp_p
     assert done.returncode == 0, done.stdout + done.stderr
     for mode in ("sync", "async"):
         assert f"{mode}: 6 requests in " in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
+    assert "speed-up (omni_async over before): " in done.stdout
+    assert "What it does not show: the throughput a" in done.stdout  # the CPU note
     # Each run: the 6 requests and a warm-up; nothing left in the engine.
     assert done.stdout.count(": finished=7; ") == 2 and done.stdout.count("; nothing left in it") == 2, done.stdout
     assert "no timeouts, protocol errors or outputs left" in done.stdout, done.stdout

@@ -200,3 +200,66 @@ def test_the_packer_starts_on_a_forwards_outputs_only_after_its_compute_done(cha
             assert [_next(channel).kind for _ in range(2)] == [AsyncOutputKind.COMPUTE_DONE, AsyncOutputKind.OUTPUT_READY]
     finally:
         packer.stop()
+
+
+def test_a_deferred_packer_waits_for_the_next_forward_or_idle(channel: InProcessChannel) -> None:
+    """``defer_packing`` (the worker process sets it): the packer starts on a forward's
+    output only once the next forward has started or the loop is told it idles, so its
+    Python never takes the GIL on the main thread's way to the next launch.  Held, the
+    packer cannot run at all: nothing is packed however long the test waits."""
+    started: list[str] = []
+    seen_at_forward: list[list[str]] = []
+
+    class Recording(Model):
+        def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+            seen_at_forward.append(list(started))
+            return super().execute_model(request)
+
+    def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        started.append(output.request_id)
+        return output
+
+    packer = Packer(0, channel, pack=pack)
+    packer.start()
+    try:
+        loop = WorkerLoop(0, Recording(torch.ones(4)), channel, packer=packer)
+        loop.defer_packing = True
+        loop.handle_rpc(_execute("a"))
+        assert _next(channel).kind is AsyncOutputKind.COMPUTE_DONE
+        time.sleep(0.2)  # an undeferred packer has packed by now (the test below)
+        assert started == [], "the packer started before the next forward or idle()"
+        loop.handle_rpc(_execute("b"))  # its forward's start ends a's hold
+        assert _next(channel).kind is AsyncOutputKind.COMPUTE_DONE
+        assert _next(channel).kind is AsyncOutputKind.OUTPUT_READY and started == ["a"]
+        time.sleep(0.1)
+        assert started == ["a"], "b's output was packed before the next forward or idle()"
+        loop.idle()
+        assert _next(channel).kind is AsyncOutputKind.OUTPUT_READY and started == ["a", "b"]
+        # A call that ends before its forward (not a request) ends the hold too.
+        loop.handle_rpc(_execute("c"))
+        assert _next(channel).kind is AsyncOutputKind.COMPUTE_DONE
+        loop.handle_rpc(RpcRequest("bad", "execute_model", ("x",), async_output=True))
+        kinds = {_next(channel).kind for _ in range(2)}
+        assert kinds == {AsyncOutputKind.OUTPUT_READY, AsyncOutputKind.RPC_RESULT} and started == ["a", "b", "c"]
+        # A control call (a drain: it waits for the packer) is never behind a hold.
+        loop.handle_rpc(_execute("e"))
+        assert _next(channel).kind is AsyncOutputKind.COMPUTE_DONE
+        loop.handle_rpc(RpcRequest("d1", "drain_outputs", (5.0,)))
+        kinds = {_next(channel).kind for _ in range(2)}
+        assert kinds == {AsyncOutputKind.OUTPUT_READY, AsyncOutputKind.RPC_RESULT} and started == ["a", "b", "c", "e"]
+        assert seen_at_forward[0] == [] and len(seen_at_forward) == 4
+    finally:
+        packer.stop()
+
+
+def test_an_undeferred_packer_starts_once_compute_done_is_out(channel: InProcessChannel) -> None:
+    """Without ``defer_packing`` (in-process and Ray hosts, which never call ``idle``) the
+    packer starts as soon as COMPUTE_DONE is out, with no next request."""
+    packer = Packer(0, channel)
+    packer.start()
+    try:
+        loop = WorkerLoop(0, Model(torch.ones(4)), channel, packer=packer)
+        loop.handle_rpc(_execute("a"))
+        assert [_next(channel).kind for _ in range(2)] == [AsyncOutputKind.COMPUTE_DONE, AsyncOutputKind.OUTPUT_READY]
+    finally:
+        packer.stop()

@@ -24,7 +24,14 @@ bandwidth)`` with ``bytes`` the output as the model produced it (so ``omni-u8``,
 ships fewer, can pass 1.0).  Reported per case: requests/s (after the warm-up), p50/p95
 latency (submit to output in hand), copy GB/s (the worker's pack), the device's idle gap
 between forwards (worker-side forward timestamps), efficiency = throughput / ideal, and
-on CUDA the GPU's SM clock and power during the case.
+on CUDA the GPU's SM clock and power during the case.  To the client (``--client-bytes``,
+the default): each output in hand is turned into the client's bytes on the host, as an
+engine's host stage does (``models.synthetic.to_client_bytes``: uint8 pixels; the
+conversion on the host unless ``omni-u8``'s device stage did it), in the consumer
+threads, before it is released; ``client_ms_p50`` is the time from submit to those
+bytes, and ``client_efficiency`` the forward alone over it (the ideal: the forward
+alone).  The printed table fits 100 columns (``bench_report``); on CPU a paragraph says
+what the figures do not show there.
 
 ``--pump``: a CPU micro-benchmark of the protocol: real worker processes, tiny outputs,
 no forward: the latency from the end of the worker's forward (right before it sends
@@ -44,8 +51,6 @@ import itertools
 import math
 import queue
 import json
-import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -59,9 +64,9 @@ from typing import Any, Final
 import attrs
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from omni_async.cli import bench_plot
+from omni_async.cli.bench_report import CPU_NOTE, TABLE_WIDTH, environment, table
 from omni_async.cli.parsers import MODES, SIZES, TINY_SIZES
 from omni_async.cli.parsers import add_bench as add_parser
 from omni_async.cli.bench_stats import (
@@ -74,8 +79,9 @@ from omni_async.cli.bench_stats import (
     steady_rate,
 )
 from omni_async.core.config import Deadlines
-from omni_async.core.messages import DiffusionRequest
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.models.synthetic import to_client_bytes
 from omni_async.transport.shm.files import entries
 from omni_async.worker.baselines import OutputPath
 from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_RETURNED_AT, FORWARD_STARTED_AT
@@ -229,6 +235,8 @@ class _Record:
     submitted: float
     done: float
     metrics: dict[str, float]
+    # When the client's bytes were in hand (None: not made, ``--no-client-bytes``).
+    client: float | None = None
 
 
 def _take(ex: MultiprocDiffusionExecutor, output_id: str) -> dict[str, float]:
@@ -237,6 +245,25 @@ def _take(ex: MultiprocDiffusionExecutor, output_id: str) -> dict[str, float]:
     metrics = dict(out.metrics)
     ex.release_output(out)  # nothing of it is viewed here: the segment goes back at once
     return metrics
+
+
+def _deliver(
+    ex: MultiprocDiffusionExecutor, out: DiffusionOutput, client: bool
+) -> tuple[dict[str, float], float, float | None]:
+    """An output in hand: (its metrics, now, when the client's bytes were made), then released.
+
+    ``client``: the client's bytes are made first, on the host, as an engine's host stage
+    does (``models.synthetic.to_client_bytes``: uint8 pixels, converted here unless the
+    device stage did it)."""
+    done = time.monotonic()
+    metrics = dict(out.metrics)
+    made = None
+    if client:
+        payload = to_client_bytes(out)
+        made = time.monotonic()
+        del payload
+    ex.release_output(out)  # nothing of it is viewed here: the segment goes back at once
+    return metrics, done, made
 
 
 def _alone(
@@ -267,7 +294,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
         records: list[_Record] = []
         lock = threading.Lock()
         errors: list[BaseException] = []
-        announced: queue.Queue[tuple[int, float, str] | None] = queue.Queue()
+        announced: queue.Queue[tuple[int, float, str | DiffusionOutput] | None] = queue.Queue()
 
         def client() -> None:
             # A running slot of an engine: it submits the next request as soon as the
@@ -281,10 +308,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
                     t0 = time.monotonic()
                     ro = ex.execute_request(DiffusionRequest(f"{mode}-{phase}{i}", {**params, "seed": i}))
                     if ro.result is not None:
-                        metrics = dict(ro.result.metrics)
-                        ex.release_output(ro.result)
-                        with lock:
-                            records.append(_Record(i, t0, time.monotonic(), metrics))
+                        announced.put((i, t0, ro.result))  # in hand: the consumer makes the client's bytes
                     else:
                         assert ro.async_output_id is not None
                         announced.put((i, t0, ro.async_output_id))
@@ -293,14 +317,16 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
 
         def consumer() -> None:
             while (item := announced.get()) is not None:
-                i, t0, oid = item
+                i, t0, what = item
                 try:
-                    metrics = _take(ex, oid)
+                    out = what if isinstance(what, DiffusionOutput) else ex.wait_output_ready(what).result(timeout=600)
+                    metrics, done, made = _deliver(ex, out, args.client_bytes)
+                    del out
                 except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
                     errors.append(exc)
                     continue
                 with lock:
-                    records.append(_Record(i, t0, time.monotonic(), metrics))
+                    records.append(_Record(i, t0, done, metrics, made))
 
         clients = [threading.Thread(target=client, name=f"bench-client-{k}") for k in range(case.concurrency)]
         consumers = [threading.Thread(target=consumer, name=f"bench-consumer-{k}") for k in range(case.concurrency)]
@@ -361,6 +387,7 @@ def summarize(
     skip = min(warmup, len(by_done) - 1)
     window = by_done[skip:]
     latencies = [r.done - r.submitted for r in window]
+    to_client = [r.client - r.submitted for r in window if r.client is not None]
     forwards = [(r.metrics[FORWARD_STARTED_AT], r.metrics[FORWARD_ENDED_AT]) for r in window]
     gaps = idle_gaps(forwards)
     copied = [r.metrics.get("pack_shm_bytes", 0.0) + r.metrics.get("pack_inline_bytes", 0.0) for r in window]
@@ -398,6 +425,11 @@ def summarize(
         "ideal_rps": ideal,
         "bound": "copy" if case.nbytes / copy_bps > fwd_s else "forward",
         "efficiency": efficiency(throughput, ideal),
+        # To the client's bytes (the output in hand and post-processed on the host); the
+        # ideal is the forward alone, so its efficiency is forward / that time.
+        "client_ms_p50": 1e3 * percentile(to_client, 50) if to_client else None,
+        "client_ms_p95": 1e3 * percentile(to_client, 95) if to_client else None,
+        "client_efficiency": fwd_s / percentile(to_client, 50) if to_client and fwd_s > 0 else None,
         "wall_s": wall_s,
     }
 
@@ -451,51 +483,6 @@ def run_pump(requests: int, concurrency: int = 1) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ reporting
 
 
-def environment(device: str) -> dict[str, Any]:
-    dev = torch.device(device)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device,
-        "device_name": name,
-        "cuda": torch.version.cuda,
-        "cpu_count": os.cpu_count(),
-        "matplotlib": bench_plot.have_matplotlib(),
-    }
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table(cases: Sequence[dict[str, Any]], title: str) -> Table:
-    t = Table(title=title)
-    for col in (
-        "mode", "size", "forward", "c", "req/s", "p50 ms", "p95 ms", "copy GB/s", "idle ms",
-        "fwd ms", "pinned GB/s", "ideal req/s", "eff.",
-    ):  # fmt: skip
-        t.add_column(col, justify="left" if col in ("mode", "size", "forward") else "right")
-    for c in cases:
-        t.add_row(
-            c["mode"],
-            c["size"],
-            c["forward_label"],
-            str(c["concurrency"]),
-            _fmt(c["throughput_rps"], ".2f"),
-            _fmt(c["latency_ms_p50"], ".1f"),
-            _fmt(c["latency_ms_p95"], ".1f"),
-            _fmt(c["copy_GBps"], ".2f"),
-            _fmt(c["idle_gap_ms_p50"], ".2f"),
-            _fmt(c["forward_alone_ms"], ".1f"),
-            _fmt(c["copy_alone_GBps"], ".2f"),
-            _fmt(c["ideal_rps"], ".2f"),
-            _fmt(c["efficiency"], ".2f"),
-        )
-    return t
-
-
 def _plot(report: dict[str, Any], path: Path, console: Console) -> None:
     if not bench_plot.have_matplotlib():
         console.print(
@@ -508,8 +495,9 @@ def _plot(report: dict[str, Any], path: Path, console: Console) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Wide enough for the table's 13 columns, also when the output goes to a file or CI log.
-    console = Console(width=max(Console().width, 150))
+    # The table is laid out for 100 columns (every field is in the JSON), also when the
+    # output goes to a file or a CI log.
+    console = Console(width=TABLE_WIDTH)
     if args.plot_from is not None:
         saved = json.loads(args.plot_from.read_text(encoding="utf-8"))
         _plot(saved, args.plot or args.plot_from.with_suffix(".png"), console)
@@ -552,6 +540,8 @@ def run(args: argparse.Namespace) -> int:
     report["cases"].sort(key=lambda r: (order[(r["size"], r["forward_label"], r["concurrency"])], MODES.index(r["mode"])))
     if report["cases"]:
         console.print(table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})"))
+        if not args.device.startswith("cuda"):
+            console.print(CPU_NOTE)
     if args.pump:
         report["pump"] = run_pump(args.pump_requests, args.pump_clients)
         p = report["pump"]

@@ -49,6 +49,10 @@ def _runner(command: str) -> Callable[[argparse.Namespace], int]:
 # ------------------------------------------------------------------------------ demo
 
 
+#: What ``omni-async demo`` hands its client (``--output``): the formats its pipeline has.
+DEMO_OUTPUTS: tuple[str, ...] = ("pixels",)
+
+
 def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``omni-async demo``."""
     d = sub.add_parser(
@@ -80,14 +84,30 @@ def add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.add_argument(
         "--max-running",
         type=options.positive_int,
-        default=2,
+        default=3,
         help="the engine's max_running: requests sent to the workers whose forward has not finished",
     )
-    # 384 x 384 RGB uint8 = 432 KiB per image: above the inline threshold (64 KiB), so the
-    # images travel through the shared-memory pool; about a minute for both runs on 2 CPU cores.
-    d.add_argument("--height", type=options.image_side, default=384, help="image height in pixels, a multiple of 8")
-    d.add_argument("--width", type=options.image_side, default=384, help="image width in pixels, a multiple of 8")
+    # On CPU: 384 x 384 RGB uint8 = 432 KiB per image, through the shared-memory pool, about a
+    # minute for both runs on 2 cores.  On CUDA: a video, where the output is a real share.
+    d.add_argument(
+        "--height", type=options.image_side, default=None,
+        help="frame height in pixels, a multiple of 8 (default: 384 on CPU, 480 on CUDA)",
+    )  # fmt: skip
+    d.add_argument(
+        "--width", type=options.image_side, default=None,
+        help="frame width in pixels, a multiple of 8 (default: 384 on CPU, 832 on CUDA)",
+    )  # fmt: skip
+    d.add_argument(
+        "--frames", type=options.positive_int, default=None,
+        help="frames per output: 1 is an image, more a video (default: 1 on CPU, 16 on CUDA)",
+    )  # fmt: skip
     d.add_argument("--steps", type=options.positive_int, default=4, help="denoising steps per request")
+    d.add_argument(
+        "--output",
+        choices=DEMO_OUTPUTS,
+        default=DEMO_OUTPUTS[0],
+        help="what the client receives: pixels (uint8, channel-last: a PIL image, or a frames array)",
+    )
     d.add_argument(
         "--compute-timeout",
         type=options.seconds,
@@ -299,7 +319,9 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "segment) and omni-u8 (ours with a uint8 device stage).  Sweep output sizes x forward lengths x "
             "concurrency, plus a copy-bound case; per case print requests/s, p50/p95 latency, copy GB/s, the "
             "device's idle gap between forwards and efficiency = throughput / (1 / max(forward, bytes / pinned "
-            "copy bandwidth)), forward and copy measured alone around each case.  --json writes every field, "
+            "copy bandwidth)), forward and copy measured alone around each case, and the time to the client's "
+            "bytes (output in hand and post-processed on the host) against the forward alone.  The table fits 100 "
+            "columns; --json writes every field, "
             "--plot a PNG (needs matplotlib; --plot-from JSON draws it later from a saved report)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -335,7 +357,25 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=20.0,
         help="stop taking new requests in a case after this many seconds (slow modes on large outputs)",
     )
-    d.add_argument("--no-copy-bound", dest="copy_bound", action="store_false", help="skip the copy-bound cases")
+    d.add_argument(
+        "--copy-bound",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "include the copy-bound cases (the largest size behind a forward that only writes its output); "
+            "--no-copy-bound leaves them out"
+        ),
+    )
+    d.add_argument(
+        "--client-bytes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "time each output to the client's bytes: uint8 pixels made on the host as an engine's host stage "
+            "does, before the output is released (the 'client ms' column; its ideal is the forward alone); "
+            "--no-client-bytes takes the output in hand only"
+        ),
+    )
     d.add_argument(
         "--tiny",
         action="store_true",

@@ -69,9 +69,15 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_BATCH_WAIT_S", "DEFAULT_MAX_RUNNING", "EngineBase", "log"]
 
-# Requests sent to the executor whose forward has not finished, per batch member: 2
-# keeps the worker fed (one computing, one queued behind it).
-DEFAULT_MAX_RUNNING = 2
+# Requests sent to the executor whose forward has not finished.  3: one computing and
+# two queued behind it on the worker, so the engine has a whole forward of slack to send
+# the next one -- a loop held up by host work or a busy consumer for longer than one
+# forward no longer leaves the worker idle (with 2 it did: bench/engine_ceiling.py,
+# ``starved``).  A batch's members count one by one: ``DEFAULT_MAX_RUNNING_BATCHES``
+# batches (one computing, one queued: a batch's forward is longer, and requests sent
+# ahead could not join a later batch).
+DEFAULT_MAX_RUNNING = 3
+DEFAULT_MAX_RUNNING_BATCHES = 2
 # How long a batch that could take more members waits for them (seconds).
 DEFAULT_BATCH_WAIT_S = 0.002
 
@@ -125,7 +131,7 @@ class EngineBase:
             raise UsageError(f"max_batch_size must be a positive int (1: no batching), got {max_batch_size!r}")
         if max_running is None:
             # Members count as running requests: one batch computing, one queued behind it.
-            max_running = DEFAULT_MAX_RUNNING * max_batch_size
+            max_running = DEFAULT_MAX_RUNNING if max_batch_size == 1 else DEFAULT_MAX_RUNNING_BATCHES * max_batch_size
         elif isinstance(max_running, int) and not isinstance(max_running, bool) and 1 <= max_running < max_batch_size:
             raise UsageError(
                 f"max_running ({max_running}) is below max_batch_size ({max_batch_size}): the members of a batch "

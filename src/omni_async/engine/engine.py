@@ -18,7 +18,8 @@ executor:
    behind another request's send.
 2. **forward** (COMPUTE_DONE): await the handle's ``computed``.  The running slot is
    freed at once and the loop admits the next request, so with ``max_running >= 2``
-   one is always queued on the worker behind the running forward.
+   one is always queued on the worker behind the running forward (the default, 3,
+   keeps two: the engine has a whole forward's time to send the next one).
 3. **output** (OUTPUT): await the handle's ``output``, which the pump claimed for it as
    it dispatched the COMPUTE_DONE (a stream's final output: ``wait_output_ready``).
 4. **post-process**: on an ``omni-postprocess`` thread: the pipeline's host stage (or,
@@ -126,8 +127,9 @@ class AsyncDiffusionEngine(EngineLifecycle):
     registered); without one the result is an owned copy of the model's output.  A
     request may choose its own (``DiffusionRequest(..., postprocess="name")``, checked
     at ``generate``).  ``max_running``: requests sent to the executor whose forward has
-    not finished, batch members counted one by one (default ``2 * max_batch_size``: one
-    batch computing, one queued behind it); ``max_batch_size`` (1: no batching):
+    not finished, batch members counted one by one (default 3: one computing, two queued
+    behind it on the worker, so a loop held up for a forward's time leaves the worker
+    busy; with batching ``2 * max_batch_size``: one batch computing, one queued); ``max_batch_size`` (1: no batching):
     requests with equal batch keys go to the workers together, up to this many, in one
     ``execute_model_batch`` (``omni_async.engine.batching``); ``batch_wait_s`` (2 ms;
     0: take what waits): how long a batch that could take more members waits for them;

@@ -57,10 +57,11 @@ class EngineLifecycle(EngineDriver):
                 self._executor = built
             self._check_start_wanted()
             ex = self._executor
-            if ex.step_mode:
+            if ex.step_mode and self._async_output:
                 raise UsageError(
                     "AsyncDiffusionEngine needs an executor in request mode (step_mode=False): it overlaps each "
-                    "output's copy with the next forward"
+                    "output's copy with the next forward (a step-mode executor serves only the synchronous "
+                    "baseline, async_output=False)"
                 )
             budget = ex.budget
             self._check_start_wanted()

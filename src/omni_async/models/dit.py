@@ -646,3 +646,31 @@ def host_stage(output: DiffusionOutput) -> HostResult:
 
 
 POSTPROCESS = register_postprocess(PostProcess(PIPELINE, host=host_stage, device=device_stage, host_reads_only=True))
+
+#: The seed's split of the work, the "before" of ``omni-async demo``: the post-process
+#: runs on the worker's main thread after the forward, on the host.
+SEED_PIPELINE = "dit-seed"
+
+
+def seed_stage(output: DiffusionOutput) -> DiffusionOutput:
+    """The seed's worker-side post-process, for the synchronous output path in step mode
+    (``WorkerOptions(output_path="sync")``, which runs a device stage on the worker's main
+    thread before its ``.cpu()`` and fresh segment): the float pixels are brought to the
+    host as the forward left them (``.cpu()``: it waits for the forward), then turned into
+    uint8 channel-last there (``pixels_to_uint8`` on the CPU: the same arithmetic as
+    ``device_stage``, so the same bytes), and ``digest`` is taken again over them.  The
+    seed ran its pipeline's denormalize-to-PIL here; the PIL image is the engine's
+    ``host_stage`` in both paths (a copy of the uint8 pixels)."""
+    out = dict(output.output)
+    for key in ("image", "frames"):
+        px = out.get(key)
+        if isinstance(px, Tensor) and px.is_floating_point():
+            out[key] = pixels_to_uint8(px.cpu())
+            if "digest" in out:
+                out["digest"] = image_digest(out[key])
+    return attrs.evolve(output, output=out)
+
+
+SEED_POSTPROCESS = register_postprocess(
+    PostProcess(SEED_PIPELINE, host=host_stage, device=seed_stage, host_reads_only=True)
+)

@@ -25,7 +25,9 @@ CPU a reused host buffer).
 The output's values are a function of the request (``synthetic_output``), so a test can
 rebuild the tensor a worker produced and compare bytes.  Post-process ``"bench-u8"``: a
 device stage that turns every floating tensor (values in -1..1) into uint8 pixels
-before the copy, the way a pipeline ships images.
+before the copy, the way a pipeline ships images.  ``"bench-client"``: a host stage
+alone that hands the client its bytes (``to_client_bytes``: the conversion on the host);
+``"bench-u8-client"``: ``"bench-u8"``'s device stage, then that host stage (a copy).
 """
 
 from __future__ import annotations
@@ -44,7 +46,18 @@ from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.finalize import FusedPointwise
 from omni_async.worker.postprocess import PostProcess, register_postprocess
 
-__all__ = ["BENCH_U8", "DTYPES", "U8", "SyntheticForwardWorker", "synthetic_output", "to_uint8", "u8_eager"]
+__all__ = [
+    "BENCH_CLIENT",
+    "BENCH_U8",
+    "BENCH_U8_CLIENT",
+    "DTYPES",
+    "U8",
+    "SyntheticForwardWorker",
+    "synthetic_output",
+    "to_client_bytes",
+    "to_uint8",
+    "u8_eager",
+]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -247,3 +260,29 @@ def warm_up_u8(device: torch.device) -> None:
 
 
 BENCH_U8 = register_postprocess(PostProcess("bench-u8", device=to_uint8, warmup=warm_up_u8))
+
+
+def to_client_bytes(output: DiffusionOutput) -> dict[str, bytes]:
+    """A host stage: what a client receives of each tensor, as owned bytes of uint8 pixels.
+
+    A floating tensor (-1..1) is converted on the host with ``to_uint8``'s arithmetic
+    (the seed's engine-side post-process: the float output crossed PCIe as it was); a
+    uint8 one (the device stage ran) is only copied.  Until the encoders land this is
+    the client's payload: raw pixels, the bytes an encoder would take."""
+    result: dict[str, bytes] = {}
+    for key, value in output.output.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        t = value
+        if t.is_floating_point():
+            t = t.to(torch.float32).mul(127.5).add_(127.5).clamp_(0, 255).to(torch.uint8)
+        result[key] = t.contiguous().numpy().tobytes()
+    return result
+
+
+#: The client's bytes with the conversion on the host (the seed's split of the work).
+BENCH_CLIENT = register_postprocess(PostProcess("bench-client", host=to_client_bytes, host_reads_only=True))
+#: The client's bytes with the conversion on the device before the copy (ours).
+BENCH_U8_CLIENT = register_postprocess(
+    PostProcess("bench-u8-client", device=to_uint8, host=to_client_bytes, host_reads_only=True, warmup=warm_up_u8)
+)

@@ -203,9 +203,15 @@ class WorkerOptions:
     # measures ours against ("sync": the seed's, step mode; "reference": the reference
     # implementation's, request mode); see ``omni_async.worker.baselines``.
     output_path: OutputPath = "omni"
+    # The packer starts on a forward's outputs once the next forward has started (or the
+    # worker has no request to run): its Python then never delays the next forward's
+    # launch (``WorkerLoop.idle``).  False: as soon as COMPUTE_DONE is out.
+    defer_packing: bool = True
 
     def __attrs_post_init__(self) -> None:
         check_output_path(self.output_path)
+        if not isinstance(self.defer_packing, bool):
+            raise UsageError(f"WorkerOptions.defer_packing must be a bool, got {self.defer_packing!r}")
 
 
 def device_for_rank(device: str, rank: int, device_count: int) -> str:

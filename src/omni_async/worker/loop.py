@@ -142,6 +142,14 @@ class WorkerLoop:
         self.cancels = CancelTable()
         self.aborted_calls = 0
         self.chunks_sent = 0
+        # Set by a host that calls ``idle()`` whenever it has no RPC to hand the loop (the
+        # worker process does): the packer then starts on a forward's outputs only once
+        # the next forward has started or the loop idles (``_deferred``).
+        self.defer_packing = False
+        # A hold on the packer kept from the last COMPUTE_DONE (defer_packing); ``_kept``:
+        # the call being handled kept a new one.
+        self._deferred = False
+        self._kept = False
 
     @property
     def is_reply_rank(self) -> bool:
@@ -154,7 +162,22 @@ class WorkerLoop:
         """A cancel from the executor (any thread; the main thread may be in a forward)."""
         self.cancels.cancel(msg)
 
+    def idle(self) -> None:
+        """The host has no RPC for the loop now: the packer starts on what is queued.
+
+        Why the packer waits for this (``defer_packing``): from a forward's end to the next
+        forward's start, the main thread sends COMPUTE_DONE, takes the next RPC off the
+        pipe and launches the next forward; a packer woken meanwhile takes the GIL for its
+        own Python (the device stage's launches, the pack walk, OUTPUT_READY), and the
+        main thread waits for it -- up to the interpreter's switch interval (5 ms) each
+        time -- while the device idles.  Deferred, the packer runs while the next forward
+        computes (a device forward blocks the host in a synchronize; a sleeping CPU one
+        releases the GIL), which is where its copy overlaps anyway."""
+        self._resume_packer()
+
     def handle_rpc(self, req: RpcRequest) -> None:
+        if not (req.async_output and req.method in ASYNC_METHODS):
+            self._resume_packer()  # a drain, a control call, a synchronous call: never behind a hold
         if req.method == DROP_OUTPUTS:
             if self._packer is not None:
                 self._packer.drop(req.args[0] if req.args else ())
@@ -266,16 +289,30 @@ class WorkerLoop:
     def _execute_async(self, req: RpcRequest) -> None:
         assert self._packer is not None
         batch = req.method == "execute_model_batch"
+        self._kept = False
         try:
-            requests: list[DiffusionRequest] = list(req.args[0]) if batch else [req.args[0]]
-            if not requests or not all(isinstance(r, DiffusionRequest) for r in requests):
-                raise UsageError(f"{req.method} takes DiffusionRequest(s), got {req.args!r}")
-        except Exception as exc:
-            self.cancels.end(req.rpc_id)
-            self._fail_call(req, exc)
-            return
-        with self.cancels.running(req.rpc_id, tuple(r.request_id for r in requests)) as scope:
-            self._run_async(req, requests, scope)
+            try:
+                requests: list[DiffusionRequest] = list(req.args[0]) if batch else [req.args[0]]
+                if not requests or not all(isinstance(r, DiffusionRequest) for r in requests):
+                    raise UsageError(f"{req.method} takes DiffusionRequest(s), got {req.args!r}")
+            except Exception as exc:
+                self.cancels.end(req.rpc_id)
+                self._fail_call(req, exc)
+                return
+            with self.cancels.running(req.rpc_id, tuple(r.request_id for r in requests)) as scope:
+                self._run_async(req, requests, scope)
+        finally:
+            if not self._kept:
+                # No new hold was kept: this call ended before its forward started (or
+                # after it failed), and a hold from the last call must not outlive it.
+                self._resume_packer()
+
+    def _resume_packer(self) -> None:
+        """End the hold kept from the last COMPUTE_DONE, if any (``idle``)."""
+        if self._deferred:
+            self._deferred = False
+            assert self._packer is not None
+            self._packer.unhold()
 
     def _run_async(self, req: RpcRequest, requests: list[DiffusionRequest], scope: CallScope) -> None:
         assert self._packer is not None
@@ -283,7 +320,10 @@ class WorkerLoop:
         if scope.all_cancelled():
             self._abort_call(req, scope, machines, "before its forward started; it never ran")
             return
-        # Back-pressure: wait for the packer *before* the forward, never drop.
+        # Back-pressure: wait for the packer *before* the forward, never drop.  A packer
+        # still held for this forward's start must first ship what it has.
+        if not self._packer.has_room(len(requests)):
+            self._resume_packer()
         if not self._packer.wait_for_room(len(requests), timeout=self._backpressure_timeout):
             err = RuntimeError(f"packer on rank {self.rank} has no room (stopped or back-pressure timeout)")
             self._fail_call(req, err, machines)
@@ -297,6 +337,7 @@ class WorkerLoop:
             # Marks on the compute stream around the call (recorded, never waited for):
             # the packer reads when the device began and ended the forward.
             forward_started = self._mark()
+            self._resume_packer()  # the next forward is on its way: the packer may run (``idle``)
             with self._streaming(req, requests, scope):
                 result = self._call(req)
             forward = ForwardMarks(forward_started, self._mark())
@@ -332,8 +373,10 @@ class WorkerLoop:
         # A request of the batch cancelled meanwhile: its output is not packed (the
         # packer reports it cancelled; the executor drops its id with the call's end).
         cancelled = scope.cancelled()
-        # The packer starts on the outputs once COMPUTE_DONE is out (Packer.held).
-        with self._packer.held():
+        # The packer starts on the outputs once COMPUTE_DONE is out (Packer.held), or, with
+        # ``defer_packing``, once the next forward has started or the loop idles.
+        self._packer.hold()
+        try:
             for m, out, request in zip(machines, outputs, requests, strict=True):
                 self._fire(m, RequestEvent.COMPUTE_DONE)
                 skip = out.request_id in cancelled
@@ -367,6 +410,11 @@ class WorkerLoop:
                     RpcResult.compute_failed(req.rpc_id, ids, Failure.from_exception(exc), rank=self.rank),
                     req.rpc_id,
                 )
+        finally:
+            if self.defer_packing:
+                self._deferred = self._kept = True  # ended by the next forward's start, or idle()
+            else:
+                self._packer.unhold()
 
     @contextlib.contextmanager
     def _streaming(self, req: RpcRequest, requests: list[DiffusionRequest], call: CallScope) -> Iterator[None]:

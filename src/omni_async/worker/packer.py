@@ -97,6 +97,9 @@ class PackJob:
     # The format its request asked for: JPEG is encoded on the device before the copy
     # (``worker.encode``); the others are the engine's.
     encoding: Encoding | None = None
+    # Submitted under a hold (``Packer.hold``): not started until the hold ends.  Per job,
+    # so a later hold never takes back a job already released.
+    held: bool = False
 
 
 @attrs.define
@@ -203,15 +206,37 @@ class Packer:
         forward's end to the executor's receipt).  The packer loses nothing by waiting:
         on a GPU it waits for the forward's event anyway.
         """
-        with self._cond:
-            self._held += 1
+        self.hold()
         try:
             yield
         finally:
-            with self._cond:
-                self._held -= 1
-                if not self._held:
-                    self._cond.notify_all()
+            self.unhold()
+
+    def hold(self) -> None:
+        """Keep the packer thread from starting on queued outputs until ``unhold`` (counted).
+
+        The worker's loop holds it from a forward's hand-off until the next forward has
+        started or the loop has nothing to do (``WorkerLoop.defer_packing``): in one
+        interpreter the packer's Python competes with the main thread for the GIL, and
+        the main thread's way to the next forward's launch is the device's idle time."""
+        with self._cond:
+            self._held += 1
+
+    def unhold(self) -> None:
+        """End one ``hold``; the packer starts on what is queued once none is left."""
+        with self._cond:
+            if self._held <= 0:
+                raise RuntimeError(f"packer {self.rank}: unhold() without a hold")
+            self._held -= 1
+            if not self._held:
+                for job in self._jobs:
+                    job.held = False
+                self._cond.notify_all()
+
+    def has_room(self, count: int = 1, nbytes: int = 0) -> bool:
+        """Whether ``count`` more outputs (``nbytes`` in all) fit now (``wait_for_room`` would not wait)."""
+        with self._cond:
+            return self._has_room(count, nbytes)
 
     def submit(
         self,
@@ -237,7 +262,7 @@ class Packer:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
             self._jobs.append(
-                PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward, encoding)
+                PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward, encoding, held=self._held > 0)
             )
             if cancelled:
                 self._cancelled.add(output_id)
@@ -322,7 +347,7 @@ class Packer:
                 self._machine.fire(LifecycleEvent.STARTED)
         while True:
             with self._cond:
-                while (not self._jobs or self._held) and self._machine.state is LifecycleState.RUNNING:
+                while (not self._jobs or self._jobs[0].held) and self._machine.state is LifecycleState.RUNNING:
                     self._cond.wait()
                 if not self._jobs:
                     break

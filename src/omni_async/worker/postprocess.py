@@ -71,8 +71,11 @@ RequestHostStage = Callable[[DiffusionOutput, DiffusionRequest], object]
 _REFERENCE_PIPELINES = {
     "tiny": "omni_async.models.tiny",
     "dit": "omni_async.models.dit",
+    "dit-seed": "omni_async.models.dit",
     "bench-u8": "omni_async.models.synthetic",
     "diffusers": "omni_async.integrations.diffusers",
+    "bench-client": "omni_async.models.synthetic",
+    "bench-u8-client": "omni_async.models.synthetic",
 }
 
 

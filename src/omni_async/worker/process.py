@@ -142,9 +142,14 @@ def worker_main(
     packer.start()
     threading.Thread(target=read_control, args=(loop, control), name=f"omni-cancel-{rank}", daemon=True).start()
     code = 0
+    # This loop calls idle() whenever the pipe holds no RPC: the packer may wait for the
+    # next forward's start (WorkerLoop.idle says why).
+    loop.defer_packing = opts.defer_packing
     try:
         while True:
             try:
+                if not rpc_conn.poll():
+                    loop.idle()
                 req = rpc_conn.recv()
             except (EOFError, OSError):
                 # No ``None`` came first: the executor is gone (or dropped without shutdown).
