@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from helpers.executor_harness import exc_of, wait_until
-from helpers.executors import OTHER_NODE, leftover_actors, plasma_objects
+from helpers.executors import HEAD_NODE, OTHER_NODE, leftover_actors, plasma_objects
 from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.mp_workers import expected_image
 
@@ -455,10 +455,17 @@ def test_prewarm_fills_the_pool_before_the_actors_start() -> None:
     packing actor mapped them while starting, and requests reuse them."""
     from omni_async.executor.config import Prewarm
 
+    from ray.util.placement_group import remove_placement_group
+
     params = {"numel": 1 << 18, "seed": 5}
+    # On the executor's node (the session cluster has two: on the other one the actor
+    # would ship through the object store and map nothing).
+    pg = _on_the_head_node()
     ex = RayDiffusionExecutor(SPEC, deadlines=DEADLINES, max_held_outputs=4, max_held_bytes=16 << 20,
-                              prewarm=Prewarm.of_tensor((1 << 18,), torch.float32, count=2))  # fmt: skip
+                              prewarm=Prewarm.of_tensor((1 << 18,), torch.float32, count=2),
+                              placement_group=pg, num_cpus_per_rank=0.5)  # fmt: skip
     try:
+        assert ex.via_store == [False]
         assert ex.pool.stats().created == 2
         assert ex.collective_rpc("loop_info")[0]["mapped_segments"] == 2
         for i in range(3):
@@ -466,7 +473,18 @@ def test_prewarm_fills_the_pool_before_the_actors_start() -> None:
         assert ex.pool.stats().created == 2
     finally:
         ex.shutdown()
+        remove_placement_group(pg)
     _gone(ex)
+
+
+def _on_the_head_node() -> Any:
+    """A placement group of one bundle on the session cluster's head node (the driver's
+    and the executor's)."""
+    from ray.util.placement_group import placement_group
+
+    pg = placement_group([{"CPU": 0.5, HEAD_NODE: 1.0}])
+    ray.get(pg.ready(), timeout=60)
+    return pg
 
 
 def test_prewarm_is_refused_without_the_pool() -> None:
