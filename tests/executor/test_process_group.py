@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.executor_harness import exc_of
+from helpers.executor_harness import exc_of, wait_until
 
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, WorkerDied, WorkerStuck
@@ -151,10 +151,19 @@ def test_split_dit_equals_the_unsplit_model_and_only_the_reply_rank_leases(
             assert diff <= PARALLEL_ATOL, f"{mode} x{world_size} {name}: max |diff| {diff}"
             del got
             ex.release_output(out)
-        infos = ex.collective_rpc("loop_info")
+        want = {r: (2 if r == reply else 0) for r in range(world_size)}
+        infos: list[Any] = []
+
+        def shipped() -> dict[int, int]:
+            # The packer counts an output once its OUTPUT_READY is sent: a moment after
+            # the output can be in hand here.
+            infos[:] = ex.collective_rpc("loop_info")
+            return {i["rank"]: i["packer"]["packed"] for i in infos}
+
+        wait_until(lambda: shipped() == want, timeout=10)
         packed = {i["rank"]: i["packer"]["packed"] for i in infos}
         mapped = {i["rank"]: i.get("mapped_segments", 0) for i in infos}
-        assert packed == {r: (2 if r == reply else 0) for r in range(world_size)}, packed
+        assert packed == want, packed
         assert all(mapped[r] == 0 for r in range(world_size) if r != reply), mapped
         assert ex.pool.stats().leased == 2  # one segment per output, every one the reply rank's
 
