@@ -607,9 +607,9 @@ def test_room_given_back_counts_at_once() -> None:
     """A stored output's release is counted when it happens (``metrics().held_outputs``
     falls to 0 before ``release_output`` returns, as with a pooled segment), not when the
     credit thread gets to it: the engine's abort test read 1 there now and then."""
-    from omni_async.executor.ray_executor import _Credits
+    from omni_async.executor.ray_receiver import Credits
 
-    credits = _Credits()  # its thread not started: nothing sends, the count is already right
+    credits = Credits()  # its thread not started: nothing sends, the count is already right
     credits.give("0.1")
     credits.give("0.2")
     assert credits.given == 2

@@ -20,7 +20,7 @@ Who runs what:
   thread (``dumps_message``: the result channel's contract, F5), numbers it and keeps
   it, bounded, until the executor takes it (a full outbox blocks ``put``, and raises
   ``ChannelFull`` after ``put_timeout``; back-pressure as on a pipe).
-* The executor's pump reads the results (``_RayReceiver``): for every rank exactly one
+* The executor's pump reads the results (``RayReceiver``, ``omni_async.executor.ray_receiver``): for every rank exactly one
   ``poll`` call is outstanding at any time; ``poll`` returns everything the outbox holds
   (waiting up to a second for something), in outbox order, with the number of the
   first message.  The pump takes whichever poll finished (``ray.wait``), queues its
@@ -85,10 +85,8 @@ they left in /dev/shm is swept by the next executor (its pid is in the names).
 
 from __future__ import annotations
 
-import collections
 import logging
 import pickle
-import queue
 import sys
 import threading
 import time
@@ -103,25 +101,23 @@ from omni_async.core.errors import (
     ActorDied,
     ComputeTimeout,
     OutputUnpackFailed,
-    ProtocolError,
     UsageError,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, DiffusionOutput, Failure, RpcRequest
+from omni_async.core.messages import CancelMessage, DiffusionOutput, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
 from omni_async.executor.dist import GroupRendezvous, check_process_group
 from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
-from omni_async.executor.ray_actor import Buffer, OutboxLimits, PollBatch, RankActor, RankActorHandle, StoreBudget
+from omni_async.executor.ray_actor import Buffer, OutboxLimits, RankActor, RankActorHandle, StoreBudget
+from omni_async.executor.ray_receiver import Credits, RayReceiver
 from omni_async.transport.channel import (
     DEFAULT_CAPACITY_BYTES,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_MESSAGES,
     DEFAULT_PUT_TIMEOUT,
-    loads_message,
 )
-from omni_async.transport.errors import ChannelClosed
-from omni_async.transport.packing import StoredPayload, carried_leases, unpack_diffusion_output_host
+from omni_async.transport.packing import StoredPayload, unpack_diffusion_output_host
 from omni_async.transport.shm import SegmentPool
 from omni_async.worker.host import WorkerOptions, WorkerSpec
 
@@ -133,8 +129,6 @@ __all__ = ["RayDiffusionExecutor", "RayRanks"]
 
 log = logging.getLogger(__name__)
 
-# How long an actor's poll waits for a message before it answers with none.
-_POLL_WAIT_S: Final = 1.0
 # Threads of a threaded actor: the long polls, rpc and cancel calls, stop.
 _ACTOR_CONCURRENCY: Final = 8
 _TRANSPORTS: Final = ("auto", "shm", "object_store")
@@ -147,105 +141,6 @@ def _get_stored(ref: ObjectRef[Buffer], timeout: float | None) -> Buffer:
 
 
 # ------------------------------------------------------------------------- executor side
-
-
-@attrs.frozen
-class _Death:
-    rank: int
-    cause: str
-
-
-class _RayReceiver:
-    """The pump's end: one outstanding poll per rank, batches queued in order (module docstring)."""
-
-    def __init__(self, pool: SegmentPool) -> None:
-        self._pool = pool
-        self.on_death: Callable[[int, str], None] | None = None  # set by RayRanks.start
-        # Object-store path: key -> ObjectRef of each received output's stored buffer, until
-        # its unpack or its release (the executor's); emptied at shutdown.
-        self.stored: dict[str, ObjectRef[Buffer]] = {}
-        self.stored_lock = threading.Lock()
-        self.received_stored = 0  # stored buffers received in all (the held count's one side)
-        self._queue: collections.deque[AsyncDiffusionOutput | _Death | ProtocolError] = collections.deque()
-        self._pending: dict[ObjectRef[PollBatch], int] = {}  # poll -> rank
-        self._actors: list[RankActorHandle] = []
-        self._next: list[int] = []
-        self._closed = False
-
-    def start(self, actors: list[RankActorHandle]) -> None:
-        self._actors = actors
-        self._next = [0] * len(actors)
-        for rank in range(len(actors)):
-            self._poll(rank)
-
-    def _poll(self, rank: int) -> None:
-        self._pending[self._actors[rank].poll.remote(_POLL_WAIT_S)] = rank
-
-    def get(self, timeout: float) -> AsyncDiffusionOutput | None:
-        import ray
-
-        if self._closed:
-            raise ChannelClosed("the result channel is closed")
-        if not self._queue:
-            if not self._pending:
-                time.sleep(timeout)
-                return None
-            done, _ = ray.wait(list(self._pending), num_returns=1, timeout=timeout)
-            for ref in done:
-                rank = self._pending.pop(ref)
-                try:
-                    first, batch = ray.get(ref)
-                except ray.exceptions.RayActorError as exc:
-                    self._queue.append(_Death(rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
-                    continue  # no next poll: the rank is gone
-                self._take(rank, first, batch)
-                self._poll(rank)
-        if not self._queue:
-            return None
-        item = self._queue.popleft()
-        if isinstance(item, _Death):
-            if self.on_death is not None:
-                self.on_death(item.rank, item.cause)
-            return None
-        if isinstance(item, ProtocolError):
-            raise item  # the pump counts it and reads on
-        return item
-
-    def _take(self, rank: int, first: int, batch: list[tuple[bytes, dict[str, ObjectRef[Buffer]]]]) -> None:
-        if first != self._next[rank]:
-            self._queue.append(
-                ProtocolError(f"rank {rank}: results {self._next[rank]}..{first - 1} never arrived (per-rank order)")
-            )
-        self._next[rank] = first + len(batch)
-        for data, refs in batch:
-            with self.stored_lock:
-                if not self._closed:
-                    self.stored.update(refs)  # before the message: its release finds them
-                    self.received_stored += len(refs)
-            try:
-                msg = loads_message(data)
-            except ProtocolError as exc:
-                with self.stored_lock:
-                    for key in refs:
-                        self.stored.pop(key, None)
-                self._queue.append(exc)
-                continue
-            for lease in carried_leases(msg):  # as _ReceivingEnd: received before dispatch
-                try:
-                    self._pool.receive(lease)
-                except Exception:  # noqa: BLE001  # the pool closed at shutdown
-                    log.debug("marking %s received failed", lease.name, exc_info=True)
-            self._queue.append(msg)
-
-    def close(self) -> None:
-        with self.stored_lock:
-            self._closed = True
-            self.stored.clear()  # every stored buffer still referenced goes
-
-    def take_stored(self, key: str) -> ObjectRef[Buffer] | None:
-        """The ref of a stored buffer, out of the table (None when already taken): once."""
-        with self.stored_lock:
-            return self.stored.pop(key, None)
 
 
 def _check_bundles(bundles: list[dict[str, float]], world_size: int, need: dict[str, float]) -> None:
@@ -264,60 +159,6 @@ def _check_bundles(bundles: list[dict[str, float]], world_size: int, need: dict[
             )
 
 
-class _Credits:
-    """Room given back to the actors' budgets (``_StoreBudget``): keys of stored buffers the
-    executor is done with, sent to their rank's actor (``released``) by a thread of its own
-    (``omni-credit``): ``give`` may run in a finalizer, inside a garbage collection."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()  # put() is reentrant
-        self._actors: list[RankActorHandle] = []
-        # Keys given back in all, counted at once (``metrics()``' held outputs): under a
-        # reentrant lock, since ``give`` may run in a finalizer on a thread inside it.
-        self.given = 0
-        self._count_lock = threading.RLock()
-        self._thread = threading.Thread(target=self._run, name="omni-credit", daemon=True)
-
-    def start(self, actors: list[RankActorHandle]) -> None:
-        self._actors = actors
-        self._thread.start()
-
-    def give(self, key: str) -> None:
-        with self._count_lock:
-            self.given += 1
-        self._queue.put(key)
-
-    def _run(self) -> None:
-        stop = False
-        while not stop:
-            keys: list[str] = []
-            item = self._queue.get()
-            while item is not None:  # everything queued, in one call per rank
-                keys.append(item)
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            stop = item is None
-            per_rank: dict[int, list[str]] = collections.defaultdict(list)
-            for k in keys:
-                prefix = k.partition(".")[0]
-                if prefix.isdigit() and int(prefix) < len(self._actors):
-                    per_rank[int(prefix)].append(k)
-            for rank, ks in per_rank.items():
-                try:
-                    self._actors[rank].released.remote(ks)  # returns at once; a dead actor: nothing to give
-                except Exception:  # noqa: BLE001  # Ray shut down
-                    log.debug("giving %d stored buffer(s) back to rank %d failed", len(ks), rank, exc_info=True)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        if self._thread.is_alive():
-            self._thread.join(5.0)
-
-
-
-
 @attrs.frozen
 class _Placement:
     """Where the actors go: each rank's resources, and the group (None: the executor makes one)."""
@@ -331,8 +172,8 @@ class _Placement:
 
 class RayRanks(RankTransport):
     """Ranks in Ray actors: RPCs and cancels as actor calls, results by polling each
-    actor's outbox (``_RayReceiver``), stored outputs read on fetch threads, their room
-    given back by ``_Credits``."""
+    actor's outbox (``RayReceiver``, ``omni_async.executor.ray_receiver``), stored outputs read on fetch threads, their room
+    given back by ``Credits``."""
 
     def __init__(
         self,
@@ -353,9 +194,9 @@ class RayRanks(RankTransport):
         self._placement = placement
         self.transport = transport
         self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else pool.lease_timeout
-        self._receiver = _RayReceiver(pool)
+        self._receiver = RayReceiver(pool)
         self.receiver = self._receiver
-        self._credits = _Credits()
+        self._credits = Credits()
         self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="omni-fetch")
         self._rpc_lock = threading.Lock()
         self._actor_seq = [0] * cfg.world_size
