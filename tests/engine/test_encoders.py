@@ -179,3 +179,38 @@ def test_nvjpeg_waits_for_the_forwards_event() -> None:
     out = run_device_encode(DiffusionOutput("r", {"image": pixels}), Encoding("jpeg", 95), side, event)
     (part,) = out.output["image"].parts
     assert psnr(decode(part.cpu().numpy().tobytes()), image.cpu().numpy()) > 36.0
+
+
+@pytest.mark.slow
+def test_an_encoder_process_killed_fails_its_job_and_the_pool_is_replaced() -> None:
+    """A real encoder process SIGKILLed: the job it had fails (BrokenProcessPool, which
+    the engine turns into EncodeFailed naming the request), the next submit starts a new
+    pool whose encode is right, and shutdown leaves no encoder process."""
+    import os
+    import signal
+    import time
+    from concurrent.futures.process import BrokenProcessPool
+
+    from omni_async.engine.encode_pool import EncoderPool
+    from omni_async.transport.shm import pid_alive
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    big = rng.integers(0, 256, size=(24, 1024, 1024, 3), dtype=np.uint8)  # seconds of PNG at level 9
+    pool = EncoderPool(1)
+    try:
+        files, _ = pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
+        (first,) = pool.pids()
+        doomed = pool.submit(EncodeJob(big, Encoding("png", 9), sequence=True))
+        time.sleep(0.5)  # the job is in the process (its pixels alone take a while to arrive)
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(BrokenProcessPool):
+            doomed.result(timeout=60)
+        again, _ = pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
+        assert again == files  # the same pixels, the same file, from a new process
+        (second,) = pool.pids()
+        assert second != first and not pid_alive(first)
+    finally:
+        pids = pool.pids()
+        pool.shutdown(timeout=5.0)
+    assert pool.pids() == [] and not any(pid_alive(p) for p in pids)
