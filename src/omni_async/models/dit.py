@@ -164,17 +164,33 @@ class _Block(nn.Module):
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
         """``x: [B, T, N, D]`` tokens of T frames of N patches; ``cond: [B, D]``."""
-        b, t, n, d = x.shape
-        mod: Tensor = self.modulation(F.silu(cond))
-        m = mod[:, None, None, :].chunk(9, dim=-1)
-        h = _modulate(x, m[0], m[1]).reshape(b * t, n, d)
-        x = x + m[2] * self.spatial(h).view(b, t, n, d)
-        if t > 1:
-            h = _modulate(x, m[3], m[4]).transpose(1, 2).reshape(b * n, t, d)
-            x = x + m[5] * self.temporal(h).view(b, n, t, d).transpose(1, 2)
-        h = self.fc2(F.gelu(self.fc1(_modulate(x, m[6], m[7]))))
-        out: Tensor = x + m[8] * h
+        return block_forward(x, cond, self.modulation, self.spatial, self.temporal, self.mlp)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        out: Tensor = self.fc2(F.gelu(self.fc1(h)))
         return out
+
+
+def block_forward(
+    x: Tensor,
+    cond: Tensor,
+    modulation: Callable[[Tensor], Tensor],
+    spatial: Callable[[Tensor], Tensor],
+    temporal: Callable[[Tensor], Tensor],
+    mlp: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """A DiT block's arithmetic over its parts (``_Block``; the split model's blocks give
+    their own parts, the same arithmetic)."""
+    b, t, n, d = x.shape
+    mod = modulation(F.silu(cond))
+    m = mod[:, None, None, :].chunk(9, dim=-1)
+    h = _modulate(x, m[0], m[1]).reshape(b * t, n, d)
+    x = x + m[2] * spatial(h).view(b, t, n, d)
+    if t > 1:
+        h = _modulate(x, m[3], m[4]).transpose(1, 2).reshape(b * n, t, d)
+        x = x + m[5] * temporal(h).view(b, n, t, d).transpose(1, 2)
+    out: Tensor = x + m[8] * mlp(_modulate(x, m[6], m[7]))
+    return out
 
 
 def _modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:

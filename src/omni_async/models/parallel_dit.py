@@ -28,6 +28,7 @@ the same on every rank, its output would be discarded) and answer with an empty 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -44,8 +45,8 @@ from omni_async.models.dit import (
     DiTPipelineWorker,
     _Attention,
     _Block,
+    block_forward,
     _Denoiser,
-    _modulate,
 )
 from omni_async.worker.dist import DistContext
 
@@ -115,17 +116,12 @@ class _TPBlock(nn.Module):
         self.fc2_bias = nn.Parameter(full.fc2.bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: Tensor, cond: Tensor) -> Tensor:
-        # The same arithmetic as ``_Block.forward``, each branch summed across ranks.
-        b, t, n, d = x.shape
-        mod: Tensor = self.modulation(F.silu(cond))
-        m = mod[:, None, None, :].chunk(9, dim=-1)
-        h = _modulate(x, m[0], m[1]).reshape(b * t, n, d)
-        x = x + m[2] * self.spatial(h).view(b, t, n, d)
-        if t > 1:
-            h = _modulate(x, m[3], m[4]).transpose(1, 2).reshape(b * n, t, d)
-            x = x + m[5] * self.temporal(h).view(b, n, t, d).transpose(1, 2)
-        h = F.linear(F.gelu(F.linear(_modulate(x, m[6], m[7]), self.fc1_weight, self.fc1_bias)), self.fc2_weight)
-        out: Tensor = x + m[8] * (_all_reduce(h, self.ctx) + self.fc2_bias)
+        # ``_Block``'s arithmetic (``block_forward``), each branch summed across ranks.
+        return block_forward(x, cond, self.modulation, self.spatial, self.temporal, self.mlp)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        part = F.linear(F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias)), self.fc2_weight)
+        out: Tensor = _all_reduce(part, self.ctx) + self.fc2_bias
         return out
 
 
@@ -176,18 +172,9 @@ class _SequenceParallelDenoiser(nn.Module):
         return _Denoiser.velocity(torch.cat(parts, dim=2), grid)
 
     def _block(self, blk: _Block, x: Tensor, cond: Tensor) -> Tensor:
-        # ``_Block.forward`` on this rank's tokens; only spatial attention needs the others'.
-        b, t, n, d = x.shape
-        mod: Tensor = blk.modulation(F.silu(cond))
-        m = mod[:, None, None, :].chunk(9, dim=-1)
-        h = _modulate(x, m[0], m[1]).reshape(b * t, n, d)
-        x = x + m[2] * self._spatial(blk.spatial, h).view(b, t, n, d)
-        if t > 1:  # over the frames at each patch position: every frame of my patches is here
-            h = _modulate(x, m[3], m[4]).transpose(1, 2).reshape(b * n, t, d)
-            x = x + m[5] * blk.temporal(h).view(b, n, t, d).transpose(1, 2)
-        h = blk.fc2(F.gelu(blk.fc1(_modulate(x, m[6], m[7]))))
-        out: Tensor = x + m[8] * h
-        return out
+        # ``_Block``'s arithmetic on this rank's tokens; only spatial attention needs the
+        # others' (temporal attention runs over the frames at each of my patch positions).
+        return block_forward(x, cond, blk.modulation, functools.partial(self._spatial, blk.spatial), blk.temporal, blk.mlp)
 
     def _spatial(self, attn: _Attention, h: Tensor) -> Tensor:
         """Attention over every token of a frame, this rank holding ``h: [bt, n_local, D]``."""
