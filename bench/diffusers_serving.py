@@ -199,13 +199,17 @@ def summary(name: str, path: str, count: int, wall: float, forward: float | None
     }
 
 
-def _forward_gap(results: list[Any]) -> float | None:
-    spans = sorted(
+def _spans(results: list[Any]) -> list[tuple[float, float]]:
+    """Each result's forward on the worker (start, end), from its device-true stamps, in order."""
+    return sorted(
         (float(r.metrics["forward_started_at"]), float(r.metrics["forward_ended_at"]))
         for r in results
         if "forward_started_at" in r.metrics and "forward_ended_at" in r.metrics
     )
-    gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans)]
+
+
+def _forward_gap(results: list[Any]) -> float | None:
+    gaps = [max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(_spans(results))]
     return statistics.mean(gaps) if gaps else None
 
 
@@ -246,11 +250,7 @@ def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, a
 def _idle_share(results: list[Any]) -> float | None:
     """The device's idle time between forwards over the span of the run's forwards, from
     the worker's device-true stamps (CUDA events; the host clock on the CPU)."""
-    spans = sorted(
-        (float(r.metrics["forward_started_at"]), float(r.metrics["forward_ended_at"]))
-        for r in results
-        if "forward_started_at" in r.metrics and "forward_ended_at" in r.metrics
-    )
+    spans = _spans(results)
     if len(spans) < 2:
         return None
     idle = sum(max(0.0, nxt[0] - cur[1]) for cur, nxt in itertools.pairwise(spans))
