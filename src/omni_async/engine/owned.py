@@ -30,6 +30,8 @@ import attrs
 import numpy as np
 import torch
 
+from omni_async.transport.pack_walk import attribute_names, dict_base
+
 __all__ = ["Guarded", "guard_input", "owned_copy", "written"]
 
 T = TypeVar("T")
@@ -98,25 +100,23 @@ _UNSET = object()
 
 def _dict_object(x: Any) -> Any:
     """An instance of a dict subclass (diffusers' ``BaseOutput``: a dataclass over an
-    ``OrderedDict``), rebuilt as unpacking rebuilds it (``transport.unpack_walk``): the
-    builtin base makes the instance, no ``__init__`` runs (``object.__new__`` refuses
-    these classes), dict's own ``__setitem__`` puts the copied items back, and each
-    attribute takes its item's copy when it was that very item (BaseOutput mirrors its
-    fields into items), a copy of its own otherwise."""
-    cls = type(x)
-    base = next(b for b in cls.__mro__ if b in (collections.defaultdict, collections.OrderedDict, dict))
-    obj: Any = base.__new__(cls)
+    ``OrderedDict``), rebuilt as unpacking rebuilds it (``transport.unpack_walk``, with the
+    transport's ``dict_base`` and ``attribute_names``): the builtin base makes the instance,
+    no ``__init__`` runs (``object.__new__`` refuses these classes), dict's own
+    ``__setitem__`` puts the copied items back, and each attribute takes its item's copy
+    when it was that very item (BaseOutput mirrors its fields into items), a copy of its
+    own otherwise."""
+    base = dict_base(type(x))
+    if base is None:  # made by another builtin: the packer refuses it too
+        return copy.deepcopy(x)
+    obj: Any = base.__new__(type(x))
     copies: dict[int, Any] = {}
     for k, v in dict.items(x):  # dict's own view: BaseOutput overrides items() and __getitem__
         copies[id(v)] = c = _walk(v)
         base.__setitem__(obj, k, c)
     if isinstance(x, collections.defaultdict):
         obj.default_factory = x.default_factory
-    names = [f.name for f in attrs.fields(cls)] if attrs.has(cls) else []
-    if dataclasses.is_dataclass(x):
-        names = [f.name for f in dataclasses.fields(x)]
-    names += [n for n in getattr(x, "__dict__", {}) if n not in names]
-    for name in names:
+    for name in attribute_names(x):
         v = getattr(x, name, _UNSET)
         if v is not _UNSET:
             object.__setattr__(obj, name, copies[id(v)] if id(v) in copies else _walk(v))

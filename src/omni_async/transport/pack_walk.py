@@ -37,7 +37,7 @@ from omni_async.transport.skeleton import (
     tensor_nbytes,
 )
 
-__all__ = ["OnLeaf", "Plan", "walk"]
+__all__ = ["OnLeaf", "Plan", "attribute_names", "dict_base", "walk"]
 
 # The builtin dict types an instance of a dict subclass can be rebuilt on (their
 # ``__new__`` takes no argument, their items are set one by one, as pickle does).
@@ -166,6 +166,20 @@ def _field_names(x: object) -> list[str] | None:
     return None
 
 
+def dict_base(cls: type) -> type[dict[object, object]] | None:
+    """The builtin dict type (``dict``, ``OrderedDict``, ``defaultdict``) that makes the
+    instances of ``cls``, a dict subclass; None when another builtin does."""
+    found = _builtin_base(cls)
+    return next((b for b in _DICT_BASES if b is found), None)
+
+
+def attribute_names(x: object) -> list[str]:
+    """The attributes a rebuilt ``x`` needs: its fields (attrs class or dataclass), then
+    whatever else its ``__dict__`` holds."""
+    names = _field_names(x) or []
+    return names + [n for n in getattr(x, "__dict__", {}) if n not in names]
+
+
 def _builtin_base(cls: type) -> type:
     """The builtin type ``cls``'s instances are made by (as ``copyreg`` finds it)."""
     for base in cls.__mro__:
@@ -186,10 +200,9 @@ def _walk_dict_object(x: dict[object, object], on_leaf: OnLeaf, path: str, d: in
     """An instance of a dict subclass: its items, and its attributes (its fields if it is
     an attrs class or dataclass, and whatever else its ``__dict__`` holds)."""
     cls = type(x)
-    found = _builtin_base(cls)
-    base = next((b for b in _DICT_BASES if b is found), None)
+    base = dict_base(cls)
     if base is None:
-        raise UnsupportedOutputType(path, cls, _unbuildable(cls, found))
+        raise UnsupportedOutputType(path, cls, _unbuildable(cls, _builtin_base(cls)))
     items: list[tuple[Skeleton, Skeleton]] = []
     # dict's own iteration: a subclass may override items() or __getitem__ (BaseOutput's
     # __getitem__ takes an int to mean a position).
@@ -197,8 +210,7 @@ def _walk_dict_object(x: dict[object, object], on_leaf: OnLeaf, path: str, d: in
         if not is_plain(k):
             raise UnsupportedOutputType(f"{path} key {k!r}", type(k))
         items.append((k, walk(v, on_leaf, f"{path}[{k!r}]", d)))
-    names = _field_names(x) or []
-    names += [n for n in getattr(x, "__dict__", {}) if n not in names]
+    names = attribute_names(x)
     fields: list[tuple[str, Skeleton]] = []
     aliases: list[str] = []
     for name in names:
