@@ -181,6 +181,26 @@ def test_nvjpeg_waits_for_the_forwards_event() -> None:
     assert psnr(decode(part.cpu().numpy().tobytes()), image.cpu().numpy()) > 36.0
 
 
+@cuda
+@pytest.mark.cuda
+def test_nvjpeg_bytes_are_read_only_once_written_with_the_next_forward_queued() -> None:
+    """torchvision hands the JPEG bytes over on the default stream, behind whatever the
+    worker queued there (its next forward): the packer's copy on its side stream must
+    wait for them (run_device_encode makes the side stream wait for the default one)."""
+    pytest.importorskip("torchvision")
+    image = torch.from_numpy(smooth(512, 512, 3, seed=11)).cuda()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(300_000_000)  # type: ignore[no-untyped-call]  # the next forward, queued
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
+    out = run_device_encode(DiffusionOutput("r", {"image": image}), Encoding("jpeg", 95), side)
+    (part,) = out.output["image"].parts
+    host = torch.empty(part.shape, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.stream(side):
+        host.copy_(part, non_blocking=True)  # as the packer copies: on its side stream
+    side.synchronize()
+    assert psnr(decode(host.numpy().tobytes()), image.cpu().numpy()) > 36.0
+
+
 @pytest.mark.slow
 def test_an_encoder_process_killed_fails_its_job_and_the_pool_is_replaced() -> None:
     """A real encoder process SIGKILLed: the job it had fails (BrokenProcessPool, which

@@ -141,15 +141,26 @@ def encode_on_device(output: DiffusionOutput, encoding: Encoding) -> DiffusionOu
 def run_device_encode(
     output: DiffusionOutput, encoding: Encoding, stream: CopyStream = None, event: DeviceEvent | None = None
 ) -> DiffusionOutput:
-    """``encode_on_device`` on ``stream`` (the packer's side stream), ordered after
-    ``event`` (the forward's); its seconds, the device's included, go to
-    ``metrics.device_encode_s`` with the bytes in and out."""
+    """``encode_on_device`` ordered after ``event`` (the forward's) and after what
+    ``stream`` (the packer's side stream: the device stage) queued; its seconds (the wait
+    for the pixels and the encoder's) go to ``metrics.device_encode_s`` with the bytes in
+    and out.
+
+    torchvision's nvJPEG does not follow the caller's streams: it encodes on a stream of
+    its own, which waits for no stream of ours, and hands the bytes over on the device's
+    default stream -- the one the worker's next forward is queued on.  So the host waits
+    for ``stream`` (itself behind ``event``) before the encoder reads the pixels, and
+    ``stream`` then waits for the default stream before anything reads the bytes (they
+    are complete once the work queued there before them is: at worst the next forward).
+    Without the first wait the encoder reads pixels the forward has not written yet;
+    without the second the packer may copy bytes not yet written."""
     t0 = time.perf_counter()
     wait_device_event(event, stream)
     if stream is not None:
+        stream.synchronize()  # the pixels are written (the forward's event, the device stage)
         with torch.cuda.stream(stream):
             out = encode_on_device(output, encoding)
-        stream.synchronize()
+            stream.wait_stream(torch.cuda.default_stream(stream.device))
     else:
         out = encode_on_device(output, encoding)
     key = pixel_key(out.output)
