@@ -240,3 +240,37 @@ def test_a_warmup_forward_runs_at_start_and_changes_no_result(dit_direct: Any) -
     assert torch.equal(out.output.images, direct_call(dit_direct, params).images)
     with pytest.raises(InvalidRequest, match="warmup"):
         DiffusersPipelineWorker(builder=DIT, warmup=dit_params(seed=1, label=10_000))
+
+
+def _scheduler_tables(scheduler: object) -> list[torch.Tensor]:
+    return [v for v in vars(scheduler).values() if isinstance(v, torch.Tensor)]
+
+
+def test_schedulers_are_made_on_the_cpu_whatever_the_default_device() -> None:
+    """A worker builds its pipeline under its device (``torch.device("cuda")``): the
+    scheduler's tables must still be on the CPU, where diffusers reads them (DPMSolver's
+    set_timesteps calls .numpy() on them and failed on the H200).  "meta" stands in for
+    the GPU here: it fails the same way."""
+    from omni_async.integrations.diffusers.edge import PipelineHandle, diffusers_class
+    from omni_async.integrations.diffusers.source import random_pipeline
+    from omni_async.integrations.diffusers.tiny import TINY_DIT
+
+    with torch.device("meta"):
+        pipe: Any = random_pipeline("DiTPipeline", TINY_DIT)
+    assert next(pipe.transformer.parameters()).device.type == "meta"  # the models where asked
+    assert _scheduler_tables(pipe.scheduler) and all(t.device.type == "cpu" for t in _scheduler_tables(pipe.scheduler))
+    pipe.scheduler.set_timesteps(4)
+
+    # A builder of the user's own, run under the worker's device: load() makes the
+    # scheduler again on the CPU (PipelineHandle.schedulers_on_cpu).
+    made_there = diffusers_class("DPMSolverMultistepScheduler", "test")()
+    for name, table in list(vars(made_there).items()):  # as if made under the GPU
+        if isinstance(table, torch.Tensor):
+            setattr(made_there, name, table.to("meta"))
+    assert all(t.device.type == "meta" for t in _scheduler_tables(made_there))
+    pipe.register_modules(scheduler=made_there)
+    assert PipelineHandle(pipe).schedulers_on_cpu() == ["scheduler"]
+    assert pipe.scheduler is not made_there and dict(pipe.scheduler.config) == dict(made_there.config)
+    assert all(t.device.type == "cpu" for t in _scheduler_tables(pipe.scheduler))
+    pipe.scheduler.set_timesteps(4)
+    assert PipelineHandle(pipe).schedulers_on_cpu() == []  # already there: left alone

@@ -12,7 +12,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from types import ModuleType
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -121,6 +121,27 @@ class PipelineHandle:
         move = getattr(self.pipeline, "to", None)
         if callable(move):
             move(device, dtype=dtype) if device is not None else move(dtype=dtype)
+
+    def schedulers_on_cpu(self) -> list[str]:
+        """Make again, from its config and on the CPU, each scheduler whose tables are on
+        another device (a builder ran under ``torch.device("cuda")``): diffusers keeps a
+        scheduler's tables on the CPU and reads them there (DPMSolver's ``set_timesteps``
+        calls ``.numpy()`` on them).  A scheduler is all config, so the new one is the same
+        scheduler.  The names of the ones made again."""
+        scheduler_type = diffusers_class("SchedulerMixin", "PipelineHandle")
+        remade = []
+        components = getattr(self.pipeline, "components", None)
+        for name, found in (components.items() if isinstance(components, Mapping) else ()):
+            if not isinstance(found, scheduler_type):
+                continue
+            tables = [v for v in vars(found).values() if isinstance(v, torch.Tensor)]
+            if all(t.device.type == "cpu" for t in tables):
+                continue
+            with torch.device("cpu"):
+                fresh = cast("Any", type(found)).from_config(cast("Any", found).config)
+            cast("Any", self.pipeline).register_modules(**{name: fresh})
+            remade.append(str(name))
+        return remade
 
     def quiet(self) -> None:
         """No progress bars: a worker's log is not a terminal."""

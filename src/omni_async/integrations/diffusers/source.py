@@ -68,7 +68,12 @@ def random_pipeline(
                 parts[name] = None
                 continue
             class_name, config = spec
-            made = configurable(class_name, f"random_pipeline {name}").from_config(dict(config))
+            cls = configurable(class_name, f"random_pipeline {name}")
+            # A scheduler's tables stay on the CPU whatever the default device: diffusers
+            # reads them there (DPMSolver's set_timesteps calls .numpy() on them).
+            module = isinstance(cls, type) and issubclass(cls, torch.nn.Module)
+            with contextlib.nullcontext() if module else torch.device("cpu"):
+                made = cls.from_config(dict(config))
             if isinstance(made, torch.nn.Module):
                 made.eval()
             parts[name] = made
@@ -128,11 +133,13 @@ class PipelineSource:
         return cast("Callable[..., object]", found)
 
     def load(self, device: torch.device) -> PipelineHandle:
-        """Build (under ``device`` as the default device: random weights are drawn there) or
-        load the pipeline, then move it to ``device``."""
+        """Build (under ``device`` as the default device: random weights are drawn there;
+        its schedulers are then made again on the CPU, where diffusers keeps them) or load
+        the pipeline, then move it to ``device``."""
         if self.builder is not None:
             with torch.device(device):
                 pipe = self.resolve_builder()(**self.builder_kwargs)
+            PipelineHandle(pipe).schedulers_on_cpu()  # the builder made them on ``device``
         else:
             loader = cast("Callable[..., object]", load_diffusers().DiffusionPipeline.from_pretrained)
             pipe = loader(self.pretrained, **self.pretrained_kwargs)
