@@ -46,6 +46,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -64,7 +65,7 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.metrics import ExecutorMetrics
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.dit import PIPELINE, SEED_PIPELINE, DiTPipelineWorker
-from omni_async.models.tiny import image_digest
+from omni_async.models.tiny import host_digest
 from omni_async.transport.shm import files
 
 # The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
@@ -256,7 +257,7 @@ def _check_result(result: GenerationResult, args: argparse.Namespace) -> bool:
     digest of a large output is real CPU work, which would hold up the engine's sends."""
     video = "frames" in result.output
     pixels = np.array(result.output["frames" if video else "image"])  # a writable copy
-    intact = int(image_digest(torch.from_numpy(pixels))) == int(result.output["digest"])
+    intact = host_digest(torch.from_numpy(pixels)) == int(result.output["digest"])
     want = (args.frames, args.height, args.width, 3) if video else (args.height, args.width, 3)
     shaped = pixels.shape == want
     blank = int(pixels.min()) == int(pixels.max())
@@ -282,6 +283,8 @@ def _picture(result: GenerationResult) -> Any:
 # A fresh worker's first forwards run several times slower than the later ones (on CPU,
 # seconds for the first handful): without a warm-up the first run would pay for it.
 WARM_UP_MIN, WARM_UP_MAX, WARM_UP_STEADY = 4, 16, 1.25
+#: Threads that check the results as they come (the demo's client).
+CHECK_THREADS = 2
 
 
 def steady(forwards: list[float]) -> bool:
@@ -317,6 +320,11 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
     requests = _requests(args)
     result = _Run(mode)
     engine = AsyncDiffusionEngine(ex, pipeline=PIPELINE, max_running=args.max_running, async_output=mode == "async")
+    # The client's checks in two threads of their own, as a front end bounds its work: one
+    # thread per result at once (asyncio.to_thread) took the cores the engine needs to send
+    # the next request, and the GPU idled between forwards.
+    checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="omni-demo-check")
+    loop = asyncio.get_running_loop()
     async with engine:
         warm = DiffusionRequest(f"warm-up-{mode}", {"seed": 0, **_shape(args)})
         await engine.generate(warm)
@@ -328,7 +336,7 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
             async def one(request: DiffusionRequest) -> None:
                 r = await engine.generate(request)
                 progress.advance(task)
-                if not await asyncio.to_thread(_check_result, r, args):
+                if not await loop.run_in_executor(checks, _check_result, r, args):
                     result.bad += 1
                 result.latencies.append(r.timings.total)
                 result.spans.extend(request_spans(r.request_id, r.timings))
@@ -337,7 +345,10 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
                     result.images[r.request_id] = _picture(r)
                 result.finished = max(result.finished, r.timings.finished_at)
 
-            outcomes = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+            try:
+                outcomes = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+            finally:
+                checks.shutdown(wait=False, cancel_futures=True)
         for request, outcome in zip(requests, outcomes, strict=True):
             if isinstance(outcome, BaseException):
                 result.bad += 1

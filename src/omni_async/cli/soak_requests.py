@@ -9,7 +9,6 @@ import time
 
 import attrs
 
-import numpy as np
 import torch
 
 from omni_async.cli.soak_lives import EngineThread, Life
@@ -26,39 +25,12 @@ from omni_async.cli.soak_plans import (
 from omni_async.core.errors import OmniAsyncError, OutputDropped, OutputError, RequestAborted
 from omni_async.core.messages import DiffusionOutput
 from omni_async.engine.metrics import GenerationResult
-from omni_async.models.tiny import image_digest
+from omni_async.models.tiny import host_digest
 
 __all__ = ["engine_request", "executor_request", "host_digest"]
 
 
 # ------------------------------------------------------------------------------ one request
-
-_DIGEST_WEIGHTS = np.arange(1, 252, dtype=np.int64)  # image_digest's weights: byte i counts (i % 251) + 1
-
-
-def host_digest(t: torch.Tensor) -> int:
-    """``int(image_digest(t))`` for a tensor on the host, without its temporaries.
-
-    ``image_digest`` widens every byte to int64 and multiplies by a weight tensor as
-    long: three 8-byte temporaries per byte of the image (24 MiB for a 1 MiB image), on
-    each of the soak's engine threads.  glibc serves such sizes from the thread's arena
-    once its mmap threshold has risen past them, and keeps them: that, not the library,
-    was most of the driver's RSS growth (defect 15).  Here the bytes are summed per
-    weight (column sums of a ``(-1, 251)`` view, in numpy's small buffers), then weighted:
-    the same exact integer.
-    """
-    if t.device.type != "cpu":
-        return int(image_digest(t))
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-    whole = raw.size - raw.size % 251
-    total = 0
-    if whole:
-        total = int(np.add.reduce(raw[:whole].reshape(-1, 251), axis=0, dtype=np.int64) @ _DIGEST_WEIGHTS)
-    rest = raw[whole:]
-    if rest.size:
-        total += int(rest.astype(np.int64) @ _DIGEST_WEIGHTS[: rest.size])
-    return total  # no wrap: under 2**63 for any image below 32 TiB
-
 
 def _intact(out: DiffusionOutput, plan: Plan) -> bool:
     image = out.output["image"]

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from omni_async.core.errors import InvalidRequest, UsageError
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
-from omni_async.models.tiny import image_digest
+from omni_async.models.tiny import host_digest, image_digest
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.postprocess import PostProcess, register_postprocess
 from omni_async.worker.stream import emit_chunk, streaming_requested
@@ -648,7 +648,7 @@ def host_stage(output: DiffusionOutput) -> HostResult:
         if t.is_floating_point():
             t = pixels_to_uint8(t)
             if "digest" in src:
-                result["digest"] = int(image_digest(t))
+                result["digest"] = host_digest(t)
         # Both copy: the input views a shared-memory segment released after this returns.
         if key == "image":
             result["image"] = Image.fromarray(t.numpy())
@@ -683,7 +683,7 @@ def seed_stage(output: DiffusionOutput) -> DiffusionOutput:
         if isinstance(px, Tensor) and px.is_floating_point():
             out[key] = pixels_to_uint8(px.cpu())
             if "digest" in out:
-                out["digest"] = image_digest(out[key])
+                out["digest"] = host_digest(out[key])
     return attrs.evolve(output, output=out)
 
 
