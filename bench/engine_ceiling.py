@@ -15,6 +15,12 @@ compare them as ratios in one run):
   requests were waiting in the engine (the next forward's request was sent after this
   one ended): each one is idle the engine caused.
 
+By default the CUDA forward synchronizes its stream before it returns (the library's own
+models do): the device then waits out the worker's own loop between forwards (sending
+COMPUTE_DONE, taking the next request: about 0.4 ms).  ``--queued``: it returns with its
+kernels queued, as a diffusers pipeline does, and the next forward's kernels queue behind
+them.
+
 With ``--forward-ms 0`` (the default) the model does nothing: the figures are the
 engine's, the executor's and the channel's ceiling.  ``--forward-ms 15 --post client``
 (or ``u8-client``) is a serving shape: a forward, then the client's bytes made on the
@@ -111,7 +117,7 @@ async def run(args: argparse.Namespace, name: str) -> dict[str, Any]:
         deadlines=Deadlines(compute_timeout=120, output_timeout=120),
         options=WorkerOptions(device=args.device, defer_packing=defer),
     )
-    params = {"forward_ms": args.forward_ms, "shape": args.shape, "dtype": args.dtype}
+    params = {"forward_ms": args.forward_ms, "shape": args.shape, "dtype": args.dtype, "sync": not args.queued}
     try:
         async with AsyncDiffusionEngine(executor, max_running=max_running, pipeline=POSTS[args.post]) as engine:
             for i in range(args.warmup):
@@ -175,6 +181,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16", "uint8"))
     ap.add_argument("--post", default="none", choices=sorted(POSTS), help="the client's bytes on the host (client), "
                     "after a uint8 device stage (u8-client), or none")  # fmt: skip
+    ap.add_argument("--queued", action="store_true",
+                    help="the forward returns with its kernels queued, as a diffusers pipeline does (CUDA; "
+                    "default: it synchronizes its stream before returning, so the device waits out the "
+                    "worker's own loop between forwards)")  # fmt: skip
     ap.add_argument("--consumer-ms", type=float, default=0.0, help="CPU work on the event loop per result")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=1, help="rounds over the settings, each with fresh executors")
@@ -185,7 +195,7 @@ def main() -> None:
     for r in runs:
         print(
             f"{r['setting']:>12}: {r['requests']} requests, {r['concurrency']} in flight, forward "
-            f"{r['forward_ms']:g} ms: {r['requests_per_s']:.0f} requests/s ({r['requests_per_s'] / base['requests_per_s']:.2f}x), "
+            f"{r['forward_ms']:g} ms{' (queued)' if args.queued else ''}: {r['requests_per_s']:.0f} requests/s ({r['requests_per_s'] / base['requests_per_s']:.2f}x), "
             f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms; worker idle {100 * r['idle_fraction']:.1f} % between "
             f"forwards (mean gap {r['idle_gap_ms_mean']:.2f} ms), starved {r['starved']}"
         )

@@ -5,13 +5,14 @@
 # step into one archive, $OUT/h200_owed_PART.tgz (the device tool's folder brings back at most
 # eight files; ./h200_out elsewhere), so a step that runs out of time keeps the ones before.
 #
-#   part 1: the CUDA tests, the demo at its defaults, the last-mile bench, the idle run
-#   part 2: the diffusers serving bench (DiT-XL/2 and Wan2.1-1.3B shapes)
+#   part 1: the CUDA tests, the demo at its defaults, the idle runs, encoded images, omni-u8
+#   part 2: the diffusers serving bench, DiT-XL/2; part 3: the same, Wan2.1-1.3B shapes
+# (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 or 2}"
+part="${1:?part 1, 2 or 3}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -20,28 +21,38 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" PYTHONUNBUFFERED=1
 case "$part" in
 1)
-    timeout 120 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
+    timeout 170 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
     save
     timeout 150 python3 -m omni_async.cli demo --device cuda --out "$out/demo_cuda" --json "$out/demo_cuda.json" 2>&1 | tee "$out/demo_cuda.log" | tail -16
     rm -rf "$out/demo_cuda/images"
     save
-    timeout 60 python3 bench/last_mile.py --device cuda --repeat 3 --json "$out/last_mile.json" 2>&1 | tee "$out/last_mile.log" | tail -14
-    save
-    timeout 90 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
-        --dtype bfloat16 --requests 400 --consumer-ms 5 --settings before,mr2,after --out "$out/idle_cuda.json" 2>&1 \
+    timeout 100 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
+        --dtype bfloat16 --requests 400 --consumer-ms 5 --settings before,after --out "$out/idle_cuda.json" 2>&1 \
         | tee "$out/idle_cuda.log" | tail -10
+    timeout 60 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
+        --dtype bfloat16 --requests 400 --consumer-ms 5 --settings after --queued --out "$out/idle_cuda_queued.json" 2>&1 \
+        | tee "$out/idle_cuda_queued.log" | tail -10
+    save
+    timeout 100 python3 bench/encoded_images.py --device cuda --json "$out/encoded_images.json" 2>&1 \
+        | tee "$out/encoded_images.log" | tail -6
+    save
+    timeout 120 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 \
+        --sizes image-1k-fp32,video-121x1080p-bf16 --forward-ms 30 --concurrency 2 --requests 12 \
+        --json "$out/bench_u8.json" 2>&1 | tee "$out/bench_u8.log" | tail -12
     save
     ;;
 2)
     timeout 200 python3 bench/diffusers_serving.py --preset h200 --workloads dit --json "$out/diffusers_dit.json" 2>&1 \
         | grep -v -i warn | tee "$out/diffusers_dit.log" | tail -8
     save
+    ;;
+3)
     timeout 260 python3 bench/diffusers_serving.py --preset h200 --workloads wan --requests 4 --json "$out/diffusers_wan.json" 2>&1 \
         | grep -v -i warn | tee "$out/diffusers_wan.log" | tail -6
     save
     ;;
 *)
-    echo "part must be 1 or 2" >&2
+    echo "part must be 1, 2 or 3" >&2
     exit 2
     ;;
 esac

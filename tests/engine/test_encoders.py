@@ -234,3 +234,27 @@ def test_an_encoder_process_killed_fails_its_job_and_the_pool_is_replaced() -> N
         pids = pool.pids()
         pool.shutdown(timeout=5.0)
     assert pool.pids() == [] and not any(pid_alive(p) for p in pids)
+
+
+@pytest.mark.slow
+def test_an_idle_encoder_process_that_does_not_leave_does_not_hold_the_close() -> None:
+    """Shutdown with no job running: an encoder process that does not take its exit
+    (stopped here, SIGSTOP; seen as a process of an idle pool that never left) is
+    terminated after IDLE_EXIT_S, not after the whole close deadline."""
+    import os
+    import signal
+    import time
+
+    from omni_async.engine.encode_pool import IDLE_EXIT_S, EncoderPool
+    from omni_async.transport.shm import pid_alive
+
+    pool = EncoderPool(1)
+    pixels = np.random.default_rng(0).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+    pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
+    (pid,) = pool.pids()
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    pool.shutdown(timeout=60.0)
+    took = time.monotonic() - t0
+    assert not pid_alive(pid)
+    assert took < IDLE_EXIT_S + 15.0, f"the close waited {took:.1f} s for an idle process"

@@ -31,8 +31,6 @@ from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EncodeFailed
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 
-av = pytest.importorskip("av")
-
 WIDTH = 48
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
 TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": WIDTH, "steps": 2}, postprocess="tiny")
@@ -134,6 +132,8 @@ def test_pixels_not_uint8_fail_the_request_with_what_to_do() -> None:
 
 
 def test_rgb_images_and_frames_as_mp4_from_the_dit_pipeline() -> None:
+    av = pytest.importorskip("av")  # the encode extra's video container (only this test needs it)
+
     async def body(ex: MultiprocDiffusionExecutor) -> None:
         async with AsyncDiffusionEngine(ex, pipeline="dit", encode_workers=2) as engine:
             size = {"height": 32, "width": 48, "seed": 3}

@@ -48,6 +48,8 @@ log = logging.getLogger("omni_async.engine.engine")
 
 EncodeResult = tuple[list[bytes], float]
 Encoded = EncodedOutput | tuple[EncodedOutput, ...]
+#: Seconds an idle encoder process gets to leave at shutdown before it is terminated.
+IDLE_EXIT_S = 2.0
 
 
 @attrs.frozen
@@ -82,6 +84,7 @@ class EncoderPool:
         self._lock = threading.Lock()
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
+        self._unfinished = 0  # jobs submitted whose future is not done
 
     def submit(self, job: EncodeJob) -> concurrent.futures.Future[EncodeResult]:
         """Queue ``job``; the first call starts the processes (spawned: safe beside the
@@ -96,14 +99,22 @@ class EncoderPool:
                         self.workers, mp_context=multiprocessing.get_context("spawn")
                     )
                 try:
-                    return self._pool.submit(encode, job)
+                    future = self._pool.submit(encode, job)
                 except BrokenProcessPool:
                     if attempt:
                         raise
                     log.warning("engine: an encoder process died; starting a new encoder pool")
                     self._pool.shutdown(wait=False, cancel_futures=True)
                     self._pool = None
+                    continue
+                self._unfinished += 1
+                future.add_done_callback(self._finished)
+                return future
             raise AssertionError("unreachable")
+
+    def _finished(self, _: concurrent.futures.Future[EncodeResult]) -> None:
+        with self._lock:
+            self._unfinished -= 1
 
     def pids(self) -> list[int]:
         """The encoder processes' ids (none before the first encode, nor after ``shutdown``)."""
@@ -112,22 +123,30 @@ class EncoderPool:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the encoder processes: jobs not started are cancelled, running ones get
-        until ``timeout`` seconds, then their processes are terminated.  Idempotent; a
-        later ``submit`` raises ``EncodeFailed``."""
+        until ``timeout`` seconds, then their processes are terminated.  With no job
+        running the processes get ``IDLE_EXIT_S`` to leave, whatever ``timeout`` says:
+        an idle process that does not leave has nothing to lose (in 4 of 34 closes of
+        ``bench/encoded_images.py``'s engines on a 2-core machine, one process of an idle
+        pool was still there after the engine's whole close deadline, 60 s).  Idempotent; a later
+        ``submit`` raises ``EncodeFailed``."""
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
+            running = self._unfinished
         if pool is None:
             return
         procs = list(_processes(pool).values())
         pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if running else min(timeout, IDLE_EXIT_S))
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         left = [p for p in procs if p.is_alive()]
-        if left:
+        if left and running:
             log.warning("engine close: %d encoder process(es) still encoding after %.1f s; terminating them",
                         len(left), timeout)
+        elif left:
+            log.warning("engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
+                        len(left), IDLE_EXIT_S)
         for p in left:
             p.terminate()
         for p in left:

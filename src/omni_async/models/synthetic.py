@@ -23,7 +23,11 @@ Two RPCs measure the limits of one case under the same conditions (``collective_
 CPU a reused host buffer).
 
 The output's values are a function of the request (``synthetic_output``), so a test can
-rebuild the tensor a worker produced and compare bytes.  Post-process ``"bench-u8"``: a
+rebuild the tensor a worker produced and compare bytes.  With ``"picture": True`` the
+output is an image instead, ``{"image": [H, W, C]}`` (``shape`` is ``(H, W, C)``): a smooth
+picture with a little noise, as a decoder makes (``synthetic_picture``), so that encoding
+it costs what encoding a generated image does (a constant or random tensor would be far
+cheaper, or far dearer, to compress).  Post-process ``"bench-u8"``: a
 device stage that turns every floating tensor (values in -1..1) into uint8 pixels
 before the copy, the way a pipeline ships images.  ``"bench-client"``: a host stage
 alone that hands the client its bytes (``to_client_bytes``: the conversion on the host);
@@ -54,6 +58,7 @@ __all__ = [
     "U8",
     "SyntheticForwardWorker",
     "synthetic_output",
+    "synthetic_picture",
     "to_client_bytes",
     "to_uint8",
     "u8_eager",
@@ -85,6 +90,19 @@ def synthetic_output(shape: Sequence[int], dtype: torch.dtype, seed: int, device
     return out
 
 
+def synthetic_picture(shape: Sequence[int], dtype: torch.dtype, seed: int, device: str | torch.device) -> torch.Tensor:
+    """An image ``[H, W, C]`` of values in -1..1: smooth waves per channel and a little
+    seeded noise (about one level in 128), a function of the request."""
+    h, w, c = (int(d) for d in shape[-3:])
+    y = torch.linspace(0.0, 1.0, h, device=device).view(h, 1, 1)
+    x = torch.linspace(0.0, 1.0, w, device=device).view(1, w, 1)
+    ch = torch.arange(c, device=device, dtype=torch.float32).view(1, 1, c)
+    waves = 0.6 * torch.sin(6.0 * x + 4.0 * y + 1.3 * ch + seed) + 0.25 * torch.cos(11.0 * x * y + ch)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    noise = torch.rand((h, w, c), generator=gen, device=device) * 0.016 - 0.008
+    return (waves + noise).clamp_(-1.0, 1.0).to(dtype)
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
@@ -113,8 +131,10 @@ class SyntheticForwardWorker:
         """``forward_ms``: a number >= 0 (default 0); ``shape``: a non-empty sequence of ints
         >= 1 (default ``(3, 64, 64)``); ``dtype``: one of ``DTYPES`` (``"float32"``);
         ``seed``: an int; ``sync``: a bool (default True: the forward synchronizes its
-        stream before it returns; False: it returns with its kernels queued); nothing else."""
-        known = {"forward_ms", "shape", "dtype", "seed", "sync"}
+        stream before it returns; False: it returns with its kernels queued);
+        ``picture``: a bool (default False; True: an image ``{"image": [H, W, C]}``, the
+        shape three ints with C 1, 3 or 4, not uint8); nothing else."""
+        known = {"forward_ms", "shape", "dtype", "seed", "sync", "picture"}
         p = request.params
         for name in p:
             if name not in known:
@@ -132,10 +152,20 @@ class SyntheticForwardWorker:
             raise InvalidRequest(request.request_id, "seed", f"must be an int, got {seed!r}")
         if not isinstance(p.get("sync", True), bool):
             raise InvalidRequest(request.request_id, "sync", f"must be a bool, got {p['sync']!r}")
+        picture = p.get("picture", False)
+        if not isinstance(picture, bool):
+            raise InvalidRequest(request.request_id, "picture", f"must be a bool, got {picture!r}")
+        if picture and (len(shape) != 3 or shape[-1] not in (1, 3, 4) or p.get("dtype") == "uint8"):
+            raise InvalidRequest(
+                request.request_id,
+                "picture",
+                f"needs shape (H, W, C) with C 1, 3 or 4 and a floating dtype, got {tuple(shape)!r} {p.get('dtype')!r}",
+            )
 
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         self.validate_request(request)
         p = request.params
+        picture = bool(p.get("picture", False))
         video = self._forward(
             float(p.get("forward_ms", 0)) / 1e3,
             tuple(p.get("shape", (3, 64, 64))),
@@ -143,20 +173,23 @@ class SyntheticForwardWorker:
             int(p.get("seed", 0)),
             time.monotonic(),
             sync=bool(p.get("sync", True)),
+            picture=picture,
         )
-        return DiffusionOutput(request.request_id, {"video": video})
+        return DiffusionOutput(request.request_id, {"image" if picture else "video": video})
 
     def execute_model_batch(self, requests: Sequence[DiffusionRequest]) -> BatchDiffusionOutput:
         return BatchDiffusionOutput(tuple(self.execute_model(r) for r in requests))
 
     # -- the bench's RPCs ------------------------------------------------------------
 
-    def forward_alone(self, n: int, forward_ms: float, shape: Sequence[int], dtype: str) -> list[float]:
+    def forward_alone(
+        self, n: int, forward_ms: float, shape: Sequence[int], dtype: str, picture: bool = False
+    ) -> list[float]:
         """``n`` forwards back to back, nothing shipped; the seconds of each."""
         times = []
         for i in range(n):
             t0 = time.monotonic()
-            self._forward(forward_ms / 1e3, tuple(shape), DTYPES[dtype], i, t0)
+            self._forward(forward_ms / 1e3, tuple(shape), DTYPES[dtype], i, t0, picture=picture)
             times.append(time.monotonic() - t0)
         return times
 
@@ -201,8 +234,17 @@ class SyntheticForwardWorker:
             self.iteration_s = max((time.monotonic() - t0) / reps, 1e-6)
 
     def _forward(
-        self, forward_s: float, shape: tuple[int, ...], dtype: torch.dtype, seed: int, t0: float, *, sync: bool = True
+        self,
+        forward_s: float,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        seed: int,
+        t0: float,
+        *,
+        sync: bool = True,
+        picture: bool = False,
     ) -> torch.Tensor:
+        make = synthetic_picture if picture else synthetic_output
         if self.device.type == "cuda":
             assert self.iteration_s is not None
             x = self.a
@@ -210,13 +252,13 @@ class SyntheticForwardWorker:
                 if i % 16 == 0:
                     raise_if_cancelled()
                 x = x @ self.b
-            video = synthetic_output(shape, dtype, seed, self.device)
+            video = make(shape, dtype, seed, self.device)
             if sync:
                 # The forward's own stream only: the packer's copy on its side stream goes on.
                 torch.cuda.current_stream(self.device).synchronize()
             return video
         raise_if_cancelled()
-        video = synthetic_output(shape, dtype, seed, self.device)
+        video = make(shape, dtype, seed, self.device)
         left = t0 + forward_s - time.monotonic()
         if left > 0:
             time.sleep(left)
