@@ -7,12 +7,14 @@
 #
 #   part 1: the CUDA tests, the demo at its defaults, the idle runs, encoded images, omni-u8
 #   part 2: the diffusers serving bench, DiT-XL/2; part 3: the same, Wan2.1-1.3B shapes
+#   part 4: omni-u8 against the ideal with the output in hand (no client bytes), and the
+#           encoded-images bench with its forward-bound rate from before, after and in serving
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1, 2 or 3}"
+part="${1:?part 1 to 4}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -51,8 +53,17 @@ case "$part" in
         | grep -v -i warn | tee "$out/diffusers_wan.log" | tail -6
     save
     ;;
+4)
+    timeout 150 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
+        --sizes image-1k-fp32,video-121x1080p-bf16 --forward-ms 30 --concurrency 2 --requests 12 \
+        --json "$out/bench_u8_in_hand.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_in_hand.log" | tail -12
+    save
+    timeout 120 python3 bench/encoded_images.py --device cuda --json "$out/encoded_images.json" 2>&1 \
+        | tee "$out/encoded_images.log" | tail -6
+    save
+    ;;
 *)
-    echo "part must be 1, 2 or 3" >&2
+    echo "part must be 1 to 4" >&2
     exit 2
     ;;
 esac
