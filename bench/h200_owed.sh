@@ -8,7 +8,8 @@
 #   part 1: the CUDA tests, the demo at its defaults, the idle runs, encoded images, omni-u8
 #   part 2: the diffusers serving bench, DiT-XL/2; part 3: the same, Wan2.1-1.3B shapes
 #   part 4: omni-u8 against the ideal with the output in hand (no client bytes), and the
-#           encoded-images bench with its forward-bound rate from before, after and in serving
+#           encoded-images bench with its forward-bound rate from before, after and in serving,
+#           and the engine's ceiling with a no-op model on the host's 16 cores
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
@@ -60,6 +61,9 @@ case "$part" in
     save
     timeout 120 python3 bench/encoded_images.py --device cuda --json "$out/encoded_images.json" 2>&1 \
         | tee "$out/encoded_images.log" | tail -6
+    save
+    timeout 60 python3 bench/engine_ceiling.py --requests 2000 --settings before,after \
+        --out "$out/ceiling_16core.json" 2>&1 | tee "$out/ceiling_16core.log" | tail -4
     save
     ;;
 *)
