@@ -55,14 +55,14 @@ case "$part" in
     save
     ;;
 4)
-    timeout 150 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
+    timeout 120 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
         --sizes image-1k-fp32,video-121x1080p-bf16 --forward-ms 30 --concurrency 2 --requests 12 \
         --json "$out/bench_u8_in_hand.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_in_hand.log" | tail -12
     save
-    timeout 120 python3 bench/encoded_images.py --device cuda --json "$out/encoded_images.json" 2>&1 \
+    timeout 100 python3 bench/encoded_images.py --device cuda --requests 150 --json "$out/encoded_images.json" 2>&1 \
         | tee "$out/encoded_images.log" | tail -6
     save
-    timeout 60 python3 bench/engine_ceiling.py --requests 2000 --settings before,after \
+    timeout 45 python3 bench/engine_ceiling.py --requests 2000 --settings before,after \
         --out "$out/ceiling_16core.json" 2>&1 | tee "$out/ceiling_16core.log" | tail -4
     save
     ;;
