@@ -586,8 +586,13 @@ def _stream_runs() -> list[list[TraceEvent]]:
             with pytest.raises(Exception):
                 list(s)
             finish(ex, s)
-            # The forward fails after a chunk: the stream ends with the call's error.
+            # The forward fails after a chunk: the stream ends with the call's error.  The
+            # call's failure is awaited first, so its chunk is still untaken when the failure
+            # arrives and is dropped as "failed" (taking it first raced the failure: CI once
+            # saw no "failed" drop).
             s = ex.submit_stream(rq("fails", 3, raise_at=1))
+            with pytest.raises(Exception):
+                s.result.result(10)
             with pytest.raises(Exception):
                 list(s)
             # Aborted mid-stream (cancel_requests).
