@@ -258,3 +258,20 @@ def test_an_idle_encoder_process_that_does_not_leave_does_not_hold_the_close() -
     took = time.monotonic() - t0
     assert not pid_alive(pid)
     assert took < IDLE_EXIT_S + 15.0, f"the close waited {took:.1f} s for an idle process"
+
+
+@pytest.mark.slow
+def test_the_first_encode_starts_every_encoder_process_at_once() -> None:
+    """A spawned pool makes a process only when a job finds none idle: the first burst of
+    requests then waited for processes still importing (3 s on the H200).  The pool
+    starts all of its processes with the first job."""
+    from omni_async.engine.encode_pool import EncoderPool
+
+    pool = EncoderPool(3)
+    try:
+        pixels = np.zeros((8, 8, 3), dtype=np.uint8)
+        pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
+        assert len(pool.pids()) == 3
+    finally:
+        pool.shutdown(timeout=30.0)
+    assert pool.pids() == []

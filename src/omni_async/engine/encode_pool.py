@@ -95,9 +95,7 @@ class EncoderPool:
                 raise EncodeFailed("the engine's encoder pool is shut down (the engine is closing)")
             for attempt in range(2):
                 if self._pool is None:
-                    self._pool = concurrent.futures.ProcessPoolExecutor(
-                        self.workers, mp_context=multiprocessing.get_context("spawn")
-                    )
+                    self._pool = self._start()
                 try:
                     future = self._pool.submit(encode, job)
                 except BrokenProcessPool:
@@ -111,6 +109,18 @@ class EncoderPool:
                 future.add_done_callback(self._finished)
                 return future
             raise AssertionError("unreachable")
+
+    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
+        """A new pool with all its processes starting at once.  A spawned pool makes a
+        process only when a job finds none idle, one job at a time: on the H200 the first
+        burst of 1024x1024 PNG requests then waited about 3 s for processes still importing
+        (p99 4.4 s against p50 1.2 s).  One quick job per process, submitted together,
+        finds none idle each time, so every process is spawned now and they import side
+        by side."""
+        pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        for _ in range(self.workers):
+            pool.submit(os.getpid)
+        return pool
 
     def _finished(self, _: concurrent.futures.Future[EncodeResult]) -> None:
         with self._lock:
