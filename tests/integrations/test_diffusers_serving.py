@@ -245,3 +245,50 @@ def test_engine_batches_diffusers_requests_over_worker_processes(dit_direct: Any
         got = results[rid].output
         assert isinstance(got, ImagePipelineOutput)
         assert torch.equal(got.images, want), rid
+
+
+def test_decode_in_the_device_stage_gives_the_pipelines_own_pixels(wan_direct: Any) -> None:
+    """``decode="device"``: the forward stops at the latents and the device stage decodes
+    them with the pipeline's VAE, then makes the uint8 pixels: diffusers' own, bit for
+    bit.  The decoder rides in the output only inside the worker's process."""
+    from omni_async.integrations.diffusers.pixels import DECODE_LATER, device_stage
+
+    worker = DiffusersPipelineWorker(builder=WAN, decode="device")
+    assert worker.decode_in_device_stage
+    params = wan_params(seed=8)
+    out = worker.execute_model(DiffusionRequest("w", params))
+    assert set(out.output) == {"latents", DECODE_LATER}  # the VAE did not run in the forward
+    staged = device_stage(out).output
+    assert set(staged) == {"frames"}
+    assert np.array_equal(staged["frames"].numpy(), diffusers_uint8(wan_direct, params))
+    # Asked for latents, it still gets them, with nothing to decode.
+    latent = worker.execute_model(DiffusionRequest("l", {**params, "output_type": "latent"})).output
+    assert set(latent) == {"latents"}
+
+
+@pytest.mark.slow
+def test_decode_in_the_device_stage_over_worker_processes(wan_direct: Any) -> None:
+    """Through a worker process and the engine: the same pixels as diffusers' own."""
+    spec = DiffusersPipelineWorker.spec(builder=WAN, decode="device", postprocess="diffusers")
+    params = [wan_params(seed=20 + i) for i in range(2)]
+
+    async def body() -> list[GenerationResult]:
+        engine = AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers"
+        )
+        async with engine:
+            return list(await asyncio.gather(*(engine.generate(DiffusionRequest(f"v{i}", p)) for i, p in enumerate(params))))
+
+    for result, p in zip(asyncio.run(body()), params, strict=True):
+        assert np.array_equal(result.output["frames"], diffusers_uint8(wan_direct, p))
+
+
+def test_decode_in_the_device_stage_needs_its_post_process_and_a_known_value() -> None:
+    from omni_async.core.errors import UsageError
+
+    with pytest.raises(UsageError, match="postprocess='diffusers'"):
+        DiffusersPipelineWorker.spec(builder=WAN, decode="device")
+    with pytest.raises(UsageError, match="decode must be 'forward' or 'device'"):
+        DiffusersPipelineWorker.spec(builder=WAN, decode="later", postprocess="diffusers")
+    # A pipeline that cannot stop at its latents (DiT) decodes in its forward.
+    assert not DiffusersPipelineWorker(builder=DIT, decode="device").decode_in_device_stage

@@ -14,6 +14,10 @@ pixels of the ``"pil"`` path.
   the same conversion on the worker's device before the copy (4x fewer bytes than float32,
   2x fewer than bfloat16); the host stage then only copies.  Float32 multiply and
   round-half-even are exact IEEE operations, so the pixels are the same either way.
+  For a worker with ``decode="device"``, whose forward stops at the latents, the device
+  stage first decodes them with the pipeline's VAE (the output's ``DECODE_LATER``
+  entry, a ``LatentDecoder`` that never leaves the worker's process): the output is then
+  ``{"images": ...}`` or ``{"frames": ...}`` as the pipeline's own decode gives them.
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["PIPELINE", "POSTPROCESS", "device_stage", "host_stage", "to_uint8"]
+__all__ = ["DECODE_LATER", "PIPELINE", "POSTPROCESS", "device_stage", "host_stage", "to_uint8"]
 
 #: The pipeline name of the post-process (``get_postprocess("diffusers")``).
 PIPELINE = "diffusers"
 _PIXELS = ("images", "frames")
+#: The key under which a ``decode="device"`` worker's output carries its decoder to the device stage.
+DECODE_LATER = "omni_async.decode_later"
 
 
 def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
@@ -91,8 +97,13 @@ def host_stage(output: DiffusionOutput) -> object:
 
 
 def device_stage(output: DiffusionOutput) -> DiffusionOutput:
-    """The worker-side stage: uint8 channel-last pixels on the device, before the copy."""
-    return attrs.evolve(output, output=_map_pixels(output.output, to_host=False))
+    """The worker-side stage: the latents decoded when the forward left them
+    (``DECODE_LATER``), then uint8 channel-last pixels on the device, before the copy."""
+    value = output.output
+    if isinstance(value, Mapping) and DECODE_LATER in value:
+        decode = value[DECODE_LATER]
+        value = dict(decode(value["latents"]))
+    return attrs.evolve(output, output=_map_pixels(value, to_host=False))
 
 
 POSTPROCESS = register_postprocess(PostProcess(PIPELINE, host=host_stage, device=device_stage))

@@ -17,6 +17,7 @@ call, ``scheduler.step`` is wrapped so that the hook runs after each step.  Eith
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import cast
@@ -28,14 +29,29 @@ from omni_async.integrations.diffusers.edge import Decoder, PipelineHandle, Step
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
-__all__ = ["StepHook", "decode_latents", "hooked_scheduler"]
+__all__ = ["LatentDecoder", "StepHook", "decode_latents", "hooked_scheduler"]
+
+
+class LatentDecoder:
+    """The pipeline's VAE decode (``decode_latents``) behind one lock: the forward's thread
+    decodes previews with it while the packer's thread decodes finished latents (a worker
+    with ``decode="device"``), and a VAE may keep state while it decodes (Wan's keeps a
+    feature cache), so two decodes never run at once."""
+
+    def __init__(self, handle: PipelineHandle) -> None:
+        self._handle = handle
+        self._lock = threading.Lock()
+
+    def __call__(self, latents: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        with self._lock:
+            return decode_latents(self._handle, latents)
 
 
 class StepHook:
     """Runs after every denoising step of one pipeline call over ``requests``."""
 
-    def __init__(self, handle: PipelineHandle, requests: Sequence[DiffusionRequest], steps: int) -> None:
-        self._handle = handle
+    def __init__(self, decoder: LatentDecoder, requests: Sequence[DiffusionRequest], steps: int) -> None:
+        self._decode = decoder
         self._requests = requests
         self._steps = steps
         self.done = 0
@@ -55,7 +71,7 @@ class StepHook:
                 rid = self._requests[i].request_id
                 # Row i of the batch (a scheduler hooked under classifier-free guidance sees the
                 # conditional rows first): a fresh decode, which the forward never writes again.
-                preview = dict(decode_latents(self._handle, latents[i : i + 1]))
+                preview = dict(self._decode(latents[i : i + 1]))
                 emit_chunk(rid, {**preview, "step": self.done})
 
     def callback(self, pipeline: object, step: int, timestep: object, tensors: Mapping[str, object]) -> dict[str, object]:

@@ -37,6 +37,7 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import ClassVar
 
+import attrs
 import torch
 
 from omni_async.core.errors import UsageError
@@ -45,7 +46,7 @@ from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,
 )
-from omni_async.integrations.diffusers.pixels import PIPELINE
+from omni_async.integrations.diffusers.pixels import DECODE_LATER, PIPELINE
 from omni_async.integrations.diffusers.profile import (
     PipelineProfile,
     batch_key,
@@ -54,7 +55,7 @@ from omni_async.integrations.diffusers.profile import (
     validate_request,
 )
 from omni_async.integrations.diffusers.source import PipelineSource
-from omni_async.integrations.diffusers.steps import StepHook, hooked_scheduler
+from omni_async.integrations.diffusers.steps import LatentDecoder, StepHook, hooked_scheduler
 from omni_async.worker.cancel import cancel_requested
 from omni_async.worker.host import WorkerSpec
 
@@ -67,7 +68,7 @@ _SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
 
 
 def _source(kwargs: Mapping[str, object]) -> PipelineSource:
-    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae", "warmup"})
+    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae", "warmup", "decode"})
     if unknown:
         raise UsageError(f"DiffusersPipelineWorker: unknown keyword argument(s) {unknown}")
     builder, pretrained = kwargs.get("builder"), kwargs.get("pretrained")
@@ -92,7 +93,11 @@ class DiffusersPipelineWorker:
     one, else the CPU); ``generator_device`` (``"cpu"``: where the seeds' generators
     draw); ``slice_vae`` (True: the VAE decodes a batch one member at a time, as its own
     call would); ``warmup`` (a request's parameters: one forward with them while the
-    worker starts, so the first client does not pay the first forward's one-time costs).
+    worker starts, so the first client does not pay the first forward's one-time costs);
+    ``decode`` (``"forward"``: the pipeline decodes its latents in the forward;
+    ``"device"``: where the pipeline can return latents, the forward stops there and the
+    VAE decode runs in the device stage, on the packer's side stream while the next
+    forward runs -- needs ``postprocess="diffusers"``).
     """
 
     pipeline_name: ClassVar[str] = PIPELINE
@@ -108,7 +113,9 @@ class DiffusersPipelineWorker:
         generator_device: str = "cpu",
         slice_vae: bool = True,
         warmup: Mapping[str, object] | None = None,
+        decode: str = "forward",
     ) -> None:
+        _check_decode(decode)
         self.source = _source(
             {"builder": builder, "builder_kwargs": builder_kwargs, "pretrained": pretrained, "pretrained_kwargs": pretrained_kwargs}
         )
@@ -118,6 +125,11 @@ class DiffusersPipelineWorker:
         self.generator_device = torch.device(generator_device)
         self.handle = self.source.load(self.device)
         self.profile: PipelineProfile = profile_of(self.handle)
+        # The VAE decode, for previews and (``decode="device"``) the device stage.
+        self.decoder = LatentDecoder(self.handle)
+        self.decode_in_device_stage = decode == "device" and self.profile.latent_output
+        if decode == "device" and not self.profile.latent_output:
+            log.warning("%s cannot return latents: decode='device' decodes in the forward", self.profile.pipeline)
         self.sliced_vae = slice_vae and self.handle.slice_vae()
         # False once the pipeline refused a list of generators: batches run member by member.
         self.generator_lists = True
@@ -154,6 +166,13 @@ class DiffusersPipelineWorker:
         """The ``WorkerSpec`` of a worker built with ``kwargs`` (the constructor's);
         ``postprocess="diffusers"`` converts the pixels to uint8 on the device, before the copy."""
         _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
+        decode = kwargs.get("decode", "forward")
+        _check_decode(decode)
+        if decode == "device" and postprocess != PIPELINE:
+            raise UsageError(
+                f"DiffusersPipelineWorker.spec: decode='device' decodes in the device stage of "
+                f"postprocess={PIPELINE!r}; got postprocess={postprocess!r}"
+            )
         return WorkerSpec(f"{cls.__module__}:{cls.__qualname__}", kwargs=kwargs, postprocess=postprocess)
 
     # -- the model interface ------------------------------------------------------------------
@@ -185,8 +204,12 @@ class DiffusersPipelineWorker:
         if len(requests) > 1 and not self.generator_lists:
             return [out for r in requests for out in self._run([r])]
         steps = requests[0].params.get("num_inference_steps", self.profile.default_steps)
-        hook = StepHook(self.handle, requests, int(steps) if isinstance(steps, int) else 0)
+        hook = StepHook(self.decoder, requests, int(steps) if isinstance(steps, int) else 0)
         kwargs = self._call_kwargs(requests, hook)
+        asked = str(requests[0].params.get("output_type", "pt"))
+        later = self.decode_in_device_stage and asked == "pt"
+        if later:
+            kwargs["output_type"] = "latent"
         try:
             result = self._call(kwargs, hook)
         except Exception as exc:
@@ -204,11 +227,15 @@ class DiffusersPipelineWorker:
             )
             self.generator_lists = False
             return [out for r in requests for out in self._run([r])]
-        output_type = str(requests[0].params.get("output_type", "pt"))
-        return [
-            DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=output_type == "latent"))
+        outputs = [
+            DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=later or asked == "latent"))
             for i, r in enumerate(requests)
         ]
+        if later:
+            # The device stage decodes them (pixels.device_stage), in the worker's process:
+            # the decoder never travels.
+            outputs = [attrs.evolve(o, output={**o.output, DECODE_LATER: self.decoder}) for o in outputs]
+        return outputs
 
     def _call(self, kwargs: dict[str, object], hook: StepHook) -> object:
         self.pipeline_calls += 1
@@ -246,6 +273,11 @@ class DiffusersPipelineWorker:
         else:
             gen.seed()  # no seed asked for: a fresh one, still one generator per request
         return gen
+
+
+def _check_decode(decode: object) -> None:
+    if decode not in ("forward", "device"):
+        raise UsageError(f"DiffusersPipelineWorker: decode must be 'forward' or 'device', got {decode!r}")
 
 
 def _member(result: object, index: int, size: int, *, latent: bool) -> object:
