@@ -10,6 +10,9 @@ per second of:
   (``MultiprocDiffusionExecutor``): the copy on the worker's main thread;
 * ``engine-async``: the same engine with the asynchronous output path (COMPUTE_DONE,
   the next forward, the copy on the packer's side stream);
+* ``engine-decode`` (Wan, whose pipeline can stop at its latents): ``engine-async`` with
+  ``decode="device"``: the VAE decode moves from the forward to the device stage, on the
+  packer's side stream while the next request denoises;
 
 with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
 runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
@@ -213,11 +216,14 @@ def _forward_gap(results: list[Any]) -> float | None:
     return statistics.mean(gaps) if gaps else None
 
 
-def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, async_output: bool, forward: float | None) -> dict[str, Any]:
+def run_engine(
+    name: str, work: Mapping[str, Any], device: str, count: int, *, async_output: bool, forward: float | None,
+    decode: str = "forward",
+) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
     spec = DiffusersPipelineWorker.spec(
         builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers",
-        warmup=requests(name, work, 1, "warmup")[0].params,
+        warmup=requests(name, work, 1, "warmup")[0].params, decode=decode,
     )  # fmt: skip
 
     def factory() -> MultiprocDiffusionExecutor:
@@ -239,7 +245,7 @@ def run_engine(name: str, work: Mapping[str, Any], device: str, count: int, *, a
             return wall, list(results), first, steady
 
     wall, results, first, steady = asyncio.run(body())
-    path = "engine-async" if async_output else "engine-sync"
+    path = "engine-decode" if decode == "device" else "engine-async" if async_output else "engine-sync"
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
     row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
@@ -299,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(direct)
         for async_output in (False, True):
             rows.append(run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"]))
+        if name == "wan":
+            rows.append(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
+                                   decode="device"))  # fmt: skip
         if name == "dit":
             rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
     print(f"{'workload':8} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10}")

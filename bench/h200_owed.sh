@@ -7,6 +7,7 @@
 #
 #   part 1: the CUDA tests, the demo at its defaults, the idle runs, encoded images, omni-u8
 #   part 2: the diffusers serving bench, DiT-XL/2; part 3: the same, Wan2.1-1.3B shapes
+#           (since its last run, part 3 also runs Wan with decode="device": engine-decode)
 #   part 4: omni-u8 against the ideal with the output in hand (no client bytes), and the
 #           encoded-images bench with its forward-bound rate from before, after and in serving,
 #           and the engine's ceiling with a no-op model on the host's 16 cores

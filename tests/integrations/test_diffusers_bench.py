@@ -26,6 +26,7 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
     paths = {(row["workload"], row["path"]) for row in report["runs"]}
     for workload in ("dit", "wan"):
         assert {(workload, p) for p in ("direct", "engine-sync", "engine-async")} <= paths
+    assert ("wan", "engine-decode") in paths  # the VAE decode in the device stage
     batched = {p for w, p in paths if w == "dit" and "batch" in p}
     assert len(batched) == 2, paths  # batch 1 against batch 4, by the engine
     assert all(row["requests_per_s"] > 0 for row in report["runs"])
