@@ -51,7 +51,7 @@ case "$part" in
     save
     ;;
 3)
-    timeout 260 python3 bench/diffusers_serving.py --preset h200 --workloads wan --requests 4 --json "$out/diffusers_wan.json" 2>&1 \
+    timeout 360 python3 bench/diffusers_serving.py --preset h200 --workloads wan --requests 4 --json "$out/diffusers_wan.json" 2>&1 \
         | grep -v -i warn | tee "$out/diffusers_wan.log" | tail -6
     save
     ;;
