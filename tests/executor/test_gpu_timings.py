@@ -16,11 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.shipped import shipped_outputs
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import (
-    AsyncDiffusionOutput,
-    AsyncOutputKind,
     DiffusionOutput,
     DiffusionRequest,
     RpcRequest,
@@ -105,21 +104,6 @@ def _worker(pool: SegmentPool, channel: InProcessChannel) -> tuple[TailModel, Pa
     return model, packer, loop
 
 
-def _outputs(ch: InProcessChannel, n: int) -> list[DiffusionOutput]:
-    got: list[DiffusionOutput] = []
-    while len(got) < n:
-        msg = ch.get(timeout=30.0)
-        assert isinstance(msg, AsyncDiffusionOutput), msg
-        if msg.kind is AsyncOutputKind.OUTPUT_READY:
-            assert msg.failure is None and msg.output is not None, msg.failure
-            got.append(msg.output)
-        elif msg.kind is AsyncOutputKind.RPC_RESULT:
-            assert msg.failure is None, msg.failure
-            if isinstance(msg.result, DiffusionOutput):
-                got.append(msg.result)
-    return got
-
-
 def _check(outs: list[DiffusionOutput]) -> None:
     for o in outs:
         m = o.metrics
@@ -148,7 +132,7 @@ def test_cuda_async_path_pack_is_the_copy_and_the_forward_has_its_tail(pool: Seg
         # use (0.15 s seen on an H200); the later ones each find the previous call's
         # 0.3 s tail still running: a wait for the device would show there.
         assert max(took[1:]) < RETURN_MAX_S, f"the worker's main thread waited for the device: {took}"
-        outs = _outputs(channel, 3)
+        outs = shipped_outputs(channel, 3)
         try:
             _check(outs)
             first, second = outs[0].metrics, outs[1].metrics
@@ -171,7 +155,7 @@ def test_cuda_sync_path_times_the_same_way(pool: SegmentPool) -> None:
         torch.cuda.synchronize()
         for i in range(3):
             loop.handle_rpc(RpcRequest(f"s{i}", "execute_model", (DiffusionRequest(f"s{i}", {"value": i}),)))
-        outs = _outputs(channel, 3)
+        outs = shipped_outputs(channel, 3)
         try:
             _check(outs)
             for a, b in itertools.pairwise(outs):

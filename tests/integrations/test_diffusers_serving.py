@@ -19,7 +19,6 @@ from helpers.diffusers_direct import (
     DIT,
     WAN,
     direct_call,
-    direct_pipeline,
     dit_params,
     tensor,
     wan_params,
@@ -62,16 +61,6 @@ def _fetch(ex: DiffusionExecutor, output_id: str | None) -> Any:
     assert output_id is not None
     out = ex.wait_output_ready(output_id).result(timeout=120)
     return out
-
-
-@pytest.fixture(scope="module")
-def dit_direct() -> Any:
-    return direct_pipeline("dit")
-
-
-@pytest.fixture(scope="module")
-def wan_direct() -> Any:
-    return direct_pipeline("wan")
 
 
 # -- fast: threads ------------------------------------------------------------------------------

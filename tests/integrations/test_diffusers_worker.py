@@ -15,7 +15,6 @@ from helpers.diffusers_direct import (
     DIT,
     WAN,
     direct_call,
-    direct_pipeline,
     dit_params,
     tensor,
     wan_params,
@@ -35,16 +34,6 @@ def dit() -> DiffusersPipelineWorker:
 @pytest.fixture(scope="module")
 def wan() -> DiffusersPipelineWorker:
     return DiffusersPipelineWorker(builder=WAN)
-
-
-@pytest.fixture(scope="module")
-def dit_direct() -> Any:
-    return direct_pipeline("dit")
-
-
-@pytest.fixture(scope="module")
-def wan_direct() -> Any:
-    return direct_pipeline("wan")
 
 
 def test_dit_request_is_bit_exact_against_the_direct_call(dit: DiffusersPipelineWorker, dit_direct: Any) -> None:

@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 from helpers.fake_device import FakeDevice
+from helpers.shipped import shipped_outputs
 from helpers.shm_fixtures import no_shm_leak, segment_pool
 
 from omni_async.core.messages import (
-    AsyncDiffusionOutput,
-    AsyncOutputKind,
     DiffusionOutput,
     DiffusionRequest,
     RpcRequest,
 )
+from omni_async.core.stats import OutputStats
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.packing import (
     pack_diffusion_output_shm,
@@ -67,21 +67,6 @@ def _pack_with(pool: SegmentPool) -> PackFn:
     return pack
 
 
-def _outputs(ch: InProcessChannel, n: int) -> list[DiffusionOutput]:
-    got: list[DiffusionOutput] = []
-    while len(got) < n:
-        msg = ch.get(timeout=10.0)
-        assert isinstance(msg, AsyncDiffusionOutput), msg
-        if msg.kind is AsyncOutputKind.OUTPUT_READY:
-            assert msg.failure is None and msg.output is not None, msg.failure
-            got.append(msg.output)
-        elif msg.kind is AsyncOutputKind.RPC_RESULT:
-            assert msg.failure is None, msg.failure
-            if isinstance(msg.result, DiffusionOutput):
-                got.append(msg.result)
-    return got
-
-
 def _request(rid: str, *, async_output: bool) -> RpcRequest:
     return RpcRequest(f"rpc-{rid}", "execute_model", (DiffusionRequest(rid, {}),), async_output=async_output)
 
@@ -101,6 +86,16 @@ def _check_one(o: DiffusionOutput) -> None:
     assert m.pack_s < TAIL / 2, f"pack_s={m.pack_s:.3f} s holds the forward's device tail ({TAIL} s)"
 
 
+def _two_checked(channel: InProcessChannel, pool: SegmentPool) -> tuple[OutputStats, OutputStats]:
+    """The next two outputs' stamps, each checked (``_check_one``), their segments released."""
+    outs = shipped_outputs(channel, 2)
+    for o in outs:
+        release_packed_output(o, pool=pool)
+    for o in outs:
+        _check_one(o)
+    return outs[0].metrics, outs[1].metrics
+
+
 def test_the_packer_times_the_copy_not_the_forwards_tail(channel: InProcessChannel, segment_pool: SegmentPool) -> None:
     dev = FakeDevice()
     clock = dev.clock()
@@ -110,16 +105,11 @@ def test_the_packer_times_the_copy_not_the_forwards_tail(channel: InProcessChann
     try:
         for i in range(2):
             loop.handle_rpc(_request(f"a{i}", async_output=True))
-        outs = _outputs(channel, 2)
-        for o in outs:
-            release_packed_output(o, pool=segment_pool)
-        for o in outs:
-            _check_one(o)
-        first, second = (o.metrics for o in outs)
-        # The second forward queued behind the first one's tail: the device never idled.
+        first, second = _two_checked(channel, segment_pool)
         assert second.forward_started_at is not None and first.forward_ended_at is not None
+        # The second forward queued behind the first one's tail: the device never idled.
         assert second.forward_started_at >= first.forward_ended_at - 1e-3
-        assert packer.metrics.pack_seconds == pytest.approx(sum(o.metrics.pack_s or 0.0 for o in outs))
+        assert packer.metrics.pack_seconds == pytest.approx((first.pack_s or 0.0) + (second.pack_s or 0.0))
         assert packer.metrics.pack_seconds < TAIL
     finally:
         assert packer.stop(10.0)
@@ -134,12 +124,7 @@ def test_the_synchronous_path_times_the_same_way(channel: InProcessChannel, segm
                       clock=clock)  # fmt: skip
     for i in range(2):
         loop.handle_rpc(_request(f"s{i}", async_output=False))
-    outs = _outputs(channel, 2)
-    for o in outs:
-        release_packed_output(o, pool=segment_pool)
-    for o in outs:
-        _check_one(o)
-    first, second = (o.metrics for o in outs)
+    first, second = _two_checked(channel, segment_pool)
     assert second.forward_started_at is not None and first.forward_ended_at is not None
     # The device idled only for the copy and the answer, not for its own tail.
     idle = second.forward_started_at - first.forward_ended_at
@@ -157,7 +142,7 @@ def test_on_cpu_the_stamps_are_in_order_and_pack_s_is_their_difference(channel: 
     try:
         for i in range(3):
             loop.handle_rpc(_request(f"c{i}", async_output=True))
-        outs = _outputs(channel, 3)
+        outs = shipped_outputs(channel, 3)
     finally:
         assert packer.stop(10.0)
     for o in outs:
