@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 import torch
 
 from omni_async.integrations.diffusers.tiny import (
@@ -69,3 +70,15 @@ def pixels_of(output: Any) -> torch.Tensor:
             assert isinstance(value, torch.Tensor)
             return value
     raise AssertionError(f"no pixels in {type(output).__name__}: {list(output)}")
+
+
+# Fixtures: the pipelines called directly, which the tests compare against (one of each
+# per test module that imports them: building them is the slow part).
+@pytest.fixture(scope="module")
+def dit_direct() -> Any:
+    return direct_pipeline("dit")
+
+
+@pytest.fixture(scope="module")
+def wan_direct() -> Any:
+    return direct_pipeline("wan")

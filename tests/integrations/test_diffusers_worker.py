@@ -11,12 +11,14 @@ import pytest
 import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
-from helpers.diffusers_direct import (
+from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
     DIT,
     WAN,
     direct_call,
+    dit_direct,
     dit_params,
     tensor,
+    wan_direct,
     wan_params,
 )
 
