@@ -44,7 +44,7 @@ class OutputStats(Mapping[str, float]):
     forward_returned_at: float | None = None
     pack_started_at: float | None = None
     pack_ended_at: float | None = None
-    # A post-process device stage (``worker.postprocess.run_device_stage``).
+    # A post-process device stage's device time (``worker.postprocess``), apart from the pack's.
     device_postprocess_s: float | None = None
     # A request's JPEG encoded on the worker's GPU (``worker.encode``): its seconds, and
     # the bytes of the images before (``device_encode_in_bytes``) and after.

@@ -71,9 +71,9 @@ class RequestTimings:
     (``omni_async.worker.stamps``, carried in the output's metrics), on the device's
     time converted to the host's clock: ``forward_started_at`` / ``forward_ended_at``
     (the forward on the device, its tail included), ``forward_returned_at`` (the model
-    call returned on the host) and ``pack_started_at`` / ``pack_ended_at`` (device stage
-    and copy, from the copy's start on the device: on the packer, or on the main thread
-    on the synchronous path); None when the output did not carry them.
+    call returned on the host) and ``pack_started_at`` / ``pack_ended_at`` (the copy,
+    from its start on the device, after the device stage: on the packer, or on the main
+    thread on the synchronous path); None when the output did not carry them.
     CLOCK_MONOTONIC is one clock for all processes of a Linux host, so the worker's
     stamps and the engine's compare on one timeline.
     """

@@ -32,6 +32,7 @@ __all__ = [
     "StreamLike",
     "default_device",
     "record_device_event",
+    "record_stream_event",
     "wait_device_event",
 ]
 
@@ -110,6 +111,16 @@ def record_device_event(device: torch.device | None = None, *, force_sync: bool 
             except Exception:  # noqa: BLE001  # backends fail in many ways (AssertionError when not compiled in)
                 pass  # this backend's event cannot record: synchronize instead (F1)
     return DeviceSync(dev, stream)
+
+
+def record_stream_event(stream: CopyStream) -> DeviceEvent | None:
+    """Mark the point after what ``stream`` has queued so far (another stream waits for it
+    with ``wait_device_event``); None for no stream: the host's calls have finished."""
+    if stream is None:
+        return None
+    ev = torch.cuda.Event(enable_timing=False, blocking=False)  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+    ev.record(stream)
+    return ev
 
 
 def wait_device_event(ev: DeviceEvent | None, stream: StreamLike = None) -> None:

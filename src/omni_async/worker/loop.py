@@ -271,11 +271,11 @@ class WorkerLoop:
         event = self._record_event() if pack is not None or stage is not None else None
 
         def ship(o: DiffusionOutput) -> DiffusionOutput:
-            # On the compute stream, behind the forward: the device reaches it when the
-            # forward's kernels end, where this path's copy starts.
-            copy = self._clock.mark()
             if stage is not None:
                 o = run_device_stage(stage, o, None, event)
+            # On the compute stream, behind the forward and the device stage: where this
+            # path's copy starts (the packer's definition: ``worker.stamps``).
+            copy = self._clock.mark()
             if pack is not None:
                 o = pack(o, None, event)
             return timed(o, self._clock, forward, copy, time.monotonic())

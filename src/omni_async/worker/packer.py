@@ -4,11 +4,21 @@ The worker's main thread hands each finished output to the packer together
 with a device event recorded right after the forward, sends COMPUTE_DONE, and
 takes the next request.  The packer then, for each output in order:
 
-1. packs the output (device -> shared memory, on the side stream), the pack
+1. runs the pipeline's device stage on it, if it has one (``worker.postprocess``),
+2. packs the output (device -> shared memory, on the side stream), the pack
    function ordering its reads after the event (the copy must not read the
    output before the forward's last kernel wrote it -- F1; a platform that
    cannot record an event gives a marker that makes it synchronize instead),
-2. sends OUTPUT_READY, or OUTPUT_READY with a typed failure (F2).
+3. sends OUTPUT_READY, or OUTPUT_READY with a typed failure (F2).
+
+The device stage runs one output ahead of the copy: a second thread, the *stager*,
+queues the next output's stage on a stream of its own while the packer's stream copies
+this one (on a GPU the stage runs on the SMs, the copy on a copy engine: they overlap,
+so a copy-bound worker ships at the copy's rate instead of stage plus copy in series).
+The packer's stream waits for the stage's end (a device event) before it copies.  The
+stage is a job's first step whichever thread claims it: the packer runs it itself when
+the stager has not (the first output after an idle spell, the last ones of a drain).
+A staged output that is dropped before its copy is cancelled like any other (F15).
 
 Back-pressure: at most ``max_outputs`` outputs and ``max_bytes`` bytes are in the
 packer at once.  The main thread calls ``wait_for_room`` *before* it starts the
@@ -44,12 +54,12 @@ from omni_async.core.states import (
 )
 from omni_async.core.trace import Tracer, emit
 from omni_async.transport.channel import ResultSender
-from omni_async.transport.clock import DeviceClock
+from omni_async.transport.clock import ClockMark, DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
-from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
+from omni_async.transport.platform import CopyStream, DeviceEvent, record_stream_event, wait_device_event
 from omni_async.worker.encode import run_device_encode
-from omni_async.worker.postprocess import DeviceStage, run_device_stage
+from omni_async.worker.postprocess import DeviceStage, launch_device_stage, with_stage_time
 from omni_async.worker.stamps import ForwardMarks, timed
 
 log = logging.getLogger(__name__)
@@ -84,6 +94,22 @@ def _no_stream() -> CopyStream:
 
 
 @attrs.define(eq=False)
+class StageRun:
+    """One output's device stage, claimed by the stager (ahead of the copy) or the packer.
+
+    ``running`` until its kernels are queued; then ``output`` (what the stage returned)
+    or ``error``, ``done`` (the point on the stage's stream after its kernels: the copy
+    waits for it) and its marks (``started``/``ended``: its device time)."""
+
+    running: bool = True
+    output: DiffusionOutput | None = None
+    error: Exception | None = None
+    done: DeviceEvent | None = None
+    started: ClockMark | None = None
+    ended: ClockMark | None = None
+
+
+@attrs.define(eq=False)
 class PackJob:
     output_id: str
     output: DiffusionOutput
@@ -100,6 +126,8 @@ class PackJob:
     # Submitted under a hold (``Packer.hold``): not started until the hold ends.  Per job,
     # so a later hold never takes back a job already released.
     held: bool = False
+    # Its device stage, once a thread claimed it (None: not started, or no device stage).
+    stage: StageRun | None = None
 
 
 @attrs.define
@@ -159,11 +187,19 @@ class Packer:
         self._machine = lifecycle_machine(f"omni-packer-{rank}")
         self.metrics = PackerMetrics()
         self._thread = threading.Thread(target=self._run, name=f"omni-packer-{rank}", daemon=True)
+        # Runs the device stage one output ahead of the copy (module docstring).
+        self._stager = (
+            threading.Thread(target=self._run_stager, name=f"omni-stager-{rank}", daemon=True)
+            if device_stage is not None
+            else None
+        )
 
     # ------------------------------------------------------------ main thread
 
     def start(self) -> None:
         self._thread.start()
+        if self._stager is not None:
+            self._stager.start()
 
     @property
     def state(self) -> LifecycleState:
@@ -316,6 +352,9 @@ class Packer:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._stager is not None and self._stager.is_alive():
+            # It leaves once nothing is left to stage (the packer stages what it left).
+            self._stager.join(timeout)
         with self._cond:
             if not self._thread.is_alive() and self._machine.can(LifecycleEvent.STOPPED):
                 self._machine.fire(LifecycleEvent.STOPPED)
@@ -355,10 +394,18 @@ class Packer:
                 cancelled = job.output_id in self._cancelled
                 self._cancelled.discard(job.output_id)
                 self._active = job
+                stage_here = not cancelled and self._device_stage is not None and job.stage is None
+                if stage_here:
+                    job.stage = StageRun()
+                while job.stage is not None and job.stage.running and not stage_here:
+                    self._cond.wait()  # the stager is queueing its stage
+                self._cond.notify_all()  # the stager may take the next one
             try:
                 if cancelled:
                     self._cancel(job)
                 else:
+                    if stage_here:
+                        self._stage(job, stream)
                     self._pack_one(job, stream)
             except BaseException:
                 log.exception("packer %d: unexpected error on %s", self.rank, job.output_id)
@@ -373,22 +420,83 @@ class Packer:
                 self._machine.fire(LifecycleEvent.STOPPED)
             self._cond.notify_all()
 
+    def _run_stager(self) -> None:
+        """The stager thread: queue the device stage of the output next in line while the
+        packer copies the one before it (module docstring)."""
+        try:
+            stream = self._make_stream()  # a stream of its own: the stage overlaps the copy
+        except Exception:
+            log.exception("packer %d: the stager cannot create its stream; the packer runs each stage", self.rank)
+            return
+        while True:
+            with self._cond:
+                job = self._next_to_stage()
+                while job is None and self._machine.state in (LifecycleState.STARTING, LifecycleState.RUNNING):
+                    self._cond.wait()
+                    job = self._next_to_stage()
+                if job is None:
+                    return  # stopping: the packer stages what is left itself
+                job.stage = StageRun()
+            self._stage(job, stream)
+
+    def _next_to_stage(self) -> PackJob | None:
+        """The job the stager may start on: the next in line, unless it is cancelled, held
+        (``hold``) or already claimed."""
+        if not self._jobs:
+            return None
+        job = self._jobs[0]
+        held = job.held and self._machine.state is LifecycleState.RUNNING
+        if job.stage is not None or held or job.output_id in self._cancelled:
+            return None
+        return job
+
+    def _stage(self, job: PackJob, stream: CopyStream) -> None:
+        """Queue ``job``'s device stage on ``stream``, after its forward (the calling thread
+        claimed it: ``job.stage`` is running); never waits for the stage's kernels."""
+        run = job.stage
+        assert run is not None and self._device_stage is not None
+        output = attrs.evolve(job.output, async_output_id=job.output_id)
+        nbytes = job.nbytes
+        try:
+            wait_device_event(job.event, stream)
+            run.started = self._clock.mark(stream)
+            run.output = launch_device_stage(self._device_stage, output, stream)
+            run.ended = self._clock.mark(stream)
+            run.done = record_stream_event(stream)
+            nbytes = budget_nbytes(run.output)
+        except Exception as exc:
+            run.error = exc
+        finally:
+            with self._cond:
+                run.running = False
+                self.metrics.in_flight_bytes += nbytes - job.nbytes
+                job.nbytes = nbytes
+                self._cond.notify_all()
+
     def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
         self._fire(job, RequestEvent.PACK)
         output = attrs.evolve(job.output, async_output_id=job.output_id)
+        run = job.stage
         try:
-            # The copy's stream waits for the forward first (device-side on CUDA; the pack
-            # waits again, at no cost), so the mark after it is where the copy can start
-            # -- never the forward's tail, which the pack's own time must not include.
+            # The copy's stream waits for the forward and the device stage first (device-side
+            # on CUDA; the pack waits again, at no cost), so the mark after it is where the
+            # copy can start -- never the forward's tail nor the stage, which have times of
+            # their own.
             wait_device_event(job.event, stream)
+            if run is not None:
+                if run.error is not None:
+                    raise run.error
+                assert run.output is not None
+                output = run.output
+                wait_device_event(run.done, stream)
             copy = self._clock.mark(stream)
-            if self._device_stage is not None:
-                output = run_device_stage(self._device_stage, output, stream, job.event)
-                self._resize(job, budget_nbytes(output))
             if job.encoding is not None and job.encoding.format == "jpeg":
                 output = run_device_encode(output, job.encoding, stream, job.event)
                 self._resize(job, budget_nbytes(output))
             packed = self._pack(output, stream, job.event)
+            if run is not None and run.started is not None and run.ended is not None:
+                # Read now: the copy's stream waited for the stage and has synchronized.
+                packed = with_stage_time(packed, self._clock.time_of(run.ended) - self._clock.time_of(run.started))
             packed = timed(packed, self._clock, job.forward, copy, time.monotonic())
         except Exception as exc:
             self._fail(job, exc)

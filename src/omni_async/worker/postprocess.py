@@ -224,11 +224,23 @@ def run_device_stage(
     something other than a ``DiffusionOutput`` of the same request.
     """
     t0 = time.perf_counter()
+    out = launch_device_stage(stage, output, stream, event)
+    if stream is not None:
+        stream.synchronize()
+    return with_stage_time(out, time.perf_counter() - t0)
+
+
+def launch_device_stage(
+    stage: DeviceStage, output: DiffusionOutput, stream: CopyStream = None, event: DeviceEvent | None = None
+) -> DiffusionOutput:
+    """``run_device_stage`` without the wait: the stage's kernels are queued on ``stream``
+    (after ``event``) and may still run when this returns; whoever reads the result
+    orders itself after ``stream`` (the packer's stager: ``Packer``).  No
+    ``device_postprocess_s`` (``with_stage_time`` adds it once the time is known)."""
     wait_device_event(event, stream)
     if stream is not None:
         with torch.cuda.stream(stream):
             out = stage(output)
-        stream.synchronize()
     else:
         out = stage(output)
     if not isinstance(out, DiffusionOutput) or out.request_id != output.request_id:
@@ -236,5 +248,10 @@ def run_device_stage(
             f"a post-process device stage must return the DiffusionOutput of request {output.request_id!r}, "
             f"got {type(out).__name__} {getattr(out, 'request_id', '')!r}"
         )
-    metrics = attrs.evolve(as_stats({**output.metrics, **out.metrics}), device_postprocess_s=time.perf_counter() - t0)
+    metrics = as_stats({**output.metrics, **out.metrics})
     return attrs.evolve(out, async_output_id=output.async_output_id, metrics=metrics)
+
+
+def with_stage_time(output: DiffusionOutput, seconds: float) -> DiffusionOutput:
+    """``output`` with ``metrics.device_postprocess_s`` set to ``seconds``."""
+    return attrs.evolve(output, metrics=attrs.evolve(output.metrics, device_postprocess_s=seconds))

@@ -12,9 +12,11 @@ keys):
   call: one forward for every request of a batch.
 * ``forward_returned_at``: when the model call returned on the host (the worker sends
   COMPUTE_DONE right after it); ``forward_ended_at - forward_returned_at`` is the tail.
-* ``pack_started_at`` / ``pack_ended_at``: the device stage and the copy into shared
-  memory, from when the copy could start on the device (a mark on the copy's stream,
-  after it waited for the forward's event: never the forward's tail) to when the packed
+* ``pack_started_at`` / ``pack_ended_at``: the copy into shared memory (with a JPEG
+  encode on the device, where the request asked for one), from when the copy could start
+  on the device (a mark on the copy's stream, after it waited for the forward's event
+  and the device stage: never the forward's tail nor the stage, whose device time is
+  ``device_postprocess_s``, and which the packer runs one output ahead) to when the packed
   output was ready on the host (its stream synchronized, so the copy's end).  On the
   packer thread (the asynchronous output path), or on the main thread (the synchronous
   one: step mode, ``execute_request(sync_output=True)``, the ``"sync"`` baseline): the
