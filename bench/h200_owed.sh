@@ -11,12 +11,15 @@
 #   part 4: omni-u8 against the ideal with the output in hand (no client bytes), and the
 #           encoded-images bench with its forward-bound rate from before, after and in serving,
 #           and the engine's ceiling with a no-op model on the host's 16 cores
+#   part 5: with the device stage run one output ahead of the copy: the CUDA tests,
+#           omni-u8 against the ideal (more requests, concurrency 2 and 4), encoded images
+#           (host PNG with the encoder pool started at once), the idle at a 15 ms forward
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 4}"
+part="${1:?part 1 to 5}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -67,8 +70,25 @@ case "$part" in
         --out "$out/ceiling_16core.json" 2>&1 | tee "$out/ceiling_16core.log" | tail -4
     save
     ;;
+5)
+    timeout 150 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
+    save
+    for c in 2 4; do
+        timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
+            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
+            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
+        save
+    done
+    timeout 100 python3 bench/encoded_images.py --device cuda --requests 150 --json "$out/encoded_images.json" 2>&1 \
+        | tee "$out/encoded_images.log" | tail -6
+    save
+    timeout 50 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
+        --dtype bfloat16 --requests 400 --consumer-ms 5 --settings after --out "$out/idle_cuda.json" 2>&1 \
+        | tee "$out/idle_cuda.log" | tail -6
+    save
+    ;;
 *)
-    echo "part must be 1 to 4" >&2
+    echo "part must be 1 to 5" >&2
     exit 2
     ;;
 esac
