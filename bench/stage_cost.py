@@ -61,11 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     U8.warm_up("cuda", [torch.bfloat16])
     static = torch.compile(u8_eager, dynamic=False, options={"emulate_precision_casts": True})
     assert torch.equal(static(x), u8_eager(x))
+    # Without eager's roundings (not bit for bit: only to see what they cost).
+    loose = torch.compile(u8_eager, dynamic=True)
+    loose_static = torch.compile(lambda t: u8_eager(t), dynamic=False)
     rows = {
         "clone (reference: read + write the input)": (device_ms(x.clone, args.reps), 2 * gb),
         "eager (4 passes)": (device_ms(lambda: u8_eager(x), args.reps), None),
         "fused, dynamic sizes (the worker's)": (device_ms(lambda: U8.apply(x), args.reps), 1.5 * gb),
         "fused, this shape only": (device_ms(lambda: static(x), args.reps), 1.5 * gb),
+        "fused, dynamic, no eager roundings": (device_ms(lambda: loose(x), args.reps), 1.5 * gb),
+        "fused, this shape, no eager roundings": (device_ms(lambda: loose_static(x), args.reps), 1.5 * gb),
     }
     report: dict[str, object] = {"command": " ".join(sys.argv), "shape": shape, "input_GB": gb, "gpu": torch.cuda.get_device_name()}
     print(f"stage alone, bf16 {shape} ({gb:.2f} GB), median of {args.reps}, device events:")
@@ -87,14 +92,26 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(n):
             y = y @ b
 
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    high = -1  # torch.cuda.Stream: priority -1 (high) or 0 (low, the default streams')
     alone = device_ms(forward, args.reps)
     results = {"forward_alone_ms": alone}
     print(f"forward ({n} matmuls of 4096^2 bf16), median of {args.reps}: alone {alone:.3f} ms")
-    for name, stage in (("fused, dynamic sizes", lambda: U8.apply(x)), ("fused, this shape only", lambda: static(x)),
-                        ("eager", lambda: u8_eager(x))):
+    cases = [
+        ("fused, dynamic sizes", lambda: U8.apply(x), 0),
+        ("fused, dynamic sizes, high-priority stream", lambda: U8.apply(x), high),
+        ("fused, this shape only", lambda: static(x), 0),
+        ("fused, this shape only, high-priority stream", lambda: static(x), high),
+        ("eager", lambda: u8_eager(x), 0),
+        ("on the forward's stream, after it (fused, dynamic)", lambda: U8.apply(x), None),
+    ]
+    for name, stage, priority in cases:
+        side = torch.cuda.Stream(priority=priority or 0)  # type: ignore[no-untyped-call]
 
-        def both(stage: Callable[[], object] = stage) -> None:
+        def both(stage: Callable[[], object] = stage, side: torch.cuda.Stream = side, serial: bool = priority is None) -> None:
+            if serial:
+                forward()
+                stage()
+                return
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 stage()
@@ -103,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ms = device_ms(both, args.reps)
         results[f"forward_with_{name}_ms"] = ms
-        print(f"  with the stage ({name}) on a side stream: {ms:.3f} ms (+{ms - alone:.3f} ms, {alone / ms:.3f} of alone)")
+        print(f"  with the stage ({name}): {ms:.3f} ms (+{ms - alone:.3f} ms, {alone / ms:.3f} of alone)")
     report["forward"] = results
     if args.json:
         with open(args.json, "w") as f:
