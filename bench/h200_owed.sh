@@ -14,12 +14,14 @@
 #   part 5: with the device stage run one output ahead of the copy: the CUDA tests,
 #           omni-u8 against the ideal (more requests, concurrency 2 and 4), encoded images
 #           (host PNG with the encoder pool started at once), the idle at a 15 ms forward
+#   part 6: the fused finalize taking rows of 16: its CUDA tests, the stage's cost beside a
+#           forward (bench/stage_cost.py), omni-u8 against the ideal again (c=2 and 4)
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 5}"
+part="${1:?part 1 to 6}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -87,8 +89,19 @@ case "$part" in
         | tee "$out/idle_cuda.log" | tail -6
     save
     ;;
+6)
+    timeout 120 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests/worker 2>&1 | tee "$out/cuda_tests_worker.log" | tail -4
+    timeout 90 python3 bench/stage_cost.py --json "$out/stage_cost.json" 2>&1 | tee "$out/stage_cost.log" | tail -16
+    save
+    for c in 2 4; do
+        timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
+            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
+            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
+        save
+    done
+    ;;
 *)
-    echo "part must be 1 to 5" >&2
+    echo "part must be 1 to 6" >&2
     exit 2
     ;;
 esac
