@@ -14,8 +14,9 @@
 #   part 5: with the device stage run one output ahead of the copy: the CUDA tests,
 #           omni-u8 against the ideal (more requests, concurrency 2 and 4), encoded images
 #           (host PNG with the encoder pool started at once), the idle at a 15 ms forward
-#   part 6: the fused finalize taking rows of 16: its CUDA tests, the stage's cost beside a
-#           forward (bench/stage_cost.py), omni-u8 against the ideal again (c=2 and 4)
+#   part 6: (at 99f58dd, the fused finalize taking rows of 16: slower, reverted since) its
+#           CUDA tests, the stage's cost beside a forward (bench/stage_cost.py), omni-u8
+#           against the ideal again (c=2 and 4)
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,

@@ -61,9 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     U8.warm_up("cuda", [torch.bfloat16])
     static = torch.compile(u8_eager, dynamic=False, options={"emulate_precision_casts": True})
     assert torch.equal(static(x), u8_eager(x))
-    # The worker's kernel before it took rows of 16: one flat row of dynamic size.
-    flat = torch.compile(u8_eager, dynamic=True, options={"emulate_precision_casts": True})
-    assert torch.equal(flat(x.reshape(-1)), u8_eager(x).reshape(-1))
     # Without eager's roundings (not bit for bit: only to see what they cost).
     loose = torch.compile(u8_eager, dynamic=True)
     loose_static = torch.compile(lambda t: u8_eager(t), dynamic=False)
@@ -71,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
         "clone (reference: read + write the input)": (device_ms(x.clone, args.reps), 2 * gb),
         "eager (4 passes)": (device_ms(lambda: u8_eager(x), args.reps), None),
         "fused, dynamic sizes (the worker's)": (device_ms(lambda: U8.apply(x), args.reps), 1.5 * gb),
-        "fused, dynamic, one flat row (before rows of 16)": (device_ms(lambda: flat(x.reshape(-1)), args.reps), 1.5 * gb),
         "fused, this shape only": (device_ms(lambda: static(x), args.reps), 1.5 * gb),
         "fused, dynamic, no eager roundings": (device_ms(lambda: loose(x), args.reps), 1.5 * gb),
         "fused, this shape, no eager roundings": (device_ms(lambda: loose_static(x), args.reps), 1.5 * gb),
@@ -103,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     cases = [
         ("fused, dynamic sizes", lambda: U8.apply(x), 0),
         ("fused, dynamic sizes, high-priority stream", lambda: U8.apply(x), high),
-        ("fused, dynamic, one flat row", lambda: flat(x.reshape(-1)), 0),
         ("fused, this shape only", lambda: static(x), 0),
         ("fused, this shape only, high-priority stream", lambda: static(x), high),
         ("eager", lambda: u8_eager(x), 0),

@@ -16,11 +16,8 @@ PyTorch: it is the reference, and the fallback):
   contracting a multiply and an add into one FMA on the GPU (one rounding instead of two).
 * **compiled once per device and dtype, not per shape.**  The input is flattened (``fn``
   is elementwise, so its shape does not matter) and compiled with dynamic sizes: every
-  image and video size reuses one kernel.  A size that is a multiple of 16 (every usual
-  image and video size) goes in as rows of 16, which lets the kernel move vectors; any
-  other size as one row, a second kernel compiled when first seen.  Dynamo's cache on
-  ``fn``'s code object holds at most two entries per (device, dtype), under its
-  recompile limit.
+  image and video size reuses one kernel.  Dynamo's cache on ``fn``'s code object holds
+  one entry per (device, dtype), well under its recompile limit.
 * **eager where compiling does not pay or cannot work**: on devices not in ``devices``
   (by default CUDA only: on the CPU the worker's packer thread is better spent copying),
   for tensors under ``min_numel`` elements or not contiguous, and wherever
@@ -53,8 +50,6 @@ _Key = tuple[str, torch.dtype]
 # Below this many elements a launch costs more than the passes it saves.
 DEFAULT_MIN_NUMEL = 1 << 16
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
-# A size that is a multiple of this is given to the kernel as rows of it (``_run``).
-_LANES = 16
 # Round every low-precision intermediate as eager does, and no FMA contraction on the GPU.
 _EAGER_BITS: Mapping[str, str | int | bool] = {"emulate_precision_casts": True}
 
@@ -115,12 +110,7 @@ class FusedPointwise:
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         assert self._compiled is not None
-        flat = x.reshape(-1)
-        if flat.numel() % _LANES == 0:
-            # Rows of _LANES: the size is then a known multiple of 16 under dynamic shapes,
-            # and the kernel loads and stores in vectors instead of one element at a time.
-            flat = flat.view(-1, _LANES)
-        return self._compiled(flat).view(x.shape)
+        return self._compiled(x.reshape(-1)).view(x.shape)
 
     def _first(self, x: torch.Tensor, key: _Key) -> tuple[torch.Tensor, bool]:
         """The first call for ``key``: compile, check against eager on this input, or fall back."""
