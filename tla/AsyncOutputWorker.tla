@@ -119,6 +119,9 @@ WorkerMainSendRpcResult(r) ==
     /\ UNCHANGED <<alive, mainRpc, failedRanks, packQ, packing, crashes, recvd, executor>>
 
 \* The side stream waits for the forward's event, then copies into a leased segment.
+\* (A device stage may have run on the output while it was queued, on the stager's
+\* stream: that sends nothing and leases nothing, so it is no step of this spec; the
+\* output is still in packQ, and PackerCancelOutput may still cancel it.)
 PackerPackOutput ==
     /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
