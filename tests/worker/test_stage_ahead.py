@@ -208,11 +208,13 @@ def test_the_stage_has_its_own_time_apart_from_the_copys(channel: InProcessChann
 def test_the_stager_leaves_with_the_packer(channel: InProcessChannel) -> None:
     gates = Gates()
     gates.release.set()
+    before = set(threading.enumerate())
     packer = _packer(channel, gates)
+    started = set(threading.enumerate()) - before
+    assert {t.name for t in started} == {"omni-packer-0", "omni-stager-0"}
     packer.submit("o1", _image(1), _computed("o1"), nbytes=1024)
     assert packer.stop(WAIT_S)
-    names = {t.name for t in threading.enumerate()}
-    assert "omni-stager-0" not in names and "omni-packer-0" not in names
+    assert not [t.name for t in started if t.is_alive()]
     assert _received(channel, 1)[0].output is not None
 
 
