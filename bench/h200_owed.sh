@@ -27,6 +27,15 @@ dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
 save() { tar czf "$dest/h200_owed_$part.tgz" -C /tmp "h200_owed_$part"; }
+# omni and omni-u8 on the 1.5 GB video, output in hand, at 2 and 4 requests in flight
+bench_u8_video() {
+    for c in 2 4; do
+        timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
+            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
+            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
+        save
+    done
+}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/tests" PYTHONUNBUFFERED=1
 case "$part" in
@@ -76,12 +85,7 @@ case "$part" in
 5)
     timeout 150 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
     save
-    for c in 2 4; do
-        timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
-            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
-            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
-        save
-    done
+    bench_u8_video
     timeout 100 python3 bench/encoded_images.py --device cuda --requests 150 --json "$out/encoded_images.json" 2>&1 \
         | tee "$out/encoded_images.log" | tail -6
     save
@@ -94,12 +98,7 @@ case "$part" in
     timeout 120 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests/worker 2>&1 | tee "$out/cuda_tests_worker.log" | tail -4
     timeout 90 python3 bench/stage_cost.py --json "$out/stage_cost.json" 2>&1 | tee "$out/stage_cost.log" | tail -16
     save
-    for c in 2 4; do
-        timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
-            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
-            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
-        save
-    done
+    bench_u8_video
     ;;
 *)
     echo "part must be 1 to 6" >&2
