@@ -123,13 +123,13 @@ def run_mode(args: argparse.Namespace, step_mode: bool) -> dict[str, float]:
         ids.put(None)
         consumer.join()
         t_end = max(done_at)
-        workers = ex.collective_rpc("loop_info")
+        workers = ex.worker_metrics()
         pool = ex.pool.stats()
-    packer = workers[0]["packer"]
+    packer = workers[0].packer
     return {
         "per_request_ms": (t_end - t_start) / args.repeats * 1e3,
-        "backpressure_waits": float(packer["backpressure_waits"]),
-        "backpressure_ms_total": packer["backpressure_seconds"] * 1e3,
+        "backpressure_waits": float(packer.backpressure_waits),
+        "backpressure_ms_total": packer.backpressure_seconds * 1e3,
         "pack_ms_per_output": [round(x * 1e3, 2) for x in pack_s],
         "pinned": pinned,
         "pool_created": float(pool.created),

@@ -340,9 +340,8 @@ def main() -> int:
     result["prewarm"] = args.prewarm
     with MultiprocDiffusionExecutor(spec, world_size=2, options=opts, deadlines=deadlines, pool=pool) as ex:
         result["rank_devices"] = ex.collective_rpc("where")
-        result["loop_info_rank0"] = {
-            k: v for k, v in ex.collective_rpc("loop_info")[0].items() if k.endswith("_segments")
-        }
+        info0 = ex.worker_metrics()[0]
+        result["loop_info_rank0"] = {"mapped_segments": info0.mapped_segments, "pinned_segments": info0.pinned_segments}
         # Both ranks copy at once (a collective call runs on every rank): each GPU's own bandwidth.
         ex.collective_rpc("copy_alone", (2, shape, args.dtype))  # warm (pinned buffers)
         per_rank = ex.collective_rpc("copy_alone", (10, shape, args.dtype))

@@ -141,8 +141,8 @@ if TYPE_CHECKING:
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
     from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
     from omni_async.worker.baselines import InvalidOutputPath
-    from omni_async.worker.loop import DiffusionWorkerModel, WorkerLoop
-    from omni_async.worker.packer import Packer
+    from omni_async.worker.loop import DiffusionWorkerModel, WorkerInfo, WorkerLoop
+    from omni_async.worker.packer import Packer, PackerMetrics
     from omni_async.worker.postprocess import (
         PostProcess,
         UnknownPostProcess,
@@ -191,7 +191,9 @@ _LAZY: dict[str, str] = {
     "InvalidOutputPath": "omni_async.worker.baselines",
     "DiffusionWorkerModel": "omni_async.worker.loop",
     "WorkerLoop": "omni_async.worker.loop",
+    "WorkerInfo": "omni_async.worker.loop",
     "Packer": "omni_async.worker.packer",
+    "PackerMetrics": "omni_async.worker.packer",
     "PostProcess": "omni_async.worker.postprocess",
     "UnknownPostProcess": "omni_async.worker.postprocess",
     "get_postprocess": "omni_async.worker.postprocess",
@@ -241,6 +243,7 @@ __all__ = [
     "MultiprocDiffusionExecutor",
     "OutputBudget",
     "OutputChunk",
+    "PackerMetrics",
     "Prewarm",
     "ProcessGroupConfig",
     "RayDiffusionExecutor",
@@ -249,6 +252,7 @@ __all__ = [
     "RunnerOutput",
     "SchedulerPhase",
     "StageState",
+    "WorkerInfo",
     "WorkerOptions",
     "WorkerSpec",
 ]

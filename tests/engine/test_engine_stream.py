@@ -117,7 +117,7 @@ def test_closing_the_iterator_early_releases_everything_before_aclose_returns(
             nothing_left(engine)  # aclose returned: nothing of the request remains
             assert engine.metrics().requests["cancelled"] == 1
             # The forward was stopped, not run to its end.
-            assert (await asyncio.to_thread(shared.worker_metrics))[0]["aborted_calls"] >= 1
+            assert (await asyncio.to_thread(shared.worker_metrics))[0].aborted_calls >= 1
 
     run(body())
 

@@ -141,8 +141,8 @@ def test_cancelling_one_request_of_a_batch_drops_only_its_output(ex: DiffusionEx
 
 def _packer_counts(ex: DiffusionExecutor) -> tuple[int, int, int]:
     """Rank 0's packer: outputs packed, outputs reported cancelled without packing, bytes packed."""
-    p = ex.worker_metrics()[0]["packer"]
-    return int(p["packed"]), int(p["cancelled"]), int(p["bytes_packed"])
+    p = ex.worker_metrics()[0].packer
+    return p.packed, p.cancelled, p.bytes_packed
 
 
 def _leased(ex: DiffusionExecutor) -> int:

@@ -101,14 +101,14 @@ def test_the_device_stage_ships_uint8_and_is_timed(ex: DiffusionExecutor) -> Non
 def test_the_packer_counts_the_bytes_it_actually_copies(ex: DiffusionExecutor) -> None:
     if not isinstance(ex, MultiprocDiffusionExecutor):
         pytest.skip("the worker's packer metrics: worker processes")
-    before = ex.worker_metrics()[0]["packer"]["bytes_packed"]
+    before = ex.worker_metrics()[0].packer.bytes_packed
     out = _get(ex, ex.execute_request(DiffusionRequest("count", {"height": HEIGHT})))
     del out.output["image"]
     ex.release_output(out)
     # The packer counts an output once its OUTPUT_READY is sent, so the count can trail
     # the delivery by a moment: wait for it.
     deadline = time.monotonic() + 10
-    while (packed := ex.worker_metrics()[0]["packer"]["bytes_packed"] - before) == 0 and time.monotonic() < deadline:
+    while (packed := ex.worker_metrics()[0].packer.bytes_packed - before) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert HEIGHT * WIDTH <= packed < 2 * HEIGHT * WIDTH, packed  # uint8 plus a few small leaves, not 4x
 

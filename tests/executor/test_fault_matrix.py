@@ -775,7 +775,7 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     ex = shared.get()
     settle(ex)
     start = ex.metrics()
-    worker_before = ex.worker_metrics()[0]["packer"]
+    worker_before = ex.worker_metrics()[0].packer
     n = 24
     params = [{"seed": 100 + i, **SHM} for i in range(n)]
     peak = {"held_outputs": 0.0, "held_bytes": 0.0, "files": 0.0, "file_bytes": 0.0}
@@ -822,8 +822,8 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     for k in ("released", "timeouts", "pool_exhausted", "protocol_errors"):
         assert end.as_dict()[k] == start.as_dict()[k], f"{k}: {start.as_dict()[k]} -> {end.as_dict()[k]}"
     assert end.pool_full == 0.0
-    worker_after = ex.worker_metrics()[0]["packer"]
-    assert worker_after["backpressure_waits"] > worker_before["backpressure_waits"], "the forwards never waited"
+    worker_after = ex.worker_metrics()[0].packer
+    assert worker_after.backpressure_waits > worker_before.backpressure_waits, "the forwards never waited"
     assert fast_s < 15.0, f"throughput did not resume: {n - n // 2} outputs took {fast_s:.1f} s"
     settle(ex)
 
@@ -1021,7 +1021,7 @@ def test_sleep_waits_for_the_copies_in_flight_f8(shared: Shared) -> None:
         out = w.result()
         assert _intact(out, p)
         ex.release_output(out)
-    assert ex.worker_metrics()[0]["packer"]["in_flight_outputs"] == 0
+    assert ex.worker_metrics()[0].packer.in_flight_outputs == 0
     healthy_after(ex, "f8")
 
 

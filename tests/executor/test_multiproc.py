@@ -159,8 +159,7 @@ def test_drain_and_sleep_wait_for_packing(ex2: MultiprocDiffusionExecutor) -> No
     params = {"seed": 13, "numel": 1 << 20}
     ros = ex2.execute_batch([_req(f"dr{i}", **params) for i in range(3)])
     ex2.drain(timeout=30)  # F8: every output has left the packer
-    info = ex2.collective_rpc("loop_info")
-    assert info[0]["packer"]["in_flight_outputs"] == 0
+    assert ex2.worker_metrics()[0].packer.in_flight_outputs == 0
     assert ex2.collective_rpc("sleep") == ["asleep", "asleep"]
     for r in ros:
         _wait_ok(ex2, r, params)
@@ -338,8 +337,8 @@ def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: L
         assert second.async_output_id is not None
         _wait_ok(ex, second, params)
         _wait_ok(ex, third.result(timeout=30), params)
-        packer = ex.collective_rpc("loop_info")[0]["packer"]
-        assert packer["backpressure_waits"] >= 1 and packer["backpressure_seconds"] > 0.3, packer
+        packer = ex.worker_metrics()[0].packer
+        assert packer.backpressure_waits >= 1 and packer.backpressure_seconds > 0.3, packer
         _assert_quiet(ex)
 
 
@@ -510,9 +509,9 @@ def test_the_packing_rank_maps_the_segments_made_ahead_while_starting() -> None:
     pool = SegmentPool(max_segments=8)
     pool.prewarm(1 << 20, 2)
     with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, pool=pool) as ex:
-        info = ex.collective_rpc("loop_info")
-        assert info[0]["mapped_segments"] == 2, info[0]
-        assert info[0]["pinned_segments"] == (2 if torch.cuda.is_available() else 0), info[0]
-        assert "mapped_segments" not in info[1], info[1]
+        info = ex.worker_metrics()
+        assert info[0].mapped_segments == 2, info[0]
+        assert info[0].pinned_segments == (2 if torch.cuda.is_available() else 0), info[0]
+        assert info[1].mapped_segments == 0, info[1]
         _wait_ok(ex, ex.execute_request(_req("r", numel=1 << 17)), {"numel": 1 << 17})
         assert pool.stats().created == 2  # the request used a segment made ahead

@@ -103,8 +103,8 @@ def test_the_executor_prewarms_with_its_budget_and_no_request_makes_a_segment() 
                                     prewarm=Prewarm.of_output(sample, count=3)) as ex:  # fmt: skip
         assert ex.pool.stats().created == 3  # before the first request
         assert ex.budget.max_outputs == 4 and ex.budget.max_bytes == 16 * MIB
-        info = ex.collective_rpc("loop_info")[0]
-        assert info["mapped_segments"] == 3, info  # the packing rank mapped them while starting
+        info = ex.worker_metrics()[0]
+        assert info.mapped_segments == 3, info  # the packing rank mapped them while starting
         for i in range(5):
             ro = ex.execute_request(DiffusionRequest(f"r{i}", {**params, "seed": i}))
             assert ro.async_output_id is not None

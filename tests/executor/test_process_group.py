@@ -157,12 +157,12 @@ def test_split_dit_equals_the_unsplit_model_and_only_the_reply_rank_leases(
         def shipped() -> dict[int, int]:
             # The packer counts an output once its OUTPUT_READY is sent: a moment after
             # the output can be in hand here.
-            infos[:] = ex.collective_rpc("loop_info")
-            return {i["rank"]: i["packer"]["packed"] for i in infos}
+            infos[:] = ex.worker_metrics()
+            return {i.rank: i.packer.packed for i in infos}
 
         wait_until(lambda: shipped() == want, timeout=10)
-        packed = {i["rank"]: i["packer"]["packed"] for i in infos}
-        mapped = {i["rank"]: i.get("mapped_segments", 0) for i in infos}
+        packed = {i.rank: i.packer.packed for i in infos}
+        mapped = {i.rank: i.mapped_segments for i in infos}
         assert packed == want, packed
         assert all(mapped[r] == 0 for r in range(world_size) if r != reply), mapped
         assert ex.pool.stats().leased == 2  # one segment per output, every one the reply rank's

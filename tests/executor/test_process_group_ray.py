@@ -60,7 +60,7 @@ def test_split_dit_across_actors_equals_the_unsplit_model(mode: str, world_size:
         assert (got - ref).abs().max().item() <= PARALLEL_ATOL
         del got
         ex.release_output(out)
-        packed = [i["packer"]["packed"] for i in ex.collective_rpc("loop_info")]
+        packed = [i.packer.packed for i in ex.worker_metrics()]
         assert packed == [1] + [0] * (world_size - 1)  # the reply rank (0) alone ships
 
 

@@ -109,7 +109,7 @@ def test_end_to_end_two_phase(ex2: RayDiffusionExecutor) -> None:
     ro = ex2.submit_request(_req("r1", **params)).result(timeout=30)  # COMPUTE_DONE
     _take(ex2, ro, params)
     wait_until(lambda: _quiet(ex2), timeout=10)
-    assert [i["rank"] for i in ex2.worker_metrics()] == [0, 1]
+    assert [i.rank for i in ex2.worker_metrics()] == [0, 1]
 
 
 def test_a_batch(ex2: RayDiffusionExecutor) -> None:
@@ -467,7 +467,7 @@ def test_prewarm_fills_the_pool_before_the_actors_start() -> None:
     try:
         assert ex.via_store == [False]
         assert ex.pool.stats().created == 2
-        assert ex.collective_rpc("loop_info")[0]["mapped_segments"] == 2
+        assert ex.worker_metrics()[0].mapped_segments == 2
         for i in range(3):
             _take(ex, ex.execute_request(_req(f"p{i}", **params)), params)
         assert ex.pool.stats().created == 2

@@ -137,7 +137,7 @@ def test_closing_a_stream_early_releases_everything(ex: MultiprocDiffusionExecut
     quiet(ex)
     assert ex.metrics().released - released >= 2  # chunks dropped, released on arrival
     info = ex.worker_metrics()[0]
-    assert info["chunks_sent"] >= 12
+    assert info.chunks_sent >= 12
 
 
 def test_cancel_requests_mid_stream_aborts_and_releases(ex: MultiprocDiffusionExecutor) -> None:
@@ -151,7 +151,7 @@ def test_cancel_requests_mid_stream_aborts_and_releases(ex: MultiprocDiffusionEx
     assert isinstance(stream.error, RequestAborted)
     ex.release_output(first.output.result(30))
     quiet(ex)
-    assert ex.worker_metrics()[0]["chunks_sent"] < 60, "the forward stopped at its next step"
+    assert ex.worker_metrics()[0].chunks_sent < 60, "the forward stopped at its next step"
 
 
 def test_submit_stream_checks_its_arguments(ex: MultiprocDiffusionExecutor) -> None:

@@ -414,7 +414,7 @@ def test_an_aborted_request_stops_at_the_next_denoising_step() -> None:
             # The abort waits for one step, not for the rest of the forward.
             assert stopped_in < max(1.0, full / 3), (stopped_in, full)
             info = await asyncio.to_thread(engine.executor.worker_metrics)
-            assert info[0]["aborted_calls"] >= 1
+            assert info[0].aborted_calls >= 1
 
     asyncio.run(body())
 

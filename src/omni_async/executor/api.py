@@ -58,6 +58,7 @@ from omni_async.executor.pump import ResultPump
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.budget import OutputBudget
 from omni_async.transport.channel import ResultReceiver
+from omni_async.worker.loop import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -623,10 +624,15 @@ class DiffusionExecutor(ExecutorBatches):
         bounded store); the engine's admission control reads it."""
         return None
 
-    def worker_metrics(self) -> list[dict[str, Any]]:
-        """Per rank: pid and packer counters (outputs and bytes in flight, pack time,
-        back-pressure waits and the time spent in them)."""
-        return self.collective_rpc("loop_info")
+    def worker_metrics(self) -> list[WorkerInfo]:
+        """Per rank, a ``WorkerInfo``: its pid, its call counters and its packer's
+        (``PackerMetrics``: outputs and bytes in flight, pack time, back-pressure waits and
+        the time spent in them)."""
+        infos = self.collective_rpc("loop_info")
+        for rank, info in enumerate(infos):
+            if not isinstance(info, WorkerInfo):
+                raise TypeError(f"rank {rank} answered loop_info with {type(info).__qualname__}, not a WorkerInfo")
+        return infos
 
     # --------------------------------------------------------------- shutdown
 

@@ -346,7 +346,7 @@ def build_worker(
         # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now
         # rather than in its first packs (SegmentPool.map_segments).
         mapped, pinned = pool.map_segments()
-        loop.info.update(mapped_segments=mapped, pinned_segments=pinned)
+        loop.mapped_segments, loop.pinned_segments = mapped, pinned
     return packer, loop
 
 

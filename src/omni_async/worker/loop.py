@@ -80,7 +80,7 @@ from omni_async.transport.clock import ClockMark, DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
-from omni_async.worker.packer import Packer, PackFn, budget_nbytes, fire_traced
+from omni_async.worker.packer import Packer, PackerMetrics, PackFn, budget_nbytes, fire_traced
 from omni_async.worker.postprocess import DeviceStage, run_device_stage
 from omni_async.worker.stamps import ForwardMarks, timed
 from omni_async.worker.stream import ChunkScope, streaming
@@ -100,6 +100,28 @@ class DiffusionWorkerModel(Protocol):
 
 def _no_event() -> DeviceEvent | None:
     return None
+
+
+@attrs.frozen
+class WorkerInfo:
+    """One rank's answer to ``loop_info`` (``DiffusionExecutor.worker_metrics()``)."""
+
+    rank: int
+    pid: int
+    reply_rank: int
+    # Execute calls answered with ``RequestAborted``; cancel messages the rank received.
+    aborted_calls: int
+    cancels_received: int
+    # Intermediate outputs shipped (``emit_chunk``).
+    chunks_sent: int
+    # The shared-memory segments this rank mapped (and, on CUDA, pinned) while starting:
+    # only the rank that packs does (``SegmentPool.map_segments``); 0 elsewhere.
+    mapped_segments: int = 0
+    pinned_segments: int = 0
+    # The packer's counters (all 0 for a loop without a packer) and lifecycle state
+    # (None: no packer).
+    packer: PackerMetrics = attrs.field(factory=PackerMetrics)
+    packer_state: str | None = None
 
 
 class WorkerLoop:
@@ -125,9 +147,10 @@ class WorkerLoop:
         (``omni_async.worker.stamps``): recorded here, never waited for."""
         self._device_stage = device_stage
         self._clock = clock if clock is not None else DeviceClock("cpu")
-        # What the process that hosts the loop adds to ``loop_info`` (the segments it
-        # mapped and pinned while starting, ``_build_worker``).
-        self.info: dict[str, object] = {}
+        # The segments the process that hosts the loop mapped and pinned while starting
+        # (``build_worker``), for ``loop_info``.
+        self.mapped_segments = 0
+        self.pinned_segments = 0
         self.rank = rank
         self.worker = worker
         self._sender = sender
@@ -209,19 +232,19 @@ class WorkerLoop:
 
     def _control(self, req: RpcRequest) -> object:
         if req.method == LOOP_INFO:
-            info: dict[str, object] = {
-                "rank": self.rank,
-                "pid": os.getpid(),
-                "reply_rank": self._reply_rank,
-                "aborted_calls": self.aborted_calls,
-                "cancels_received": self.cancels.received,
-                "chunks_sent": self.chunks_sent,
-                **self.info,
-            }
-            if self._packer is not None:
-                info["packer"] = attrs.asdict(self._packer.metrics)
-                info["packer_state"] = self._packer.state.name
-            return info
+            packer = self._packer
+            return WorkerInfo(
+                rank=self.rank,
+                pid=os.getpid(),
+                reply_rank=self._reply_rank,
+                aborted_calls=self.aborted_calls,
+                cancels_received=self.cancels.received,
+                chunks_sent=self.chunks_sent,
+                mapped_segments=self.mapped_segments,
+                pinned_segments=self.pinned_segments,
+                packer=PackerMetrics() if packer is None else attrs.evolve(packer.metrics),
+                packer_state=None if packer is None else packer.state.name,
+            )
         timeout = float(req.args[0]) if req.args else DEFAULT_DRAIN_TIMEOUT
         return self._drain(timeout)
 
