@@ -81,7 +81,7 @@ def run_mode(args: argparse.Namespace, step_mode: bool) -> dict[str, float]:
     deadlines = Deadlines(compute_timeout=300, output_timeout=300, rpc_timeout=300)
     n = args.warmup + args.repeats
     with MultiprocDiffusionExecutor(
-        spec, step_mode=step_mode, deadlines=deadlines, options=opts, pool_max_bytes=4 * (1 << 30)
+        spec, step_mode=step_mode, deadlines=deadlines, options=opts, max_held_bytes=4 * (1 << 30)
     ) as ex:
         done_at: list[float] = []
         pack_s: list[float] = []
