@@ -136,6 +136,11 @@ def test_step_mode_runs_the_device_stage_too() -> None:
     try:
         ro = ex.execute_request(DiffusionRequest("step", {"height": 4}))
         assert ro.result is not None and ro.result.output["image"].dtype == torch.uint8
+        # Timed like the packer's: the stage's own time, the copy's start after it.
+        m = ro.result.metrics
+        assert m.device_postprocess_s is not None and m.device_postprocess_s >= 0
+        assert m.pack_started_at is not None and m.forward_ended_at is not None
+        assert m.pack_started_at >= m.forward_ended_at
     finally:
         ex.shutdown()
 

@@ -19,7 +19,7 @@ import torch
 from omni_async.core.messages import DiffusionOutput
 from omni_async.models.synthetic import BENCH_U8, U8, to_uint8, u8_eager
 from omni_async.worker.finalize import FLOAT_DTYPES, FusedPointwise
-from omni_async.worker.postprocess import run_device_stage
+from omni_async.worker.postprocess import launch_device_stage
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -135,6 +135,7 @@ def test_the_fused_stage_waits_for_the_forwards_event() -> None:
     x.fill_(0.5)  # the forward's last write, behind the sleep
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
     event.record()
-    out = run_device_stage(to_uint8, DiffusionOutput("r", {"x": x}), side, event)
+    out = launch_device_stage(to_uint8, DiffusionOutput("r", {"x": x}), side, event)
+    side.synchronize()
     assert out.metrics["finalize_fused"] == 1.0
     assert bool((out.output["x"] == u8_eager(torch.full((1,), 0.5, dtype=torch.bfloat16)).cuda()).all())

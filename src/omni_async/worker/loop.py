@@ -81,7 +81,7 @@ from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.platform import DeviceEvent
 from omni_async.worker.cancel import CallScope, CancelTable
 from omni_async.worker.packer import Packer, PackerMetrics, PackFn, budget_nbytes, fire_traced
-from omni_async.worker.postprocess import DeviceStage, run_device_stage
+from omni_async.worker.postprocess import DeviceStage, launch_device_stage, with_stage_time
 from omni_async.worker.stamps import ForwardMarks, timed
 from omni_async.worker.stream import ChunkScope, streaming
 
@@ -294,13 +294,17 @@ class WorkerLoop:
         event = self._record_event() if pack is not None or stage is not None else None
 
         def ship(o: DiffusionOutput) -> DiffusionOutput:
+            # Marks on the compute stream, behind the forward: the device stage's start,
+            # then where this path's copy starts (the packer's definitions: ``worker.stamps``).
+            started = self._clock.mark()
             if stage is not None:
-                o = run_device_stage(stage, o, None, event)
-            # On the compute stream, behind the forward and the device stage: where this
-            # path's copy starts (the packer's definition: ``worker.stamps``).
+                o = launch_device_stage(stage, o, None, event)
             copy = self._clock.mark()
             if pack is not None:
                 o = pack(o, None, event)
+            if stage is not None:
+                # Read after the pack synchronized the stream: the stage's device time.
+                o = with_stage_time(o, self._clock.time_of(copy) - self._clock.time_of(started))
             return timed(o, self._clock, forward, copy, time.monotonic())
 
         if isinstance(result, BatchDiffusionOutput):

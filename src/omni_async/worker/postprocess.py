@@ -33,9 +33,10 @@ importing the worker's factory module in the worker registers it there too.
 
 The device stage in the worker: ``WorkerSpec(..., postprocess="name")`` (worker
 processes) or ``InProcessExecutor(..., postprocess="name")``; the worker looks the name
-up after building its model (an unknown name fails its start-up).  The packer runs
-the stage (``run_device_stage``) on its side stream after waiting for the forward's
-event, then copies what the stage returned: the in-flight byte budget and the budget
+up after building its model (an unknown name fails its start-up).  The packer's
+stager queues the stage (``launch_device_stage``) on a stream of its own after the
+forward's event, one output ahead of the copy (``worker.packer``), and the packer then
+copies what the stage returned: the in-flight byte budget and the budget
 of held outputs count those bytes, and the output's ``metrics`` carry
 ``device_postprocess_s`` beside the pack's timings.  A stage that raises fails that
 output like a pack failure: its waiter gets ``RemoteError`` with the stage's exception.
@@ -46,7 +47,6 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import cast
 
@@ -211,32 +211,17 @@ def registered_postprocesses() -> list[str]:
         return sorted(_registry)
 
 
-def run_device_stage(
-    stage: DeviceStage, output: DiffusionOutput, stream: CopyStream = None, event: DeviceEvent | None = None
-) -> DiffusionOutput:
-    """Run a device stage on ``output``, ordered after ``event``, on ``stream`` (the packer's side stream).
-
-    Returns what the stage returned, with the output's ``async_output_id`` and
-    ``metrics`` kept and ``metrics.device_postprocess_s`` added: the stage's time,
-    its kernels included (on CUDA the side stream is synchronized once it is enqueued,
-    so the time is the device's, not the launch's; the copy that follows waits for the
-    same work anyway).  Raises what the stage raised, or ``UsageError`` when it returns
-    something other than a ``DiffusionOutput`` of the same request.
-    """
-    t0 = time.perf_counter()
-    out = launch_device_stage(stage, output, stream, event)
-    if stream is not None:
-        stream.synchronize()
-    return with_stage_time(out, time.perf_counter() - t0)
-
-
 def launch_device_stage(
     stage: DeviceStage, output: DiffusionOutput, stream: CopyStream = None, event: DeviceEvent | None = None
 ) -> DiffusionOutput:
-    """``run_device_stage`` without the wait: the stage's kernels are queued on ``stream``
-    (after ``event``) and may still run when this returns; whoever reads the result
-    orders itself after ``stream`` (the packer's stager: ``Packer``).  No
-    ``device_postprocess_s`` (``with_stage_time`` adds it once the time is known)."""
+    """Queue a device stage's work on ``output`` on ``stream`` (the stager's), after ``event``.
+
+    Returns what the stage returned, with the output's ``async_output_id`` and ``metrics``
+    kept.  The stage's kernels may still run when this returns: whoever reads the result
+    orders itself after ``stream`` (the packer's copy waits for an event recorded there).
+    No ``device_postprocess_s``: the caller adds it (``with_stage_time``) once the stage's
+    device time can be read.  Raises what the stage raised, or ``UsageError`` when it
+    returns something other than a ``DiffusionOutput`` of the same request."""
     wait_device_event(event, stream)
     if stream is not None:
         with torch.cuda.stream(stream):
