@@ -17,12 +17,14 @@
 #   part 6: (at 99f58dd, the fused finalize taking rows of 16: slower, reverted since) its
 #           CUDA tests, the stage's cost beside a forward (bench/stage_cost.py), omni-u8
 #           against the ideal again (c=2 and 4)
+#   part 7: a second sample of part 5's borderline figures at the final code: omni-u8 on the
+#           video (c=2 and 4) and the idle at a 15 ms synchronizing forward (twice)
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 6}"
+part="${1:?part 1 to 7}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -100,8 +102,17 @@ case "$part" in
     save
     bench_u8_video
     ;;
+7)
+    bench_u8_video
+    for i in 1 2; do
+        timeout 50 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
+            --dtype bfloat16 --requests 400 --consumer-ms 5 --settings after --out "$out/idle_cuda_$i.json" 2>&1 \
+            | tee "$out/idle_cuda_$i.log" | tail -3
+        save
+    done
+    ;;
 *)
-    echo "part must be 1 to 6" >&2
+    echo "part must be 1 to 7" >&2
     exit 2
     ;;
 esac
