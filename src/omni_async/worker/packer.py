@@ -394,11 +394,14 @@ class Packer:
                 cancelled = job.output_id in self._cancelled
                 self._cancelled.discard(job.output_id)
                 self._active = job
+                # Its device stage: run here when the stager has not claimed it, else
+                # wait for the stager to have queued it.
                 stage_here = not cancelled and self._device_stage is not None and job.stage is None
                 if stage_here:
                     job.stage = StageRun()
-                while job.stage is not None and job.stage.running and not stage_here:
-                    self._cond.wait()  # the stager is queueing its stage
+                else:
+                    while job.stage is not None and job.stage.running:
+                        self._cond.wait()
                 self._cond.notify_all()  # the stager may take the next one
             try:
                 if cancelled:
