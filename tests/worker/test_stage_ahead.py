@@ -106,7 +106,8 @@ def test_the_next_outputs_stage_runs_while_this_one_is_copied(channel: InProcess
             packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1024)
         assert gates.packing_first.wait(WAIT_S)
         assert _wait_for(lambda: len(gates.staged) == 2), f"staged while o1 was copied: {gates.staged}"
-        assert gates.staged[1] == ("r2", "omni-stager-0")
+        # r2 by the stager (r1 by whichever thread claimed it first: either may finish first).
+        assert dict(gates.staged)["r2"] == "omni-stager-0", gates.staged
         assert gates.packed == ["r1"]
         # What o2 counts against the byte budget is already its uint8 size.
         assert _wait_for(lambda: packer.metrics.in_flight_bytes == 256 + 256), packer.metrics
@@ -190,7 +191,7 @@ def test_a_held_output_is_not_staged_ahead(channel: InProcessChannel) -> None:
 def test_the_stage_has_its_own_time_apart_from_the_copys(channel: InProcessChannel) -> None:
     """``device_postprocess_s``: the stage's time; ``pack_s``: the copy's, from its start
     after the stage (``worker.stamps``)."""
-    gates = Gates(stage_s=0.1)
+    gates = Gates(stage_s=0.3)
     gates.release.set()
     packer = _packer(channel, gates)
     try:
@@ -200,9 +201,9 @@ def test_the_stage_has_its_own_time_apart_from_the_copys(channel: InProcessChann
         packer.stop()
     assert msg.output is not None
     metrics = msg.output.metrics
-    assert metrics.device_postprocess_s is not None and metrics.device_postprocess_s >= 0.1
+    assert metrics.device_postprocess_s is not None and metrics.device_postprocess_s >= 0.3
     assert metrics.pack_started_at is not None and metrics.pack_ended_at is not None
-    assert metrics.pack_ended_at - metrics.pack_started_at < 0.1
+    assert metrics.pack_ended_at - metrics.pack_started_at < 0.2  # the copy alone, not the stage
 
 
 def test_the_stager_leaves_with_the_packer(channel: InProcessChannel) -> None:
