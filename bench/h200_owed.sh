@@ -19,22 +19,25 @@
 #           against the ideal again (c=2 and 4)
 #   part 7: a second sample of part 5's borderline figures at the final code: omni-u8 on the
 #           video (c=2 and 4) and the idle at a 15 ms synchronizing forward (twice)
+#   part 8: two copies in flight (WorkerOptions.copies_in_flight): the CUDA tests, then
+#           omni-u8 on the video with two copies in flight, one, and two again
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 7}"
+part="${1:?part 1 to 8}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
 save() { tar czf "$dest/h200_owed_$part.tgz" -C /tmp "h200_owed_$part"; }
 # omni and omni-u8 on the 1.5 GB video, output in hand, at 2 and 4 requests in flight
+# (bench_u8_video SUFFIX COPIES: with --copies-in-flight COPIES, files named *SUFFIX)
 bench_u8_video() {
     for c in 2 4; do
         timeout 100 python3 -m omni_async.cli bench --device cuda --modes omni,omni-u8 --no-client-bytes \
-            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 \
-            --json "$out/bench_u8_c$c.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c.log" | tail -9
+            --sizes video-121x1080p-bf16 --forward-ms 30 --concurrency $c --requests 40 --copies-in-flight "${2:-2}" \
+            --json "$out/bench_u8_c$c${1:-}.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_u8_c$c${1:-}.log" | tail -9
         save
     done
 }
@@ -111,8 +114,16 @@ case "$part" in
         save
     done
     ;;
+8)
+    timeout 200 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
+    save
+    # Two copies in flight against one, in one run: A, B, A, B.
+    bench_u8_video _two 2
+    bench_u8_video _one 1
+    bench_u8_video _two_again 2
+    ;;
 *)
-    echo "part must be 1 to 7" >&2
+    echo "part must be 1 to 8" >&2
     exit 2
     ;;
 esac

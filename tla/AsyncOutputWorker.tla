@@ -2,7 +2,7 @@
 (***************************************************************************)
 (* The worker side of AsyncOutput: each rank's main thread                 *)
 (* (omni_async.worker.loop.WorkerLoop.handle_rpc), the reply rank's packer *)
-(* (omni_async.worker.packer.Packer._pack_one), a worker's crash.          *)
+(* (omni_async.worker.packer.Packer._launch, ._finish), a worker's crash.  *)
 (***************************************************************************)
 EXTENDS AsyncOutputRegistry
 

@@ -108,7 +108,7 @@ class TimedWorker(SyntheticForwardWorker):
         self.rank = -1
         worker = self
         handle = WorkerLoop.handle_rpc
-        pack_one = Packer._pack_one
+        finish = Packer._finish
 
         def handle_rpc(loop: WorkerLoop, req: Any) -> None:
             if worker.rank < 0:
@@ -139,15 +139,16 @@ class TimedWorker(SyntheticForwardWorker):
                 key = req.args[0].request_id if req.args and isinstance(req.args[0], DiffusionRequest) else req.method
                 _EVENTS.append((f"rank{loop.rank}", "rpc", key, t0, time.monotonic(), {}))
 
-        def timed_pack(packer: Packer, job: Any, stream: Any) -> None:
+        def timed_finish(packer: Packer, flight: Any) -> None:
+            # A pack's end: waiting for its copies, the hand-off and the send.
             t0 = time.monotonic()
             try:
-                pack_one(packer, job, stream)
+                finish(packer, flight)
             finally:
-                _EVENTS.append((f"rank{packer.rank}", "pack", job.output.request_id, t0, time.monotonic(), {}))
+                _EVENTS.append((f"rank{packer.rank}", "pack", flight.job.output.request_id, t0, time.monotonic(), {}))
 
         WorkerLoop.handle_rpc = handle_rpc  # type: ignore[method-assign,assignment]
-        Packer._pack_one = timed_pack  # type: ignore[method-assign,assignment]
+        Packer._finish = timed_finish  # type: ignore[method-assign,assignment]
         gc.callbacks.append(self._on_gc)
 
     def _heartbeat(self) -> None:

@@ -218,14 +218,14 @@ class _GpuSampler:
         }
 
 
-def _executor(mode: str, device: str) -> MultiprocDiffusionExecutor:
+def _executor(mode: str, device: str, copies_in_flight: int = 2) -> MultiprocDiffusionExecutor:
     path: OutputPath = "sync" if mode == "sync" else "reference" if mode == "reference" else "omni"
     spec = WorkerSpec(_SPEC, {"device": device}, postprocess="bench-u8" if mode == "omni-u8" else None)
     return MultiprocDiffusionExecutor(
         spec,
         step_mode=mode == "sync",
         deadlines=Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600),
-        options=WorkerOptions(device=device, output_path=path, lease_timeout=120),
+        options=WorkerOptions(device=device, output_path=path, lease_timeout=120, copies_in_flight=copies_in_flight),
     )
 
 
@@ -527,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
             f"({report['environment']['device_name']})"
         )
     for mode in args.modes:
-        with _executor(mode, args.device) as ex:
+        with _executor(mode, args.device, args.copies_in_flight) as ex:
             for case in cases:
                 row = run_case(ex, mode, case, args)
                 report["cases"].append(row)

@@ -377,6 +377,12 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     d.add_argument(
+        "--copies-in-flight",
+        type=options.positive_int,
+        default=2,
+        help="the worker's WorkerOptions.copies_in_flight on the omni paths (1: one copy at a time, as before)",
+    )
+    d.add_argument(
         "--tiny",
         action="store_true",
         help="CI preset: tiny sizes, a 20 ms forward, concurrency 1 and 2, 6 requests, and a short --pump",

@@ -17,7 +17,16 @@ import torch
 from omni_async.transport.pack_walk import Plan
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
-__all__ = ["copy_in", "ordered_streams", "stage_and_sync", "warm_copy_path"]
+__all__ = [
+    "Staging",
+    "copy_in",
+    "fill_staged",
+    "launch_staged",
+    "ordered_streams",
+    "record_done",
+    "stage_and_sync",
+    "warm_copy_path",
+]
 
 
 def copy_in(
@@ -85,7 +94,23 @@ def stage_and_sync(
     plan: Plan, ordered_stream: Callable[[torch.device], torch.cuda.Stream], streams: list[torch.cuda.Stream]
 ) -> None:
     """Copy the small (inline) device tensors to host, then synchronize every stream once."""
-    staging: list[tuple[torch.Tensor, bytearray]] = []
+    staging = launch_staged(plan, ordered_stream, streams)
+    # One synchronize per stream per output, not per tensor.
+    for s in streams:
+        s.synchronize()
+    fill_staged(staging)
+
+
+Staging = list[tuple[torch.Tensor, bytearray]]
+
+
+def launch_staged(
+    plan: Plan, ordered_stream: Callable[[torch.device], torch.cuda.Stream], streams: list[torch.cuda.Stream]
+) -> Staging:
+    """Queue the copies of the small (inline) device tensors to pinned host buffers (a CPU
+    tensor is copied now); adds their streams to ``streams``.  ``fill_staged`` writes the
+    buffers into the message once those streams have finished."""
+    staging: Staging = []
     for t, buf in plan.staged:
         s = ordered_stream(t.device) if t.device.type == "cuda" else None
         if s is not None:
@@ -97,11 +122,24 @@ def stage_and_sync(
         else:
             host = t.reshape(-1).to("cpu")
         staging.append((host, buf))
-    # One synchronize per stream per output, not per tensor.
-    for s in streams:
-        s.synchronize()
+    return staging
+
+
+def fill_staged(staging: Staging) -> None:
+    """The staged bytes into their message buffers (their copies have finished)."""
     for host, buf in staging:
         buf[:] = host.view(torch.uint8).numpy().tobytes()
+
+
+def record_done(streams: list[torch.cuda.Stream]) -> list[torch.cuda.Event]:
+    """An event on each stream after the copies queued so far: waiting for them waits for
+    this output's copies alone, not for a later output's queued behind them."""
+    events = []
+    for s in streams:
+        e = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
+        e.record(s)
+        events.append(e)
+    return events
 
 
 def warm_copy_path(stream: torch.cuda.Stream) -> None:

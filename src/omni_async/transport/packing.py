@@ -85,7 +85,15 @@ from omni_async.core.messages import (
     OutputReady,
     RpcResult,
 )
-from omni_async.transport.device_copy import copy_in, ordered_streams, stage_and_sync
+from omni_async.transport.device_copy import (
+    Staging,
+    copy_in,
+    fill_staged,
+    launch_staged,
+    ordered_streams,
+    record_done,
+    stage_and_sync,
+)
 from omni_async.transport.pack_walk import Plan, walk
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.shm import Lease, SegmentPool
@@ -100,6 +108,7 @@ from omni_async.transport.skeleton import (
     ShmArray,
     ShmBytes,
     ShmTensor,
+    Skeleton,
     StoredPayload,
     is_packed,
     packed_lease,
@@ -117,6 +126,7 @@ __all__ = [
     "DEFAULT_INLINE_THRESHOLD",
     "DEFAULT_MAX_INLINE_BYTES",
     "InlineTensor",
+    "PackInFlight",
     "PackedMap",
     "PackedObject",
     "PackedPayload",
@@ -137,6 +147,7 @@ __all__ = [
     "release_packed_output",
     "release_unpacked_output",
     "segment_nbytes",
+    "start_pack_shm",
     "settle_releases",
     "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
@@ -212,7 +223,93 @@ def pack_diffusion_output_shm(
     ``ready_event`` (the synchronize waits for the forward's kernels too); a worker's
     packer replaces it with the time from the copy's start on the device
     (``omni_async.worker.stamps``).
+
+    The same as ``start_pack_shm(...).finish()``.
     """
+    return start_pack_shm(
+        output,
+        d2h_stream,
+        pool=pool,
+        inline_threshold=inline_threshold,
+        max_inline_bytes=max_inline_bytes,
+        ready_event=ready_event,
+        lease_timeout=lease_timeout,
+    ).finish()
+
+
+@attrs.define(eq=False)
+class PackInFlight:
+    """A pack whose copies are queued (``start_pack_shm``): ``finish`` waits for them and
+    returns the packed output; ``abandon`` waits for them and gives the segment back.
+    Exactly one of the two, once.  Until then the lease is this process's (a worker that
+    dies here has it reclaimed: ``SegmentPool.reclaim_owner``), and ``output`` keeps the
+    device tensors referenced, so their memory is not reused mid-copy."""
+
+    output: DiffusionOutput
+    plan: Plan
+    tree: Skeleton
+    lease: Lease | None
+    pool: SegmentPool | None
+    pinned: bool
+    done: list[torch.cuda.Event]
+    staging: Staging
+    started: float
+    ended: bool = False
+
+    def finish(self) -> DiffusionOutput:
+        self._end()
+        try:
+            for e in self.done:
+                e.synchronize()
+            fill_staged(self.staging)
+            if self.lease is not None:
+                assert self.pool is not None
+                self.pool.hand_off(self.lease)
+        except BaseException:
+            self._give_back()
+            raise
+        plan = self.plan
+        payload = PackedPayload(self.tree, self.lease, plan.shm_bytes, plan.inline_bytes)
+        metrics = attrs.evolve(
+            self.output.metrics,
+            pack_s=time.perf_counter() - self.started,
+            pack_shm_bytes=float(plan.shm_bytes),
+            pack_inline_bytes=float(plan.inline_bytes),
+            pack_pinned=1.0 if self.pinned else 0.0,
+        )
+        return attrs.evolve(self.output, output=payload, metrics=metrics)
+
+    def abandon(self) -> None:
+        self._end()
+        self._give_back()
+
+    def _end(self) -> None:
+        if self.ended:
+            raise UsageError("a pack in flight is finished or abandoned once")
+        self.ended = True
+
+    def _give_back(self) -> None:
+        for e in self.done:
+            e.synchronize()  # no DMA may still target a segment we give back
+        if self.lease is not None and self.pool is not None:
+            self.pool.release(self.lease)
+
+
+def start_pack_shm(
+    output: DiffusionOutput,
+    d2h_stream: CopyStream = None,
+    *,
+    pool: SegmentPool | None = None,
+    inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+    ready_event: DeviceEvent | None = None,
+    lease_timeout: float | None = None,
+) -> PackInFlight:
+    """``pack_diffusion_output_shm``'s first half: lease the segment and queue the copies
+    (host leaves are copied now); returns without waiting for the device.  A packer
+    that starts the next output's pack before it finishes this one keeps the copy
+    engine busy across the two (``omni_async.worker.packer``).  Raises what
+    ``pack_diffusion_output_shm`` raises, with nothing leased."""
     _check_unpacked(output, "pack_diffusion_output_shm")
     t0 = time.perf_counter()
     plan = Plan(inline_threshold, max_inline_bytes)
@@ -235,25 +332,15 @@ def pack_diffusion_output_shm(
             else:
                 seg = pool.view(lease)
             streams = copy_in(seg, plan, ordered_stream)
-        stage_and_sync(plan, ordered_stream, streams)
-        if lease is not None:
-            assert pool is not None
-            pool.hand_off(lease)
+        staging = launch_staged(plan, ordered_stream, streams)
+        done = record_done(streams)
     except BaseException:
         if lease is not None and pool is not None:
             for s in streams:
                 s.synchronize()  # no DMA may still target a segment we give back
             pool.release(lease)
         raise
-    payload = PackedPayload(tree, lease, plan.shm_bytes, plan.inline_bytes)
-    metrics = attrs.evolve(
-        output.metrics,
-        pack_s=time.perf_counter() - t0,
-        pack_shm_bytes=float(plan.shm_bytes),
-        pack_inline_bytes=float(plan.inline_bytes),
-        pack_pinned=1.0 if pinned else 0.0,
-    )
-    return attrs.evolve(output, output=payload, metrics=metrics)
+    return PackInFlight(output, plan, tree, lease, pool, pinned, done, staging, t0)
 
 
 def pack_diffusion_output_host(

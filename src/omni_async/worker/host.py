@@ -20,7 +20,7 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.transport.channel import ResultSender
 from omni_async.transport.errors import HeldOutputsFull, PoolExhausted
-from omni_async.transport.packing import pack_diffusion_output_shm, release_packed_output
+from omni_async.transport.packing import PackInFlight, release_packed_output, start_pack_shm
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.rpc import pickle_problem
 from omni_async.transport.shm import SegmentPool
@@ -34,7 +34,7 @@ from omni_async.worker.baselines import (
 )
 from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
-from omni_async.worker.packer import Packer, PackFn
+from omni_async.worker.packer import Packer, PackFn, StartPackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
 from omni_async.worker.validation import check_model_hooks, model_batch_keyer, spec_validator
 
@@ -207,11 +207,19 @@ class WorkerOptions:
     # worker has no request to run): its Python then never delays the next forward's
     # launch (``WorkerLoop.idle``).  False: as soon as COMPUTE_DONE is out.
     defer_packing: bool = True
+    # How many outputs may have their device-to-host copies queued at once on the
+    # "omni" path: with 2 the next output's copy is queued before the previous one
+    # has finished, so the copy engine does not idle between them while the packer
+    # sends (``omni_async.worker.packer``); 1: one at a time.
+    copies_in_flight: int = 2
 
     def __attrs_post_init__(self) -> None:
         check_output_path(self.output_path)
         if not isinstance(self.defer_packing, bool):
             raise UsageError(f"WorkerOptions.defer_packing must be a bool, got {self.defer_packing!r}")
+        c = self.copies_in_flight
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise UsageError(f"WorkerOptions.copies_in_flight must be an int >= 1, got {c!r}")
 
 
 def device_for_rank(device: str, rank: int, device_count: int) -> str:
@@ -275,10 +283,10 @@ def build_worker(
             return stream
         return None
 
-    def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+    def start_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> PackInFlight:
         assert pool is not None
         try:
-            return pack_diffusion_output_shm(
+            return start_pack_shm(
                 output,
                 stream,
                 pool=pool,
@@ -290,6 +298,9 @@ def build_worker(
             if isinstance(exc.__cause__, OSError):  # /dev/shm itself is full, not the budget
                 raise
             raise budget_full(output, exc, pool) from exc
+
+    def pack_omni(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        return start_omni(output, stream, event).finish()
 
     def release_pooled(packed: DiffusionOutput) -> None:
         assert pool is not None
@@ -306,9 +317,11 @@ def build_worker(
 
     # A baseline path replaces ours for both the packer and step mode's answers.
     pack: PackFn = pack_omni if opts.output_path == "omni" else pack_baseline
+    start_pack: StartPackFn | None = start_omni if opts.output_path == "omni" else None
     release: Callable[[DiffusionOutput], None] = release_pooled
     if packing is not None:
         pack, release = packing
+        start_pack = None
 
     dist = join_process_group(rank, rendezvous, dev) if rendezvous is not None else None
     worker = spec.build(rank, dist)
@@ -329,6 +342,8 @@ def build_worker(
         interrupt=pool.cancel_waits if pool is not None else None,
         device_stage=stage,
         clock=clock,
+        start_pack=start_pack,
+        copies_in_flight=opts.copies_in_flight,
     )
     loop = WorkerLoop(
         rank,

@@ -20,6 +20,18 @@ stage is a job's first step whichever thread claims it: the packer runs it itsel
 the stager has not (the first output after an idle spell, the last ones of a drain).
 A staged output that is dropped before its copy is cancelled like any other (F15).
 
+Two copies in flight (``copies_in_flight``, with ``start_pack``: the omni path): the
+packer thread *starts* each pack -- its segment leased, its copies queued on the side
+stream -- and a third thread, the *finisher*, ends them in order: it waits for the
+copies, hands the lease off and sends OUTPUT_READY.  The packer thread starts the next
+output's pack while the finisher still waits for this one, so the copy engine goes
+straight from one output's copy to the next instead of idling through the packer's host
+work between them (on an H200, a copy-bound worker shipping uint8 video went from 1.78x
+to 2.01x the bf16 ideal: ``bench/results/h200_issue19_20/``).  A cancelled output waits
+until nothing is in flight, so every message keeps the queue's order; a worker that dies
+with two leases out has both reclaimed (``SegmentPool.reclaim_owner``; the spec's
+``PackDepth``).
+
 Back-pressure: at most ``max_outputs`` outputs and ``max_bytes`` bytes are in the
 packer at once.  The main thread calls ``wait_for_room`` *before* it starts the
 next forward, so a slow consumer slows the producer instead of growing an
@@ -37,7 +49,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
 import attrs
 
@@ -71,6 +83,17 @@ log = logging.getLogger(__name__)
 PackFn: TypeAlias = "Callable[[DiffusionOutput, CopyStream, DeviceEvent | None], DiffusionOutput]"
 # Called with a packed output that could not be sent, to give its segments back.
 ReleaseFn = Callable[[DiffusionOutput], None]
+# start_pack(output, side_stream, ready_event): ``pack``'s first half, which queues the
+# copies and returns at once (``transport.packing.start_pack_shm``); with it the packer
+# keeps up to ``copies_in_flight`` copies queued on its stream (module docstring).
+StartPackFn: TypeAlias = "Callable[[DiffusionOutput, CopyStream, DeviceEvent | None], StartedPack]"
+
+
+class StartedPack(Protocol):
+    """A pack whose copies are queued (``transport.packing.PackInFlight``): ``finish``
+    waits for them and returns the packed output, or raises with nothing leased."""
+
+    def finish(self) -> DiffusionOutput: ...
 
 
 def budget_nbytes(output: DiffusionOutput) -> int:
@@ -130,6 +153,18 @@ class PackJob:
     stage: StageRun | None = None
 
 
+@attrs.define(eq=False)
+class Flight:
+    """A job whose pack started: its copies queued (``pending``), or it failed to start
+    (``error``).  The finisher ends it in its turn (``Packer._finish``)."""
+
+    job: PackJob
+    copy: ClockMark | None = None
+    pending: StartedPack | None = None
+    packed: DiffusionOutput | None = None  # a ``pack`` that ran whole (no ``start_pack``)
+    error: Exception | None = None
+
+
 @attrs.define
 class PackerMetrics:
     packed: int = 0
@@ -160,17 +195,25 @@ class Packer:
         interrupt: Callable[[], None] | None = None,
         device_stage: DeviceStage | None = None,
         clock: DeviceClock | None = None,
+        start_pack: StartPackFn | None = None,
+        copies_in_flight: int = 2,
     ) -> None:
         """``device_stage``: a post-process's device stage (``PostProcess.device``), run on
         each output on the side stream before ``pack``; the byte budget then counts what
         it returned (see ``omni_async.worker.postprocess``).  ``clock``: the worker's
         ``DeviceClock`` (the one its loop marks forwards with; None: the host's clock),
-        which times each pack from the copy's start on the device (``worker.stamps``)."""
+        which times each pack from the copy's start on the device (``worker.stamps``).
+        ``start_pack``: ``pack`` split in two (``StartPackFn``); with it, up to
+        ``copies_in_flight`` outputs have their copies queued at once (1: one at a time)."""
         if max_outputs < 1:
             raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
+        if isinstance(copies_in_flight, bool) or not isinstance(copies_in_flight, int) or copies_in_flight < 1:
+            raise ValueError(f"copies_in_flight must be an int >= 1, got {copies_in_flight!r}")
         self.rank = rank
         self._sender = sender
         self._pack = pack
+        self._start_pack = start_pack
+        self._depth = copies_in_flight if start_pack is not None else 1
         self._release = release
         self._make_stream = make_stream
         self._max_outputs = max_outputs
@@ -183,6 +226,9 @@ class Packer:
         self._jobs: collections.deque[PackJob] = collections.deque()
         self._cancelled: set[str] = set()
         self._active: PackJob | None = None
+        # Packs started and not finished yet, oldest first (the finisher's queue).
+        self._flights: collections.deque[Flight] = collections.deque()
+        self._launcher_done = False
         self._held = 0  # > 0: the main thread is handing off a forward's outputs (see held())
         self._machine = lifecycle_machine(f"omni-packer-{rank}")
         self.metrics = PackerMetrics()
@@ -193,6 +239,12 @@ class Packer:
             if device_stage is not None
             else None
         )
+        # Finishes the packs the packer thread started, in order (module docstring).
+        self._finisher = (
+            threading.Thread(target=self._run_finisher, name=f"omni-finisher-{rank}", daemon=True)
+            if self._depth > 1
+            else None
+        )
 
     # ------------------------------------------------------------ main thread
 
@@ -200,6 +252,8 @@ class Packer:
         self._thread.start()
         if self._stager is not None:
             self._stager.start()
+        if self._finisher is not None:
+            self._finisher.start()
 
     @property
     def state(self) -> LifecycleState:
@@ -320,7 +374,7 @@ class Packer:
         """Wait until every submitted output has been sent (F8). True if drained in time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._active is not None:
+            while self._jobs or self._active is not None or self._flights:
                 if not self._thread.is_alive():
                     return False
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -390,6 +444,8 @@ class Packer:
                     self._cond.wait()
                 if not self._jobs:
                     break
+                while len(self._flights) >= self._depth:
+                    self._cond.wait()  # the finisher always gets through its queue
                 job = self._jobs.popleft()
                 cancelled = job.output_id in self._cancelled
                 self._cancelled.discard(job.output_id)
@@ -403,25 +459,69 @@ class Packer:
                     while job.stage is not None and job.stage.running:
                         self._cond.wait()
                 self._cond.notify_all()  # the stager may take the next one
+            handed = False
             try:
                 if cancelled:
+                    # After what is in flight: the failures keep the queue's order.
+                    self._wait_for_flights()
                     self._cancel(job)
                 else:
                     if stage_here:
                         self._stage(job, stream)
-                    self._pack_one(job, stream)
+                    flight = self._launch(job, stream)
+                    if self._finisher is None:
+                        self._finish(flight)
+                    else:
+                        with self._cond:
+                            self._flights.append(flight)
+                            handed = True
             except BaseException:
                 log.exception("packer %d: unexpected error on %s", self.rank, job.output_id)
             finally:
                 with self._cond:
                     self._active = None
-                    self.metrics.in_flight_outputs -= 1
-                    self.metrics.in_flight_bytes -= job.nbytes
+                    if not handed:
+                        self._done(job)
                     self._cond.notify_all()
+        with self._cond:
+            self._launcher_done = True
+            self._cond.notify_all()
+        if self._finisher is not None:
+            self._finisher.join()
         with self._cond:
             if self._machine.can(LifecycleEvent.STOPPED):
                 self._machine.fire(LifecycleEvent.STOPPED)
             self._cond.notify_all()
+
+    def _run_finisher(self) -> None:
+        """The finisher thread: end each started pack in order (wait for its copies, send
+        its OUTPUT_READY or failure) while the packer thread starts the next ones."""
+        while True:
+            with self._cond:
+                while not self._flights and not self._launcher_done:
+                    self._cond.wait()
+                if not self._flights:
+                    return
+                flight = self._flights[0]
+            try:
+                self._finish(flight)
+            except BaseException:
+                log.exception("packer %d: unexpected error on %s", self.rank, flight.job.output_id)
+            finally:
+                with self._cond:
+                    self._flights.popleft()
+                    self._done(flight.job)
+                    self._cond.notify_all()
+
+    def _wait_for_flights(self) -> None:
+        with self._cond:
+            while self._flights:
+                self._cond.wait()
+
+    def _done(self, job: PackJob) -> None:
+        """``job`` left the packer (called under the lock): its room in the budget is free."""
+        self.metrics.in_flight_outputs -= 1
+        self.metrics.in_flight_bytes -= job.nbytes
 
     def _run_stager(self) -> None:
         """The stager thread: queue the device stage of the output next in line while the
@@ -476,7 +576,9 @@ class Packer:
                 job.nbytes = nbytes
                 self._cond.notify_all()
 
-    def _pack_one(self, job: PackJob, stream: CopyStream) -> None:
+    def _launch(self, job: PackJob, stream: CopyStream) -> Flight:
+        """Start ``job``'s pack: its copies queued on ``stream`` after its forward and
+        device stage (with ``start_pack``), or the whole pack (``pack``)."""
         self._fire(job, RequestEvent.PACK)
         output = attrs.evolve(job.output, async_output_id=job.output_id)
         run = job.stage
@@ -496,11 +598,26 @@ class Packer:
             if job.encoding is not None and job.encoding.format == "jpeg":
                 output = run_device_encode(output, job.encoding, stream, job.event)
                 self._resize(job, budget_nbytes(output))
-            packed = self._pack(output, stream, job.event)
+            if self._start_pack is not None:
+                return Flight(job, copy, pending=self._start_pack(output, stream, job.event))
+            return Flight(job, copy, packed=self._pack(output, stream, job.event))
+        except Exception as exc:
+            return Flight(job, error=exc)
+
+    def _finish(self, flight: Flight) -> None:
+        """End a started pack: wait for its copies, stamp it, send OUTPUT_READY (or a
+        typed failure, F2)."""
+        job = flight.job
+        run = job.stage
+        try:
+            if flight.error is not None:
+                raise flight.error
+            packed = flight.pending.finish() if flight.pending is not None else flight.packed
+            assert packed is not None and flight.copy is not None
             if run is not None and run.started is not None and run.ended is not None:
-                # Read now: the copy's stream waited for the stage and has synchronized.
+                # Read now: the copy's stream waited for the stage and has finished.
                 packed = with_stage_time(packed, self._clock.time_of(run.ended) - self._clock.time_of(run.started))
-            packed = timed(packed, self._clock, job.forward, copy, time.monotonic())
+            packed = timed(packed, self._clock, job.forward, flight.copy, time.monotonic())
         except Exception as exc:
             self._fail(job, exc)
             return
