@@ -21,12 +21,14 @@
 #           video (c=2 and 4) and the idle at a 15 ms synchronizing forward (twice)
 #   part 8: two copies in flight (WorkerOptions.copies_in_flight): the CUDA tests, then
 #           omni-u8 on the video with two copies in flight, one, and two again
+#   part 9: with two copies in flight, the demo at its defaults, the idle at a 15 ms
+#           synchronizing forward and encoded images (a check that nothing regressed)
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 8}"
+part="${1:?part 1 to 9}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -122,8 +124,22 @@ case "$part" in
     bench_u8_video _one 1
     bench_u8_video _two_again 2
     ;;
+9)
+    # The serving figures again with two copies in flight: the demo at its defaults,
+    # the idle at a 15 ms synchronizing forward, encoded images behind a 30 ms forward.
+    timeout 150 python3 -m omni_async.cli demo --device cuda --out "$out/demo_cuda" --json "$out/demo_cuda.json" 2>&1 | tee "$out/demo_cuda.log" | tail -16
+    rm -rf "$out/demo_cuda/images"
+    save
+    timeout 50 python3 bench/engine_ceiling.py --device cuda --forward-ms 15 --post u8-client --shape 3,1024,1024 \
+        --dtype bfloat16 --requests 400 --consumer-ms 5 --settings after --out "$out/idle_cuda.json" 2>&1 \
+        | tee "$out/idle_cuda.log" | tail -3
+    save
+    timeout 100 python3 bench/encoded_images.py --device cuda --requests 150 --json "$out/encoded_images.json" 2>&1 \
+        | tee "$out/encoded_images.log" | tail -6
+    save
+    ;;
 *)
-    echo "part must be 1 to 8" >&2
+    echo "part must be 1 to 9" >&2
     exit 2
     ;;
 esac
