@@ -69,7 +69,7 @@ def _fetch(ex: DiffusionExecutor, output_id: str | None) -> Any:
 
 
 @pytest.mark.slow
-def test_in_process_executor_single_and_batch_are_bit_exact(dit_direct: Any) -> None:
+def test_in_process_executor_single_and_batch_are_bit_exact_through_the_transport(dit_direct: Any) -> None:
     with _in_process(DiffusersPipelineWorker.spec(builder=DIT)) as ex:
         with pytest.raises(InvalidRequest, match=r"request 'bad': parameter 'class_labels' must be one class"):
             ex.submit_request(DiffusionRequest("bad", dit_params(1, label=5000)))
@@ -80,10 +80,16 @@ def test_in_process_executor_single_and_batch_are_bit_exact(dit_direct: Any) -> 
         assert torch.equal(out.output.images, direct_call(dit_direct, single).images)
         ex.release_output(out)
         params = [dit_params(10 + i, label=3 * i) for i in range(3)]
-        ros = ex.submit_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(params)]).result(timeout=120)
-        for ro, p in zip(ros, params, strict=True):
+        batch = [DiffusionRequest(f"b{i}", p) for i, p in enumerate(params)]
+        # The same batch run here, without the executor: what the transport must deliver bit
+        # for bit (a batch member is its own call's only up to the last bits on some CPUs:
+        # test_diffusers_worker.py::test_dit_batch_members_match_their_own_calls).
+        here = DiffusersPipelineWorker(builder=DIT).execute_model_batch(batch).outputs
+        ros = ex.submit_batch(batch).result(timeout=120)
+        for ro, p, want in zip(ros, params, here, strict=True):
             got = _fetch(ex, ro.async_output_id)
-            assert torch.equal(got.output.images, direct_call(dit_direct, p).images), ro.request_id
+            assert torch.equal(got.output.images, want.output.images), ro.request_id
+            torch.testing.assert_close(got.output.images, direct_call(dit_direct, p).images, rtol=0, atol=2e-6)
             ex.release_output(got)
 
 
@@ -213,8 +219,9 @@ def test_engine_over_worker_processes_with_the_device_stage(async_output: bool, 
 def test_engine_batches_diffusers_requests_over_worker_processes(dit_direct: Any) -> None:
     """The engine's own batching with the batch key the spec publishes
     (``WorkerSpec.batch_keyer``): compatible DiT requests share one pipeline call in a
-    worker process, an incompatible one (other step count) runs alone, and every member
-    is bit-exact against its own direct call."""
+    worker process, an incompatible one (other step count) runs alone and is bit-exact
+    against its own direct call; the batched ones match theirs up to the last bits (a
+    batch rounds differently on some CPUs: test_diffusers_worker.py)."""
     spec = DiffusersPipelineWorker.spec(builder=DIT)
     keyer = spec.batch_keyer()
     assert keyer is not None
@@ -235,7 +242,10 @@ def test_engine_batches_diffusers_requests_over_worker_processes(dit_direct: Any
         want = direct_call(dit_direct, p).images
         got = results[rid].output
         assert isinstance(got, ImagePipelineOutput)
-        assert torch.equal(got.images, want), rid
+        if rid == "odd":
+            assert torch.equal(got.images, want), rid
+        else:
+            torch.testing.assert_close(got.images, want, rtol=0, atol=2e-6, msg=rid)
 
 
 def test_decode_in_the_device_stage_gives_the_pipelines_own_pixels(wan_direct: Any) -> None:

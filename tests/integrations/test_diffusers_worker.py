@@ -56,7 +56,11 @@ def test_wan_request_is_bit_exact_against_the_direct_call(wan: DiffusersPipeline
     assert out.output.frames.shape == (1, 5, 3, 16, 16) and torch.equal(out.output.frames, want.frames)
 
 
-def test_dit_batch_members_are_bit_exact_against_their_own_calls(dit: DiffusersPipelineWorker, dit_direct: Any) -> None:
+def test_dit_batch_members_match_their_own_calls(dit: DiffusersPipelineWorker, dit_direct: Any) -> None:
+    """Each member draws its own call's noise and takes its own label: its pixels are its
+    own call's up to the last bits.  Bit for bit on some CPUs, not on all: on an AMD EPYC
+    the batch of four rounds differently from a single call (at most 3.6e-7 here, the
+    transformer's gemms by batch size, as Wan's below)."""
     params = [dit_params(seed=10 + i, label=i * 100) for i in range(4)]
     calls = dit.pipeline_calls
     batch = dit.execute_model_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(params)])
@@ -64,7 +68,10 @@ def test_dit_batch_members_are_bit_exact_against_their_own_calls(dit: DiffusersP
     assert [o.request_id for o in batch.outputs] == ["b0", "b1", "b2", "b3"]
     for out, p in zip(batch.outputs, params, strict=True):
         assert type(out.output) is ImagePipelineOutput
-        assert torch.equal(out.output.images, direct_call(dit_direct, p).images), out.request_id
+        torch.testing.assert_close(out.output.images, direct_call(dit_direct, p).images, rtol=0, atol=2e-6)
+    # ...and not any other member's: the seed and the label are each request's own.
+    first = batch.outputs[0].output.images
+    assert all((o.output.images - first).abs().max() > 1e-3 for o in batch.outputs[1:])
 
 
 @pytest.mark.slow
@@ -98,7 +105,8 @@ def test_a_mixed_batch_runs_one_call_per_batch_key(dit: DiffusersPipelineWorker,
     batch = dit.execute_model_batch([DiffusionRequest(f"m{i}", p) for i, p in enumerate(params)])
     assert dit.pipeline_calls == calls + 3
     for out, p in zip(batch.outputs, params, strict=True):
-        assert torch.equal(out.output.images, direct_call(dit_direct, p).images)
+        # m0 and m2 share a call: up to the last bits (test_dit_batch_members_match_their_own_calls).
+        torch.testing.assert_close(out.output.images, direct_call(dit_direct, p).images, rtol=0, atol=2e-6)
 
 
 @pytest.mark.slow
