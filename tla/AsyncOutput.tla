@@ -138,7 +138,7 @@ ChannelLossless == \A r \in Ranks : sent[r] = recvd[r] + Len(chan[r])
 NoSegmentLeak ==
     \A i \in Ids :
         /\ rec[i].seg \in {"leased", "shipped"} =>
-              \/ packing = i
+              \/ InPacking(i)
               \/ \E r \in Ranks : \E m \in MsgsOf(r) : m.kind = "OUTPUT_READY" /\ m.out = i
               \/ \E j \in Ids : rec[j].held = i
         /\ rec[i].seg = "consumer" => rec[i].eng \in {"holding", "done"}
@@ -202,7 +202,7 @@ NoOrphanPayload == \A i \in Ids : rec[i].st \in RequestHolding => Claimable(i)
 Idle ==
     /\ \A r \in Ranks : chan[r] = <<>>
     /\ \A r \in Ranks : alive[r] => mainPc[r] = "idle" /\ mainRpc[r] = submitted
-    /\ alive[ReplyRank] => packQ = <<>> /\ packing = NoId
+    /\ alive[ReplyRank] => packQ = <<>> /\ packing = <<>>
     /\ \A k \in RpcIds : ~Pending(k)
     /\ \A i \in Ids : rec[i].eng \in {"none", "done"} /\ rec[i].waiter = "none"
     /\ \A r \in Ranks : ~alive[r] => r \in eof \/ pump # "RUNNING"
@@ -263,7 +263,7 @@ View == <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, g
 Settled(i) ==
     /\ rpcs[RpcOf(i)] # "idle" /\ ~Pending(RpcOf(i))
     /\ ws[i] \in RequestTerminal \cup {"READY", "FAILED"} \/ ~alive[ReplyRank]
-    /\ packing # i /\ ~CdToCome(i)
+    /\ ~InPacking(i) /\ ~CdToCome(i)
     /\ ~\E r \in Ranks : \E m \in MsgsOf(r) : m.id = i
     /\ rec[i].st = "NONE" /\ rec[i].eng \in {"none", "done"} /\ rec[i].seg \notin {"leased", "shipped"}
 

@@ -401,7 +401,7 @@ CloseAll ==
     /\ chan' = [r \in Ranks |-> <<>>]
     /\ recvd' = sent
     /\ packQ' = <<>>
-    /\ packing' = NoId
+    /\ packing' = <<>>
     /\ UNCHANGED eof
 
 EngineShutdown ==
@@ -423,9 +423,9 @@ MonitorDetectDeath ==
     /\ dead' = TRUE
     /\ closed' = TRUE
     /\ rpcs' = FailRpcs
-    /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
+    /\ LET own(i) == ~alive[ReplyRank] /\ InPacking(i) /\ rec[i].seg = "leased"
        IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
-          /\ packing' = IF packing # NoId /\ own(packing) THEN NoId ELSE packing
+          /\ packing' = SelectSeq(packing, LAMBDA i : ~own(i))
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
                    perr, gone, abortSent, closedStreams>>
 
@@ -441,7 +441,7 @@ PumpReachEof(r) ==
     /\ eof' = eof \cup {r}
     /\ IF r = ReplyRank
        THEN /\ rec' = [i \in Ids |-> IF rec[i].seg = "shipped" THEN ReleaseSeg(rec[i]) ELSE rec[i]]
-            /\ packing' = NoId
+            /\ packing' = <<>>
        ELSE UNCHANGED <<rec, packing>>
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, chan, sent, recvd,
                    pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>

@@ -20,9 +20,11 @@ CONSTANTS
     SendFails,      \* BOOLEAN: the reply rank's put of COMPUTE_DONE may raise
     EngineAborts,   \* BOOLEAN: the engine may cancel, drop, time out and shut down
     CancelsForward, \* BOOLEAN: the engine may abort a call in flight (cancel_requests)
-    MaxQueue        \* state constraint: messages per rank FIFO
+    MaxQueue,       \* state constraint: messages per rank FIFO
+    PackDepth       \* how many outputs the packer may have in flight (copies queued), >= 1
 
 ASSUME ReplyRank \in Ranks
+ASSUME PackDepth \in Nat \ {0}
 
 NumRpcs == Len(Batch)
 RpcIds == 1..NumRpcs
@@ -93,7 +95,7 @@ VARIABLES
     failedRanks,  \* history: [RpcIds -> SUBSET Ranks], ranks whose forward (or COMPUTE_DONE put) failed
     ws,           \* [Ids -> RequestStates]: the worker's machine of each id (reply rank)
     packQ,        \* the packer's queue of ids
-    packing,      \* the id the packer is copying, or NoId
+    packing,      \* the ids the packer is copying, oldest first (at most PackDepth)
     chan,         \* [Ranks -> Seq(Msg)]: the result channel
     sent, recvd,  \* history: messages put / taken per rank
     eof,          \* the dead ranks whose pipe the pump read to its end (PumpReachEof)
@@ -115,6 +117,9 @@ channel == <<chan, sent, recvd, eof>>
 executor == <<pump, closed, dead, submitted, rpcs, answers, rec, perr, gone, abortSent, closedStreams>>
 vars == <<worker, channel, executor>>
 
+\* i is one of the outputs the packer is copying.
+InPacking(i) == i \in Range(packing)
+
 -----------------------------------------------------------------------------
 TypeOK ==
     /\ alive \in [Ranks -> BOOLEAN]
@@ -123,7 +128,7 @@ TypeOK ==
     /\ failedRanks \in [RpcIds -> SUBSET Ranks]
     /\ ws \in [Ids -> RequestStates]
     /\ packQ \in Seq(Ids)
-    /\ packing \in Ids \cup {NoId}
+    /\ packing \in Seq(Ids) /\ Len(packing) <= PackDepth
     /\ chan \in [Ranks -> Seq(Msg)]
     /\ sent \in [Ranks -> Nat] /\ recvd \in [Ranks -> Nat]
     /\ eof \subseteq Ranks
@@ -150,7 +155,7 @@ Init ==
     /\ failedRanks = [k \in RpcIds |-> {}]
     /\ ws = [i \in Ids |-> RequestInitial]
     /\ packQ = <<>>
-    /\ packing = NoId
+    /\ packing = <<>>
     /\ chan = [r \in Ranks |-> <<>>]
     /\ sent = [r \in Ranks |-> 0] /\ recvd = [r \in Ranks |-> 0]
     /\ eof = {}

@@ -119,16 +119,21 @@ WorkerMainSendRpcResult(r) ==
     /\ UNCHANGED <<alive, mainRpc, failedRanks, packQ, packing, crashes, recvd, executor>>
 
 \* The side stream waits for the forward's event, then copies into a leased segment.
+\* Up to PackDepth outputs are in flight (WorkerOptions.copies_in_flight): the
+\* packer thread leases and queues the next copy (Packer._launch) while the
+\* finisher thread still waits for the one before it; the finisher ends them
+\* oldest first (PackInFlight.finish: the hand-off, then the send), so the steps
+\* below act on Head(packing).  A cancel waits until nothing is in flight.
 \* (A device stage may have run on the output while it was queued, on the stager's
 \* stream: that sends nothing and leases nothing, so it is no step of this spec; the
 \* output is still in packQ, and PackerCancelOutput may still cancel it.)
 PackerPackOutput ==
-    /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
+    /\ alive[ReplyRank] /\ Len(packing) < PackDepth /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
        /\ RequestCan(ws[i], "PACK")
        /\ ws' = [ws EXCEPT ![i] = RequestNext(@, "PACK")]
        /\ rec' = [rec EXCEPT ![i].seg = "leased"]
-       /\ packing' = i
+       /\ packing' = Append(packing, i)
        /\ packQ' = Tail(packQ)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, crashes, channel, pump, closed, dead,
                    submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
@@ -139,28 +144,30 @@ PackerPackOutput ==
 \* ReclaimShipped); a crash between this step and the send leaves it shipped
 \* with no message: PumpReachEof reclaims it.
 PackerHandOff ==
-    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "leased"
-    /\ rec' = [rec EXCEPT ![packing].seg = "shipped"]
+    /\ alive[ReplyRank] /\ packing # <<>> /\ rec[Head(packing)].seg = "leased"
+    /\ rec' = [rec EXCEPT ![Head(packing)].seg = "shipped"]
     /\ UNCHANGED <<worker, channel, pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
 PackerSendOutputReady ==
-    /\ alive[ReplyRank] /\ packing # NoId /\ rec[packing].seg = "shipped"
-    /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_READY")]
-    /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> TRUE,
-                        out |-> packing, w |-> "packer", ids |-> {}])
-    /\ packing' = NoId
+    /\ alive[ReplyRank] /\ packing # <<>> /\ rec[Head(packing)].seg = "shipped"
+    /\ LET i == Head(packing) IN
+       /\ ws' = [ws EXCEPT ![i] = RequestNext(@, "OUTPUT_READY")]
+       /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> i, ok |-> TRUE,
+                           out |-> i, w |-> "packer", ids |-> {}])
+    /\ packing' = Tail(packing)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd, executor>>
 
 \* Packing failed (or, after the hand-off, the put of OUTPUT_READY raised): the
 \* segment goes back, the failure travels typed (F2).
 PackerSendOutputFailed ==
     /\ PackFails
-    /\ alive[ReplyRank] /\ packing # NoId
-    /\ ws' = [ws EXCEPT ![packing] = RequestNext(@, "OUTPUT_FAILED")]
-    /\ rec' = [rec EXCEPT ![packing] = ReleaseSeg(@)]
-    /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> packing, ok |-> FALSE,
-                        out |-> NoId, w |-> "packer", ids |-> {}])
-    /\ packing' = NoId
+    /\ alive[ReplyRank] /\ packing # <<>>
+    /\ LET i == Head(packing) IN
+       /\ ws' = [ws EXCEPT ![i] = RequestNext(@, "OUTPUT_FAILED")]
+       /\ rec' = [rec EXCEPT ![i] = ReleaseSeg(@)]
+       /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> i, ok |-> FALSE,
+                           out |-> NoId, w |-> "packer", ids |-> {}])
+    /\ packing' = Tail(packing)
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, packQ, crashes, recvd,
                    pump, closed, dead, submitted, rpcs, answers, perr, gone, abortSent, closedStreams>>
 
@@ -168,7 +175,7 @@ PackerSendOutputFailed ==
 \* the packer (Packer.drop), which sends a "Cancelled" failure instead.  Only
 \* for an output the engine dropped (PackerCancelsUndropped: NoSpuriousFailure).
 PackerCancelOutput ==
-    /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
+    /\ alive[ReplyRank] /\ packing = <<>> /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
        /\ rec[i].dropped /\ rec[i].eng = "done"
        /\ ws' = [ws EXCEPT ![i] = RequestNext(RequestNext(@, "DROP"), "OUTPUT_FAILED")]

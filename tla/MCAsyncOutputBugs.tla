@@ -66,7 +66,7 @@ SendFailKeepsShipped_WorkerMainComputeDoneFails(r) ==
 \* (F15) is gone: it cancels an output that nobody dropped.
 \* (PackerCancelOutput <- PackerCancelsUndropped_PackerCancelOutput)
 PackerCancelsUndropped_PackerCancelOutput ==
-    /\ alive[ReplyRank] /\ packing = NoId /\ packQ # <<>>
+    /\ alive[ReplyRank] /\ packing = <<>> /\ packQ # <<>>
     /\ LET i == Head(packQ) IN
        /\ ws' = [ws EXCEPT ![i] = RequestNext(RequestNext(@, "DROP"), "OUTPUT_FAILED")]
        /\ Send(ReplyRank, [kind |-> "OUTPUT_READY", rpc |-> 0, id |-> i, ok |-> FALSE,
@@ -172,9 +172,9 @@ DeathKeepsOpen_MonitorDetectDeath ==
     /\ dead' = TRUE
     /\ closed' = FALSE
     /\ rpcs' = FailRpcs
-    /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
+    /\ LET own(i) == ~alive[ReplyRank] /\ InPacking(i) /\ rec[i].seg = "leased"
        IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
-          /\ packing' = IF packing # NoId /\ own(packing) THEN NoId ELSE packing
+          /\ packing' = SelectSeq(packing, LAMBDA i : ~own(i))
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
                    perr, gone, abortSent, closedStreams>>
 
@@ -187,10 +187,27 @@ ReclaimShipped_MonitorDetectDeath ==
     /\ dead' = TRUE
     /\ closed' = TRUE
     /\ rpcs' = FailRpcs
-    /\ LET own(i) == ~alive[ReplyRank] /\ packing = i /\ rec[i].seg = "leased"
+    /\ LET own(i) == ~alive[ReplyRank] /\ InPacking(i) /\ rec[i].seg = "leased"
            stolen(i) == ~alive[ReplyRank] /\ rec[i].seg \in {"leased", "shipped", "consumer"}
        IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) \/ stolen(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
-          /\ packing' = IF packing # NoId /\ (own(packing) \/ stolen(packing)) THEN NoId ELSE packing
+          /\ packing' = SelectSeq(packing, LAMBDA i : ~(own(i) \/ stolen(i)))
+    /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
+                   perr, gone, abortSent, closedStreams>>
+
+\* ReclaimHeadOnly (two copies in flight): reclaim_owner(pid) freeing only the
+\* oldest lease of the dead packer, as if it held one at a time: with
+\* PackDepth = 2 the second copy's segment is leased by nobody alive.
+\* tests/transport/test_shm.py::test_sigkilled_child_cleanup holds the code to
+\* freeing every lease the dead process took and did not hand off.
+\* (MonitorDetectDeath <- ReclaimHeadOnly_MonitorDetectDeath)
+ReclaimHeadOnly_MonitorDetectDeath ==
+    /\ ~dead /\ ~closed /\ \E r \in Ranks : ~alive[r]
+    /\ dead' = TRUE
+    /\ closed' = TRUE
+    /\ rpcs' = FailRpcs
+    /\ LET own(i) == ~alive[ReplyRank] /\ packing # <<>> /\ i = Head(packing) /\ rec[i].seg = "leased"
+       IN /\ rec' = [i \in Ids |-> FailRec(IF own(i) THEN ReleaseSeg(rec[i]) ELSE rec[i])]
+          /\ packing' = SelectSeq(packing, LAMBDA i : ~own(i))
     /\ UNCHANGED <<alive, mainPc, mainRpc, failedRanks, ws, packQ, crashes, channel, pump, submitted, answers,
                    perr, gone, abortSent, closedStreams>>
 

@@ -703,10 +703,10 @@ AO(t) == INSTANCE AsyncOutput WITH
     Ranks <- TRanks[t], ReplyRank <- TReply[t], Batch <- TBatch[t], Consumer <- TCons[t],
     Chunks <- TChunks[t], Steps <- TSteps[t],
     MaxCrashes <- 0, ForwardFails <- TRUE, PackFails <- TRUE, SendFails <- TRUE,
-    EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0,
+    EngineAborts <- TRUE, CancelsForward <- TRUE, MaxQueue <- 0, PackDepth <- 1,
     alive <- [r \in TRanks[t] |-> TRUE], mainPc <- [r \in TRanks[t] |-> "idle"],
     mainRpc <- [r \in TRanks[t] |-> 0], failedRanks <- [k \in AORpcs(t) |-> {}],
-    ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- "-",
+    ws <- [o \in AOIds(t) |-> "QUEUED"], packQ <- <<>>, packing <- <<>>,
     chan <- [r \in TRanks[t] |-> <<>>], sent <- [r \in TRanks[t] |-> 0],
     recvd <- [r \in TRanks[t] |-> 0], eof <- {}, crashes <- 0
 
