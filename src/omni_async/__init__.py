@@ -132,10 +132,12 @@ if TYPE_CHECKING:
     from omni_async.models.dit import DiTPipelineWorker
     from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
     from omni_async.transport.packing import (
+        PackInFlight,
         pack_diffusion_output_shm,
         packed_nbytes,
         release_packed_output,
         release_unpacked_output,
+        start_pack_shm,
         unpack_diffusion_output_shm,
     )
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
@@ -175,6 +177,8 @@ _LAZY: dict[str, str] = {
     "SyntheticVideoWorker": "omni_async.models.tiny",
     "TinyDiffusionWorker": "omni_async.models.tiny",
     "pack_diffusion_output_shm": "omni_async.transport.packing",
+    "start_pack_shm": "omni_async.transport.packing",
+    "PackInFlight": "omni_async.transport.packing",
     "packed_nbytes": "omni_async.transport.packing",
     "release_packed_output": "omni_async.transport.packing",
     "release_unpacked_output": "omni_async.transport.packing",
