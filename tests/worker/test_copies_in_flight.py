@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import attrs
 import pytest
 import torch
+from helpers.packer_jobs import WAIT_S, computed, received, wait_for
 from helpers.shm_fixtures import no_shm_leak, segment_pool
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, OutputReady
-from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
+from omni_async.core.states import RequestState
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.packing import (
     PackInFlight,
@@ -38,14 +39,7 @@ from omni_async.worker.packer import Packer
 
 __all__ = ["no_shm_leak", "segment_pool"]  # fixtures, used by name
 
-WAIT_S = 10.0
 
-
-def _computed(output_id: str) -> Machine[RequestState, RequestEvent]:
-    m = request_machine(output_id)
-    m.fire(RequestEvent.FORWARD)
-    m.fire(RequestEvent.COMPUTE_DONE)
-    return m
 
 
 def _image(i: int) -> DiffusionOutput:
@@ -111,22 +105,6 @@ def _release(packed: DiffusionOutput, pool: SegmentPool) -> None:
     release_packed_output(packed, pool=pool)
 
 
-def _received(channel: InProcessChannel, n: int) -> list[OutputReady]:
-    got: list[OutputReady] = []
-    while len(got) < n:
-        msg = channel.get(WAIT_S)
-        assert isinstance(msg, OutputReady), msg
-        got.append(msg)
-    return got
-
-
-def _wait_for(cond: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def _check_and_release(msgs: list[OutputReady], pool: SegmentPool, values: dict[str, int]) -> None:
@@ -144,15 +122,15 @@ def test_the_next_pack_starts_before_this_one_finishes(channel: InProcessChannel
     packer = _packer(channel, starts, segment_pool)
     try:
         for i in (1, 2, 3):
-            packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1 << 18)
+            packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1 << 18)
         assert starts.finishing.wait(WAIT_S)
-        assert _wait_for(lambda: starts.started == ["r1", "r2"]), starts.started
+        assert wait_for(lambda: starts.started == ["r1", "r2"]), starts.started
         time.sleep(0.05)
         # Two in flight at most: o3 waits for o1's finish, and two segments are leased.
         assert starts.started == ["r1", "r2"] and starts.finished == []
         assert segment_pool.stats().outstanding == 2
         starts.release.set()
-        msgs = _received(channel, 3)
+        msgs = received(channel, 3)
         assert packer.drain(WAIT_S)
     finally:
         starts.release.set()
@@ -169,13 +147,13 @@ def test_one_copy_in_flight_packs_one_at_a_time(channel: InProcessChannel, segme
     packer = _packer(channel, starts, segment_pool, copies=1)
     try:
         for i in (1, 2):
-            packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1 << 18)
+            packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1 << 18)
         assert starts.finishing.wait(WAIT_S)
         time.sleep(0.05)
         assert starts.started == ["r1"]
         assert not any(t.name == "omni-finisher-0" for t in threading.enumerate())
         starts.release.set()
-        msgs = _received(channel, 2)
+        msgs = received(channel, 2)
     finally:
         starts.release.set()
         packer.stop()
@@ -191,16 +169,16 @@ def test_a_dropped_output_is_cancelled_after_the_copies_in_flight(
     starts = Starts(segment_pool)
     packer = _packer(channel, starts, segment_pool)
     try:
-        packer.submit("o1", _image(1), _computed("o1"), nbytes=1 << 18)
+        packer.submit("o1", _image(1), computed("o1"), nbytes=1 << 18)
         assert starts.finishing.wait(WAIT_S)
-        m2 = _computed("o2")
+        m2 = computed("o2")
         packer.submit("o2", _image(2), m2, nbytes=1 << 18)
         assert packer.drop(["o2"]) == 1
-        packer.submit("o3", _image(3), _computed("o3"), nbytes=1 << 18)
+        packer.submit("o3", _image(3), computed("o3"), nbytes=1 << 18)
         time.sleep(0.05)
         assert starts.started == ["r1"]  # o2 waits (cancelled after o1), o3 behind it
         starts.release.set()
-        msgs = _received(channel, 3)
+        msgs = received(channel, 3)
     finally:
         starts.release.set()
         packer.stop()
@@ -216,11 +194,11 @@ def test_a_pack_that_cannot_start_fails_in_its_turn(channel: InProcessChannel, s
     packer = _packer(channel, starts, segment_pool)
     try:
         for i in (1, 2, 3):
-            packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1 << 18)
+            packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1 << 18)
         assert starts.finishing.wait(WAIT_S)
-        assert _wait_for(lambda: "r2" in starts.started)
+        assert wait_for(lambda: "r2" in starts.started)
         starts.release.set()
-        msgs = _received(channel, 3)
+        msgs = received(channel, 3)
     finally:
         starts.release.set()
         packer.stop()
@@ -237,12 +215,12 @@ def test_stop_finishes_the_copies_in_flight_and_the_finisher_leaves(
     starts = Starts(segment_pool)
     packer = _packer(channel, starts, segment_pool)
     for i in (1, 2):
-        packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1 << 18)
+        packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1 << 18)
     assert starts.finishing.wait(WAIT_S)
     threading.Timer(0.1, starts.release.set).start()
     assert packer.stop(WAIT_S)
     assert not any(t.name == "omni-finisher-0" for t in threading.enumerate())
-    msgs = _received(channel, 2)
+    msgs = received(channel, 2)
     assert [m.async_output_id for m in msgs] == ["o1", "o2"]
     _check_and_release(msgs, segment_pool, {"o1": 1, "o2": 2})
 
@@ -319,8 +297,8 @@ def test_on_the_gpu_the_next_copy_is_queued_behind_this_one(channel: InProcessCh
         for i, x in enumerate(inputs):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record()
-            packer.submit(f"o{i}", DiffusionOutput(f"r{i}", {"x": x}), _computed(f"o{i}"), event=event, nbytes=x.nbytes)
-        msgs = _received(channel, 3)
+            packer.submit(f"o{i}", DiffusionOutput(f"r{i}", {"x": x}), computed(f"o{i}"), event=event, nbytes=x.nbytes)
+        msgs = received(channel, 3)
         assert packer.drain(60)
         got = []
         for m in msgs:

@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.packer_jobs import WAIT_S, computed, received, wait_for
 
-from omni_async.core.messages import DiffusionOutput, OutputReady
-from omni_async.core.states import Machine, RequestEvent, RequestState, request_machine
+from omni_async.core.messages import DiffusionOutput
+from omni_async.core.states import RequestState
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.worker.packer import Packer
 
-WAIT_S = 10.0
 
-
-def _computed(output_id: str) -> Machine[RequestState, RequestEvent]:
-    m = request_machine(output_id)
-    m.fire(RequestEvent.FORWARD)
-    m.fire(RequestEvent.COMPUTE_DONE)
-    return m
 
 
 def _image(value: float) -> DiffusionOutput:
@@ -78,22 +72,6 @@ def _packer(channel: InProcessChannel, gates: Gates) -> Packer:
     return packer
 
 
-def _received(channel: InProcessChannel, n: int) -> list[OutputReady]:
-    got: list[OutputReady] = []
-    while len(got) < n:
-        msg = channel.get(WAIT_S)
-        assert isinstance(msg, OutputReady), msg
-        got.append(msg)
-    return got
-
-
-def _wait_for(cond: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
 
 
 def test_the_next_outputs_stage_runs_while_this_one_is_copied(channel: InProcessChannel) -> None:
@@ -103,16 +81,16 @@ def test_the_next_outputs_stage_runs_while_this_one_is_copied(channel: InProcess
     packer = _packer(channel, gates)
     try:
         for i in (1, 2):
-            packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1024)
+            packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1024)
         assert gates.packing_first.wait(WAIT_S)
-        assert _wait_for(lambda: len(gates.staged) == 2), f"staged while o1 was copied: {gates.staged}"
+        assert wait_for(lambda: len(gates.staged) == 2), f"staged while o1 was copied: {gates.staged}"
         # r2 by the stager (r1 by whichever thread claimed it first: either may finish first).
         assert dict(gates.staged)["r2"] == "omni-stager-0", gates.staged
         assert gates.packed == ["r1"]
         # What o2 counts against the byte budget is already its uint8 size.
-        assert _wait_for(lambda: packer.metrics.in_flight_bytes == 256 + 256), packer.metrics
+        assert wait_for(lambda: packer.metrics.in_flight_bytes == 256 + 256), packer.metrics
         gates.release.set()
-        msgs = _received(channel, 2)
+        msgs = received(channel, 2)
     finally:
         gates.release.set()
         packer.stop()
@@ -127,13 +105,13 @@ def test_a_staged_output_dropped_before_its_copy_is_cancelled(channel: InProcess
     gates = Gates()
     packer = _packer(channel, gates)
     try:
-        m1, m2 = _computed("o1"), _computed("o2")
+        m1, m2 = computed("o1"), computed("o2")
         packer.submit("o1", _image(1), m1, nbytes=1024)
         packer.submit("o2", _image(2), m2, nbytes=1024)
-        assert _wait_for(lambda: len(gates.staged) == 2)
+        assert wait_for(lambda: len(gates.staged) == 2)
         assert packer.drop(["o2"]) == 1
         gates.release.set()
-        msgs = _received(channel, 2)
+        msgs = received(channel, 2)
         assert packer.drain(WAIT_S)
     finally:
         gates.release.set()
@@ -157,9 +135,9 @@ def test_a_stage_that_fails_ahead_fails_only_its_output(channel: InProcessChanne
     packer.start()
     try:
         for i in (1, 2, 3):
-            packer.submit(f"o{i}", _image(i), _computed(f"o{i}"), nbytes=1024)
+            packer.submit(f"o{i}", _image(i), computed(f"o{i}"), nbytes=1024)
         gates.release.set()
-        msgs = _received(channel, 3)
+        msgs = received(channel, 3)
     finally:
         gates.release.set()
         packer.stop()
@@ -178,11 +156,11 @@ def test_a_held_output_is_not_staged_ahead(channel: InProcessChannel) -> None:
     packer = _packer(channel, gates)
     try:
         packer.hold()
-        packer.submit("o1", _image(1), _computed("o1"), nbytes=1024)
+        packer.submit("o1", _image(1), computed("o1"), nbytes=1024)
         time.sleep(0.2)
         assert gates.staged == []
         packer.unhold()
-        msgs = _received(channel, 1)
+        msgs = received(channel, 1)
     finally:
         packer.stop()
     assert msgs[0].output is not None and gates.staged and gates.packed == ["r1"]
@@ -195,8 +173,8 @@ def test_the_stage_has_its_own_time_apart_from_the_copys(channel: InProcessChann
     gates.release.set()
     packer = _packer(channel, gates)
     try:
-        packer.submit("o1", _image(1), _computed("o1"), nbytes=1024)
-        (msg,) = _received(channel, 1)
+        packer.submit("o1", _image(1), computed("o1"), nbytes=1024)
+        (msg,) = received(channel, 1)
     finally:
         packer.stop()
     assert msg.output is not None
@@ -213,10 +191,10 @@ def test_the_stager_leaves_with_the_packer(channel: InProcessChannel) -> None:
     packer = _packer(channel, gates)
     started = set(threading.enumerate()) - before
     assert {t.name for t in started} == {"omni-packer-0", "omni-stager-0"}
-    packer.submit("o1", _image(1), _computed("o1"), nbytes=1024)
+    packer.submit("o1", _image(1), computed("o1"), nbytes=1024)
     assert packer.stop(WAIT_S)
     assert not [t.name for t in started if t.is_alive()]
-    assert _received(channel, 1)[0].output is not None
+    assert received(channel, 1)[0].output is not None
 
 
 # ------------------------------------------------------------------------------ CUDA
@@ -280,8 +258,8 @@ def test_on_the_gpu_the_next_stage_overlaps_this_copy_and_each_copy_waits_for_it
         for i, x in enumerate(inputs):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record()
-            packer.submit(f"o{i}", DiffusionOutput(f"r{i}", {"x": x}), _computed(f"o{i}"), event=event, nbytes=x.nbytes)
-        msgs = _received(channel, 3)
+            packer.submit(f"o{i}", DiffusionOutput(f"r{i}", {"x": x}), computed(f"o{i}"), event=event, nbytes=x.nbytes)
+        msgs = received(channel, 3)
         assert packer.drain(60)
         got = []
         for m in msgs:
