@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.packer_jobs import WAIT_S, computed, received, wait_for
+from helpers.packer_jobs import WAIT_S, computed, cuda_side_stream, received, ship_on_gpu, wait_for
 
 from omni_async.core.messages import DiffusionOutput
 from omni_async.core.states import RequestState
@@ -236,16 +236,12 @@ def test_on_the_gpu_the_next_stage_overlaps_this_copy_and_each_copy_waits_for_it
     def release(packed: DiffusionOutput) -> None:
         release_packed_output(packed, pool=pool)
 
-    def make_stream() -> CopyStream:
-        torch.cuda.set_device(0)
-        return torch.cuda.Stream()  # type: ignore[no-untyped-call]  # unannotated in torch
-
     packer = Packer(
         0,
         channel,
         pack=pack,
         release=release,
-        make_stream=make_stream,
+        make_stream=cuda_side_stream,
         device_stage=stage,
         clock=clock,
         max_outputs=4,
@@ -255,16 +251,7 @@ def test_on_the_gpu_the_next_stage_overlaps_this_copy_and_each_copy_waits_for_it
         gen = torch.Generator(device="cuda").manual_seed(3)
         inputs = [(torch.rand(1 << 28, device="cuda", generator=gen) * 2.4 - 1.2).to(torch.bfloat16) for _ in range(3)]
         wants = [u8_eager(x).cpu() for x in inputs]
-        for i, x in enumerate(inputs):
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
-            event.record()
-            packer.submit(f"o{i}", DiffusionOutput(f"r{i}", {"x": x}), computed(f"o{i}"), event=event, nbytes=x.nbytes)
-        msgs = received(channel, 3)
-        assert packer.drain(60)
-        got = []
-        for m in msgs:
-            assert m.output is not None, m.failure
-            got.append(m.output)
+        got = ship_on_gpu(packer, channel, inputs)
         ended = [o.metrics.pack_ended_at for o in got]
         pixels = [unpack_diffusion_output_shm(o, copy=True).output["x"] for o in got]
     finally:

@@ -161,8 +161,17 @@ class Flight:
     job: PackJob
     copy: ClockMark | None = None
     pending: StartedPack | None = None
-    packed: DiffusionOutput | None = None  # a ``pack`` that ran whole (no ``start_pack``)
     error: Exception | None = None
+
+
+@attrs.frozen
+class _Packed:
+    """A ``pack`` that ran whole (no ``start_pack``): nothing left to wait for."""
+
+    packed: DiffusionOutput
+
+    def finish(self) -> DiffusionOutput:
+        return self.packed
 
 
 @attrs.define
@@ -600,7 +609,7 @@ class Packer:
                 self._resize(job, budget_nbytes(output))
             if self._start_pack is not None:
                 return Flight(job, copy, pending=self._start_pack(output, stream, job.event))
-            return Flight(job, copy, packed=self._pack(output, stream, job.event))
+            return Flight(job, copy, pending=_Packed(self._pack(output, stream, job.event)))
         except Exception as exc:
             return Flight(job, error=exc)
 
@@ -612,8 +621,8 @@ class Packer:
         try:
             if flight.error is not None:
                 raise flight.error
-            packed = flight.pending.finish() if flight.pending is not None else flight.packed
-            assert packed is not None and flight.copy is not None
+            assert flight.pending is not None and flight.copy is not None
+            packed = flight.pending.finish()
             if run is not None and run.started is not None and run.ended is not None:
                 # Read now: the copy's stream waited for the stage and has finished.
                 packed = with_stage_time(packed, self._clock.time_of(run.ended) - self._clock.time_of(run.started))
