@@ -70,17 +70,31 @@ DIT_XL: Mapping[str, ComponentConfig] = {
     "transformer": (
         "DiTTransformer2DModel",
         {
-            "sample_size": 64, "num_layers": 28, "patch_size": 2, "attention_head_dim": 72, "num_attention_heads": 16,
-            "in_channels": 4, "out_channels": 8, "attention_bias": True, "activation_fn": "gelu-approximate",
-            "num_embeds_ada_norm": 1000, "norm_type": "ada_norm_zero", "norm_elementwise_affine": False,
+            "sample_size": 64,
+            "num_layers": 28,
+            "patch_size": 2,
+            "attention_head_dim": 72,
+            "num_attention_heads": 16,
+            "in_channels": 4,
+            "out_channels": 8,
+            "attention_bias": True,
+            "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": 1000,
+            "norm_type": "ada_norm_zero",
+            "norm_elementwise_affine": False,
         },
     ),
     "vae": (
         "AutoencoderKL",
         {
-            "block_out_channels": [128, 256, 512, 512], "down_block_types": ["DownEncoderBlock2D"] * 4,
-            "up_block_types": ["UpDecoderBlock2D"] * 4, "latent_channels": 4, "layers_per_block": 2,
-            "norm_num_groups": 32, "sample_size": 512, "scaling_factor": 0.18215,
+            "block_out_channels": [128, 256, 512, 512],
+            "down_block_types": ["DownEncoderBlock2D"] * 4,
+            "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "latent_channels": 4,
+            "layers_per_block": 2,
+            "norm_num_groups": 32,
+            "sample_size": 512,
+            "scaling_factor": 0.18215,
         },
     ),
     "scheduler": ("DPMSolverMultistepScheduler", {}),
@@ -93,9 +107,19 @@ WAN_13B: Mapping[str, ComponentConfig] = {
     "transformer": (
         "WanTransformer3DModel",
         {
-            "patch_size": [1, 2, 2], "num_attention_heads": 12, "attention_head_dim": 128, "in_channels": 16,
-            "out_channels": 16, "text_dim": WAN_13B_TEXT_DIM, "freq_dim": 256, "ffn_dim": 8960, "num_layers": 30,
-            "cross_attn_norm": True, "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+            "patch_size": [1, 2, 2],
+            "num_attention_heads": 12,
+            "attention_head_dim": 128,
+            "in_channels": 16,
+            "out_channels": 16,
+            "text_dim": WAN_13B_TEXT_DIM,
+            "freq_dim": 256,
+            "ffn_dim": 8960,
+            "num_layers": 30,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "eps": 1e-6,
+            "rope_max_seq_len": 1024,
         },
     ),
     "vae": ("AutoencoderKLWan", {}),
@@ -111,9 +135,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "requests": 4,
         "batch": 4,
         "workloads": {
-            "dit": {"pipeline": "DiTPipeline", "components": TINY_DIT, "dtype": None, "params": {"num_inference_steps": 4}},
+            "dit": {
+                "pipeline": "DiTPipeline",
+                "components": TINY_DIT,
+                "dtype": None,
+                "params": {"num_inference_steps": 4},
+            },
             "wan": {
-                "pipeline": "WanPipeline", "components": TINY_WAN, "dtype": None, "text_dim": WAN_TEXT_DIM, "seq": 8,
+                "pipeline": "WanPipeline",
+                "components": TINY_WAN,
+                "dtype": None,
+                "text_dim": WAN_TEXT_DIM,
+                "seq": 8,
                 "params": {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 5.0},
             },
         },
@@ -123,10 +156,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "requests": 8,
         "batch": 4,
         "workloads": {
-            "dit": {"pipeline": "DiTPipeline", "components": DIT_XL, "dtype": "bfloat16", "params": {"num_inference_steps": 25}},
+            "dit": {
+                "pipeline": "DiTPipeline",
+                "components": DIT_XL,
+                "dtype": "bfloat16",
+                "params": {"num_inference_steps": 25},
+            },
             "wan": {
-                "pipeline": "WanPipeline", "components": WAN_13B, "dtype": "bfloat16", "text_dim": WAN_13B_TEXT_DIM, "seq": 512,
-                "params": {"height": 480, "width": 832, "num_frames": 81, "num_inference_steps": 4, "guidance_scale": 5.0},
+                "pipeline": "WanPipeline",
+                "components": WAN_13B,
+                "dtype": "bfloat16",
+                "text_dim": WAN_13B_TEXT_DIM,
+                "seq": 512,
+                "params": {
+                    "height": 480,
+                    "width": 832,
+                    "num_frames": 81,
+                    "num_inference_steps": 4,
+                    "guidance_scale": 5.0,
+                },
             },
         },
     },
@@ -217,7 +265,13 @@ def _forward_gap(results: list[Any]) -> float | None:
 
 
 def run_engine(
-    name: str, work: Mapping[str, Any], device: str, count: int, *, async_output: bool, forward: float | None,
+    name: str,
+    work: Mapping[str, Any],
+    device: str,
+    count: int,
+    *,
+    async_output: bool,
+    forward: float | None,
     decode: str = "forward",
 ) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
@@ -263,12 +317,17 @@ def _idle_share(results: list[Any]) -> float | None:
     return round(idle / (spans[-1][1] - spans[0][0]), 4)
 
 
-def run_batching(work: Mapping[str, Any], device: str, count: int, batch: int, forward: float | None) -> list[dict[str, Any]]:
+def run_batching(
+    work: Mapping[str, Any], device: str, count: int, batch: int, forward: float | None
+) -> list[dict[str, Any]]:
     """DiT through the engine's batching (``max_batch_size``) in batches of ``batch``
     against one by one (``max_batch_size=1``), ``count`` requests each."""
-    spec = DiffusersPipelineWorker.spec(builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers")
+    spec = DiffusersPipelineWorker.spec(
+        builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers"
+    )
     rows = []
     for size in (1, batch):
+
         async def body(size: int = size) -> float:
             engine = AsyncDiffusionEngine.from_factory(
                 lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device)),
@@ -304,20 +363,26 @@ def main(argv: list[str] | None = None) -> int:
         direct = run_direct(name, work, device, count)
         rows.append(direct)
         for async_output in (False, True):
-            rows.append(run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"]))
+            rows.append(
+                run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"])
+            )
         if name == "wan":
             rows.append(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
                                    decode="device"))  # fmt: skip
         if name == "dit":
             rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
-    print(f"{'workload':8} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10}")
+    print(
+        f"{'workload':8} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10}"
+    )
     for row in rows:
         cells = [row.get(k) for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
         shown = ["-" if c is None else f"{c:.3f}" for c in cells]
         share = row.get("device_idle_share")
         idle = "-" if share is None else f"{100 * share:.1f}%"
         ratio = "-" if row.get("first_over_steady") is None else f"{row['first_over_steady']:.2f}"
-        print(f"{row['workload']:8} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10}")
+        print(
+            f"{row['workload']:8} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10}"
+        )
     report = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",

@@ -164,7 +164,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="generate calls in flight")
     ap.add_argument("--warmup", type=int, default=32, help="requests served together before the measured ones")
     ap.add_argument("--png-level", type=int, default=1, help="PNG's zlib level (1: the fast one servers use)")
-    ap.add_argument("--encode-workers", type=int, default=None, help="the engine's encoder processes (default: one per core)")
+    ap.add_argument(
+        "--encode-workers", type=int, default=None, help="the engine's encoder processes (default: one per core)"
+    )
     ap.add_argument("--alone-s", type=float, default=1.0, help="seconds of forwards alone for the forward-bound rate")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -100,7 +100,7 @@ def main() -> int:
     x = torch.randn(n, device=dev, dtype=torch.bfloat16)
     nbytes = x.numel() * x.element_size()
     result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "python": sys.version.split()[0],
@@ -206,7 +206,9 @@ def main() -> int:
     mb = nbytes / 1e6
     print(f"{result['device']}, torch {result['torch']}, {mb:.0f} MB bf16, median of {args.runs}")
     print(f"  (a) .cpu() + fresh segment : {result['fresh']['median_ms']:9.1f} ms  {result['fresh']['GBps']:6.2f} GB/s")
-    print(f"  (b) pooled pack            : {result['pooled']['median_ms']:9.1f} ms  {result['pooled']['GBps']:6.2f} GB/s")
+    print(
+        f"  (b) pooled pack            : {result['pooled']['median_ms']:9.1f} ms  {result['pooled']['GBps']:6.2f} GB/s"
+    )
     print(f"      fresh / pooled         : {result['fresh_over_pooled']:9.1f} x")
     print(f"      segments created during timed runs: {result['pool']['created_during_timed_runs']}")
     if cuda:

@@ -168,16 +168,20 @@ def main() -> int:
         "fraction_of_pack_hidden": hidden,
     }
     print(f"forward alone          {alone['forward_ms']:8.1f} ms")
-    print(f"pack alone             {alone['pack_ms']:8.1f} ms  ({alone['pack_GBps']:.1f} GB/s, "
-          f"{alone['output_bytes'] / 1e6:.0f} MB)")
+    print(
+        f"pack alone             {alone['pack_ms']:8.1f} ms  ({alone['pack_GBps']:.1f} GB/s, "
+        f"{alone['output_bytes'] / 1e6:.0f} MB)"
+    )
     print(f"step mode (sync)       {sync['per_request_ms']:8.1f} ms / request")
     print(f"request mode (async)   {async_['per_request_ms']:8.1f} ms / request  (ideal {ideal_async:.1f})")
     print(f"speed-up {result['speedup_async_vs_sync']:.2f}x; {hidden:.0%} of the pack time hidden")
     for name in ("step_mode_sync", "request_mode_async"):
         r = result[name]
-        print(f"  {name}: pack ms per output {r['pack_ms_per_output']}, pinned {r['pinned']}, "
-              f"pool created {r['pool_created']:.0f} reused {r['pool_reused']:.0f} evicted {r['pool_evicted']:.0f}, "
-              f"back-pressure waits {r['backpressure_waits']:.0f} ({r['backpressure_ms_total']:.0f} ms)")
+        print(
+            f"  {name}: pack ms per output {r['pack_ms_per_output']}, pinned {r['pinned']}, "
+            f"pool created {r['pool_created']:.0f} reused {r['pool_reused']:.0f} evicted {r['pool_evicted']:.0f}, "
+            f"back-pressure waits {r['backpressure_waits']:.0f} ({r['backpressure_ms_total']:.0f} ms)"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -96,8 +96,7 @@ def smooth_image(size: int, seed: int = 0) -> npt.NDArray[np.uint8]:
     y, x = np.mgrid[0:size, 0:size].astype(np.float32)
     rng = np.random.default_rng(seed)
     chans = [
-        127 + 90 * np.sin(x / (37 + 9 * i) + y / (53 + 5 * i) + seed) + rng.normal(0, 6, (size, size))
-        for i in range(3)
+        127 + 90 * np.sin(x / (37 + 9 * i) + y / (53 + 5 * i) + seed) + rng.normal(0, 6, (size, size)) for i in range(3)
     ]
     out: npt.NDArray[np.uint8] = np.clip(np.stack(chans, -1), 0, 255).astype(np.uint8)
     return out
@@ -179,7 +178,10 @@ def main() -> None:
         rows += finalize_rows(device, args.frames, args.repeat)
     rows += encode_rows(device, [int(s) for s in args.sizes.split(",")], args.repeat)
     print_table(rows)
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         "fused, dynamic, no eager roundings": (device_ms(lambda: loose(x), args.reps), 1.5 * gb),
         "fused, this shape, no eager roundings": (device_ms(lambda: loose_static(x), args.reps), 1.5 * gb),
     }
-    report: dict[str, object] = {"command": " ".join(sys.argv), "shape": shape, "input_GB": gb, "gpu": torch.cuda.get_device_name()}
+    report: dict[str, object] = {
+        "command": " ".join(sys.argv),
+        "shape": shape,
+        "input_GB": gb,
+        "gpu": torch.cuda.get_device_name(),
+    }
     print(f"stage alone, bf16 {shape} ({gb:.2f} GB), median of {args.reps}, device events:")
     stages = {}
     for name, (ms, moved) in rows.items():
@@ -107,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, stage, priority in cases:
         side = torch.cuda.Stream(priority=priority or 0)  # type: ignore[no-untyped-call]
 
-        def both(stage: Callable[[], object] = stage, side: torch.cuda.Stream = side, serial: bool = priority is None) -> None:
+        def both(
+            stage: Callable[[], object] = stage, side: torch.cuda.Stream = side, serial: bool = priority is None
+        ) -> None:
             if serial:
                 forward()
                 stage()

@@ -60,7 +60,7 @@ class Model:
 
 def trigger_of(model: Model) -> Callable[[str], bool]:
     """The ``trigger`` method ``transitions`` attached to ``model``."""
-    fn: Callable[[str], bool] = getattr(model, "trigger")
+    fn: Callable[[str], bool] = model.trigger
     return fn
 
 
@@ -93,13 +93,15 @@ def run(number: int, repeat: int) -> dict[str, Any]:
     new_transitions_machine(tmodel, S.DROPPING.name)
     ttrigger = trigger_of(tmodel)
     results["trigger.transitions.model_trigger"] = measure(lambda: ttrigger("DROP"), number, repeat)
-    drop_method: Callable[[], bool] = getattr(tmodel, "DROP")
+    drop_method: Callable[[], bool] = tmodel.DROP
     results["trigger.transitions.model_method"] = measure(drop_method, number, repeat)
     assert tmodel.state == "DROPPING"
 
     # -- construction, one machine per output id ----------------------------------------
     cnumber = max(1, number // 100)
-    results["construct.table_core.request_machine"] = measure(lambda: request_machine("o", REGISTRY_INITIAL), number, repeat)
+    results["construct.table_core.request_machine"] = measure(
+        lambda: request_machine("o", REGISTRY_INITIAL), number, repeat
+    )
     results["construct.transitions.new_machine"] = measure(
         lambda: new_transitions_machine(Model(), REGISTRY_INITIAL.name), cnumber, repeat
     )
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "transitions_cost",
         "command": [sys.executable, *sys.argv] if argv is None else [sys.executable, __file__, *argv],
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "number": args.number,
         "repeat": args.repeat,
         "unit": "ns per operation (min over repeats)",

@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -212,7 +211,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = run(args.rounds, args.per_round)
-    print(f"{'size':>8} {'leaves':>6} | {'before us':>9} {'release us':>10} {'drop us':>8} | {'release/before':>14} {'drop/before':>11}")
+    print(
+        f"{'size':>8} {'leaves':>6} | {'before us':>9} {'release us':>10} {'drop us':>8} | {'release/before':>14} {'drop/before':>11}"
+    )
     for row in rows:
         m, r = row["median_us"], row["ratio_to_before"]
         print(

@@ -27,8 +27,9 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers.hypo import FAST_MAX_EXAMPLES
 from hypothesis import HealthCheck, settings
+
+from helpers.hypo import FAST_MAX_EXAMPLES
 
 settings.register_profile(
     "ci",
@@ -44,9 +45,8 @@ for _name in ("ci", "dev"):
     settings.register_profile(f"{_name}-fast", parent=settings.get_profile(_name), max_examples=FAST_MAX_EXAMPLES)
 settings.load_profile(_PROFILE)
 
-from helpers.leaks import ours, tag_session
-
-from omni_async.transport.shm import SHM_DIR
+from helpers.leaks import ours, tag_session  # noqa: E402 (after the profile is loaded)
+from omni_async.transport.shm import SHM_DIR  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -97,8 +97,9 @@ def ray_session() -> Iterator[ModuleType]:
     actors mostly wait).  No dashboard; the actors' logs are kept out of the output.  At
     the end no actor of ours may be alive and the object stores must hold no output."""
     ray = pytest.importorskip("ray")
-    from helpers.executors import HEAD_NODE, OTHER_NODE, leftover_actors, plasma_objects
     from ray.cluster_utils import Cluster
+
+    from helpers.executors import HEAD_NODE, OTHER_NODE, leftover_actors, plasma_objects
 
     store = 256 << 20
     cluster = Cluster(

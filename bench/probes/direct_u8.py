@@ -80,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     shape = tuple(int(v) for v in args.shape.split(","))
     x = (torch.rand(shape, device="cuda") * 2.4 - 1.2).to(torch.bfloat16)
     n = x.numel()
-    gb_in = x.nbytes / 1e9
     U8.warm_up("cuda", [torch.bfloat16])
     ref = u8_eager(x)
     pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -90,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     mm = mmap.mmap(fd, n)
     shm = torch.frombuffer(mm, dtype=torch.uint8)
     rc = host_register(shm.data_ptr(), n)
-    report: dict[str, object] = {"command": " ".join(sys.argv), "shape": shape, "gpu": torch.cuda.get_device_name(), "register_rc": rc}
+    report: dict[str, object] = {
+        "command": " ".join(sys.argv),
+        "shape": shape,
+        "gpu": torch.cuda.get_device_name(),
+        "register_rc": rc,
+    }
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     report["sms"] = sms
     # Bit-exactness.
@@ -117,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     alone["copy engine, uint8 to pinned"] = device_ms(lambda: pinned.copy_(y, non_blocking=True), args.reps)
     alone["U8 + copy engine to pinned"] = device_ms(lambda: pinned.copy_(U8(flat), non_blocking=True), args.reps)
     if rc == 0:
-        alone["copy engine, uint8 to shm"] = device_ms(lambda: shm.copy_(y, non_blocking=True), args.reps)
+        alone["copy engine, uint8 to shm"] = device_ms(lambda: shm.copy_(y, non_blocking=True), args.reps)  # noqa: F821 (shm is deleted only at the end)
     for g in (int(v) for v in args.grids.split(",")):
         alone[f"direct to pinned, grid {g}"] = device_ms(lambda g=g: direct(flat, pinned, g), args.reps)
         if rc == 0:
-            alone[f"direct to shm, grid {g}"] = device_ms(lambda g=g: direct(flat, shm, g), args.reps)
+            alone[f"direct to shm, grid {g}"] = device_ms(lambda g=g: direct(flat, shm, g), args.reps)  # noqa: F821 (as above)
     print(f"alone (ms; uint8 bytes {n / 1e9:.2f} GB):", flush=True)
     for k, v in alone.items():
         print(f"  {k:40s} {v:8.3f} ms  {n / 1e6 / v:6.1f} GB/s of uint8", flush=True)

@@ -59,9 +59,7 @@ class GapWorker(SyntheticVideoWorker):
 
     def gpu_marks(self) -> dict[str, Any]:
         torch.cuda.synchronize()
-        rows = [
-            (self.base.elapsed_time(s), self.base.elapsed_time(e), h0, h1) for s, e, h0, h1 in self.marks
-        ]
+        rows = [(self.base.elapsed_time(s), self.base.elapsed_time(e), h0, h1) for s, e, h0, h1 in self.marks]
         self.marks.clear()
         return _summary(rows)
 
@@ -120,12 +118,15 @@ def main() -> int:
     p.add_argument("--submitted", type=int, default=2, help="requests kept submitted ahead")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    spec = WorkerSpec("gpu_gaps:GapWorker", {"device": "cuda", "output_mb": args.output_mb,
-                                             "matmuls": args.matmuls, "dim": args.dim})
+    spec = WorkerSpec(
+        "gpu_gaps:GapWorker", {"device": "cuda", "output_mb": args.output_mb, "matmuls": args.matmuls, "dim": args.dim}
+    )
     opts = WorkerOptions(device="cuda", max_outputs_in_flight=args.max_in_flight, lease_timeout=120)
     deadlines = Deadlines(compute_timeout=300, output_timeout=300, rpc_timeout=300)
     result: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__}
-    with MultiprocDiffusionExecutor(spec, deadlines=deadlines, options=opts, max_held_bytes=4 << 30, max_held_outputs=8) as ex:
+    with MultiprocDiffusionExecutor(
+        spec, deadlines=deadlines, options=opts, max_held_bytes=4 << 30, max_held_outputs=8
+    ) as ex:
         result["clocks_before"] = ex.collective_rpc("clocks")[0]
         result["sustained_before"] = ex.collective_rpc("sustained", args=(args.requests,))[0]
         result["sustained_copy"] = ex.collective_rpc("sustained", args=(args.requests, True))[0]
@@ -136,11 +137,12 @@ def main() -> int:
             done: list[float] = []
             packs: list[dict[str, float]] = []
 
+            # The thread is joined inside this iteration: binding late is what it wants.
             def consume() -> None:
-                while (oid := ids.get()) is not None:
+                while (oid := ids.get()) is not None:  # noqa: B023
                     out = ex.wait_output_ready(oid).result(timeout=300)
-                    done.append(time.perf_counter())
-                    packs.append(dict(out.metrics))
+                    done.append(time.perf_counter())  # noqa: B023
+                    packs.append(dict(out.metrics))  # noqa: B023
                     ex.release_output(out)
 
             t = threading.Thread(target=consume)
@@ -166,8 +168,10 @@ def main() -> int:
         result["sustained_after"] = ex.collective_rpc("sustained", args=(args.requests,))[0]
     for k in ("sustained_before", "sustained_copy", "pipeline", "sustained_after"):
         r = result[k]
-        print(f"{k:18s} forward(gpu) median {r['forward_gpu_ms_median']:7.2f} ms  period {r['period_gpu_ms']:7.2f} ms"
-              f"  gaps total {r['gap_gpu_ms_total']:7.2f} ms over {r['n']}")
+        print(
+            f"{k:18s} forward(gpu) median {r['forward_gpu_ms_median']:7.2f} ms  period {r['period_gpu_ms']:7.2f} ms"
+            f"  gaps total {r['gap_gpu_ms_total']:7.2f} ms over {r['n']}"
+        )
     print(f"pipeline wall per request {result['pipeline_ms_per_request']:.2f} ms")
     print("pipeline gaps", result["pipeline"]["gap_gpu_ms"])
     print("pipeline forwards", result["pipeline"]["forward_gpu_ms"])

@@ -119,18 +119,18 @@ from omni_async.worker.stream import emit_chunk, streaming_requested
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from omni_async.core.encoding import Encoding
     from omni_async.engine.engine import AsyncDiffusionEngine
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
-    from omni_async.executor.inprocess import InProcessExecutor
     from omni_async.executor.config import ExecutorConfig, InvalidConfig, Prewarm, ProcessGroupConfig
+    from omni_async.executor.inprocess import InProcessExecutor
     from omni_async.executor.metrics import ExecutorMetrics
     from omni_async.executor.multiproc import MultiprocDiffusionExecutor
-    from omni_async.transport.budget import OutputBudget
-    from omni_async.worker.dist import DistContext
-    from omni_async.worker.host import WorkerOptions, WorkerSpec
+    from omni_async.executor.ray_executor import RayDiffusionExecutor
     from omni_async.models.dit import DiTPipelineWorker
     from omni_async.models.tiny import SyntheticVideoWorker, TinyDiffusionWorker
+    from omni_async.transport.budget import OutputBudget
     from omni_async.transport.packing import (
         PackInFlight,
         pack_diffusion_output_shm,
@@ -143,6 +143,10 @@ if TYPE_CHECKING:
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
     from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
     from omni_async.worker.baselines import InvalidOutputPath
+    from omni_async.worker.dist import DistContext
+    from omni_async.worker.encode import DeviceEncoded
+    from omni_async.worker.finalize import FusedPointwise
+    from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.worker.loop import DiffusionWorkerModel, WorkerInfo, WorkerLoop
     from omni_async.worker.packer import Packer, PackerMetrics
     from omni_async.worker.postprocess import (
@@ -152,10 +156,6 @@ if TYPE_CHECKING:
         register_postprocess,
         registered_postprocesses,
     )
-    from omni_async.executor.ray_executor import RayDiffusionExecutor
-    from omni_async.core.encoding import Encoding
-    from omni_async.worker.encode import DeviceEncoded
-    from omni_async.worker.finalize import FusedPointwise
 
 #: The public names imported when first used, and the module of each.
 _LAZY: dict[str, str] = {

@@ -154,7 +154,6 @@ def test_pump_only_runs_the_protocol_micro_benchmark_alone(tmp_path: Path) -> No
     assert not out.with_suffix(".png").exists()  # no cases, no plot
 
 
-
 def test_the_help_names_each_boolean_flag_both_ways_with_what_it_does() -> None:
     """``--copy-bound`` / ``--no-copy-bound`` and ``--client-bytes`` / ``--no-client-bytes``:
     the help says what the flag includes, so "(default: True)" reads as "included"."""

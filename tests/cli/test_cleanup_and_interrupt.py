@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-from helpers.crash_children import group_members, kill_all, start
 
+from helpers.crash_children import group_members, kill_all, start
 from omni_async.transport.shm.files import SHM_DIR, entries, unlink_all_with_prefix
 
 CLI = [sys.executable, "-m", "omni_async.cli"]

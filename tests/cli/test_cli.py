@@ -14,7 +14,6 @@ from omni_async import cli
 from omni_async.cli import demo as cli_demo
 from omni_async.models.tiny import image_digest
 
-
 # Small images, one step: seconds.  128 x 256 RGB uint8 (96 KiB) travel through shared memory.
 SMALL = ["--height", "128", "--width", "256", "--steps", "1"]
 
@@ -24,7 +23,9 @@ SMALL = ["--height", "128", "--width", "256", "--steps", "1"]
 @pytest.mark.parametrize("executor", [pytest.param("multiproc", marks=pytest.mark.slow), "inproc"])
 def test_demo_checks_every_output_and_leaves_nothing_behind(executor: str, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "omni_async.cli", "demo", "--executor", executor, "--requests", "6", *SMALL]
-    done = subprocess.run([*cmd, "--max-running", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [*cmd, "--max-running", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     for mode in ("sync", "async"):
         assert f"{mode}: 6 requests in " in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
@@ -49,7 +50,9 @@ def test_many_requests_submitted_at_once_wait_in_the_engine_not_in_shared_memory
     assert done.returncode == 0, done.stdout + done.stderr
     assert "async: 100 requests in " in done.stdout and "; 0 mismatched" in done.stdout, done.stdout
     assert done.stdout.count(": finished=101; ") == 2 and "in_flight_limit=64;" in done.stdout, done.stdout
-    assert "no timeouts, protocol errors or outputs left" in done.stdout and "0 still leased" in done.stdout, done.stdout
+    assert "no timeouts, protocol errors or outputs left" in done.stdout and "0 still leased" in done.stdout, (
+        done.stdout
+    )
     assert len(list((tmp_path / "images").glob("*.png"))) == 100
 
 
@@ -58,7 +61,10 @@ def test_demo_refuses_cuda_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     done = subprocess.run(
-        [sys.executable, "-m", "omni_async.cli", "demo", "--device", "cuda"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "omni_async.cli", "demo", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 2 and "CUDA requested but not available" in done.stderr
 
@@ -170,9 +176,7 @@ def test_a_bad_timeout_in_the_environment_is_one_error_line(
         (["--executor", "inproc"], "executor", "inproc"),
     ],
 )
-def test_good_values_reach_the_demo(
-    argv: list[str], dest: str, value: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_good_values_reach_the_demo(argv: list[str], dest: str, value: object, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[argparse.Namespace] = []
 
     def record(args: argparse.Namespace) -> int:
@@ -191,8 +195,16 @@ def test_demo_help_lists_every_option_with_its_default(capsys: pytest.CaptureFix
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     options = _demo_options()
     assert {a.dest for a in options} >= {
-        "executor", "device", "world_size", "requests", "max_running", "height", "width", "steps",
-        "compute_timeout", "output_timeout",
+        "executor",
+        "device",
+        "world_size",
+        "requests",
+        "max_running",
+        "height",
+        "width",
+        "steps",
+        "compute_timeout",
+        "output_timeout",
     }
     for action in options:
         assert action.help, f"{action.option_strings[0]} has no help text"

@@ -114,7 +114,10 @@ def _spans(rid: str, f0: float) -> list[Span]:
 
 
 def test_chrome_trace_has_a_process_per_mode_a_thread_per_request_and_the_idle_gaps() -> None:
-    runs = {"sync": _spans("req-0", 10.0) + _spans("req-1", 11.5), "async": _spans("req-0", 20.0) + _spans("req-1", 21.0)}
+    runs = {
+        "sync": _spans("req-0", 10.0) + _spans("req-1", 11.5),
+        "async": _spans("req-0", 20.0) + _spans("req-1", 21.0),
+    }
     trace = json.loads(json.dumps(chrome_trace(runs, origin={"sync": 9.0, "async": 19.0})))
     events = trace["traceEvents"]
     complete = [e for e in events if e["ph"] == "X"]

@@ -31,7 +31,11 @@ def cited_tests(text: str) -> list[tuple[str, str]]:
 
 def test_the_parser_carries_the_file_to_the_next_test() -> None:
     text = "`a/test_x.py::test_one`, `::test_two[case]`; `b/test_y.py` and `::test_three`; `plain`"
-    assert cited_tests(text) == [("a/test_x.py", "test_one"), ("a/test_x.py", "test_two"), ("b/test_y.py", "test_three")]
+    assert cited_tests(text) == [
+        ("a/test_x.py", "test_one"),
+        ("a/test_x.py", "test_two"),
+        ("b/test_y.py", "test_three"),
+    ]
 
 
 def test_one_row_per_failure_mode_and_per_defect() -> None:

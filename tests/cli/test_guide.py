@@ -77,7 +77,10 @@ def test_the_parsers_see_what_they_should() -> None:
         f"{RUN_MARKER}\n```python\nfrom omni_async import (\n    Deadlines,\n    UsageError,  # why\n)\n```\n"
         "```python\nx = 1\n```\n```\nnot python `Inside`\n```\n"
     )
-    assert python_blocks(sample) == [("from omni_async import (\n    Deadlines,\n    UsageError,  # why\n)\n", True), ("x = 1\n", False)]
+    assert python_blocks(sample) == [
+        ("from omni_async import (\n    Deadlines,\n    UsageError,  # why\n)\n", True),
+        ("x = 1\n", False),
+    ]
     assert inline_code(sample) == ["SegmentPool", "omni_async.verify.tlc"]
     assert imports_from_omni_async(sample) == [("omni_async", "Deadlines"), ("omni_async", "UsageError")]
     assert resolve("omni_async.verify.tlc.main") is importlib.import_module("omni_async.verify.tlc").main
@@ -196,7 +199,9 @@ def test_the_marked_blocks_run(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     last = [line for line in done.stdout.splitlines() if line.startswith("--- block")][-1:]
-    assert done.returncode == 0, f"guide block failed ({last}, in order of the run markers):\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, (
+        f"guide block failed ({last}, in order of the run markers):\n{done.stdout}\n{done.stderr}"
+    )
     assert done.stdout.rstrip().endswith("--- all blocks ran")
     # A few of the results the guide states in comments.
     assert "RuntimeError - forward of bad failed on purpose" in done.stdout

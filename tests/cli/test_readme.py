@@ -60,8 +60,8 @@ def test_readme_example_imports_only_from_omni_async() -> None:
                         )
             if isinstance(node, ast.ImportFrom):
                 top = (node.module or "").split(".")[0]
-                assert node.level == 0 and (node.module == "omni_async" or top in sys.stdlib_module_names), (
-                    ast.unparse(node)
+                assert node.level == 0 and (node.module == "omni_async" or top in sys.stdlib_module_names), ast.unparse(
+                    node
                 )
 
 

@@ -194,9 +194,7 @@ def test_the_engine_rows_catch_an_outcome_missing_and_a_request_held() -> None:
             engine_outcomes=outcomes,
             engine_left=left,
         )
-        rows = soak.build_rows(
-            acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, engine=True
-        )
+        rows = soak.build_rows(acc, [life], {}, elapsed_s=1.0, rss_bound_mib=64, engine=True)
         assert life.problems(64) == [] or not all(row.ok for row in rows if row.ok is not None)
         return {row.name: row.ok for row in rows}
 
@@ -235,7 +233,9 @@ def test_the_driver_row_checks_the_rssanon_growth_after_the_warm_up_against_its_
     assert driver_row(_driver(170_000, 180_000, 175_000), bound=8).ok is False
     unfinished = attrs.evolve(_driver(0, 0, None), warm=None, last=None)
     assert driver_row(unfinished).ok is None, "interrupted before the warm-up ended: nothing judged"
-    assert "driver RSS growth after warm-up (RssAnon)" not in {r.name for r in soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64)}
+    assert "driver RSS growth after warm-up (RssAnon)" not in {
+        r.name for r in soak.build_rows(acc, [], {}, elapsed_s=1.0, rss_bound_mib=64)
+    }
 
 
 @pytest.mark.slow

@@ -308,7 +308,10 @@ def test_late_answers_of_ended_execute_calls_are_not_kept_for_path_2() -> None:
         fut = h.submit(f"rpc-{i}")
         h.expire(h.now + 1.0)
         assert isinstance(exc_of(fut), ComputeTimeout)
-        routed += [h.handle(RpcResult.failed(f"rpc-{i}", aborted, rank=0)), h.handle(RpcResult(f"rpc-{i}", None, rank=1))]
+        routed += [
+            h.handle(RpcResult.failed(f"rpc-{i}", aborted, rank=0)),
+            h.handle(RpcResult(f"rpc-{i}", None, rank=1)),
+        ]
     assert routed == [None] * 200 and h.d.counters["late_rpc_results"] == 200 and len(h.d) == 0
     assert h.d.counters["protocol_errors"] == 0
     fut = h.submit("rpc-x")

@@ -15,14 +15,16 @@ from omni_async.core.messages import (
     AsyncDiffusionOutput,
     AsyncOutputKind,
     BatchDiffusionOutput,
+    ComputeDone,
     DiffusionOutput,
     DiffusionRequest,
     Failure,
+    OutputReady,
     RpcRequest,
+    RpcResult,
     RunnerOutput,
     check_wire_message,
 )
-from omni_async.core.messages import ComputeDone, OutputReady, RpcResult
 
 K = AsyncOutputKind
 
@@ -82,7 +84,10 @@ def test_invalid_message_raises(label: str, build: Any) -> None:
         ("output_ready with async_output_ids", lambda: OutputReady("a", _out(), async_output_ids=("a",))),  # type: ignore[call-arg]
         ("output_ready with request_ids", lambda: OutputReady("a", _out(), request_ids=("r",))),  # type: ignore[call-arg]
         ("output_ready with a result", lambda: OutputReady("a", _out(), result=3)),  # type: ignore[call-arg]
-        ("rpc_result with request ids", lambda: RpcResult("r", async_output_ids=("a",), request_ids=("q",), failure=Failure("E", "m"))),  # type: ignore[call-arg]
+        (
+            "rpc_result with request ids",
+            lambda: RpcResult("r", async_output_ids=("a",), request_ids=("q",), failure=Failure("E", "m")),
+        ),  # type: ignore[call-arg]
         ("rpc_result with an output id", lambda: RpcResult("r", async_output_id="a")),  # type: ignore[call-arg]
         ("rpc_result with an output", lambda: RpcResult("r", output=_out())),  # type: ignore[call-arg]
         ("a kind given", lambda: RpcResult("r", kind=K.COMPUTE_DONE)),  # type: ignore[call-arg]

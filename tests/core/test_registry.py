@@ -311,7 +311,6 @@ def test_next_deadline_is_the_earliest() -> None:
 # --------------------------------------------------------------------------- drop / abort (F10)
 
 
-
 def _cd(reg: OutputRegistry) -> None:
     reg.on_compute_done(["o1"], now=0.0, consumer="c")
 

@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from typing import Any
 
 import attrs
-from helpers.hypo import examples
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -42,6 +41,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from helpers.hypo import examples
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
     ComputeTimeout,
@@ -383,7 +383,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 3), consumer=st.sampled_from([*CONSUMERS, None]))
     def submit(self, n: int, consumer: str | None) -> None:
         rpc_id = f"rpc{next(self.seq)}"
-        fut = self.d.submit(rpc_id, "execute_model_batch" if n > 1 else "execute_model", now=self.now, consumer=consumer)
+        fut = self.d.submit(
+            rpc_id, "execute_model_batch" if n > 1 else "execute_model", now=self.now, consumer=consumer
+        )
         self.settle()
         deadline = None if self.compute_timeout is None else self.now + self.compute_timeout
         rpc = Rpc(rpc_id, n, consumer, fut, deadline)
@@ -425,7 +427,9 @@ class ProtocolMachine(RuleBasedStateMachine):
         its failure names them (defect 3), so they are registered and dropped with the call."""
         rpc = data.draw(st.sampled_from(self._cd_ready()))
         failure = Failure("ChannelFull", f"cannot send COMPUTE_DONE of {rpc.rpc_id}", "Traceback ...")
-        self._announce(rpc, RpcResult.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped")
+        self._announce(
+            rpc, RpcResult.compute_failed(rpc.rpc_id, tuple(rpc.ids), failure, rank=self.reply_rank), "shipped"
+        )
 
     def _announce(self, rpc: Rpc, msg: Msg, answer: str) -> None:
         """The reply rank's message naming ``rpc``'s ids (COMPUTE_DONE, or the failure that

@@ -212,7 +212,9 @@ def test_happy_path_through_the_request_machine() -> None:
 # --------------------------------------------------------------------------- transitions oracle
 
 
-def build_oracle(table: Mapping[tuple[Any, Any], Any], states: type[enum.Enum], initial: Any) -> tuple[transitions.Machine, Any]:
+def build_oracle(
+    table: Mapping[tuple[Any, Any], Any], states: type[enum.Enum], initial: Any
+) -> tuple[transitions.Machine, Any]:
     """An independent ``transitions.Machine`` from the same table: one trigger per event."""
 
     class Model:
@@ -297,8 +299,13 @@ def test_an_engine_request_decides_its_end_once_and_keeps_it(events: list[StageE
 
 
 def test_an_end_is_decided_from_every_stage_at_work() -> None:
-    at_work = {StageState.SUBMITTED, StageState.COMPUTING, StageState.COMPUTED, StageState.POSTPROCESSING,
-               StageState.RESOLVED}
+    at_work = {
+        StageState.SUBMITTED,
+        StageState.COMPUTING,
+        StageState.COMPUTED,
+        StageState.POSTPROCESSING,
+        StageState.RESOLVED,
+    }
     for stage in at_work:
         for event, ending in ENDING_OF.items():
             assert STAGE_TABLE[(stage, event)] is ending

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
 from helpers.executor_harness import (
     GATES,
@@ -27,7 +28,6 @@ from helpers.executor_harness import (
     gate_name,
     opened_gates_on_exit,
 )
-
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import StageState
 from omni_async.core.errors import ComputeTimeout, RequestAborted, RpcFailed, UsageError

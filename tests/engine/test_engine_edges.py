@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
 from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
-
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import EngineState, StageState
 from omni_async.core.errors import InvalidRequest, OutputTimeout, RequestAborted, RequestNotSendable, UsageError
@@ -370,9 +370,7 @@ def test_every_request_is_counted_once_whatever_ends_it(ex: InProcessExecutor) -
         with pytest.raises(asyncio.CancelledError):
             await leaving
         counts = engine.metrics().requests
-        assert counts == {
-            "finished": 1, "aborted": 2, "cancelled": 1, "closed": 1, "failed": 0, "rejected": 0
-        }, counts
+        assert counts == {"finished": 1, "aborted": 2, "cancelled": 1, "closed": 1, "failed": 0, "rejected": 0}, counts
 
     run(body(), timeout=60)
 

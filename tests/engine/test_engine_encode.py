@@ -20,10 +20,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from helpers.engine_harness import assert_quiescent, run
-from helpers.leaks import kept_for_the_module
 from PIL import Image
 
+from helpers.engine_harness import assert_quiescent, run
+from helpers.leaks import kept_for_the_module
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.encoders import EncodedOutput
@@ -145,7 +145,9 @@ def test_rgb_images_and_frames_as_mp4_from_the_dit_pipeline() -> None:
             )
             pixels = np.asarray(plain.output["image"])
             assert pixels.shape == (32, 48, 3)
-            assert png.data is not None and np.array_equal(decode(png.data), pixels)  # the dit host stage's pixels, bit for bit
+            assert png.data is not None and np.array_equal(
+                decode(png.data), pixels
+            )  # the dit host stage's pixels, bit for bit
             enc = video.output
             assert isinstance(enc, EncodedOutput) and enc.media_type == "video/mp4" == video.media_type
             assert (enc.width, enc.height, enc.frames) == (48, 32, 4)

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
 from helpers.executor_harness import GATES, RELAXED, ToyWorker, gate_name, make_toy, req
-
 from omni_async.core.errors import RequestAborted, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput
 from omni_async.engine.engine import AsyncDiffusionEngine
@@ -267,7 +267,9 @@ def test_abort_during_the_forward(ex: InProcessExecutor, wait: bool) -> None:
             GATES.open(fwd)
             await aborting
             if wait:
-                assert len(engine) == 0 and not any(ex.metrics().as_dict()[k] for k in ("pending_rpcs", "pending_outputs"))
+                assert len(engine) == 0 and not any(
+                    ex.metrics().as_dict()[k] for k in ("pending_rpcs", "pending_outputs")
+                )
             await assert_quiescent(engine)
 
     run(body())

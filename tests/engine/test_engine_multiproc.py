@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from prometheus_client import generate_latest
+
 from helpers.engine_harness import assert_quiescent, eventually, run
 from helpers.executors import KINDS, executor_class, worker_pids
 from helpers.leaks import kept_for_the_module
-from prometheus_client import generate_latest
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, RequestAborted, WorkerDied
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest

@@ -19,13 +19,13 @@ import asyncio
 import contextlib
 from typing import Any
 
-from helpers.engine_harness import assert_quiescent
-from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
-from helpers.hypo import examples
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from helpers.engine_harness import assert_quiescent
+from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
+from helpers.hypo import examples
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, OmniAsyncError, RequestAborted, RpcFailed
 from omni_async.engine.engine import AsyncDiffusionEngine

@@ -17,17 +17,17 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.engine_harness import assert_quiescent, executor_quiet, run
-from helpers.leaks import kept_for_the_module
 from prometheus_client import generate_latest
 
+from helpers.engine_harness import assert_quiescent, executor_quiet, run
+from helpers.leaks import kept_for_the_module
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RemoteError, RequestAborted, RpcFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
-from omni_async.engine.sync import DiffusionEngine
 from omni_async.engine.metrics import GenerationChunk, GenerationResult
+from omni_async.engine.sync import DiffusionEngine
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import image_digest
 from omni_async.transport.packing import settle_releases
@@ -291,6 +291,5 @@ def test_the_sync_facade_streams_and_closing_early_leaves_nothing(shared: Multip
         assert not any(executor_quiet(shared).values()), executor_quiet(shared)
         assert engine.metrics().requests["cancelled"] == 1
         with pytest.raises(RequestAborted):
-            for item in engine.generate_stream(r("x", preview_every=1, steps=40, step_ms=20)):
+            for _item in engine.generate_stream(r("x", preview_every=1, steps=40, step_ms=20)):
                 engine.abort("x")
-

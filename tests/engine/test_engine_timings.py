@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helpers.engine_harness import run
 from helpers.executor_harness import RELAXED
 from helpers.fake_device import FakeDevice
-
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.metrics import forward_end

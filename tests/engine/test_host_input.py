@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from helpers.engine_harness import assert_quiescent, run
 from helpers.leaks import kept_for_the_module
-
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine

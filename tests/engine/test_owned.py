@@ -11,8 +11,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from helpers.output_shapes import SHAPES, assert_same, make_shape
 
+from helpers.output_shapes import SHAPES, assert_same, make_shape
 from omni_async.engine.owned import owned_copy
 
 

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from omni_async.core.errors import UsageError
 from omni_async.engine.errors import EngineOverloaded
-from omni_async.engine.scheduler import SchedulerPhase, Scheduler
+from omni_async.engine.scheduler import Scheduler, SchedulerPhase
 from omni_async.transport.budget import OutputBudget
 
 

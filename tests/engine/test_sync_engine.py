@@ -7,8 +7,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
 
+from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
 from omni_async.core.errors import RequestAborted, RpcFailed
 from omni_async.engine.errors import EngineClosed
 from omni_async.engine.sync import DiffusionEngine

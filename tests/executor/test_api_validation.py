@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers.executor_harness import RELAXED, ToyWorker, req
 
 import omni_async
-import omni_async.errors
 import omni_async.core.errors as errors
+import omni_async.errors
+from helpers.executor_harness import RELAXED, ToyWorker, req
 from omni_async.core.errors import MessageValidationError, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.inprocess import InProcessExecutor

@@ -45,4 +45,3 @@ def test_calls_ended_by_their_compute_deadline_leave_nothing_in_the_synchronous_
         assert ex.dispatcher.counters["late_rpc_results"] >= timed_out
         assert ex.collective_rpc("ping") is not None, "path 2 still works"
         assert ex.stale_sync_answers == 0
-

@@ -14,9 +14,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import pytest
+
 from helpers.executor_harness import exc_of, wait_until
 from helpers.leaks import LONG_LIVED, with_prefix
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, RequestAborted, UsageError, WorkerStuck
 from omni_async.core.messages import DiffusionRequest, RunnerOutput

@@ -14,11 +14,11 @@ import os
 import time
 
 import pytest
-from helpers.crash_children import gone, group_members, kill_all, kill_group, mapped_semaphores, sem_files_of, start
 
+from helpers.crash_children import gone, group_members, kill_all, kill_group, mapped_semaphores, sem_files_of, start
+from omni_async.cli import cleanup
 from omni_async.core.config import Deadlines
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
-from omni_async.cli import cleanup
 from omni_async.transport.shm.files import dead_executor_files, entries, unlink_all_with_prefix
 
 TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})

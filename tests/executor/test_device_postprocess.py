@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.executor_harness import exc_of
 from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.postprocess_workers import DeviceStageFailed
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RemoteError, UsageError, WorkerStartupFailed
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.executor_harness import (
     GATES,
     RELAXED,
@@ -32,7 +33,6 @@ from helpers.executor_harness import (
     wait_until,
 )
 from helpers.traces import keep
-
 from omni_async.core.config import ENV_OUTPUT_TIMEOUT, Deadlines
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
@@ -459,6 +459,7 @@ def test_f10_abort_in_every_state_leaves_nothing() -> None:
     A drop is valid in every registry state; the held payload is released at once, the
     drop is acknowledged when the id's last message arrived, and no record is left.
     """
+
     def cd(r: OutputRegistry) -> None:
         r.on_compute_done(["o"], now=0.0)
 
@@ -531,7 +532,9 @@ def test_f11_unclaimed_outputs_released_when_the_consumer_leaves_times_out_or_sh
 
     released_t = Releases()
     ex_t = harness(
-        executors, release_hook=released_t, deadlines=Deadlines(compute_timeout=60.0, output_timeout=0.2, rpc_timeout=60.0)
+        executors,
+        release_hook=released_t,
+        deadlines=Deadlines(compute_timeout=60.0, output_timeout=0.2, rpc_timeout=60.0),
     )
     unclaimed = ex_t.execute_request(req("d"))
     wait_until(lambda: len(released_t) == 1)  # nobody claimed it within its output deadline

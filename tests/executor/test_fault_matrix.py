@@ -71,10 +71,10 @@ from typing import Any
 import attrs
 import pytest
 import torch
+
 from helpers.executors import KINDS, executor_class, waits_for_room, worker_pids
 from helpers.leaks import LONG_LIVED
 from helpers.mp_workers import expected_image
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ActorDied,
@@ -142,12 +142,7 @@ def _until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "conditi
 
 def _settled(ex: MultiprocDiffusionExecutor) -> bool:
     m = ex.metrics()
-    return (
-        m.pending_outputs == 0
-        and m.pending_rpcs == 0
-        and m.held_payloads == 0
-        and ex.pool.stats().outstanding == 0
-    )
+    return m.pending_outputs == 0 and m.pending_rpcs == 0 and m.held_payloads == 0 and ex.pool.stats().outstanding == 0
 
 
 def settle(ex: MultiprocDiffusionExecutor, timeout: float = 10.0) -> None:

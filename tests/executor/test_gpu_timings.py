@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.shipped import shipped_outputs
 
+from helpers.shipped import shipped_outputs
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import (
     DiffusionOutput,
@@ -189,7 +189,9 @@ def test_cuda_worker_processes_time_a_forward_that_returns_early() -> None:
             # The synthetic forward launches many small matmuls: the launch queue fills and
             # the host spends most of the 300 ms launching (0.1 s of device tail seen on an
             # H200). Its end is the device's, never the host's return.
-            assert m.forward_ended_at > m.forward_returned_at, "the forward's end is the host's return, not the device's"
+            assert m.forward_ended_at > m.forward_returned_at, (
+                "the forward's end is the host's return, not the device's"
+            )
             assert m.pack_started_at is not None and m.pack_started_at >= m.forward_ended_at
             assert m.pack_s < PACK_MAX_S, f"pack_s {m.pack_s:.3f} s"
         for out in outs:

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers.mp_workers import expected_image
 
+from helpers.mp_workers import expected_image
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import OutputTimeout, RemoteError, UsageError
 from omni_async.core.messages import DiffusionRequest, RunnerOutput

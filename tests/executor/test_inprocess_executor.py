@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
+
 from helpers.executor_harness import (
     GATES,
     RELAXED,
@@ -28,7 +29,6 @@ from helpers.executor_harness import (
     req,
     wait_until,
 )
-
 from omni_async.core.config import Deadlines
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import (
@@ -42,7 +42,7 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
 )
-from omni_async.core.messages import AsyncDiffusionOutput, ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.messages import ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.core.states import RequestState
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
@@ -178,7 +178,9 @@ def test_step_mode_returns_outputs_directly(make_executor: Callable[..., InProce
 
 
 @pytest.mark.parametrize("reply_rank", [0, 2])
-def test_several_ranks_only_the_reply_rank_ships(make_executor: Callable[..., InProcessExecutor], reply_rank: int) -> None:
+def test_several_ranks_only_the_reply_rank_ships(
+    make_executor: Callable[..., InProcessExecutor], reply_rank: int
+) -> None:
     ex = make_executor(world_size=3, reply_rank=reply_rank)
     ro = ex.execute_request(req("r1"))
     out = ex.wait_output_ready(ro.async_output_id or "").result(timeout=TIMEOUT)
@@ -188,7 +190,9 @@ def test_several_ranks_only_the_reply_rank_ships(make_executor: Callable[..., In
 
 
 @pytest.mark.parametrize("failing", [[1], [0], [0, 2]])
-def test_several_ranks_one_failing_fails_the_call(make_executor: Callable[..., InProcessExecutor], failing: list[int]) -> None:
+def test_several_ranks_one_failing_fails_the_call(
+    make_executor: Callable[..., InProcessExecutor], failing: list[int]
+) -> None:
     ex = make_executor(world_size=3)
     fut = ex.submit_batch([req("r1", fail_on=failing), req("r2", fail_on=failing)])
     err = exc_of(fut)
@@ -547,7 +551,16 @@ def test_trace_of_a_request(make_executor: Callable[..., InProcessExecutor]) -> 
     ro = ex.execute_request(req("r1"))
     ex.wait_output_ready(ro.async_output_id or "").result(timeout=TIMEOUT)
     actions = [e.action for e in tracer.snapshot()]
-    for a in ("RpcSubmit", "PumpRecv", "RpcAnswer", "RpcResolve", "WaiterAdd", "PayloadDeliver", "Remove", "WorkerFire"):
+    for a in (
+        "RpcSubmit",
+        "PumpRecv",
+        "RpcAnswer",
+        "RpcResolve",
+        "WaiterAdd",
+        "PayloadDeliver",
+        "Remove",
+        "WorkerFire",
+    ):
         assert a in actions, a
 
 
@@ -558,7 +571,9 @@ class _SilentExecutor(DiffusionExecutor):
     """No workers: the test plays them by hand through the pump."""
 
     def __init__(self) -> None:
-        super().__init__(InProcessChannel(), deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None))
+        super().__init__(
+            InProcessChannel(), deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None)
+        )
         self.sent: list[RpcRequest] = []
         self.pump.start()
 

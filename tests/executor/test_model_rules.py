@@ -12,8 +12,8 @@ import multiprocessing
 import threading
 
 import pytest
-from helpers.mp_workers import ClassValidated, InstanceValidated, make_validated
 
+from helpers.mp_workers import ClassValidated, InstanceValidated, make_validated
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import InvalidRequest, UsageError
 from omni_async.core.messages import DiffusionRequest

@@ -14,14 +14,22 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.finalizers import quiet_finalizers
 from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
 from helpers.traces import keep
-
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ComputeTimeout, ExecutorShutdown, OutputAlreadyClaimed, RemoteError, RpcFailed, WorkerDied
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, DiffusionRequest, OutputReady, RunnerOutput
+from omni_async.core.errors import (
+    ComputeTimeout,
+    ExecutorShutdown,
+    OmniAsyncError,
+    OutputAlreadyClaimed,
+    RemoteError,
+    RpcFailed,
+    WorkerDied,
+)
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, OutputReady, RunnerOutput
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.transport.packing import pack_diffusion_output_shm, settle_releases
@@ -64,7 +72,9 @@ def ex2() -> Iterator[MultiprocDiffusionExecutor]:
     """
     tracer = ListTracer()
     try:
-        yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer))
+        yield from kept_for_the_module(
+            MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer)
+        )
     finally:
         keep("multiproc", tracer)
 
@@ -148,7 +158,7 @@ def test_drop_before_and_after_output(ex2: MultiprocDiffusionExecutor) -> None:
     assert ro.async_output_id is not None
     ex2.drop_output(ro.async_output_id).result(timeout=30)  # acknowledged: gone
     fut = ex2.wait_output_ready(ro.async_output_id)
-    with pytest.raises(Exception):
+    with pytest.raises(OmniAsyncError):
         fut.result(timeout=5)
     ros = ex2.execute_batch([_req(f"d{i}", **params) for i in range(2, 6)])
     ex2.abort_outputs([r.async_output_id for r in ros if r.async_output_id], timeout=30)
@@ -362,9 +372,7 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
         released = ex.metrics().released
         oid = "r0-dead-7"
         image = torch.arange(1 << 17, dtype=torch.float32)  # 512 KiB: a real segment
-        packed = pack_diffusion_output_shm(
-            DiffusionOutput("late", {"image": image}, async_output_id=oid), pool=ex.pool
-        )
+        packed = pack_diffusion_output_shm(DiffusionOutput("late", {"image": image}, async_output_id=oid), pool=ex.pool)
         assert ex.pool.stats().outstanding == 1
         ex.ranks._channel.put(OutputReady(oid, packed, rank=0))
         deadline = time.monotonic() + 5

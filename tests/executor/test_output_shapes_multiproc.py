@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from helpers.leaks import kept_for_the_module
 from helpers.output_shapes import SHAPES, assert_same, make_shape
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RemoteError
 from omni_async.core.messages import DiffusionRequest

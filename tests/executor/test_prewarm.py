@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+
 from helpers.leaks import with_prefix
 from helpers.mp_workers import expected_image
-
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.config import ExecutorConfig, InvalidConfig, Prewarm

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.executor_harness import exc_of, wait_until
 
+from helpers.executor_harness import exc_of, wait_until
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, WorkerDied, WorkerStuck
 from omni_async.core.messages import DiffusionRequest
@@ -72,7 +72,10 @@ def test_two_ranks_all_reduce_in_the_executors_group_and_leave_it_at_shutdown() 
     """The fast tier's test of the feature: two processes, one all-reduce per forward."""
     with MultiprocDiffusionExecutor(COLLECTIVE, world_size=2, deadlines=DEADLINES, process_group=True) as ex:
         infos = ex.collective_rpc("dist_info")
-        assert [(i["rank"], i["world_size"], i["group_size"], i["pass_rank"]) for i in infos] == [(0, 2, 2, 0), (1, 2, 2, 1)]
+        assert [(i["rank"], i["world_size"], i["group_size"], i["pass_rank"]) for i in infos] == [
+            (0, 2, 2, 0),
+            (1, 2, 2, 1),
+        ]
         assert {i["backend"] for i in infos} == {"gloo"} and {i["device"] for i in infos} == {"cpu"}
         ro = ex.submit_request(DiffusionRequest("r1", {})).result(timeout=60)
         assert ro.async_output_id is not None
@@ -121,7 +124,10 @@ def _reference(params: dict[str, object]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def references() -> Iterator[dict[str, torch.Tensor]]:
-    yield {"image": _reference({"height": 64, "width": 64, "seed": 3}), "video": _reference({"height": 32, "width": 64, "num_frames": 3, "seed": 4})}
+    yield {
+        "image": _reference({"height": 64, "width": 64, "seed": 3}),
+        "video": _reference({"height": 32, "width": 64, "num_frames": 3, "seed": 4}),
+    }
 
 
 @pytest.mark.slow

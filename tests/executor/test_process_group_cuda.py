@@ -40,7 +40,9 @@ def test_world_size_1_joins_an_nccl_group_on_its_gpu() -> None:
 @pytest.mark.parametrize("mode", ["tensor", "sequence"])
 def test_split_dit_on_two_gpus_equals_the_unsplit_model(mode: str) -> None:
     params = {"height": 64, "width": 64, "seed": 5}
-    ref = DiTPipelineWorker(device="cuda:0", **DIT_KWARGS).execute_model(DiffusionRequest("ref", params)).output["image"]
+    ref = (
+        DiTPipelineWorker(device="cuda:0", **DIT_KWARGS).execute_model(DiffusionRequest("ref", params)).output["image"]
+    )
     assert isinstance(ref, torch.Tensor)
     spec = WorkerSpec("omni_async.models.parallel_dit:make_worker", {"mode": mode, **DIT_KWARGS}, pass_dist=True)
     with MultiprocDiffusionExecutor(

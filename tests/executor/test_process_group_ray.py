@@ -9,15 +9,14 @@ no actor and no segment.
 
 from __future__ import annotations
 
-from typing import Any
-
 import os
 import time
+from typing import Any
 
 import pytest
 import torch
-from helpers.executor_harness import exc_of
 
+from helpers.executor_harness import exc_of
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ActorDied, ComputeTimeout
 from omni_async.core.messages import DiffusionRequest
@@ -67,9 +66,7 @@ def test_split_dit_across_actors_equals_the_unsplit_model(mode: str, world_size:
 def test_an_actor_killed_mid_collective_fails_every_waiter_naming_its_rank() -> None:
     compute_timeout = 30.0
     deadlines = Deadlines(compute_timeout=compute_timeout, output_timeout=30, rpc_timeout=30)
-    ex = RayDiffusionExecutor(
-        COLLECTIVE, world_size=2, deadlines=deadlines, process_group=True, num_cpus_per_rank=0.5
-    )
+    ex = RayDiffusionExecutor(COLLECTIVE, world_size=2, deadlines=deadlines, process_group=True, num_cpus_per_rank=0.5)
     try:
         assert [i["group_size"] for i in ex.collective_rpc("dist_info")] == [2, 2]
         started = time.monotonic()

@@ -216,7 +216,9 @@ def test_cancel_racing_delivery_never_kills_the_pump(rig: Rig) -> None:
     for oid, f in zip(oids, futs, strict=True):
         if not f.cancelled():
             assert f.result(timeout=TIMEOUT).output == f"payload-{oid}"
-    assert sorted(rig.released) == sorted(f"payload-{oid}" for oid in cancelled), "a cancelled waiter's output is released"
+    assert sorted(rig.released) == sorted(f"payload-{oid}" for oid in cancelled), (
+        "a cancelled waiter's output is released"
+    )
     assert len(cancelled) + len(delivered) == n
     assert rig.registry.stats.delivered == len(delivered)
     assert len(rig.registry) == 0

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.executor_harness import exc_of, wait_until
 from helpers.executors import HEAD_NODE, OTHER_NODE, leftover_actors, plasma_objects
 from helpers.leaks import LONG_LIVED, with_prefix
 from helpers.mp_workers import expected_image
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import (
     ActorDied,
@@ -221,9 +221,7 @@ def _stored_everywhere(ex: RayDiffusionExecutor) -> int:
 def ex_store() -> Iterator[RayDiffusionExecutor]:
     """Two ranks forced onto the object-store path (as ranks on another node would be)."""
     # Half a CPU per rank: with ex2 up too, the session's 4 logical CPUs leave room for one more executor.
-    ex = RayDiffusionExecutor(
-        SPEC, world_size=2, deadlines=DEADLINES, transport="object_store", num_cpus_per_rank=0.5
-    )
+    ex = RayDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, transport="object_store", num_cpus_per_rank=0.5)
     try:
         yield ex
     finally:
@@ -453,9 +451,9 @@ def test_transport_is_checked() -> None:
 def test_prewarm_fills_the_pool_before_the_actors_start() -> None:
     """``prewarm=`` with the budget: the segments exist before the first request, the
     packing actor mapped them while starting, and requests reuse them."""
-    from omni_async.executor.config import Prewarm
-
     from ray.util.placement_group import remove_placement_group
+
+    from omni_async.executor.config import Prewarm
 
     params = {"numel": 1 << 18, "seed": 5}
     # On the executor's node (the session cluster has two: on the other one the actor
@@ -511,9 +509,7 @@ def test_a_rank_on_another_node_ships_its_outputs_through_the_object_store() -> 
 
     pg = _on_the_other_node()
     try:
-        with RayDiffusionExecutor(
-            SPEC, deadlines=DEADLINES, placement_group=pg, num_cpus_per_rank=0.5
-        ) as ex:
+        with RayDiffusionExecutor(SPEC, deadlines=DEADLINES, placement_group=pg, num_cpus_per_rank=0.5) as ex:
             assert ex.via_store == [True]
             here = ray.get_runtime_context().get_node_id()
             assert not ex.nodes[0].startswith(here), (ex.nodes, here)

@@ -14,9 +14,9 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
+
 from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import OutputAlreadyClaimed, OutputError, RpcFailed
 from omni_async.core.messages import DiffusionRequest

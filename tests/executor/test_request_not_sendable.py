@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.leaks import kept_for_the_module
-from helpers.mp_workers import expected_image
 
 import omni_async.core.errors as errors
+from helpers.leaks import kept_for_the_module
+from helpers.mp_workers import expected_image
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
@@ -40,7 +40,9 @@ def _ok(ex: MultiprocDiffusionExecutor, rid: str) -> None:
 
 @pytest.mark.parametrize("bad", [lambda: 1, threading.Lock()], ids=["lambda", "lock"])
 @pytest.mark.slow
-def test_unpicklable_parameter_raises_request_not_sendable_naming_it(ex: MultiprocDiffusionExecutor, bad: object) -> None:
+def test_unpicklable_parameter_raises_request_not_sendable_naming_it(
+    ex: MultiprocDiffusionExecutor, bad: object
+) -> None:
     req = DiffusionRequest("r-bad", {"seed": 1, "fn": bad})
     with pytest.raises(errors.RequestNotSendable) as err:
         ex.submit_request(req)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from helpers.crash_children import gone
 
+from helpers.crash_children import gone
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import ExecutorShutdown, UsageError
 from omni_async.core.messages import DiffusionRequest

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RemoteError, RequestAborted, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
@@ -216,7 +216,9 @@ def _run_steps(ex: MultiprocDiffusionExecutor, n: int, *, final_async: bool) -> 
     t0 = time.perf_counter()
     pending = []
     for i in range(n):
-        req = DiffusionRequest(f"{'a' if final_async else 's'}{i}", {"steps": 3, "step_ms": 30, "numel": NUMEL, "seed": i})
+        req = DiffusionRequest(
+            f"{'a' if final_async else 's'}{i}", {"steps": 3, "step_ms": 30, "numel": NUMEL, "seed": i}
+        )
         while True:
             ro = ex.execute_request(req, final_step_async=final_async)
             if ro.finished:

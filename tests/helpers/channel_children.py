@@ -11,7 +11,7 @@ import struct
 import threading
 import time
 
-from omni_async.core.messages import AsyncDiffusionOutput, RpcResult
+from omni_async.core.messages import RpcResult
 from omni_async.transport.channel import PipeSender
 
 

@@ -45,7 +45,6 @@ def kept_for_the_module(ex: MultiprocDiffusionExecutor) -> Iterator[MultiprocDif
     assert not with_prefix(prefix), with_prefix(prefix)
 
 
-
 def tag_session() -> str:
     """Give this session a fresh tag (in ``os.environ``, so its children inherit it)."""
     tag = f"t{secrets.token_hex(4)}"

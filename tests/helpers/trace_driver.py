@@ -77,7 +77,9 @@ class _Run:
         for _ in range(rng.choice([1, 1, 2, 3])):
             self.ids += 1
             oids.append(f"out{self.ids}")
-        self.rpc_futs[rid] = self.disp.submit(rid, "execute_model_batch", now=self.now, consumer=rng.choice([None, "c"]))
+        self.rpc_futs[rid] = self.disp.submit(
+            rid, "execute_model_batch", now=self.now, consumer=rng.choice([None, "c"])
+        )
         reached = self.world
         if rng.random() < 0.06:
             # The broadcast fails at rank ``reached``: the ranks before it got the call

@@ -18,8 +18,21 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
     out = tmp_path / "serving.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "diffusers_serving.py"), "--preset", "tiny", "--requests", "2", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=env, check=False,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "diffusers_serving.py"),
+            "--preset",
+            "tiny",
+            "--requests",
+            "2",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text(encoding="utf-8"))

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+
 from helpers.diffusers_direct import BUILDERS, dit_params, wan_params
 from helpers.executor_harness import exc_of
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import RequestAborted
 from omni_async.core.messages import DiffusionRequest
@@ -123,7 +123,9 @@ def test_a_cancel_during_the_last_step_still_saves_the_decode(
         counted.remove()
 
 
-def test_engine_abort_mid_denoise_stops_the_pipeline(served: tuple[str, InProcessExecutor, DiffusersPipelineWorker]) -> None:
+def test_engine_abort_mid_denoise_stops_the_pipeline(
+    served: tuple[str, InProcessExecutor, DiffusersPipelineWorker],
+) -> None:
     name, ex, worker = served
     per_step = CALLS_PER_STEP[name]
     counted = Counted(worker, 2 * per_step + 1)

@@ -31,7 +31,9 @@ def test_the_diffusers_section_runs_as_written(tmp_path: Path) -> None:
     assert len(runnable) == 1 and RUN_MARKER in section
     script = tmp_path / "diffusers_guide.py"
     script.write_text(runnable[0], encoding="utf-8")
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "WanPipelineOutput (1, 5, 16, 16, 3) uint8"

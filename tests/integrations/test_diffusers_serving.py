@@ -15,17 +15,15 @@ import pytest
 import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+
 from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
     DIT,
     WAN,
     direct_call,
-    dit_direct,
     dit_params,
     tensor,
-    wan_direct,
     wan_params,
 )
-
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import DiffusionRequest
@@ -97,7 +95,9 @@ def test_engine_async_path_gives_diffusers_uint8_pixels(dit_direct: Any, wan_dir
     """The fast end-to-end test: AsyncDiffusionEngine over threads, both pipelines, pixels
     bit-identical to diffusers' own output_type="np"/"pil"."""
 
-    async def serve(spec: WorkerSpec, requests: list[DiffusionRequest], bad: DiffusionRequest) -> list[GenerationResult]:
+    async def serve(
+        spec: WorkerSpec, requests: list[DiffusionRequest], bad: DiffusionRequest
+    ) -> list[GenerationResult]:
         async with AsyncDiffusionEngine(_in_process(spec), pipeline="diffusers") as engine:
             results = await asyncio.gather(*(engine.generate(r) for r in requests))
             with pytest.raises(InvalidRequest, match=f"request 'bad': parameter '{next(iter(bad.params))}'"):
@@ -107,7 +107,9 @@ def test_engine_async_path_gives_diffusers_uint8_pixels(dit_direct: Any, wan_dir
 
     wan = [wan_params(seed=i) for i in range(2)]
     bad = DiffusionRequest("bad", {"num_frames": 4, **{k: v for k, v in wan[0].items() if k != "num_frames"}})
-    results = asyncio.run(serve(DiffusersPipelineWorker.spec(builder=WAN), [DiffusionRequest(f"w{i}", p) for i, p in enumerate(wan)], bad))
+    results = asyncio.run(
+        serve(DiffusersPipelineWorker.spec(builder=WAN), [DiffusionRequest(f"w{i}", p) for i, p in enumerate(wan)], bad)
+    )
     for result, p in zip(results, wan, strict=True):
         assert type(result.output) is WanPipelineOutput and result.output.frames.dtype == np.uint8
         assert result.output.frames.shape == (1, 5, 16, 16, 3)
@@ -130,7 +132,9 @@ def test_streaming_previews_are_the_decoded_latents_of_their_step(wan_direct: An
     final = direct_call(wan_direct, {**params, "callback_on_step_end": record})
 
     async def body() -> list[Any]:
-        async with AsyncDiffusionEngine(_in_process(DiffusersPipelineWorker.spec(builder=WAN)), pipeline="diffusers") as engine:
+        async with AsyncDiffusionEngine(
+            _in_process(DiffusersPipelineWorker.spec(builder=WAN)), pipeline="diffusers"
+        ) as engine:
             items = [item async for item in engine.generate_stream(DiffusionRequest("s", params))]
             plain = await engine.generate(DiffusionRequest("p", params))  # not streamed: no previews
             assert engine.metrics().chunks == len(items) - 1
@@ -183,8 +187,13 @@ def test_worker_processes_check_at_the_call_and_ship_diffusers_classes(
     stacked = wan_direct(
         prompt_embeds=torch.cat([tensor(p, "prompt_embeds") for p in params]),
         negative_prompt_embeds=torch.cat([tensor(p, "negative_prompt_embeds") for p in params]),
-        height=16, width=16, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
-        generator=[torch.Generator().manual_seed(30 + i) for i in range(3)], output_type="pt",
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=[torch.Generator().manual_seed(30 + i) for i in range(3)],
+        output_type="pt",
     ).frames
     for i, ro in enumerate(ex.execute_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(params)])):
         got = _fetch(ex, ro.async_output_id)
@@ -203,12 +212,16 @@ def test_engine_over_worker_processes_with_the_device_stage(async_output: bool, 
 
     async def body() -> list[GenerationResult]:
         engine = AsyncDiffusionEngine.from_factory(
-            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers", async_output=async_output
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES),
+            pipeline="diffusers",
+            async_output=async_output,
         )
         async with engine:
             with pytest.raises(InvalidRequest, match="parameter 'class_labels'"):
                 await engine.generate(DiffusionRequest("bad", {"seed": 1}))
-            return list(await asyncio.gather(*(engine.generate(DiffusionRequest(f"e{i}", p)) for i, p in enumerate(params))))
+            return list(
+                await asyncio.gather(*(engine.generate(DiffusionRequest(f"e{i}", p)) for i, p in enumerate(params)))
+            )
 
     for result, p in zip(asyncio.run(body()), params, strict=True):
         assert type(result.output) is ImagePipelineOutput
@@ -278,7 +291,9 @@ def test_decode_in_the_device_stage_over_worker_processes(wan_direct: Any) -> No
             lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers"
         )
         async with engine:
-            return list(await asyncio.gather(*(engine.generate(DiffusionRequest(f"v{i}", p)) for i, p in enumerate(params))))
+            return list(
+                await asyncio.gather(*(engine.generate(DiffusionRequest(f"v{i}", p)) for i, p in enumerate(params)))
+            )
 
     for result, p in zip(asyncio.run(body()), params, strict=True):
         assert np.array_equal(result.output["frames"], diffusers_uint8(wan_direct, p))

@@ -11,17 +11,15 @@ import pytest
 import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+
 from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
     DIT,
     WAN,
     direct_call,
-    dit_direct,
     dit_params,
     tensor,
-    wan_direct,
     wan_params,
 )
-
 from omni_async.core.errors import InvalidRequest, UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.integrations.diffusers import DiffusersPipelineWorker, batch_key
@@ -90,8 +88,13 @@ def test_wan_batch_is_the_direct_batched_call_and_each_member_close_to_its_own(
     stacked = wan_direct(
         prompt_embeds=torch.cat([tensor(p, "prompt_embeds") for p in params]),
         negative_prompt_embeds=torch.cat([tensor(p, "negative_prompt_embeds") for p in params]),
-        height=16, width=16, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
-        generator=[torch.Generator().manual_seed(20 + i) for i in range(3)], output_type="pt",
+        height=16,
+        width=16,
+        num_frames=5,
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        generator=[torch.Generator().manual_seed(20 + i) for i in range(3)],
+        output_type="pt",
     ).frames
     for i, (out, p) in enumerate(zip(batch.outputs, params, strict=True)):
         assert torch.equal(out.output.frames, stacked[i : i + 1])
@@ -100,7 +103,12 @@ def test_wan_batch_is_the_direct_batched_call_and_each_member_close_to_its_own(
 
 @pytest.mark.slow
 def test_a_mixed_batch_runs_one_call_per_batch_key(dit: DiffusersPipelineWorker, dit_direct: Any) -> None:
-    params = [dit_params(seed=1), dit_params(seed=2, steps=2), dit_params(seed=3), dit_params(seed=4, guidance_scale=1.0)]
+    params = [
+        dit_params(seed=1),
+        dit_params(seed=2, steps=2),
+        dit_params(seed=3),
+        dit_params(seed=4, guidance_scale=1.0),
+    ]
     calls = dit.pipeline_calls
     batch = dit.execute_model_batch([DiffusionRequest(f"m{i}", p) for i, p in enumerate(params)])
     assert dit.pipeline_calls == calls + 3
@@ -147,7 +155,11 @@ def check_wan() -> Any:
 @pytest.mark.parametrize(
     ("params", "parameter", "message"),
     [
-        ({"class_labels": 1000}, "class_labels", r"must be one class, an int in 0\.\.999 .*num_embeds_ada_norm=1000.*got 1000"),
+        (
+            {"class_labels": 1000},
+            "class_labels",
+            r"must be one class, an int in 0\.\.999 .*num_embeds_ada_norm=1000.*got 1000",
+        ),
         ({}, "class_labels", r"is required by DiTPipeline"),
         ({"class_labels": 1, "height": 64}, "height", r"is not a parameter of this DiTPipeline \(it takes \["),
         ({"class_labels": 1, "num_inference_steps": 0}, "num_inference_steps", r"must be an int in 1\.\.10000, got 0"),
@@ -167,7 +179,11 @@ def test_dit_checks_name_the_request_the_parameter_and_the_fix(
 @pytest.mark.parametrize(
     ("change", "parameter", "message"),
     [
-        ({"height": 24}, "height", r"must be a multiple of 16 \(the VAE's scale factor times the transformer's patch size\), got 24: send 16 or 32"),
+        (
+            {"height": 24},
+            "height",
+            r"must be a multiple of 16 \(the VAE's scale factor times the transformer's patch size\), got 24: send 16 or 32",
+        ),
         ({"num_frames": 6}, "num_frames", r"must be 4k \+ 1 .*got 6: send 5 or 9"),
         ({"prompt_embeds": torch.zeros(1, 8, 31)}, "prompt_embeds", r"must have shape \[seq, 32\] .*got \[1, 8, 31\]"),
         ({"prompt": "a cat"}, "prompt", r"is not a parameter .*no text encoder: send prompt_embeds"),
@@ -184,7 +200,9 @@ def test_wan_checks_name_the_request_the_parameter_and_the_fix(
 
 def test_wan_needs_negative_embeds_for_guidance_without_a_text_encoder(check_wan: Any) -> None:
     params = {k: v for k, v in wan_params(1).items() if k != "negative_prompt_embeds"}
-    with pytest.raises(InvalidRequest, match=r"'negative_prompt_embeds' is required with prompt_embeds when guidance_scale > 1"):
+    with pytest.raises(
+        InvalidRequest, match=r"'negative_prompt_embeds' is required with prompt_embeds when guidance_scale > 1"
+    ):
         check_wan(DiffusionRequest("bad", params))
     check_wan(DiffusionRequest("ok", {**params, "guidance_scale": 1.0}))
     check_wan(DiffusionRequest("ok", wan_params(1)))

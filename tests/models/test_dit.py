@@ -68,7 +68,12 @@ def test_image_shape_dtype_range_and_info(model: DiTPipelineWorker) -> None:
     assert image.std().item() > 0.05  # not blank
     assert "frames" not in out.output and "digest" not in out.output
     assert out.output["info"] == {
-        "height": 128, "width": 128, "num_frames": 1, "steps": 3, "seed": 3, "dtype": "torch.float32"
+        "height": 128,
+        "width": 128,
+        "num_frames": 1,
+        "steps": 3,
+        "seed": 3,
+        "dtype": "torch.float32",
     }
 
 
@@ -128,6 +133,7 @@ def test_batch_equals_singles_and_keeps_request_order(model: DiTPipelineWorker) 
 
 def test_the_batch_is_stacked_into_one_forward(model: DiTPipelineWorker) -> None:
     seen: list[tuple[list[str], int, tuple[int, ...]]] = []
+
     def record(requests: object, step: int, latents: torch.Tensor) -> None:
         assert isinstance(requests, list)
         seen.append(([r.request_id for r in requests], step, tuple(latents.shape)))
@@ -356,7 +362,9 @@ def test_previews_stream_through_the_engine_then_the_result() -> None:
     decoded from that step's latents and post-processed by "dit" like the result; without
     a stream the same request emits none."""
     spec = WorkerSpec(
-        "omni_async.models.dit:make_worker", {**SMALL, "steps": 5, "device": "cpu", "dtype": "float32"}, postprocess="dit"
+        "omni_async.models.dit:make_worker",
+        {**SMALL, "steps": 5, "device": "cpu", "dtype": "float32"},
+        postprocess="dit",
     )
     reference = DiTPipelineWorker(**{**SMALL, "steps": 5})
     # The previews' expected pixels: the reference's latents after steps 2 and 4, decoded.
@@ -395,7 +403,9 @@ def test_an_aborted_request_stops_at_the_next_denoising_step() -> None:
     spec = WorkerSpec("omni_async.models.dit:make_worker", {**SMALL, "device": "cpu", "dtype": "float32"})
 
     async def body() -> None:
-        async with AsyncDiffusionEngine.from_factory(lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)) as engine:
+        async with AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)
+        ) as engine:
             took = []
             for steps in (100, 300):
                 t0 = time.monotonic()
@@ -438,8 +448,10 @@ def test_cpu_time_per_request_at_the_defaults(capsys: pytest.CaptureFixture[str]
     finally:
         torch.set_num_threads(threads)
     with capsys.disabled():
-        print(f"\nDiTPipelineWorker default request (128x128, 8 steps, 1 thread): "
-              f"CPU {sorted(cpu)[2] * 1e3:.1f} ms median, {min(cpu) * 1e3:.1f} ms min")
+        print(
+            f"\nDiTPipelineWorker default request (128x128, 8 steps, 1 thread): "
+            f"CPU {sorted(cpu)[2] * 1e3:.1f} ms median, {min(cpu) * 1e3:.1f} ms min"
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,13 +8,13 @@ import signal
 import struct
 import threading
 import time
-from typing import cast
 from collections import defaultdict
+from typing import cast
 
-import helpers.channel_children as children
 import numpy as np
 import pytest
 
+import helpers.channel_children as children
 from omni_async.core.errors import ProtocolError, UsageError
 from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, OutputReady, RpcResult
 from omni_async.transport.channel import (
@@ -46,7 +46,9 @@ def both() -> list[ResultChannel]:
 
 @pytest.fixture(params=["inproc", "pipe"])
 def channel(request: pytest.FixtureRequest) -> ResultChannel:
-    ch: ResultChannel = InProcessChannel(maxsize=4) if request.param == "inproc" else PipeChannel(capacity_bytes=4 * CREDIT_BYTES)
+    ch: ResultChannel = (
+        InProcessChannel(maxsize=4) if request.param == "inproc" else PipeChannel(capacity_bytes=4 * CREDIT_BYTES)
+    )
     request.addfinalizer(ch.close)
     return ch
 

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-from helpers.fake_device import OFFSET, FakeDevice, FakeEvent
 
+from helpers.fake_device import OFFSET, FakeDevice, FakeEvent
 from omni_async.transport.clock import ClockMark, DeviceClock, to_host_time
 
 

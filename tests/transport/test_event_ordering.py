@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 from omni_async.core.messages import AsyncDiffusionOutput, AsyncOutputKind, DiffusionOutput
 from omni_async.core.states import RequestEvent, request_machine
 from omni_async.transport.channel import InProcessChannel

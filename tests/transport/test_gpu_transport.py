@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers.shm_fixtures import no_shm_leak
 
+from helpers.shm_fixtures import no_shm_leak
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.packing import (
     pack_diffusion_output_host,
@@ -213,7 +213,9 @@ def test_pooled_pinned_copy_of_a_large_output(pool: SegmentPool, side: torch.cud
     assert st.created == 1 and st.reused == 5
     med = statistics.median(times[1:])
     nbytes = x.numel() * x.element_size()
-    report("pooled_copy", {"bytes": nbytes, "median_ms": med * 1e3, "GBps": nbytes / med / 1e9, "first_ms": times[0] * 1e3})
+    report(
+        "pooled_copy", {"bytes": nbytes, "median_ms": med * 1e3, "GBps": nbytes / med / 1e9, "first_ms": times[0] * 1e3}
+    )
 
 
 def test_a_segment_cuda_will_not_register_is_still_copied_exactly(pool: SegmentPool, side: torch.cuda.Stream) -> None:

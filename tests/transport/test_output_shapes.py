@@ -14,6 +14,7 @@ import pickle
 
 import pytest
 import torch
+
 from helpers.output_shapes import (
     BIG,
     SHAPES,
@@ -23,7 +24,6 @@ from helpers.output_shapes import (
     make_shape,
 )
 from helpers.shm_fixtures import no_shm_leak, segment_pool
-
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.errors import UnsupportedOutputType
 from omni_async.transport.packing import (

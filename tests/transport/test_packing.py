@@ -10,17 +10,17 @@ import pickle
 from typing import Any, NamedTuple
 
 import attrs
-import helpers.shm_children as children
 import numpy as np
 import pytest
 import torch
-from helpers.hypo import examples
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import helpers.shm_children as children
+from helpers.hypo import examples
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 from omni_async.core.errors import UsageError
-from omni_async.core.messages import AsyncDiffusionOutput, DiffusionOutput, OutputReady
+from omni_async.core.messages import DiffusionOutput, OutputReady
 from omni_async.transport.errors import (
     DeviceSyncUnavailable,
     LeaseAlreadyReleased,
@@ -100,9 +100,7 @@ def test_every_dtype_round_trips_bit_exactly(
         t = base[..., ::2]
     else:
         t = base
-    packed = pack_diffusion_output_shm(
-        out({"t": t}), pool=segment_pool, inline_threshold=0 if to_shm else 1 << 20
-    )
+    packed = pack_diffusion_output_shm(out({"t": t}), pool=segment_pool, inline_threshold=0 if to_shm else 1 << 20)
     wire = pickle.loads(pickle.dumps(packed))
     got = unpack_diffusion_output_shm(wire).output["t"]
     assert got.dtype == dtype and tuple(got.shape) == tuple(t.shape)
@@ -112,7 +110,11 @@ def test_every_dtype_round_trips_bit_exactly(
 
 @pytest.mark.parametrize("to_shm", [False, True])
 def test_nan_payloads_and_bf16_bits_survive(segment_pool: SegmentPool, to_shm: bool) -> None:
-    f32 = torch.tensor([0x7FC00001, 0xFFBADBAD, 0x7F800001, 0x00000001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    f32 = (
+        torch.tensor([0x7FC00001, 0xFFBADBAD, 0x7F800001, 0x00000001], dtype=torch.int64)
+        .to(torch.int32)
+        .view(torch.float32)
+    )
     bf16 = torch.tensor([0x7FC1, 0xFF81, 0x0001, 0x8000], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     grid = f32.repeat(64, 1).t()  # non-contiguous after the transpose
     value = {"f32": f32, "bf16": bf16, "grid": grid}
@@ -369,7 +371,12 @@ def test_packed_nbytes_agrees_with_packing(segment_pool: SegmentPool, tree: Any,
 
 
 def test_packed_nbytes_refuses_what_the_packer_refuses() -> None:
-    for value in ({"x": object()}, {"s": torch.eye(3).to_sparse()}, {torch.ones(1): 1}, [torch.empty(2, device="meta")]):
+    for value in (
+        {"x": object()},
+        {"s": torch.eye(3).to_sparse()},
+        {torch.ones(1): 1},
+        [torch.empty(2, device="meta")],
+    ):
         with pytest.raises(UnsupportedOutputType):
             packed_nbytes(out(value))
     cyclic: list[Any] = []

@@ -9,11 +9,11 @@ import signal
 import threading
 import time
 
-import helpers.shm_children as children
 import pytest
 import torch
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 
+import helpers.shm_children as children
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 from omni_async.core.errors import UsageError
 from omni_async.transport.errors import (
     LeaseAlreadyReleased,

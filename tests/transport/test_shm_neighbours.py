@@ -18,8 +18,8 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from helpers.leaks import ours
 
+from helpers.leaks import ours
 from omni_async.cli import cleanup
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
@@ -82,7 +82,9 @@ def test_the_session_is_tagged() -> None:
         pool.close()
 
 
-def test_a_dead_neighbours_files_are_not_blamed_nor_swept(planted: set[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_dead_neighbours_files_are_not_blamed_nor_swept(
+    planted: set[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     """Fails without the tag: the autouse leak check blamed this test for the planted
     files (a dead pid's), and every sweep below listed or removed them."""
     assert not planted & ours()

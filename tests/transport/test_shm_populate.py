@@ -10,8 +10,8 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from helpers.shm_fixtures import no_shm_leak
 
+from helpers.shm_fixtures import no_shm_leak
 from omni_async.transport.shm import SegmentPool, mapping
 
 __all__ = ["no_shm_leak"]

@@ -17,16 +17,16 @@ import threading
 import time
 from typing import Any
 
-import helpers.shm_children as children
 import numpy as np
 import pytest
 import torch
-from helpers.finalizers import quiet_finalizers
-from helpers.hypo import examples
-from helpers.shm_fixtures import no_shm_leak, segment_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import helpers.shm_children as children
+from helpers.finalizers import quiet_finalizers
+from helpers.hypo import examples
+from helpers.shm_fixtures import no_shm_leak, segment_pool
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.errors import LeaseAlreadyReleased, OutputStillViewed
 from omni_async.transport.packing import (
@@ -51,7 +51,9 @@ def packed(pool: SegmentPool, fill: float, rid: str = "r") -> DiffusionOutput:
         "audio": np.full(N, fill, dtype=np.float32),
         "note": rid,
     }
-    return pack_diffusion_output_shm(DiffusionOutput(rid, value, async_output_id=f"o-{rid}"), pool=pool, inline_threshold=0)
+    return pack_diffusion_output_shm(
+        DiffusionOutput(rid, value, async_output_id=f"o-{rid}"), pool=pool, inline_threshold=0
+    )
 
 
 def churn(pool: SegmentPool, fills: list[float]) -> None:
@@ -187,7 +189,9 @@ def test_copies_release_at_once_and_bytes_leaves_are_copies(segment_pool: Segmen
     churn(segment_pool, [9.0])
     assert torch.equal(got["t"], torch.ones(N)) and got["blob"] == b"\x07" * 100_000
     # Only bytes in shared memory: nothing views the segment, it goes back during the unpack.
-    p = pack_diffusion_output_shm(DiffusionOutput("r", {"blob": b"\x05" * 100_000}), pool=segment_pool, inline_threshold=0)
+    p = pack_diffusion_output_shm(
+        DiffusionOutput("r", {"blob": b"\x05" * 100_000}), pool=segment_pool, inline_threshold=0
+    )
     blob = unpack_diffusion_output_shm(p).output["blob"]
     assert segment_pool.stats().outstanding == 0 and blob == b"\x05" * 100_000
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from helpers.tlc import require_tlc
 
+from helpers.tlc import require_tlc
 from omni_async.core.engine_states import EngineEvent, StageEvent, StageState, engine_machine, stage_machine
 from omni_async.core.engine_trace import trace_observers
 from omni_async.core.states import Machine
@@ -59,24 +59,73 @@ def served(r: str) -> list[Step]:
 
 VALID: dict[str, list[Step]] = {
     "generate then close": [*UP, *served("x"), E.CLOSE, E.CLOSED],
-    "two requests interleaved": [*UP, ("x", S.ADMIT), ("y", S.ADMIT), ("x", S.SENT), ("y", S.SENT),
-                                 ("y", S.COMPUTE_DONE), ("x", S.COMPUTE_DONE), ("x", S.OUTPUT), ("y", S.OUTPUT),
-                                 ("y", S.RESULT), ("x", S.RESULT), E.CLOSE, E.CLOSED],
+    "two requests interleaved": [
+        *UP,
+        ("x", S.ADMIT),
+        ("y", S.ADMIT),
+        ("x", S.SENT),
+        ("y", S.SENT),
+        ("y", S.COMPUTE_DONE),
+        ("x", S.COMPUTE_DONE),
+        ("x", S.OUTPUT),
+        ("y", S.OUTPUT),
+        ("y", S.RESULT),
+        ("x", S.RESULT),
+        E.CLOSE,
+        E.CLOSED,
+    ],
     "a stream, taken": [*UP, *served("s")[:4], ("s", S.STREAM_RESULT), ("s", S.GONE)],
     "a stream, its consumer leaves": [*UP, *served("s")[:4], ("s", S.STREAM_RESULT), ("s", S.CANCEL), ("s", S.GONE)],
     "abort while waiting": [*UP, ("x", S.ABORT)],
     "abort while queued": [*UP, ("x", S.ADMIT), ("x", S.ABORT), ("x", S.GONE)],
     "abort while computing": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.ABORT), ("x", S.GONE)],
-    "abort, the forward ends anyway": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.ABORT), ("x", S.COMPUTE_DONE),
-                                       ("x", S.OUTPUT), ("x", S.GONE)],
-    "abort behind a blocked send": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("y", S.ADMIT), ("x", S.ABORT),
-                                    ("x", S.GONE), E.CLOSE, ("y", S.CLOSE), ("y", S.FAIL), ("y", S.GONE), E.CLOSED],
+    "abort, the forward ends anyway": [
+        *UP,
+        ("x", S.ADMIT),
+        ("x", S.SENT),
+        ("x", S.ABORT),
+        ("x", S.COMPUTE_DONE),
+        ("x", S.OUTPUT),
+        ("x", S.GONE),
+    ],
+    "abort behind a blocked send": [
+        *UP,
+        ("x", S.ADMIT),
+        ("x", S.SENT),
+        ("y", S.ADMIT),
+        ("x", S.ABORT),
+        ("x", S.GONE),
+        E.CLOSE,
+        ("y", S.CLOSE),
+        ("y", S.FAIL),
+        ("y", S.GONE),
+        E.CLOSED,
+    ],
     "the forward fails": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.FAIL), ("x", S.GONE)],
     "the caller leaves": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.CANCEL), ("x", S.GONE)],
-    "close with requests in flight": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("y", S.ADMIT), E.CLOSE, ("x", S.CLOSE),
-                                      ("y", S.CLOSE), ("z", S.CLOSE), ("y", S.GONE), ("x", S.GONE), E.CLOSED],
-    "close also on an aborting request": [*UP, ("x", S.ADMIT), ("x", S.SENT), ("x", S.ABORT), E.CLOSE,
-                                          ("x", S.CLOSE), ("x", S.GONE), E.CLOSED],
+    "close with requests in flight": [
+        *UP,
+        ("x", S.ADMIT),
+        ("x", S.SENT),
+        ("y", S.ADMIT),
+        E.CLOSE,
+        ("x", S.CLOSE),
+        ("y", S.CLOSE),
+        ("z", S.CLOSE),
+        ("y", S.GONE),
+        ("x", S.GONE),
+        E.CLOSED,
+    ],
+    "close also on an aborting request": [
+        *UP,
+        ("x", S.ADMIT),
+        ("x", S.SENT),
+        ("x", S.ABORT),
+        E.CLOSE,
+        ("x", S.CLOSE),
+        ("x", S.GONE),
+        E.CLOSED,
+    ],
     "close twice": [*UP, E.CLOSE, E.CLOSE, E.CLOSED],
     "close before start": [E.CLOSE],
     "a failed start": [E.START, E.START_FAILED],
@@ -86,23 +135,52 @@ VALID: dict[str, list[Step]] = {
 
 # (name, trace, index of the event that must be refused, what the verdict says)
 CORRUPTED: list[tuple[str, list[TraceEvent], int, str]] = [
-    ("STARTED after CLOSE",
-     [ef("START", "NEW", "STARTING"), ef("CLOSE", "STARTING", "CLOSING"), ef("STARTED", "CLOSING", "RUNNING")],
-     2, "not in ENGINE_TABLE"),
-    ("two terminal stages",
-     [*run([*UP, *served("x")]), sf("x", "GONE", "FINISHED", "FINISHED")], 7, "not in STAGE_TABLE"),
-    ("a source that is not the machine's",
-     [ef("START", "NEW", "STARTING"), ef("STARTED", "STARTING", "RUNNING"), sf("x", "SENT", "SUBMITTED", "COMPUTING")],
-     2, "request x is WAITING"),
-    ("admitted after close",
-     [*run([*UP, E.CLOSE]), sf("x", "ADMIT", "WAITING", "SUBMITTED")], 3, "no behaviour of EngineLifecycle"),
-    ("CLOSED with a request at work",
-     [*run([*UP, ("x", S.ADMIT), E.CLOSE]), ef("CLOSED", "CLOSING", "CLOSED")], 4, "no behaviour of EngineLifecycle"),
-    ("COMPUTE_DONE of a request never sent",
-     [*run([*UP, ("x", S.ADMIT), ("x", S.ABORT)]), sf("x", "COMPUTE_DONE", "ABORTING", "ABORTING")], 4,
-     "no behaviour of EngineLifecycle"),
-    ("STARTED with no START",
-     [ef("CLOSE", "NEW", "CLOSED"), ef("START", "CLOSED", "STARTING")], 1, "not in ENGINE_TABLE"),
+    (
+        "STARTED after CLOSE",
+        [ef("START", "NEW", "STARTING"), ef("CLOSE", "STARTING", "CLOSING"), ef("STARTED", "CLOSING", "RUNNING")],
+        2,
+        "not in ENGINE_TABLE",
+    ),
+    (
+        "two terminal stages",
+        [*run([*UP, *served("x")]), sf("x", "GONE", "FINISHED", "FINISHED")],
+        7,
+        "not in STAGE_TABLE",
+    ),
+    (
+        "a source that is not the machine's",
+        [
+            ef("START", "NEW", "STARTING"),
+            ef("STARTED", "STARTING", "RUNNING"),
+            sf("x", "SENT", "SUBMITTED", "COMPUTING"),
+        ],
+        2,
+        "request x is WAITING",
+    ),
+    (
+        "admitted after close",
+        [*run([*UP, E.CLOSE]), sf("x", "ADMIT", "WAITING", "SUBMITTED")],
+        3,
+        "no behaviour of EngineLifecycle",
+    ),
+    (
+        "CLOSED with a request at work",
+        [*run([*UP, ("x", S.ADMIT), E.CLOSE]), ef("CLOSED", "CLOSING", "CLOSED")],
+        4,
+        "no behaviour of EngineLifecycle",
+    ),
+    (
+        "COMPUTE_DONE of a request never sent",
+        [*run([*UP, ("x", S.ADMIT), ("x", S.ABORT)]), sf("x", "COMPUTE_DONE", "ABORTING", "ABORTING")],
+        4,
+        "no behaviour of EngineLifecycle",
+    ),
+    (
+        "STARTED with no START",
+        [ef("CLOSE", "NEW", "CLOSED"), ef("START", "CLOSED", "STARTING")],
+        1,
+        "not in ENGINE_TABLE",
+    ),
 ]
 
 
@@ -143,9 +221,7 @@ def test_valid_engine_traces_are_behaviours_of_the_model() -> None:
 @pytest.mark.tlc
 @pytest.mark.parametrize("name, bad, index, why", CORRUPTED, ids=[c[0] for c in CORRUPTED])
 @pytest.mark.slow
-def test_corrupted_engine_trace_is_refused_at_its_event(
-    name: str, bad: list[TraceEvent], index: int, why: str
-) -> None:
+def test_corrupted_engine_trace_is_refused_at_its_event(name: str, bad: list[TraceEvent], index: int, why: str) -> None:
     tc = require_tlc()
     good = run(VALID["generate then close"])
     res = check_engine_traces([good, bad], toolchain=tc)

@@ -14,10 +14,10 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+
 from helpers.engine_harness import eventually, in_thread, run
 from helpers.executor_harness import GATES, RELAXED, gate_name, make_toy, req
 from helpers.tlc import require_tlc
-
 from omni_async.core.engine_states import StageState
 from omni_async.core.errors import RequestAborted, RpcFailed
 from omni_async.core.trace import TraceEvent
@@ -138,9 +138,7 @@ async def batched(tracer: ListTracer) -> None:
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
             assert outcomes[0].request_id == "ok"  # type: ignore[union-attr]
             assert isinstance(outcomes[1], RequestAborted) and isinstance(outcomes[2], RpcFailed)
-            streams = await asyncio.gather(
-                *(collect(engine.generate_stream(req(f"s{i}", chunks=1))) for i in range(2))
-            )
+            streams = await asyncio.gather(*(collect(engine.generate_stream(req(f"s{i}", chunks=1))) for i in range(2)))
             assert all(len(items) == 2 for items in streams)
             assert engine.metrics().batch_size_max == 3
 

@@ -65,7 +65,10 @@ def test_matrix_has_a_row_per_state_and_a_column_per_event() -> None:
 
 def test_fill_markers_replaces_bodies_and_requires_every_block(tmp_path: Path) -> None:
     text = "a\n<!-- BEGIN GENERATED x (gen) -->\nold\n<!-- END GENERATED x -->\nb\n"
-    assert tla_gen.fill_markers(text, {"x": "new"}) == "a\n<!-- BEGIN GENERATED x (gen) -->\nnew\n<!-- END GENERATED x -->\nb\n"
+    assert (
+        tla_gen.fill_markers(text, {"x": "new"})
+        == "a\n<!-- BEGIN GENERATED x (gen) -->\nnew\n<!-- END GENERATED x -->\nb\n"
+    )
     with pytest.raises(ValueError, match="missing"):
         tla_gen.fill_markers(text, {"x": "new", "y": "other"})
     with pytest.raises(ValueError, match="unknown"):
@@ -94,15 +97,28 @@ def test_engine_module_lists_every_transition_once() -> None:
     assert sorted(re.findall(triple, stage_part)) == sorted(
         (s.name, e.name, d.name) for (s, e), d in STAGE_TABLE.items()
     )
-    for name in ("EngineTable", "EngineCan", "EngineNext", "EngineTerminal", "StageNext", "StageCan",
-                 "StageTerminal", "StageInitial", "StageEnding", "StageOutcomeOf"):
+    for name in (
+        "EngineTable",
+        "EngineCan",
+        "EngineNext",
+        "EngineTerminal",
+        "StageNext",
+        "StageCan",
+        "StageTerminal",
+        "StageInitial",
+        "StageEnding",
+        "StageOutcomeOf",
+    ):
         assert re.search(rf"^{name}\b", text, re.M), name
     for s in (*ENGINE_TERMINAL, *STAGE_TERMINAL):
         assert f'"{s.name}"' in text
 
 
 def test_engine_diagrams_have_every_edge() -> None:
-    for diagram, table in ((tla_gen.render_engine_diagram(), ENGINE_TABLE), (tla_gen.render_stage_diagram(), STAGE_TABLE)):
+    for diagram, table in (
+        (tla_gen.render_engine_diagram(), ENGINE_TABLE),
+        (tla_gen.render_stage_diagram(), STAGE_TABLE),
+    ):
         labels: dict[tuple[str, str], list[str]] = {}
         for line in diagram.splitlines():
             m = re.match(r"\s+(\w+) --> (\w+): (.+)$", line)

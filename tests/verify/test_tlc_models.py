@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers.tlc import require_tlc
 
+from helpers.tlc import require_tlc
 from omni_async.verify.locate import tla_dir
 from omni_async.verify.tlc import (
     ModelRow,

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from helpers.executor_harness import RELAXED, make_toy, req
 from helpers.tlc import require_tlc
-
 from omni_async.core.dispatch import Dispatcher
 from omni_async.core.errors import ExecutorShutdown, ProtocolError
-from omni_async.core.messages import AsyncDiffusionOutput, ComputeDone, DiffusionOutput, OutputReady, RpcResult
+from omni_async.core.messages import ComputeDone, DiffusionOutput, OutputReady, RpcResult
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import TraceEvent
 from omni_async.executor.inprocess import InProcessExecutor
@@ -63,7 +63,7 @@ MUTATIONS = [
     (
         "a DROPPING record of a call never made is abandoned at its deadline, never given up (M6)",
         'ELSE IF x.ghost /\\ x.st = "DROPPING" THEN ExpireGhost(x)',
-        'ELSE IF FALSE THEN ExpireGhost(x)',
+        "ELSE IF FALSE THEN ExpireGhost(x)",
     ),
 ]
 

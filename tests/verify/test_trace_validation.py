@@ -31,17 +31,16 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 import pytest
-from helpers.executors import executor_class, worker_pids
-from helpers.tlc import require_tlc
-from helpers.trace_driver import coverage, drive
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from helpers.executors import executor_class, worker_pids
+from helpers.tlc import require_tlc
+from helpers.trace_driver import coverage, drive
 from omni_async.core.config import Deadlines
 from omni_async.core.dispatch import Dispatcher
-from omni_async.core.errors import ComputeTimeout, RequestAborted
+from omni_async.core.errors import ComputeTimeout, OmniAsyncError, RequestAborted
 from omni_async.core.messages import (
-    AsyncDiffusionOutput,
     BatchDiffusionOutput,
     ComputeDone,
     DiffusionOutput,
@@ -583,7 +582,7 @@ def _stream_runs() -> list[list[TraceEvent]]:
             finish(ex, s)
             # A chunk that cannot travel fails typed, and ends the iteration.
             s = ex.submit_stream(rq("bad", 2, bad_chunk=True))
-            with pytest.raises(Exception):
+            with pytest.raises(OmniAsyncError):
                 list(s)
             finish(ex, s)
             # The forward fails after a chunk: the stream ends with the call's error.  The
@@ -591,9 +590,9 @@ def _stream_runs() -> list[list[TraceEvent]]:
             # arrives and is dropped as "failed" (taking it first raced the failure: CI once
             # saw no "failed" drop).
             s = ex.submit_stream(rq("fails", 3, raise_at=1))
-            with pytest.raises(Exception):
+            with pytest.raises(OmniAsyncError):
                 s.result.result(10)
-            with pytest.raises(Exception):
+            with pytest.raises(OmniAsyncError):
                 list(s)
             # Aborted mid-stream (cancel_requests).
             s = ex.submit_stream(rq("abort", 300))
@@ -625,7 +624,11 @@ def _stream_runs() -> list[list[TraceEvent]]:
     # Step mode, final-step async: intermediate steps answered plainly, the final one in two phases.
     tracer = ListTracer()
     ex = InProcessExecutor(
-        _StreamModel, world_size=2, step_mode=True, final_step_async=True, deadlines=Deadlines(30.0, 30.0, 30.0),
+        _StreamModel,
+        world_size=2,
+        step_mode=True,
+        final_step_async=True,
+        deadlines=Deadlines(30.0, 30.0, 30.0),
         tracer=tracer,
     )
     try:
@@ -663,6 +666,7 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
 
     from omni_async.core.errors import RpcFailed, WorkerDied
     from omni_async.executor.multiproc import WorkerSpec
+
     deadlines = Deadlines(compute_timeout=30, output_timeout=30, rpc_timeout=30, cancel_grace=0.5)
 
     def rq(rid: str, **params: object) -> DiffusionRequest:

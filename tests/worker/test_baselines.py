@@ -59,7 +59,9 @@ def test_every_path_delivers_the_models_bytes_and_leaves_no_fresh_segment(path: 
     the bytes that arrive are the model's, bit for bit (the reference path's upcast and
     cast back included), and once each is read no fresh segment is left in /dev/shm."""
     with _executor(SYNTH, path) as ex:
-        for i, (dtype, shape) in enumerate([("bfloat16", (3, 96, 128)), ("float32", (2, 3, 64, 80)), ("bfloat16", (5, 7, 1031))]):
+        for i, (dtype, shape) in enumerate(
+            [("bfloat16", (3, 96, 128)), ("float32", (2, 3, 64, 80)), ("bfloat16", (5, 7, 1031))]
+        ):
             params: dict[str, Any] = {"shape": shape, "dtype": dtype, "seed": 11 + i}
             out = _run(ex, path, DiffusionRequest(f"r{i}", params))
             video = out.output["video"]
@@ -133,7 +135,9 @@ def test_the_consumer_unlinks_every_segment_even_when_a_read_fails(pack: Any) ->
     The read fails, and both segments are gone all the same."""
     with SegmentPool(max_segments=2) as pool:
         a, b = torch.arange(40000, dtype=torch.float32), torch.ones(30000, dtype=torch.bfloat16)
-        packed = pack(DiffusionOutput("x", {"a": a, "b": [b, 3]}), None, None, prefix=pool.prefix, inline_threshold=1024)
+        packed = pack(
+            DiffusionOutput("x", {"a": a, "b": [b, 3]}), None, None, prefix=pool.prefix, inline_threshold=1024
+        )
         payload = packed.output
         assert isinstance(payload, FreshPayload) and len(payload.segments) == 2
         assert all(os.path.exists(os.path.join(SHM_DIR, n)) for n in payload.segments)
@@ -142,7 +146,9 @@ def test_the_consumer_unlinks_every_segment_even_when_a_read_fails(pack: Any) ->
             receive_fresh_output(packed)
         assert not any(os.path.exists(os.path.join(SHM_DIR, n)) for n in payload.segments)
         # And an intact one round-trips, its structure kept.
-        packed = pack(DiffusionOutput("y", {"a": a, "b": [b, 3]}), None, None, prefix=pool.prefix, inline_threshold=1024)
+        packed = pack(
+            DiffusionOutput("y", {"a": a, "b": [b, 3]}), None, None, prefix=pool.prefix, inline_threshold=1024
+        )
         got = receive_fresh_output(packed).output
         assert torch.equal(got["a"], a) and torch.equal(got["b"][0], b) and got["b"][1] == 3
         assert entries(f"{pool.prefix}fresh-") == []

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import attrs
 import pytest
 import torch
+
 from helpers.packer_jobs import WAIT_S, computed, cuda_side_stream, received, ship_on_gpu, wait_for
 from helpers.shm_fixtures import no_shm_leak, segment_pool
-
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, OutputReady
 from omni_async.core.states import RequestState
@@ -38,8 +38,6 @@ from omni_async.worker.host import WorkerOptions
 from omni_async.worker.packer import Packer
 
 __all__ = ["no_shm_leak", "segment_pool"]  # fixtures, used by name
-
-
 
 
 def _image(i: int) -> DiffusionOutput:
@@ -103,8 +101,6 @@ def _packer(channel: InProcessChannel, starts: Starts, pool: SegmentPool, copies
 
 def _release(packed: DiffusionOutput, pool: SegmentPool) -> None:
     release_packed_output(packed, pool=pool)
-
-
 
 
 def _check_and_release(msgs: list[OutputReady], pool: SegmentPool, values: dict[str, int]) -> None:
@@ -292,7 +288,10 @@ def test_on_the_gpu_the_next_copy_is_queued_behind_this_one(channel: InProcessCh
         torch.cuda.synchronize()
         got = ship_on_gpu(packer, channel, inputs)
         stamps = [(o.metrics.pack_started_at, o.metrics.pack_ended_at) for o in got]
-        same = [torch.equal(unpack_diffusion_output_shm(o, copy=True, pool=pool).output["x"], x.cpu()) for o, x in zip(got, inputs, strict=True)]
+        same = [
+            torch.equal(unpack_diffusion_output_shm(o, copy=True, pool=pool).output["x"], x.cpu())
+            for o, x in zip(got, inputs, strict=True)
+        ]
     finally:
         packer.stop(60)
         pool.close()
@@ -301,4 +300,6 @@ def test_on_the_gpu_the_next_copy_is_queued_behind_this_one(channel: InProcessCh
     for i in (1, 2):
         start_i, prev_end = stamps[i][0], stamps[i - 1][1]
         assert start_i is not None and prev_end is not None
-        assert start_i <= prev_end + 1e-4, f"o{i}'s copy started {start_i - prev_end:+.5f} s after o{i - 1}'s pack ended"
+        assert start_i <= prev_end + 1e-4, (
+            f"o{i}'s copy started {start_i - prev_end:+.5f} s after o{i - 1}'s pack ended"
+        )

@@ -17,11 +17,11 @@ import threading
 
 import attrs
 import torch
-from helpers.packer_jobs import WAIT_S, computed, wait_for
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from helpers.packer_jobs import WAIT_S, computed, wait_for
 from omni_async.core.messages import DiffusionOutput, OutputReady
 from omni_async.core.states import Machine, RequestEvent, RequestState
 from omni_async.transport.channel import InProcessChannel

@@ -16,10 +16,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from helpers.fake_device import FakeDevice
 from helpers.shipped import shipped_outputs
 from helpers.shm_fixtures import no_shm_leak, segment_pool
-
 from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,

@@ -197,7 +197,10 @@ def test_the_packer_starts_on_a_forwards_outputs_only_after_its_compute_done(cha
         loop = WorkerLoop(0, Model(torch.ones(4)), channel, packer=packer)
         for i in range(20):
             loop.handle_rpc(_execute(f"q{i}"))
-            assert [_next(channel).kind for _ in range(2)] == [AsyncOutputKind.COMPUTE_DONE, AsyncOutputKind.OUTPUT_READY]
+            assert [_next(channel).kind for _ in range(2)] == [
+                AsyncOutputKind.COMPUTE_DONE,
+                AsyncOutputKind.OUTPUT_READY,
+            ]
     finally:
         packer.stop()
 

@@ -16,15 +16,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from helpers.packer_jobs import WAIT_S, computed, cuda_side_stream, received, ship_on_gpu, wait_for
 
+from helpers.packer_jobs import WAIT_S, computed, cuda_side_stream, received, ship_on_gpu, wait_for
 from omni_async.core.messages import DiffusionOutput
 from omni_async.core.states import RequestState
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.worker.packer import Packer
-
-
 
 
 def _image(value: float) -> DiffusionOutput:
@@ -70,8 +68,6 @@ def _packer(channel: InProcessChannel, gates: Gates) -> Packer:
     packer = Packer(0, channel, pack=gates.pack, device_stage=gates.stage)
     packer.start()
     return packer
-
-
 
 
 def test_the_next_outputs_stage_runs_while_this_one_is_copied(channel: InProcessChannel) -> None:

@@ -48,9 +48,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import math
 import queue
-import json
 import shlex
 import shutil
 import subprocess
@@ -67,8 +67,6 @@ from rich.console import Console
 
 from omni_async.cli import bench_plot
 from omni_async.cli.bench_report import CPU_NOTE, TABLE_WIDTH, environment, table
-from omni_async.cli.parsers import MODES, SIZES, TINY_SIZES
-from omni_async.cli.parsers import add_bench as add_parser
 from omni_async.cli.bench_stats import (
     efficiency,
     ideal_rate,
@@ -78,6 +76,8 @@ from omni_async.cli.bench_stats import (
     percentile,
     steady_rate,
 )
+from omni_async.cli.parsers import MODES, SIZES, TINY_SIZES
+from omni_async.cli.parsers import add_bench as add_parser
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
@@ -266,9 +266,7 @@ def _deliver(
     return metrics, done, made
 
 
-def _alone(
-    ex: MultiprocDiffusionExecutor, case: Case, reps: int, min_s: float
-) -> tuple[list[float], list[float]]:
+def _alone(ex: MultiprocDiffusionExecutor, case: Case, reps: int, min_s: float) -> tuple[list[float], list[float]]:
     """The forward alone (at least ``reps`` of them, and at least ``min_s`` seconds of them:
     a 30 ms forward's median over 5 varied by 3-5% on the H200) and the copy alone."""
     n_fwd = max(reps, math.ceil(1000.0 * min_s / case.forward_ms)) if case.forward_ms > 0 else reps
@@ -512,10 +510,12 @@ def run(args: argparse.Namespace) -> int:
     cases = build_cases(sizes, args.forward_ms, args.concurrency, args.copy_bound)
     report: dict[str, Any] = {
         "command": shlex.join(argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "environment": environment(args.device),
         "config": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items()) if k not in ("run", "check")
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in sorted(vars(args).items())
+            if k not in ("run", "check")
         },
         "json": str(args.json) if args.json else None,
         "cases": [],
@@ -537,9 +537,13 @@ def run(args: argparse.Namespace) -> int:
                 )
     # Cases side by side: each case's modes together.
     order = {(c.size, c.forward_label, c.concurrency): i for i, c in enumerate(cases)}
-    report["cases"].sort(key=lambda r: (order[(r["size"], r["forward_label"], r["concurrency"])], MODES.index(r["mode"])))
+    report["cases"].sort(
+        key=lambda r: (order[(r["size"], r["forward_label"], r["concurrency"])], MODES.index(r["mode"]))
+    )
     if report["cases"]:
-        console.print(table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})"))
+        console.print(
+            table(report["cases"], f"omni-async bench ({args.device}, {report['environment']['device_name']})")
+        )
         if not args.device.startswith("cuda"):
             console.print(CPU_NOTE)
     if args.pump:

@@ -68,8 +68,15 @@ def table(cases: Sequence[dict[str, Any]], title: str) -> Table:
     bytes / pinned copy bandwidth)``), p50 latency to the output in hand and to the
     client's bytes (``client eff.``: the forward alone over that time, the ideal being
     the forward alone), the device's idle gap between forwards, the copy's rate."""
-    t = Table(title=title, caption=LEGEND, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True, pad_edge=False,
-              show_edge=False)
+    t = Table(
+        title=title,
+        caption=LEGEND,
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        collapse_padding=True,
+        pad_edge=False,
+        show_edge=False,
+    )
     for header, _, spec in COLUMNS:
         t.add_column(header, justify="right" if spec else "left", no_wrap=True)
     for c in cases:

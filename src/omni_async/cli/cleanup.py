@@ -14,7 +14,6 @@ from omni_async.transport.shm import files
 __all__ = ["add_parser", "run"]
 
 
-
 def run(args: argparse.Namespace) -> int:
     """Remove (or with --dry-run list) the /dev/shm files of executors that died; 1 if one could not go."""
     found = files.dead_executor_files()

@@ -92,7 +92,6 @@ CPU_NOTE = (
 __all__ = ["MODES", "add_parser", "run"]
 
 
-
 def resolve_shape(args: argparse.Namespace) -> None:
     """Fill ``height``, ``width`` and ``frames`` left out with the device's defaults."""
     kind = "cuda" if str(args.device).startswith("cuda") else "cpu"
@@ -247,7 +246,9 @@ def _executor_line(metrics: ExecutorMetrics) -> str:
     """One line: what the executor delivered, and its problem counters that are not 0."""
     m = metrics.as_dict()
     bad = ", ".join(f"{k}={m[k]:g}" for k in _PROBLEMS if m.get(k))
-    return f"executor: {metrics.delivered:g} outputs delivered; " + (bad or "no timeouts, protocol errors or outputs left")
+    return f"executor: {metrics.delivered:g} outputs delivered; " + (
+        bad or "no timeouts, protocol errors or outputs left"
+    )
 
 
 def _check_result(result: GenerationResult, args: argparse.Namespace) -> bool:
@@ -392,7 +393,7 @@ def _compare_runs(sync: _Run, async_: _Run) -> int:
 
 def _write(out: str, args: argparse.Namespace, runs: dict[str, _Run], summaries: dict[str, ModeSummary]) -> None:
     """The images (PNG), a timeline picture per run and the Chrome trace of both."""
-    for mode, r in runs.items():
+    for r in runs.values():
         for rid, image in r.images.items():
             image.save(os.path.join(out, "images", f"{rid}.png"))
         r.images.clear()
@@ -443,9 +444,7 @@ def _summary_text(summaries: dict[str, ModeSummary], out: str, args: argparse.Na
         "omni_async: the next forward at COMPUTE_DONE; uint8 on the device and the copy into pooled pinned memory "
         "on the packer's side stream; the client's result built in the engine's host threads"
     )
-    lines.append(
-        f"checks: {'every output intact, nothing left behind' if ok else 'FAILED (see the lines above)'}"
-    )
+    lines.append(f"checks: {'every output intact, nothing left behind' if ok else 'FAILED (see the lines above)'}")
     lines.append(
         f"wrote {out}/: images/*.png ({args.requests} images{', first frames' if args.frames > 1 else ''}), "
         "timeline-sync.png, timeline-async.png, timeline.json (open in https://ui.perfetto.dev)"

@@ -34,6 +34,7 @@ __all__ = [
     "deadlines",
 ]
 
+
 def _runner(command: str) -> Callable[[argparse.Namespace], int]:
     """``run`` of ``omni_async.cli.<command>``, imported when the command runs."""
 
@@ -336,7 +337,10 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="forward lengths: a few-step distilled one and a long one",
     )
     d.add_argument(
-        "--concurrency", type=_csv(options.positive_int, "ints"), default=[1, 2, 4], help="running slots (each submits its next request at COMPUTE_DONE)"
+        "--concurrency",
+        type=_csv(options.positive_int, "ints"),
+        default=[1, 2, 4],
+        help="running slots (each submits its next request at COMPUTE_DONE)",
     )
     d.add_argument("--requests", type=options.positive_int, default=16, help="measured requests per case")
     d.add_argument(
@@ -399,7 +403,10 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     d.add_argument("--plot", type=Path, default=None, help="draw the PNG here (default: the JSON's path, .png)")
     d.add_argument(
-        "--plot-from", type=Path, default=None, help="only draw the plot of a saved JSON report (to --plot or beside it)"
+        "--plot-from",
+        type=Path,
+        default=None,
+        help="only draw the plot of a saved JSON report (to --plot or beside it)",
     )
     d.set_defaults(run=_runner("bench"))
 
@@ -419,4 +426,9 @@ def add_cleanup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 #: ``omni-async``'s commands, in the order its help lists them.
-COMMANDS: Final[tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...]] = (add_demo, add_soak, add_bench, add_cleanup)
+COMMANDS: Final[tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None], ...]] = (
+    add_demo,
+    add_soak,
+    add_bench,
+    add_cleanup,
+)

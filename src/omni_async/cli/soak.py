@@ -125,7 +125,6 @@ def last_kill(seed: int, fault_rate: float, requests: int) -> int:
     return -1
 
 
-
 def _task(plan: Plan, life: Life, acc: Accounting, output_timeout: float) -> None:
     """An engine thread's job: one request, exactly one outcome, whatever happens."""
     try:
@@ -138,7 +137,6 @@ def _task(plan: Plan, life: Life, acc: Accounting, output_timeout: float) -> Non
         if isinstance(exc, WorkerDied):
             life.mark_failed()
     acc.end(plan.index, outcome)
-
 
 
 # ------------------------------------------------------------------------------ the run
@@ -319,9 +317,10 @@ def _run(args: argparse.Namespace, console: Console) -> int:
     state = _Soak(args)
     acc = state.acc
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with ThreadPoolExecutor(args.executors, thread_name_prefix="soak-slot") as slots, Progress(
-        *columns, console=console
-    ) as progress:
+    with (
+        ThreadPoolExecutor(args.executors, thread_name_prefix="soak-slot") as slots,
+        Progress(*columns, console=console) as progress,
+    ):
         bar = progress.add_task("soak", total=args.requests)
         slot_futures = [slots.submit(state.slot, k) for k in range(args.executors)]
         running = set(slot_futures)

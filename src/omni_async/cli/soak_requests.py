@@ -9,8 +9,6 @@ import time
 
 import attrs
 
-import torch
-
 from omni_async.cli.soak_lives import EngineThread, Life
 from omni_async.cli.soak_plans import (
     ABORTED,
@@ -31,6 +29,7 @@ __all__ = ["engine_request", "executor_request", "host_digest"]
 
 
 # ------------------------------------------------------------------------------ one request
+
 
 def _intact(out: DiffusionOutput, plan: Plan) -> bool:
     image = out.output["image"]

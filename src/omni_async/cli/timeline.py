@@ -120,7 +120,9 @@ def chrome_trace(modes: Mapping[str, Sequence[Span]], *, origin: Mapping[str, fl
             events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": rid}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
         for s in spans:
-            events.append(_event(f"{s.request_id} {s.phase}", s.phase, us(s.start), us(s.end), pid, tids[s.request_id], mode))
+            events.append(
+                _event(f"{s.request_id} {s.phase}", s.phase, us(s.start), us(s.end), pid, tids[s.request_id], mode)
+            )
         forwards = sorted((s for s in spans if s.phase == "forward"), key=lambda s: s.start)
         busy_until: float | None = None
         for s in forwards:
@@ -174,7 +176,7 @@ def draw_timeline(
                     height=0.8, color=[_COLORS[s.phase] for s in worker], linewidth=0)  # fmt: skip
         intervals = forward_intervals(spans)
         busy = [intervals[0][1]] if intervals else []
-        for start, end in intervals[1:]:
+        for _start, end in intervals[1:]:
             busy.append(max(busy[-1], end))
         gaps = idle_gaps(intervals)
         idle = [(busy[i], g) for i, g in enumerate(gaps) if g > 0]

@@ -71,6 +71,7 @@ from omni_async.core.trace import Tracer, emit
 
 __all__ = ["Aborting", "Dispatcher", "OverdueRpc", "PendingRpc"]
 
+
 class Dispatcher(StreamDispatch):
     def __init__(
         self,
@@ -646,4 +647,3 @@ class Dispatcher(StreamDispatch):
         self._ended[rpc_id] = None
         while len(self._ended) > self._max_ended:
             self._ended.popitem(last=False)
-

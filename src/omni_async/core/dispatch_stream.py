@@ -167,6 +167,7 @@ class StreamDispatch:
         self.counters["protocol_errors"] += 1
         self.registry.errors.append(ProtocolError(reason))
         emit(self._trace, "ProtocolError", output_id=None, reason=reason)
+
     def _orphan_deadline(self, now: float) -> float | None:
         """When the DROPPING records of a COMPUTE_DONE of an unknown call are given up on:
         ``compute_timeout`` from now (no worker computes for that call), else the

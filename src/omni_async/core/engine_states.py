@@ -170,9 +170,7 @@ STAGE_TABLE: Final[Mapping[tuple[StageState, StageEvent], StageState]] = {
     **{(s, SE.GONE): outcome for s, outcome in OUTCOME_OF.items()},
 }
 STAGE_INITIAL: Final = SS.WAITING
-STAGE_TERMINAL: Final[frozenset[StageState]] = frozenset(
-    {SS.FINISHED, SS.ABORTED, SS.CANCELLED, SS.CLOSED, SS.FAILED}
-)
+STAGE_TERMINAL: Final[frozenset[StageState]] = frozenset({SS.FINISHED, SS.ABORTED, SS.CANCELLED, SS.CLOSED, SS.FAILED})
 
 
 EngineObserver = Callable[[str, EngineEvent, EngineState, EngineState], None]

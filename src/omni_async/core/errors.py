@@ -143,9 +143,7 @@ class OutputUnpackFailed(OutputError):
     ``__cause__``).  The segment, if it was leased, has gone back to the pool.
     """
 
-    def __init__(
-        self, output_id: str | None, request_id: str | None, cause: BaseException
-    ) -> None:
+    def __init__(self, output_id: str | None, request_id: str | None, cause: BaseException) -> None:
         super().__init__(
             f"output {output_id!r} of request {request_id!r} could not be unpacked: "
             f"{type(cause).__name__}: {cause}.  The worker sent an output this executor cannot "
@@ -188,9 +186,7 @@ class RequestAborted(OutputError):
         what = f"request {request_id!r}" if len(ids) == 1 else f"requests {list(ids)}"
         who = "by cancel_requests()" if by == "abort" else "by its compute deadline"
         call = f" (call {rpc_id})" if rpc_id is not None else ""
-        super().__init__(
-            f"{what}{call} aborted {who}" + (f": {detail}" if detail else "") + "; nothing of it is kept"
-        )
+        super().__init__(f"{what}{call} aborted {who}" + (f": {detail}" if detail else "") + "; nothing of it is kept")
         self.request_id = request_id
         self.request_ids = ids
         self.by = by

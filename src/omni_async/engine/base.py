@@ -144,7 +144,9 @@ class EngineBase:
             or not isinstance(batch_wait_s, (int, float))
             or not 0 <= batch_wait_s < float("inf")
         ):
-            raise UsageError(f"batch_wait_s must be a number of seconds >= 0 (0: take what waits), got {batch_wait_s!r}")
+            raise UsageError(
+                f"batch_wait_s must be a number of seconds >= 0 (0: take what waits), got {batch_wait_s!r}"
+            )
         if batch_key is not None and not callable(batch_key):
             raise UsageError(f"batch_key must be a callable (request -> key or None) or None, got {batch_key!r:.80}")
         self._max_batch_size = max_batch_size
@@ -211,14 +213,12 @@ class EngineBase:
         self._chunks = 0
         self._prometheus: CollectorRegistry | None = None
 
-
     @property
     def executor(self) -> DiffusionExecutor:
         """The executor (for an engine from a factory: once ``start`` has built it)."""
         if self._executor is None:
             raise EngineNotStarted("the engine builds its executor at start(); start it first")
         return self._executor
-
 
     def _check_open(self, what: str) -> None:
         state = self._life.state
@@ -242,14 +242,12 @@ class EngineBase:
                 "the blocking DiffusionEngine"
             )
 
-
     def _dead(self) -> EngineDead:
         task = self._loop_task
         cause = None if task is None or task.cancelled() else task.exception()
         err = EngineDead(f"the engine's loop task ended ({cause!r}); close the engine and build a new one")
         err.__cause__ = cause
         return err
-
 
     def _admit(
         self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, *, streaming: bool
@@ -284,14 +282,12 @@ class EngineBase:
         self._wake.set()
         return rec
 
-
     def _post_of(self, request: DiffusionRequest) -> PostProcess | None:
         """The post-process ``request`` asks for (``UnknownPostProcess`` naming it and the
         registered names), or the engine's."""
         if request.postprocess is None:
             return self._default_post
         return get_postprocess(request.postprocess, request_id=request.request_id)
-
 
     def _compat_key(self, request: DiffusionRequest, deadlines: Deadlines | None, streaming: bool) -> object:
         """What the requests of one batch share (None: ``request`` goes alone): the
@@ -311,7 +307,6 @@ class EngineBase:
                 "a batch_key must return a hashable value (or None: never batched) for every valid request"
             ) from exc
         return None if key is None else (key, deadlines, streaming)
-
 
     def _end_early(self, rec: RequestRecord, event: StageEvent, *, error: BaseException | None = None) -> None:
         """Decide ``rec``'s end now (``ABORT``, ``CANCEL``: its caller went away,
@@ -348,7 +343,6 @@ class EngineBase:
             case _:
                 raise AssertionError(f"request {rid!r}: an end decided in stage {where}")
 
-
     def _fire(self, rec: RequestRecord, event: StageEvent) -> None:
         """Move ``rec``'s machine; the step that decides its end counts its outcome, so
         every request is counted exactly once (``metrics().requests``)."""
@@ -357,10 +351,8 @@ class EngineBase:
         if not was_ended and rec.ended():
             self._counts[OUTCOME_OF.get(rec.stage, rec.stage).value] += 1
 
-
     def _fail(self, rec: RequestRecord, error: BaseException) -> None:
         self._end_early(rec, SE.FAIL, error=error)
-
 
     def _forget(self, rec: RequestRecord) -> None:
         """Nothing of ``rec`` remains: it reaches its terminal state, frees its place and
@@ -374,11 +366,9 @@ class EngineBase:
         rec.gone.set()
         self._wake.set()
 
-
     async def _on_io(self, fn: Callable[[], T]) -> T:
         assert self._loop is not None and self._io is not None
         return await self._loop.run_in_executor(self._io, fn)
-
 
     def _cancel_forward(self, rec: RequestRecord) -> None:
         """Ask the workers to stop ``rec``'s forward (fire and forget: the driver awaits
@@ -389,7 +379,6 @@ class EngineBase:
         fut = self._loop.run_in_executor(self._control, functools.partial(ex.cancel_requests, [rec.request_id]))
         fut.add_done_callback(functools.partial(self._log_io_error, "cancel_requests", rec.request_id))
 
-
     def _drop_output(self, rec: RequestRecord) -> None:
         assert self._loop is not None and self._control is not None and rec.output_id is not None
         if rec.drop is None:
@@ -397,12 +386,10 @@ class EngineBase:
                 self._control, functools.partial(self.executor.drop_output, rec.output_id)
             )
 
-
     @staticmethod
     def _log_io_error(what: str, rid: str, fut: asyncio.Future[object]) -> None:
         if not fut.cancelled() and (exc := fut.exception()) is not None:
             log.debug("engine: %s for request %r failed: %s", what, rid, exc)
-
 
     def _close_stream(self, rec: RequestRecord) -> None:
         """Close ``rec``'s stream on the control thread (once): the chunks not taken are dropped."""
@@ -413,7 +400,6 @@ class EngineBase:
         rec.close = self._loop.run_in_executor(self._control, rec.stream.close)
         rec.changed.set()
         rec.poke.set()
-
 
     def _postprocess(self, rec: RequestRecord, output: DiffusionOutput, wanted: bool) -> tuple[object, float, float]:
         """On an ``omni-postprocess`` thread: the request's host stage (or an owned copy),
@@ -433,7 +419,6 @@ class EngineBase:
                 left = self._host_running.pop(rid) - 1
                 if left:
                     self._host_running[rid] = left
-
 
     def _run_host_stage(self, rec: RequestRecord, output: DiffusionOutput, wanted: bool) -> tuple[object, float, float]:
         """The host stage never writes into shared memory: it gets an owned copy (the
@@ -504,8 +489,9 @@ class EngineBase:
             log.debug("engine: releasing the output of %r: %s", rid, exc)
         return value, started, time.perf_counter() - t0
 
-
-    async def _encoded(self, rec: RequestRecord, value: object, metrics: Mapping[str, float]) -> tuple[object, float | None]:
+    async def _encoded(
+        self, rec: RequestRecord, value: object, metrics: Mapping[str, float]
+    ) -> tuple[object, float | None]:
         """The result of a request that asked for a format, and the encode's seconds: the
         encoder pool's job awaited (from its submission to its files here), or the
         worker's GPU's time (``device_encode_s``).  Other results pass as they are."""
@@ -543,7 +529,6 @@ class EngineBase:
                 format=fmt,
             ) from exc
         return encoded_value(value, files), time.perf_counter() - value.submitted_at
-
 
     def _release_quietly(self, output: DiffusionOutput) -> None:
         try:

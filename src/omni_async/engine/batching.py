@@ -64,7 +64,6 @@ class EngineBatches(EngineStreams):
         group.send = self._loop.create_task(send(group), name=f"omni-engine-batch-{records[0].request_id}")
         group.send.add_done_callback(retrieve)
 
-
     def _attach_stream(self, rec: RequestRecord, stream: RequestStream) -> None:
         """``rec`` was sent as a stream: its consumer wakes at each chunk."""
         rec.stream = stream
@@ -80,7 +79,6 @@ class EngineBatches(EngineStreams):
         stream.add_listener(wake)
         rec.changed.set()
 
-
     def _release_output_later(self, output: DiffusionOutput) -> None:
         if self._post is not None:
             try:
@@ -89,7 +87,6 @@ class EngineBatches(EngineStreams):
             except RuntimeError:  # the engine's threads are gone: release here
                 pass
         self._release_quietly(output)
-
 
     async def _send_group(self, group: BatchGroup) -> dict[str, MemberSend]:
         members = [r for r in group.records if not r.ended()]
@@ -113,7 +110,6 @@ class EngineBatches(EngineStreams):
         group.sent = len(members)
         return {h.request_id: h for h in handles}
 
-
     async def _member_sent(self, rec: RequestRecord) -> Sent | None:
         """``rec``'s part of its batch's send (None: it ended before the send and was not
         in it); raises the send's error.  A member the batch could not carry because of
@@ -132,7 +128,6 @@ class EngineBatches(EngineStreams):
             self._attach_stream(rec, got.stream)
         return got.computed, got.output
 
-
     async def _send_alone(self, rec: RequestRecord) -> Sent:
         """Send ``rec`` in a call of its own (a stream: ``submit_stream``)."""
         ex = self.executor
@@ -144,7 +139,6 @@ class EngineBatches(EngineStreams):
         # dispatches that COMPUTE_DONE (no id travels back down to claim it).
         handle = await self._on_io(functools.partial(ex.submit_handle, rec.request, deadlines=rec.deadlines))
         return handle.computed, handle.output
-
 
     async def _alone_after_batch_failed(self, rec: RequestRecord, exc: BaseException) -> Sent | None:
         """``rec``'s batched forward failed with ``exc``: when the batch's forward raised
@@ -170,7 +164,6 @@ class EngineBatches(EngineStreams):
         if rec.ended():  # aborted during the resend: stop the new forward too
             self._cancel_forward(rec)
         return sent
-
 
     # ------------------------------------------------------------ synchronous path
 
@@ -205,7 +198,6 @@ class EngineBatches(EngineStreams):
             except Exception as exc:
                 got[rec.request_id] = exc
         return got
-
 
     def _release_member_late(self, rid: str, send: asyncio.Task[dict[str, MemberSend]]) -> None:
         """A member's driver was cancelled while its batch's synchronous call ran: release

@@ -71,7 +71,6 @@ class EngineDriver(EngineBatches):
                     timer.cancel()
                     timer = None
 
-
     def _on_loop_end(self, task: asyncio.Task[None]) -> None:
         """The loop task ended: at close, by design; otherwise it died (a bug of ours).
         Nobody would admit the waiting requests any more: fail them with ``EngineDead``
@@ -83,7 +82,6 @@ class EngineDriver(EngineBatches):
         for rec in list(self._records.values()):
             if rec.stage is SS.WAITING:
                 self._fail(rec, err)  # WAITING -> FAILED: forgotten at once
-
 
     async def _drive(self, rec: RequestRecord) -> None:
         try:
@@ -99,7 +97,6 @@ class EngineDriver(EngineBatches):
             if not rec.ended() and rec.stage is not SS.RESOLVED:
                 self._fail(rec, AssertionError(f"request {rec.request_id!r}: its driver ended in stage {rec.stage}"))
             self._forget(rec)
-
 
     async def _walk(self, rec: RequestRecord) -> None:
         ex = self.executor
@@ -161,7 +158,6 @@ class EngineDriver(EngineBatches):
         rec.output_ready_at = time.monotonic()
         await self._finish(rec, output)
 
-
     async def _walk_sync(self, rec: RequestRecord) -> None:
         """``async_output=False``: the request's call on the synchronous output path, on
         an ``omni-engine-sync`` thread; COMPUTE_DONE and the output arrive together."""
@@ -187,7 +183,6 @@ class EngineDriver(EngineBatches):
             return
         await self._sync_answered(rec, announced)
 
-
     async def _walk_sync_member(self, rec: RequestRecord) -> None:
         """A batch member on the synchronous path: its batch's one call (the group's send
         task, on a sync thread), its own ``RunnerOutput`` from it."""
@@ -211,7 +206,6 @@ class EngineDriver(EngineBatches):
         assert isinstance(got, RunnerOutput)
         await self._sync_answered(rec, got)
 
-
     async def _sync_answered(self, rec: RequestRecord, announced: RunnerOutput) -> None:
         rid = rec.request_id
         assert self._scheduler is not None
@@ -225,7 +219,6 @@ class EngineDriver(EngineBatches):
             return
         await self._finish(rec, output)
 
-
     def _release_late(self, call: asyncio.Future[RunnerOutput]) -> None:
         """The synchronous call of a driver that was cancelled ended: release its output."""
         if call.cancelled() or call.exception() is not None:
@@ -233,7 +226,6 @@ class EngineDriver(EngineBatches):
         output = call.result().result
         if output is not None:
             self._release_output_later(output)
-
 
     async def _finish(self, rec: RequestRecord, output: DiffusionOutput) -> None:
         """Post-process ``output`` (the request's, here now) and hand the caller its result."""
@@ -297,7 +289,6 @@ class EngineDriver(EngineBatches):
         # A plain request is FINISHED here; a stream's consumer still decides (RESOLVED).
         self._fire(rec, SE.STREAM_RESULT if rec.streaming else SE.RESULT)
         rec.result.set_result(GenerationResult(rid, value, timings, metrics, rec.pipeline))
-
 
     async def _await_drop(self, rec: RequestRecord) -> None:
         """Until the executor acknowledged the drop of ``rec``'s output (nothing of it left)."""

@@ -152,11 +152,15 @@ class EncoderPool:
             p.join(max(0.0, deadline - time.monotonic()))
         left = [p for p in procs if p.is_alive()]
         if left and running:
-            log.warning("engine close: %d encoder process(es) still encoding after %.1f s; terminating them",
-                        len(left), timeout)
+            log.warning(
+                "engine close: %d encoder process(es) still encoding after %.1f s; terminating them", len(left), timeout
+            )
         elif left:
-            log.warning("engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
-                        len(left), IDLE_EXIT_S)
+            log.warning(
+                "engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
+                len(left),
+                IDLE_EXIT_S,
+            )
         for p in left:
             p.terminate()
         for p in left:
@@ -214,9 +218,7 @@ def _not_uint8(rid: str, encoding: Encoding, key: str, dtype: str) -> EncodeFail
     )
 
 
-def take_for_encoding(
-    output: Mapping[str, object] | object, rid: str, encoding: Encoding
-) -> Encoded | HostEncode:
+def take_for_encoding(output: Mapping[str, object] | object, rid: str, encoding: Encoding) -> Encoded | HostEncode:
     """The result of a request that asked for ``encoding``, from its unpacked output: the
     files its worker's GPU encoded, or the job for the encoder pool (pixels copied) and
     why the GPU did not encode them (empty: it was not asked to)."""

@@ -189,7 +189,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
             encode_workers=encode_workers,
         )
 
-
     @classmethod
     def from_factory(
         cls,
@@ -232,7 +231,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
         )
         return engine
 
-
     # ---------------------------------------------------------------- lifecycle
 
     @property
@@ -240,23 +238,19 @@ class AsyncDiffusionEngine(EngineLifecycle):
         """The default bound of ``close`` (and of a stream's ``aclose``), in seconds."""
         return self._close_timeout
 
-
     @property
     def started(self) -> bool:
         return self._life.state is ES.RUNNING
-
 
     @property
     def closed(self) -> bool:
         """Closing, closed, or failed to start: nothing new is served."""
         return self._life.state in (ES.CLOSING, ES.CLOSED, ES.FAILED)
 
-
     @property
     def state(self) -> EngineState:
         """Where the engine's lifecycle is (``omni_async.core.engine_states``)."""
         return self._life.state
-
 
     async def start(self) -> None:
         """Build the executor (factory), read its budget, start the loop task.
@@ -289,15 +283,12 @@ class AsyncDiffusionEngine(EngineLifecycle):
                 self._start_given_up = True  # the start-up sees it when its awaits return
             raise
 
-
     async def __aenter__(self) -> Self:
         await self.start()
         return self
 
-
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
 
     async def close(self, *, timeout: float | None = None) -> None:
         """Fail every request not finished with ``EngineClosed``, abort the work in flight,
@@ -330,7 +321,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
         self._closing.add_done_callback(retrieve)
         await asyncio.shield(self._closing)
 
-
     # ---------------------------------------------------------------- requests
 
     async def generate(self, request: DiffusionRequest, *, deadlines: Deadlines | None = None) -> GenerationResult:
@@ -355,7 +345,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
             if not rec.result.done():
                 self._end_early(rec, SE.CANCEL)
             raise
-
 
     async def generate_stream(
         self, request: DiffusionRequest, *, deadlines: Deadlines | None = None
@@ -397,7 +386,7 @@ class AsyncDiffusionEngine(EngineLifecycle):
             self._stop_stream(rec)
             try:
                 await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self._close_timeout)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 log.warning("engine: request %r still releasing after its stream closed", rec.request_id)
             raise
         except asyncio.CancelledError:
@@ -411,7 +400,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
             raise
         finally:
             self._consumed(rec)
-
 
     async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are
@@ -440,7 +428,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
         if wait:
             await asyncio.gather(*(r.gone.wait() for r in recs))
 
-
     # ---------------------------------------------------------- health, metrics
 
     def check_health(self) -> None:
@@ -456,7 +443,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
         if task is not None and task.done():
             raise self._dead()
         self.executor.check_health()
-
 
     def metrics(self) -> EngineMetrics:
         """A snapshot of the engine's counters and the executor's ``metrics()``.
@@ -476,7 +462,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
             loop.call_soon_threadsafe(take)
             return done.result(timeout=10.0)
         return self._snapshot()
-
 
     def _snapshot(self) -> EngineMetrics:
         s = self._scheduler
@@ -520,7 +505,6 @@ class AsyncDiffusionEngine(EngineLifecycle):
             batch_size_max=0 if s is None else s.stats.max_batch,
         )
 
-
     def prometheus_registry(self) -> CollectorRegistry:
         """A ``prometheus_client.CollectorRegistry`` of this engine alone (not the global
         one), read at each scrape; needs the ``metrics`` extra (``prometheus-client``)."""
@@ -530,17 +514,14 @@ class AsyncDiffusionEngine(EngineLifecycle):
             self._prometheus = engine_registry(self.metrics)
         return self._prometheus
 
-
     def stage_of(self, request_id: str) -> StageState | None:
         """The stage of ``request_id`` in the engine (None: unknown, or over and gone)."""
         rec = self._records.get(request_id)
         return None if rec is None else rec.stage
 
-
     def phase_of(self, request_id: str) -> SchedulerPhase | None:
         """Where the scheduler has ``request_id`` (None: unknown or finished)."""
         return None if self._scheduler is None else self._scheduler.phase(request_id)
-
 
     def __len__(self) -> int:
         """Requests in the engine: waiting, running, or holding an output."""

@@ -44,7 +44,6 @@ class EngineLifecycle(EngineDriver):
         if self._start_given_up:
             raise EngineClosed("the engine's start was cancelled")
 
-
     async def _start_up(self) -> None:
         assert self._loop is not None
         try:
@@ -93,7 +92,6 @@ class EngineLifecycle(EngineDriver):
         self._loop_task.add_done_callback(self._on_loop_end)
         self._life.fire(EE.STARTED)
 
-
     async def _shut_down(self, deadline: float) -> None:
         try:
             if self._starting is not None and not self._starting.done():
@@ -125,7 +123,6 @@ class EngineLifecycle(EngineDriver):
             await asyncio.to_thread(self._encoders.shutdown, max(0.1, deadline - time.monotonic()))
             self._life.fire(EE.CLOSED)
 
-
     def _stop_threads(self) -> None:
         """The engine's threads, without waiting: a host stage still running is abandoned
         (its output is released when it returns), with a warning."""
@@ -143,7 +140,6 @@ class EngineLifecycle(EngineDriver):
         for pool, drop_queued in ((self._io, True), (self._sync, True), (self._control, False), (self._post, False)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=drop_queued)
-
 
     async def _await_gone(self, recs: list[RequestRecord], deadline: float) -> None:
         if not recs:

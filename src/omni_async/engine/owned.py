@@ -84,9 +84,7 @@ def _walk(x: Any) -> Any:
         return _dict_object(x)
     if attrs.has(type(x)) or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
         names = (
-            [f.name for f in attrs.fields(type(x))]
-            if attrs.has(type(x))
-            else [f.name for f in dataclasses.fields(x)]
+            [f.name for f in attrs.fields(type(x))] if attrs.has(type(x)) else [f.name for f in dataclasses.fields(x)]
         )
         obj: Any = object.__new__(type(x))
         for name in names:

@@ -26,13 +26,11 @@ class EngineStreams(EngineBase):
         rec.consumed = True
         rec.poke.set()
 
-
     def _stop_stream(self, rec: RequestRecord) -> None:
         """The consumer of ``rec``'s stream went away (or failed): abort what is left."""
         self._end_early(rec, SE.CANCEL)
         self._close_stream(rec)
         self._consumed(rec)
-
 
     async def _next_chunk(self, rec: RequestRecord) -> OutputChunk | None:
         """The next chunk of ``rec``'s stream, claimed; None at its end (or the request's)."""
@@ -48,7 +46,6 @@ class EngineStreams(EngineBase):
                 return None
             await rec.changed.wait()
         return None
-
 
     async def _chunk_item(self, rec: RequestRecord, chunk: OutputChunk) -> GenerationChunk:
         """``chunk``'s output, awaited and post-processed (then released), as a ``GenerationChunk``."""
@@ -77,14 +74,12 @@ class EngineStreams(EngineBase):
         self._chunks += 1
         return GenerationChunk(rec.request_id, chunk.seq, value, metrics, rec.pipeline, arrived, post_s)
 
-
     def _discard_chunk(self, chunk: OutputChunk) -> None:
         """A chunk taken but not consumed (its consumer was cancelled): give it back."""
         fut = chunk.output
         if not fut.cancel() and fut.done() and not fut.cancelled() and fut.exception() is None:
             assert self._post is not None
             self._post.submit(self._release_quietly, fut.result())
-
 
     async def _finish_stream(self, rec: RequestRecord) -> None:
         """Before the driver forgets a streaming request: its consumer is done with the

@@ -63,7 +63,6 @@ from omni_async.worker.loop import WorkerInfo
 log = logging.getLogger(__name__)
 
 
-
 class DiffusionExecutor(ExecutorBatches):
     def __init__(
         self,
@@ -399,7 +398,11 @@ class DiffusionExecutor(ExecutorBatches):
         if isinstance(requests, (DiffusionRequest, str, bytes, Mapping)) or not isinstance(requests, Iterable):
             raise UsageError(
                 f"{method}: requests must be a sequence of DiffusionRequest, got {type(requests).__name__}"
-                + (" (for one request use execute_request/submit_request)" if isinstance(requests, DiffusionRequest) else "")
+                + (
+                    " (for one request use execute_request/submit_request)"
+                    if isinstance(requests, DiffusionRequest)
+                    else ""
+                )
             )
         reqs = list(requests)
         if not reqs:

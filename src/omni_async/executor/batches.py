@@ -178,9 +178,7 @@ class ExecutorBatches(ExecutorOutputs):
                     exc if exc is not None else RequestAborted(reqs[i].request_id, detail="its call was cancelled")
                 )
             elif ro.aborted:
-                fut.set_exception(
-                    RequestAborted(ro.request_id, detail="cancelled while the rest of its batch went on")
-                )
+                fut.set_exception(RequestAborted(ro.request_id, detail="cancelled while the rest of its batch went on"))
             else:
                 fut.set_result(ro)
 

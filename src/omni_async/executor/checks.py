@@ -23,12 +23,14 @@ def check_consumer(consumer: object) -> None:
     if consumer is not None and (not isinstance(consumer, str) or not consumer):
         raise UsageError(f"consumer must be a non-empty str or None, got {consumer!r}")
 
+
 def check_output_id(async_output_id: object, method: str) -> None:
     if not isinstance(async_output_id, str) or not async_output_id:
         raise UsageError(
             f"{method}: async_output_id must be a non-empty str (a RunnerOutput's async_output_id), "
             f"got {type(async_output_id).__name__} {async_output_id!r:.80}"
         )
+
 
 def check_output(output: object, method: str) -> None:
     if not isinstance(output, DiffusionOutput):
@@ -66,4 +68,12 @@ def requests_in(method: str, args: tuple[Any, ...]) -> list[DiffusionRequest]:
     return [r for r in found if isinstance(r, DiffusionRequest)]
 
 
-__all__ = ["check_consumer", "check_deadlines", "check_final_step_async", "check_output", "check_output_id", "requests_in", "stop_budget"]
+__all__ = [
+    "check_consumer",
+    "check_deadlines",
+    "check_final_step_async",
+    "check_output",
+    "check_output_id",
+    "requests_in",
+    "stop_budget",
+]

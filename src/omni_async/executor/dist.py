@@ -74,9 +74,7 @@ class GroupRendezvous:
         else:
             self._dir = tempfile.mkdtemp(prefix="omni-pg-")  # mode 0700: nobody else's ranks
             address = f"file://{self._dir}/rendezvous"
-        self.rendezvous = Rendezvous(
-            address, cfg.world_size, pg.backend, float(timeout), reply_rank=cfg.reply_rank
-        )
+        self.rendezvous = Rendezvous(address, cfg.world_size, pg.backend, float(timeout), reply_rank=cfg.reply_rank)
 
     @property
     def address(self) -> str:

@@ -15,11 +15,11 @@ from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, stop_budget
-from omni_async.worker.validation import model_batch_keyer, model_validator
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
 from omni_async.worker.postprocess import get_postprocess
+from omni_async.worker.validation import model_batch_keyer, model_validator
 
 __all__ = ["InProcessExecutor"]
 

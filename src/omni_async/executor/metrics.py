@@ -65,6 +65,7 @@ class ExecutorMetrics:
     output_waits: int
     output_wait_s_total: float
     output_wait_s_max: float
+
     def as_dict(self) -> dict[str, float]:
         """The fields as floats by name, the None ones left out (``metrics()``'s old shape)."""
         return {k: float(v) for k, v in attrs.asdict(self, recurse=False).items() if v is not None}

@@ -71,8 +71,6 @@ kill, and finally close the pool, which unlinks every segment.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import contextlib
 import logging
 import multiprocessing
@@ -156,7 +154,6 @@ class _CancelSender:
             self.sent += len(batch)
 
 
-
 @contextlib.contextmanager
 def _sigint_blocked() -> Iterator[None]:
     """Block SIGINT in this thread while a worker is spawned.
@@ -231,7 +228,6 @@ class _ReceivingEnd:
 
     def close(self) -> None:
         self._channel.close()
-
 
 
 class ProcessRanks(RankTransport):
@@ -334,9 +330,7 @@ class ProcessRanks(RankTransport):
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ComputeTimeout(
-                    f"worker rank(s) {sorted(waiting)} did not build their model in {start_timeout} s"
-                )
+                raise ComputeTimeout(f"worker rank(s) {sorted(waiting)} did not build their model in {start_timeout} s")
             objects: dict[object, int] = {}
             for rank in waiting:
                 objects[self._status_conns[rank]] = rank

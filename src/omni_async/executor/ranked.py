@@ -100,7 +100,7 @@ class RankTransport(abc.ABC):
         """Start every rank and wait until each has built its model (before the pump starts);
         raise ``WorkerStartupFailed`` or ``ComputeTimeout`` otherwise."""
 
-    def started(self) -> None:
+    def started(self) -> None:  # noqa: B027 (a hook most transports leave empty)
         """The pump runs: start what needs it (a monitor that fails waiters)."""
 
     @abc.abstractmethod

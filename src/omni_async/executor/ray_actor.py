@@ -199,7 +199,11 @@ class Outbox:
             try:
                 while not self._closed and (
                     len(self.held) >= budget.max_outputs
-                    or (budget.max_bytes is not None and self.held and sum(self.held.values()) + nbytes > budget.max_bytes)
+                    or (
+                        budget.max_bytes is not None
+                        and self.held
+                        and sum(self.held.values()) + nbytes > budget.max_bytes
+                    )
                 ):
                     left = deadline - time.monotonic()
                     if left <= 0:

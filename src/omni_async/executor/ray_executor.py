@@ -224,7 +224,9 @@ class RayRanks(RankTransport):
         p = self._placement
         world_size = self._cfg.world_size
         if self.placement_group is None:
-            self.placement_group = make_placement_group([dict(p.bundle) for _ in range(world_size)], strategy=p.strategy)
+            self.placement_group = make_placement_group(
+                [dict(p.bundle) for _ in range(world_size)], strategy=p.strategy
+            )
         group = self.placement_group
         try:
             ray.get(group.ready(), timeout=start_timeout)
@@ -236,7 +238,9 @@ class RayRanks(RankTransport):
         actor_cls = ray.remote(RankActor)
         here = ray.get_runtime_context().get_node_id()
         state = pickle.dumps(self._pool)
-        outbox = OutboxLimits(DEFAULT_MAX_MESSAGES, DEFAULT_CAPACITY_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUT_TIMEOUT)
+        outbox = OutboxLimits(
+            DEFAULT_MAX_MESSAGES, DEFAULT_CAPACITY_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUT_TIMEOUT
+        )
         budget = self._cfg.budget
         for rank in range(world_size):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
@@ -469,7 +473,8 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
         opts = cfg.worker_options
         if opts.output_path != "omni":
             raise InvalidConfig(
-                "options", "is refused: RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)"
+                "options",
+                "is refused: RayDiffusionExecutor ships outputs on the 'omni' path only (WorkerOptions.output_path)",
             )
         if isinstance(fetch_threads, bool) or not isinstance(fetch_threads, int) or fetch_threads < 1:
             raise InvalidConfig("fetch_threads", f"must be a positive int, got {fetch_threads!r}")

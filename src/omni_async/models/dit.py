@@ -131,7 +131,6 @@ class _Linear(nn.Linear):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-
 class _Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -469,7 +468,9 @@ class DiTPipelineWorker:
         dtype, ``decode_chunk`` images at a time."""
         b, t, _, h, w = latents.shape
         with torch.no_grad():
-            pixels = torch.empty(b, t, 3, h * DECODER_FACTOR, w * DECODER_FACTOR, device=latents.device, dtype=latents.dtype)
+            pixels = torch.empty(
+                b, t, 3, h * DECODER_FACTOR, w * DECODER_FACTOR, device=latents.device, dtype=latents.dtype
+            )
             # Each request's frames on their own (never another request's in the same
             # convolution): the convolution's kernel choice depends on how many images it
             # gets, and a batched request must decode to the bits it decodes to alone.
@@ -530,7 +531,10 @@ class DiTPipelineWorker:
                         px = self.decode(latents[i : i + 1])[0]
                         emit_chunk(requests[i].request_id, self._output(requests[i], px, shape, preview_step=done))
         pixels = self.decode(latents)
-        return [DiffusionOutput(request_id=r.request_id, output=self._output(r, pixels[i], shape)) for i, r in enumerate(requests)]
+        return [
+            DiffusionOutput(request_id=r.request_id, output=self._output(r, pixels[i], shape))
+            for i, r in enumerate(requests)
+        ]
 
     def _output(
         self, request: DiffusionRequest, pixels: Tensor, shape: _Shape, preview_step: int | None = None

@@ -45,8 +45,8 @@ from omni_async.models.dit import (
     DiTPipelineWorker,
     _Attention,
     _Block,
-    block_forward,
     _Denoiser,
+    block_forward,
 )
 from omni_async.worker.dist import DistContext
 
@@ -174,7 +174,9 @@ class _SequenceParallelDenoiser(nn.Module):
     def _block(self, blk: _Block, x: Tensor, cond: Tensor) -> Tensor:
         # ``_Block``'s arithmetic on this rank's tokens; only spatial attention needs the
         # others' (temporal attention runs over the frames at each of my patch positions).
-        return block_forward(x, cond, blk.modulation, functools.partial(self._spatial, blk.spatial), blk.temporal, blk.mlp)
+        return block_forward(
+            x, cond, blk.modulation, functools.partial(self._spatial, blk.spatial), blk.temporal, blk.mlp
+        )
 
     def _spatial(self, attn: _Attention, h: Tensor) -> Tensor:
         """Attention over every token of a frame, this rank holding ``h: [bt, n_local, D]``."""
@@ -188,7 +190,9 @@ class _SequenceParallelDenoiser(nn.Module):
         q, k, v = got.permute(1, 0, 2, 3, 4, 5).reshape(bt, ws * nl, 3, hl, hd).permute(2, 0, 3, 1, 4).unbind(0)
         o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)  # [bt, n, hl, hd]
         # Back: token block r to rank r, which gets every head group for its tokens.
-        back = _all_to_all(o.reshape(bt, ws, nl, hl, hd).permute(1, 0, 2, 3, 4), self.ctx)  # [ws (heads), bt, nl, hl, hd]
+        back = _all_to_all(
+            o.reshape(bt, ws, nl, hl, hd).permute(1, 0, 2, 3, 4), self.ctx
+        )  # [ws (heads), bt, nl, hl, hd]
         o = back.permute(1, 2, 0, 3, 4).reshape(bt, nl, d)
         out: Tensor = attn.proj(o)
         return out

@@ -144,7 +144,9 @@ class SyntheticForwardWorker:
             raise InvalidRequest(request.request_id, "forward_ms", f"must be a number >= 0, got {fwd!r}")
         shape = p.get("shape", (3, 64, 64))
         if not isinstance(shape, (tuple, list)) or not shape or not all(_is_int(d) and d >= 1 for d in shape):
-            raise InvalidRequest(request.request_id, "shape", f"must be a non-empty sequence of ints >= 1, got {shape!r}")
+            raise InvalidRequest(
+                request.request_id, "shape", f"must be a non-empty sequence of ints >= 1, got {shape!r}"
+            )
         if p.get("dtype", "float32") not in DTYPES:
             raise InvalidRequest(request.request_id, "dtype", f"must be one of {sorted(DTYPES)}, got {p['dtype']!r}")
         seed = p.get("seed", 0)

@@ -20,11 +20,10 @@ forward with a tolerance (it is the right request's image).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from numbers import Integral
 from typing import TYPE_CHECKING
-
-import time
 
 import attrs
 import numpy as np
@@ -104,7 +103,9 @@ class TinyDiffusionWorker:
             if spec is None:
                 raise InvalidRequest(request.request_id, name, f"is not a parameter of this model ({sorted(_PARAMS)})")
             kind, low = spec
-            ok = isinstance(value, bool) if kind is bool else isinstance(value, Integral) and not isinstance(value, bool)
+            ok = (
+                isinstance(value, bool) if kind is bool else isinstance(value, Integral) and not isinstance(value, bool)
+            )
             if not ok:
                 raise InvalidRequest(request.request_id, name, f"must be {kind.__name__}, got {value!r}")
             if low is not None and value < low:

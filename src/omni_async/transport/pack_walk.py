@@ -137,7 +137,9 @@ def walk(x: object, on_leaf: OnLeaf, path: str, depth: int) -> Skeleton:
             items.append((k, walk(v, on_leaf, f"{path}[{k!r}]", d)))
         factory = x.default_factory if isinstance(x, collections.defaultdict) else None
         return PackedMap(cls, tuple(items), factory)
-    if isinstance(x, (list, tuple)) and (cls is list or cls is tuple or (isinstance(x, tuple) and hasattr(cls, "_fields"))):
+    if isinstance(x, (list, tuple)) and (
+        cls is list or cls is tuple or (isinstance(x, tuple) and hasattr(cls, "_fields"))
+    ):
         return PackedSeq(cls, tuple(walk(v, on_leaf, f"{path}[{i}]", d) for i, v in enumerate(x)))
     if isinstance(x, dict):
         return _walk_dict_object(x, on_leaf, path, d)

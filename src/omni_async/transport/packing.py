@@ -200,7 +200,6 @@ def segment_nbytes(
     return plan.size
 
 
-
 def pack_diffusion_output_shm(
     output: DiffusionOutput,
     d2h_stream: CopyStream = None,
@@ -390,7 +389,6 @@ def carried_stored_keys(msg: AsyncDiffusionOutput) -> list[str]:
     """The keys of the stored buffers a result-channel message's outputs refer to (as
     ``carried_leases`` for segments)."""
     return [o.output.key for o in _carried_outputs(msg) if isinstance(o.output, StoredPayload) and o.output.key]
-
 
 
 def carried_leases(msg: AsyncDiffusionOutput) -> list[Lease]:

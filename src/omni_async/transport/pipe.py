@@ -70,8 +70,6 @@ log = logging.getLogger(__name__)
 __all__ = ["CreditSemaphore", "PipeChannel", "PipeSender"]
 
 
-
-
 class Credits(Protocol):
     """What both ends use of a sender's credit semaphore (a ``CreditSemaphore``, or any
     ``multiprocessing`` semaphore a test hands in)."""

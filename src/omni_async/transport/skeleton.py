@@ -201,7 +201,6 @@ def output_id(output: DiffusionOutput) -> str:
     return output.async_output_id or output.request_id
 
 
-
 def is_packed(output: DiffusionOutput) -> bool:
     return isinstance(output.output, PackedPayload)
 

@@ -232,7 +232,6 @@ def settle_releases(timeout: float = 5.0) -> bool:
     return done.wait(timeout)
 
 
-
 def unpack_diffusion_output_shm(
     packed: DiffusionOutput, *, copy: bool = False, pool: SegmentPool | None = None
 ) -> DiffusionOutput:
@@ -408,7 +407,9 @@ def release_packed_output(output: DiffusionOutput, *, pool: SegmentPool | None =
     if views is not None:
         if _still_viewed(views):
             raise OutputStillViewed(views.output_id, views.alive(), lease.name)
-        raise LeaseAlreadyReleased(lease.name, f"the views of output {views.output_id!r} were dropped, which gave it back")
+        raise LeaseAlreadyReleased(
+            lease.name, f"the views of output {views.output_id!r} were dropped, which gave it back"
+        )
     (pool or SegmentPool.for_prefix(lease.prefix)).release(lease)
     return 1
 

@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 
-
 class TlcUnavailable(RuntimeError):
     """Java or tla2tools.jar cannot be found."""
 
@@ -276,9 +275,7 @@ def run_tlc(
             cmd.append("-deadlock")
         cmd += ["-metadir", meta, "-config", str(cfg_p), spec_p.name]
         t0 = time.monotonic()
-        proc = subprocess.run(
-            cmd, cwd=spec_p.parent, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        proc = subprocess.run(cmd, cwd=spec_p.parent, capture_output=True, text=True, timeout=timeout, check=False)
         seconds = time.monotonic() - t0
     return parse_output(
         proc.stdout + proc.stderr,

@@ -99,7 +99,9 @@ class TraceFailure:
         if self.trace < 0:
             return f"TLC failed before refusing any event ({self.detail})"
         where = f"event {self.event}" if self.event is not None else "its end"
-        return f"trace {self.trace}, {where}: {self.action} {dict(self.fields)} is not a step of the spec ({self.detail})"
+        return (
+            f"trace {self.trace}, {where}: {self.action} {dict(self.fields)} is not a step of the spec ({self.detail})"
+        )
 
 
 @attrs.frozen
@@ -257,7 +259,9 @@ def _steps(trace: Sequence[TraceEvent], num: _Numbering) -> dict[int, _Step]:
             new = _Step("expire")
         elif a == "Drop":
             after_dispatch = (
-                prev is not None and prev.action == "DispatchDrop" and prev.fields.get("output_id") == f.get("output_id")
+                prev is not None
+                and prev.action == "DispatchDrop"
+                and prev.fields.get("output_id") == f.get("output_id")
             )
             if not after_dispatch:
                 new = _Step("drop")
@@ -532,9 +536,7 @@ def encode_traces(traces: Sequence[Sequence[TraceEvent]]) -> EncodedTraces:
         "EXTENDS Integers\n"
         f"NumIds == {num_ids}\n"
         f"NumRpcs == {num_rpcs}\n"
-        f"MaxRank == {max_rank}\n"
-        + _constants_module(consts)
-        + f"TraceLog == <<\n    {body}\n  >>\n"
+        f"MaxRank == {max_rank}\n" + _constants_module(consts) + f"TraceLog == <<\n    {body}\n  >>\n"
         "=============================================================================\n"
     )
     return EncodedTraces(module, tuple(positions), silent)

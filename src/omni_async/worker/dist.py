@@ -121,9 +121,7 @@ def join_process_group(rank: int, rendezvous: Rendezvous, device: torch.device) 
     # The store is prefixed per executor incarnation by its address already; a rank that
     # joins late fails the others' rendezvous after ``timeout`` (the executor's start-up
     # bound usually fires first and stops every rank).
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=rendezvous.world_size, timeout=timeout)
     group = dist.group.WORLD
     assert group is not None  # just initialised
     return DistContext(

@@ -244,7 +244,6 @@ def device_setup(device: str, rank: int = 0) -> torch.device:
     return dev
 
 
-
 def build_worker(
     rank: int,
     spec: WorkerSpec,
@@ -365,7 +364,6 @@ def build_worker(
     return packer, loop
 
 
-
 def budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:
     """The error of an output that found no room in the budget of held outputs."""
     try:
@@ -382,4 +380,3 @@ def budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) 
         nbytes=exc.nbytes,
         timeout=exc.timeout,
     )
-

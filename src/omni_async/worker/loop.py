@@ -356,7 +356,9 @@ class WorkerLoop:
             self._fail_call(req, err, machines)
             return
         if scope.all_cancelled():
-            self._abort_call(req, scope, machines, "before its forward started (it waited for the packer); it never ran")
+            self._abort_call(
+                req, scope, machines, "before its forward started (it waited for the packer); it never ran"
+            )
             return
         for m in machines:
             self._fire(m, RequestEvent.FORWARD)
@@ -419,14 +421,12 @@ class WorkerLoop:
                 )
             ids = tuple(m.key for m in machines)
             try:
-                self._sender.put(
-                    ComputeDone(
-                        req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank
-                    )
-                )
+                self._sender.put(ComputeDone(req.rpc_id, ids, tuple(r.request_id for r in requests), rank=self.rank))
             except ChannelClosed as exc:
                 # The executor closed its end (shutdown) or is gone: nobody reads the answer.
-                log.debug("rank %d: no COMPUTE_DONE for %s, the result channel is closed: %s", self.rank, req.rpc_id, exc)
+                log.debug(
+                    "rank %d: no COMPUTE_DONE for %s, the result channel is closed: %s", self.rank, req.rpc_id, exc
+                )
             except Exception as exc:
                 # The outputs are with the packer already: their OUTPUT_READY will come.  The
                 # failure that answers the call names them, so the executor registers and drops

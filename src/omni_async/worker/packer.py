@@ -361,7 +361,9 @@ class Packer:
             if self._machine.terminal:
                 raise RuntimeError(f"packer {self.rank} is {self._machine.state}")
             self._jobs.append(
-                PackJob(output_id, output, event, nbytes, machine, time.monotonic(), forward, encoding, held=self._held > 0)
+                PackJob(
+                    output_id, output, event, nbytes, machine, time.monotonic(), forward, encoding, held=self._held > 0
+                )
             )
             if cancelled:
                 self._cancelled.add(output_id)

@@ -139,8 +139,9 @@ class PostProcess:
         try:
             self.warmup(device)
         except Exception:
-            log.warning("post-process %r: its warm-up on %s failed; it warms on first use", self.name, device,
-                        exc_info=True)
+            log.warning(
+                "post-process %r: its warm-up on %s failed; it warms on first use", self.name, device, exc_info=True
+            )
 
     def run_host(self, output: DiffusionOutput, request: DiffusionRequest) -> object:
         """Call the host stage in the form it was written in (``UsageError`` without one)."""
@@ -158,9 +159,7 @@ def _takes_request(host: Callable[..., object], name: str) -> bool:
         sig = inspect.signature(host)
     except (TypeError, ValueError):  # a builtin without a signature: the one-argument form
         return False
-    positional = [
-        p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     varargs = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
     required = [p for p in positional if p.default is p.empty]
     if len(required) > 2 or (not positional and not varargs):

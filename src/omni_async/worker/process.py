@@ -192,4 +192,3 @@ def read_control(loop: WorkerLoop, control: multiprocessing.connection.Connectio
             loop.cancel(msg)
         else:
             log.warning("omni-cancel-%d: ignoring a control message of type %s", loop.rank, type(msg).__name__)
-

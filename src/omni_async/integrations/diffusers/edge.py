@@ -131,7 +131,7 @@ class PipelineHandle:
         scheduler_type = diffusers_class("SchedulerMixin", "PipelineHandle")
         remade = []
         components = getattr(self.pipeline, "components", None)
-        for name, found in (components.items() if isinstance(components, Mapping) else ()):
+        for name, found in components.items() if isinstance(components, Mapping) else ():
             if not isinstance(found, scheduler_type):
                 continue
             tables = [v for v in vars(found).values() if isinstance(v, torch.Tensor)]

@@ -74,7 +74,11 @@ def _convert(value: object, *, to_host: bool) -> object:
 def _map_pixels(output: object, *, to_host: bool) -> object:
     """``output`` with its ``images``/``frames`` converted (a BaseOutput stays its own class)."""
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        changes = {f.name: _convert(getattr(output, f.name), to_host=to_host) for f in dataclasses.fields(output) if f.name in _PIXELS}
+        changes = {
+            f.name: _convert(getattr(output, f.name), to_host=to_host)
+            for f in dataclasses.fields(output)
+            if f.name in _PIXELS
+        }
         return dataclasses.replace(output, **changes)
     if isinstance(output, Mapping):
         mapped: dict[str, object] = {}

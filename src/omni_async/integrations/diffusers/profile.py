@@ -106,7 +106,9 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
         num_classes = int_or_none(transformer.get("num_embeds_ada_norm")) or int_or_none(transformer.get("num_classes"))
     spatial = None
     if "height" in params:
-        vae_scale = int_or_none(handle.attribute("vae_scale_factor_spatial")) or int_or_none(handle.attribute("vae_scale_factor"))
+        vae_scale = int_or_none(handle.attribute("vae_scale_factor_spatial")) or int_or_none(
+            handle.attribute("vae_scale_factor")
+        )
         patch = int_or_none(transformer.get("patch_size")) or 1
         spatial = (vae_scale or 8) * patch
     temporal = int_or_none(handle.attribute("vae_scale_factor_temporal")) if "num_frames" in params else None
@@ -222,7 +224,9 @@ def _check_ranges(profile: PipelineProfile, request: DiffusionRequest) -> None:
         )
     output_type = p.get("output_type", "pt")
     if output_type not in profile.output_types():
-        raise InvalidRequest(rid, "output_type", f"must be one of {list(profile.output_types())}, got {output_type!r:.60}")
+        raise InvalidRequest(
+            rid, "output_type", f"must be one of {list(profile.output_types())}, got {output_type!r:.60}"
+        )
     every = p.get("preview_every")
     if every is not None and (_int(every) or 0) < 1:
         raise InvalidRequest(rid, "preview_every", f"must be an int >= 1 (a preview every k steps), got {every!r:.60}")

@@ -129,7 +129,9 @@ class PipelineSource:
                 "name an importable 'module:function'"
             ) from exc
         if not callable(found):
-            raise UsageError(f"DiffusersPipelineWorker: builder {self.builder!r} is a {type(found).__name__}, not a function")
+            raise UsageError(
+                f"DiffusersPipelineWorker: builder {self.builder!r} is a {type(found).__name__}, not a function"
+            )
         return cast("Callable[..., object]", found)
 
     def load(self, device: torch.device) -> PipelineHandle:
@@ -195,4 +197,3 @@ def _pipeline_from_configs(path: str) -> object:
         comp_cls = configurable(str(class_name), f"pretrained {path!r} component {name!r}")
         parts[name] = comp_cls.from_config(comp_cls.load_config(path, subfolder=name))
     return pipe_cls(**parts)
-

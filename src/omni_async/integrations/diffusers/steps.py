@@ -74,7 +74,9 @@ class StepHook:
                 preview = dict(self._decode(latents[i : i + 1]))
                 emit_chunk(rid, {**preview, "step": self.done})
 
-    def callback(self, pipeline: object, step: int, timestep: object, tensors: Mapping[str, object]) -> dict[str, object]:
+    def callback(
+        self, pipeline: object, step: int, timestep: object, tensors: Mapping[str, object]
+    ) -> dict[str, object]:
         """``callback_on_step_end``; returns nothing to replace."""
         latents = tensors.get("latents")
         if isinstance(latents, torch.Tensor):

@@ -117,7 +117,12 @@ class DiffusersPipelineWorker:
     ) -> None:
         _check_decode(decode)
         self.source = _source(
-            {"builder": builder, "builder_kwargs": builder_kwargs, "pretrained": pretrained, "pretrained_kwargs": pretrained_kwargs}
+            {
+                "builder": builder,
+                "builder_kwargs": builder_kwargs,
+                "pretrained": pretrained,
+                "pretrained_kwargs": pretrained_kwargs,
+            }
         )
         if device == "auto":
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
@@ -286,7 +291,9 @@ def _member(result: object, index: int, size: int, *, latent: bool) -> object:
     if latent:
         found = _first_tensor(result)
         if found is None:
-            raise UsageError(f"the pipeline returned no latents tensor for output_type='latent': {type(result).__name__}")
+            raise UsageError(
+                f"the pipeline returned no latents tensor for output_type='latent': {type(result).__name__}"
+            )
         return {"latents": _take(found, index, size)}
     if dataclasses.is_dataclass(result) and not isinstance(result, type):
         fields = {f.name: _take(getattr(result, f.name), index, size) for f in dataclasses.fields(result)}

@@ -190,7 +190,9 @@ class SegmentPool:
             None if attach_by_name else ctx.RawArray(ctypes.c_int64, max_segments * NF + NC)
         )
         self._open_lock_file(create=True)
-        self._finalizer: weakref.finalize[[str], SegmentPool] | None = weakref.finalize(self, _close_owner, self._prefix)
+        self._finalizer: weakref.finalize[[str], SegmentPool] | None = weakref.finalize(
+            self, _close_owner, self._prefix
+        )
         self._register()
 
     # -- process plumbing ----------------------------------------------------------------
