@@ -86,8 +86,8 @@ def test_invalid_message_raises(label: str, build: Any) -> None:
         ("output_ready with a result", lambda: OutputReady("a", _out(), result=3)),  # type: ignore[call-arg]
         (
             "rpc_result with request ids",
-            lambda: RpcResult("r", async_output_ids=("a",), request_ids=("q",), failure=Failure("E", "m")),
-        ),  # type: ignore[call-arg]
+            lambda: RpcResult("r", async_output_ids=("a",), request_ids=("q",), failure=Failure("E", "m")),  # type: ignore[call-arg]
+        ),
         ("rpc_result with an output id", lambda: RpcResult("r", async_output_id="a")),  # type: ignore[call-arg]
         ("rpc_result with an output", lambda: RpcResult("r", output=_out())),  # type: ignore[call-arg]
         ("a kind given", lambda: RpcResult("r", kind=K.COMPUTE_DONE)),  # type: ignore[call-arg]

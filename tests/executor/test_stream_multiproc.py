@@ -17,7 +17,14 @@ import torch
 from helpers.leaks import kept_for_the_module
 from helpers.mp_workers import expected_image
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import RemoteError, RequestAborted, RpcFailed, UsageError
+from omni_async.core.errors import (
+    OutputAlreadyClaimed,
+    OutputDropped,
+    RemoteError,
+    RequestAborted,
+    RpcFailed,
+    UsageError,
+)
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker, image_digest
@@ -281,3 +288,36 @@ def test_final_step_async_is_a_step_mode_option() -> None:
         ex.shutdown()
     with pytest.raises(UsageError, match="option of step mode"):
         MultiprocDiffusionExecutor(STEPWISE, final_step_async=True)
+
+
+def test_submit_with_stream_claims_the_final_output_for_its_handle(ex: MultiprocDiffusionExecutor) -> None:
+    """``submit(stream=True)``: the chunks on ``handle.stream`` and the final output on
+    ``handle.output``, claimed by the pump at COMPUTE_DONE (no id travels back down)."""
+    h = ex.submit(r("s9", seed=5, preview_every=3), stream=True)
+    assert h.stream is not None and h.stream.result is h.computed
+    steps = []
+    for out in h.stream:
+        steps.append(out.output["info"]["step"])
+        ex.release_output(out)
+    final = h.output.result(30)
+    assert steps == [3, 6] and final.async_output_id == h.computed.result().async_output_id
+    with pytest.raises(OutputAlreadyClaimed):
+        ex.wait_output_ready(final.async_output_id or "").result(5)
+    ex.release_output(final)
+    del final
+    quiet(ex)
+
+
+def test_a_handle_drops_its_output_after_compute_done(ex: MultiprocDiffusionExecutor) -> None:
+    h = ex.submit(r("s10", seed=6, step_ms=100))
+    with pytest.raises(UsageError, match="cancel_requests"):
+        h.drop()  # before COMPUTE_DONE (6 steps of 100 ms still to run): the forward is cancelled instead
+    h.computed.result(30)
+    h.drop().result(30)
+    # Dropped before it was delivered it fails; delivered first (the packer can be quick),
+    # it is the caller's to release.  Either way nothing of it stays.
+    try:
+        ex.release_output(h.output.result(30))
+    except OutputDropped:
+        pass
+    quiet(ex)

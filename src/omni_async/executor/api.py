@@ -281,7 +281,46 @@ class DiffusionExecutor(ExecutorBatches):
         self._check_deadlines(deadlines, "submit_handle")
         output: Future[DiffusionOutput] = Future()
         computed = self._submit_one(request, consumer, deadlines, first=lambda f: self._claim_for(f, output))
-        return RequestHandle(request.request_id, computed, output)
+        return RequestHandle(request.request_id, computed, output, drop_fn=self.drop_output)
+
+    def submit(
+        self,
+        request: DiffusionRequest,
+        *,
+        consumer: str | None = None,
+        deadlines: Deadlines | None = None,
+        stream: bool = False,
+    ) -> RequestHandle:
+        """Start a forward; a ``RequestHandle`` with both phases of its output (request mode).
+
+        ``handle.computed`` resolves at COMPUTE_DONE; ``handle.output`` is the output,
+        claimed for the handle when the pump dispatches that COMPUTE_DONE, so no output
+        id travels back to claim it.  ``stream=True``: ``handle.stream`` gives the
+        intermediate outputs the model emits (see ``RequestStream``); ``handle.output`` is
+        still the final one.  ``handle.drop()`` drops the output after COMPUTE_DONE.
+        """
+        self._check_request(request, "submit")
+        self._check_consumer(consumer)
+        self._check_deadlines(deadlines, "submit")
+        if not isinstance(stream, bool):
+            raise UsageError(f"submit: stream must be a bool, got {stream!r:.80}")
+        feeds = [ChunkFeed(request.request_id)] if stream else []
+        output: Future[DiffusionOutput] = Future()
+        inner = self._submit(
+            "execute_model",
+            (request,),
+            consumer,
+            [request],
+            deadlines,
+            streams=feeds,
+            first=lambda f: self._claim_for(f, output),
+        )
+        computed = map_future(inner, lambda outs: outs[0], discard=lambda ro: self._drop_runner_outputs([ro]))
+        member_stream = None
+        if feeds:
+            member_stream = self._stream_of(feeds[0])
+            member_stream.result = computed
+        return RequestHandle(request.request_id, computed, output, member_stream, drop_fn=self.drop_output)
 
     def execute_request(
         self,

@@ -156,7 +156,9 @@ class ExecutorBatches(ExecutorOutputs):
             if feeds:
                 member_stream = self._stream_of(feeds[i])
                 member_stream.result = computed[i]
-            handles.append(RequestHandle(r.request_id, computed[i], outputs[i], member_stream))
+            handles.append(
+                RequestHandle(r.request_id, computed[i], outputs[i], member_stream, drop_fn=self.drop_output)
+            )
         return handles
 
     def _settle_members(

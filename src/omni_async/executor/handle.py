@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import attrs
 
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, RunnerOutput
 from omni_async.executor.stream import RequestStream
 
@@ -29,3 +31,23 @@ class RequestHandle:
     computed: Future[RunnerOutput]
     output: Future[DiffusionOutput]
     stream: RequestStream | None = None
+    _drop: Callable[[str], Future[None]] | None = attrs.field(default=None, alias="drop_fn", repr=False)
+
+    def drop(self) -> Future[None]:
+        """Drop this request's output after its COMPUTE_DONE, in any state (F10): the
+        future resolves once nothing of it remains in the executor (an acknowledged
+        drop; a packing that has not started is cancelled, F15).  ``output`` then fails
+        with ``OutputDropped`` unless it was delivered already (release that with
+        ``release_output``).  Before COMPUTE_DONE stop the forward with
+        ``cancel_requests`` instead: this raises ``UsageError``."""
+        if not self.computed.done() or self.computed.cancelled() or self.computed.exception() is not None:
+            raise UsageError(
+                f"request {self.request_id!r}: drop() needs its COMPUTE_DONE; before it, cancel the "
+                "forward with cancel_requests"
+            )
+        oid = self.computed.result().async_output_id
+        if oid is None or self._drop is None:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self._drop(oid)
