@@ -120,7 +120,7 @@ def test_close_during_start_sticks_and_shuts_down_what_the_start_built() -> None
             await engine.generate(req("r"))
         assert len(built) == 1
         with pytest.raises(Exception, match="shut down|closed"):
-            built[0].submit_request(req("late"))
+            built[0].submit(req("late"))
 
     run(body(), timeout=30)
 
@@ -164,7 +164,7 @@ def test_a_close_that_stops_waiting_for_the_factory_still_gets_its_executor_shut
             await asyncio.wait_for(start, 10.0)
         assert len(built) == 1
         with pytest.raises(Exception, match="shut down|closed"):
-            built[0].submit_request(req("late"))
+            built[0].submit(req("late"))
 
     run(body(), timeout=30)
 

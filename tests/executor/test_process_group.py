@@ -77,7 +77,7 @@ def test_two_ranks_all_reduce_in_the_executors_group_and_leave_it_at_shutdown() 
             (1, 2, 2, 1),
         ]
         assert {i["backend"] for i in infos} == {"gloo"} and {i["device"] for i in infos} == {"cpu"}
-        ro = ex.submit_request(DiffusionRequest("r1", {})).result(timeout=60)
+        ro = ex.execute_request(DiffusionRequest("r1", {}))
         assert ro.async_output_id is not None
         out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
         assert out.output["sum"].tolist() == [3.0] * 4  # 1 + 2: both ranks took part
@@ -98,12 +98,10 @@ def test_two_executors_with_process_groups_side_by_side() -> None:
             assert group is not None and group.address.startswith("file://")
             rdzv_dir = os.path.dirname(group.address.removeprefix("file://"))
             assert tcp.ranks._group is not None and tcp.ranks._group.address.startswith("tcp://127.0.0.1:")
-            futs = [(ex, ex.submit_request(DiffusionRequest(f"r{i}", {}))) for i in range(3) for ex in (tcp, other)]
+            handles = [(ex, ex.submit(DiffusionRequest(f"r{i}", {}))) for i in range(3) for ex in (tcp, other)]
             sums = []
-            for ex, fut in futs:
-                ro = fut.result(timeout=60)
-                assert ro.async_output_id is not None
-                out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
+            for ex, h in handles:
+                out = h.output.result(timeout=60)
                 sums.append(out.output["sum"][0].item())
                 ex.release_output(out)
             assert sums == [3.0, 6.0] * 3  # 1+2 in one group, 1+2+3 in the other
@@ -145,12 +143,10 @@ def test_split_dit_equals_the_unsplit_model_and_only_the_reply_rank_leases(
         process_group=True,
         options=WorkerOptions(inline_threshold=1024),  # every output through a segment
     ) as ex:
-        image = ex.submit_request(DiffusionRequest("img", {"height": 64, "width": 64, "seed": 3}))
-        video = ex.submit_request(DiffusionRequest("vid", {"height": 32, "width": 64, "num_frames": 3, "seed": 4}))
-        for name, fut, key in (("image", image, "image"), ("video", video, "frames")):
-            ro = fut.result(timeout=120)
-            assert ro.async_output_id is not None
-            out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
+        image = ex.submit(DiffusionRequest("img", {"height": 64, "width": 64, "seed": 3}))
+        video = ex.submit(DiffusionRequest("vid", {"height": 32, "width": 64, "num_frames": 3, "seed": 4}))
+        for name, h, key in (("image", image, "image"), ("video", video, "frames")):
+            out = h.output.result(timeout=120)
             got = out.output[key]
             assert got.shape == references[name].shape
             diff = (got - references[name]).abs().max().item()
@@ -188,8 +184,8 @@ def test_a_rank_killed_mid_collective_fails_every_waiter_naming_it_and_leaves_no
     try:
         pids = [p.pid for p in ex.procs if p.pid is not None]
         started = time.monotonic()
-        dying = ex.submit_request(DiffusionRequest("dies", {"die_rank": 1, "enter_s": 0.5}))
-        queued = ex.submit_request(DiffusionRequest("queued", {}))
+        dying = ex.submit(DiffusionRequest("dies", {"die_rank": 1, "enter_s": 0.5})).computed
+        queued = ex.submit(DiffusionRequest("queued", {})).computed
         for fut in (dying, queued):
             err = exc_of(fut)
             assert isinstance(err, WorkerDied) and not isinstance(err, ComputeTimeout), repr(err)
@@ -198,7 +194,7 @@ def test_a_rank_killed_mid_collective_fails_every_waiter_naming_it_and_leaves_no
         with pytest.raises(WorkerDied, match="worker rank 1"):
             ex.check_health()
         with pytest.raises(WorkerDied, match="worker rank 1"):  # failed until restarted
-            ex.submit_request(DiffusionRequest("after", {}))
+            ex.submit(DiffusionRequest("after", {}))
     finally:
         ex.shutdown()
     assert _procs_gone(pids), [p for p in pids if pid_alive(p)]
@@ -217,14 +213,15 @@ def test_a_rank_hung_outside_the_collective_fails_its_call_at_the_deadline_and_i
     try:
         pids = [p.pid for p in ex.procs if p.pid is not None]
         started = time.monotonic()
-        err = exc_of(ex.submit_request(DiffusionRequest("hangs", {"hang_rank": 1})))
+        err = exc_of(ex.submit(DiffusionRequest("hangs", {"hang_rank": 1})).computed)
+
         assert isinstance(err, ComputeTimeout) and "rank(s) [" in str(err) and "1" in str(err), err
         assert time.monotonic() - started < 10
         time.sleep(grace + 0.5)
         # Rank 1, not rank 0: ranks 0 and 2 answered once their collective timed out (the
         # stuck rank named is the lowest that has not answered).
         with pytest.raises(WorkerStuck, match="worker rank 1 is stuck"):
-            ex.submit_request(DiffusionRequest("after", {}))
+            ex.submit(DiffusionRequest("after", {}))
     finally:
         ex.shutdown(timeout=10)
     assert _procs_gone(pids), [p for p in pids if pid_alive(p)]

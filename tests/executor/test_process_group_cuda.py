@@ -29,7 +29,7 @@ def test_world_size_1_joins_an_nccl_group_on_its_gpu() -> None:
     ) as ex:
         (info,) = ex.collective_rpc("dist_info")
         assert info["backend"] == "nccl" and info["device"] == "cuda:0" and info["group_size"] == 1, info
-        ro = ex.submit_request(DiffusionRequest("r1", {"numel": 1 << 20})).result(timeout=120)
+        ro = ex.execute_request(DiffusionRequest("r1", {"numel": 1 << 20}))
         assert ro.async_output_id is not None
         out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
         assert out.output["sum"].shape == (1 << 20,) and bool((out.output["sum"] == 1.0).all())
@@ -48,7 +48,7 @@ def test_split_dit_on_two_gpus_equals_the_unsplit_model(mode: str) -> None:
     with MultiprocDiffusionExecutor(
         spec, world_size=2, deadlines=DEADLINES, process_group=True, options=WorkerOptions(device="cuda")
     ) as ex:
-        ro = ex.submit_request(DiffusionRequest("img", params)).result(timeout=120)
+        ro = ex.execute_request(DiffusionRequest("img", params))
         assert ro.async_output_id is not None
         out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
         # GPU matmuls may use TF32 and another reduction order per split: a looser bound than the CPU's.

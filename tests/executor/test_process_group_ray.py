@@ -51,7 +51,7 @@ def test_split_dit_across_actors_equals_the_unsplit_model(mode: str, world_size:
     ) as ex:
         group = ex.ranks._group
         assert group is not None and group.address.startswith("tcp://")
-        ro = ex.submit_request(DiffusionRequest("img", params)).result(timeout=120)
+        ro = ex.execute_request(DiffusionRequest("img", params))
         assert ro.async_output_id is not None
         out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
         got = out.output["image"]
@@ -70,8 +70,8 @@ def test_an_actor_killed_mid_collective_fails_every_waiter_naming_its_rank() -> 
     try:
         assert [i["group_size"] for i in ex.collective_rpc("dist_info")] == [2, 2]
         started = time.monotonic()
-        dying = ex.submit_request(DiffusionRequest("dies", {"die_rank": 1, "enter_s": 0.5}))
-        queued = ex.submit_request(DiffusionRequest("queued", {}))
+        dying = ex.submit(DiffusionRequest("dies", {"die_rank": 1, "enter_s": 0.5})).computed
+        queued = ex.submit(DiffusionRequest("queued", {})).computed
         for fut in (dying, queued):
             err = exc_of(fut)
             assert isinstance(err, ActorDied) and not isinstance(err, ComputeTimeout), repr(err)

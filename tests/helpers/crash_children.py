@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypedDict
 
 SCRIPT = os.path.abspath(__file__)
@@ -52,9 +53,14 @@ def _owner(world_size: int) -> None:
         ro = ex.execute_request(DiffusionRequest(f"held-{i}", {"height": 512, "seed": i}))
         assert ro.async_output_id is not None
         held.append(ex.wait_output_ready(ro.async_output_id).result(timeout=60))
-    in_flight = [ex.submit_request(DiffusionRequest(f"fly-{i}", {"height": 512, "seed": i})) for i in range(3)]
-    for f in in_flight:
-        f.result(timeout=60)  # COMPUTE_DONE: announced, packed or packing, never claimed
+    # Three calls in flight at once, each returning at its COMPUTE_DONE: announced, packed
+    # or packing, never claimed (a handle would claim them).
+    with ThreadPoolExecutor(3) as callers:
+        list(
+            callers.map(
+                ex.execute_request, [DiffusionRequest(f"fly-{i}", {"height": 512, "seed": i}) for i in range(3)]
+            )
+        )
     workers = [p.pid for p in ex.procs if p.pid is not None]
     _announce(ex.pool.prefix, workers)
     time.sleep(600)
