@@ -90,7 +90,7 @@ def make_harness() -> Iterator[Callable[..., HarnessExecutor]]:
 
 def test_request_mode_single_request(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor()
-    ro = ex.submit_request(req("r1", value=3.0)).result(timeout=TIMEOUT)
+    ro = ex.execute_request(req("r1", value=3.0))
     assert ro.request_id == "r1" and ro.result is None and ro.async_output_id
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=TIMEOUT)
     assert out.request_id == "r1" and out.async_output_id == ro.async_output_id
@@ -116,10 +116,9 @@ def test_request_mode_batch_each_request_gets_its_own_output(make_executor: Call
 
 def test_request_mode_many_requests_in_flight(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor(max_outputs_in_flight=2)
-    futs = [ex.submit_request(req(f"r{i}", value=float(i))) for i in range(30)]
-    waiters = [ex.wait_output_ready(f.result(timeout=TIMEOUT).async_output_id or "") for f in futs]
-    for i, w in enumerate(waiters):
-        assert torch.equal(w.result(timeout=TIMEOUT).output["image"], expected_image(float(i)))
+    handles = [ex.submit(req(f"r{i}", value=float(i))) for i in range(30)]
+    for i, h in enumerate(handles):
+        assert torch.equal(h.output.result(timeout=TIMEOUT).output["image"], expected_image(float(i)))
     assert ex.metrics().delivered == 30 and quiet(ex)
     assert ex.packers[0].metrics.packed == 30
 
@@ -153,7 +152,7 @@ def test_an_output_id_is_delivered_to_exactly_one_waiter(make_executor: Callable
 def test_empty_batch_is_a_usage_error(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor()
     with pytest.raises(UsageError):
-        ex.submit_batch([])
+        ex.submit_batch_handles([])
 
 
 # --------------------------------------------------------------------------- step mode
@@ -167,7 +166,7 @@ def test_step_mode_returns_outputs_directly(make_executor: Callable[..., InProce
     ros = ex.execute_batch([req("s2"), req("s3")])
     assert [r.request_id for r in ros] == ["s2", "s3"] and all(r.result is not None for r in ros)
     with pytest.raises(UsageError):
-        ex.submit_request(req("s4"))
+        ex.submit(req("s4"))
     with pytest.raises(RpcFailed) as info:
         ex.execute_request(req("s5", fail_on=[1]))
     assert set(info.value.failures) == {1}
@@ -194,8 +193,9 @@ def test_several_ranks_one_failing_fails_the_call(
     make_executor: Callable[..., InProcessExecutor], failing: list[int]
 ) -> None:
     ex = make_executor(world_size=3)
-    fut = ex.submit_batch([req("r1", fail_on=failing), req("r2", fail_on=failing)])
-    err = exc_of(fut)
+    handles = ex.submit_batch_handles([req("r1", fail_on=failing), req("r2", fail_on=failing)])
+    err = exc_of(handles[0].computed)
+    assert exc_of(handles[1].computed) is err and all(exc_of(h.output) is err for h in handles)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == failing
     for rank in failing:
         assert err.failures[rank].type_name == "ValueError"
@@ -212,7 +212,7 @@ def test_several_ranks_one_failing_fails_the_call(
 
 def test_exception_in_forward_reaches_the_caller_typed(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor()
-    err = exc_of(ex.submit_request(req("r1", fail_on=[0])))
+    err = exc_of(ex.submit(req("r1", fail_on=[0])).computed)
     assert isinstance(err, RpcFailed)
     f = err.failures[0]
     assert f.type_name == "ValueError" and "forward of r1 failed" in f.message
@@ -290,13 +290,12 @@ def test_backpressure_waits_for_the_packer(make_executor: Callable[..., InProces
             gate = gate_name()
             first = ex.execute_request(req("r1", pickle_gate=gate))
             assert GATES.wait_entered(gate), "the packer is packing r1"
-            second = ex.submit_request(req("r2"))
+            second = ex.submit(req("r2"))
             assert made[0].waiting.wait(TIMEOUT), "the worker waits for room before the forward"
-            assert not second.done() and ex.loops[0].worker.forwards == 1  # type: ignore[attr-defined]
+            assert not second.computed.done() and ex.loops[0].worker.forwards == 1  # type: ignore[attr-defined]
             GATES.open(gate)
-            ro2 = second.result(timeout=TIMEOUT)
-            for ro in (first, ro2):
-                assert ex.wait_output_ready(ro.async_output_id or "").result(timeout=TIMEOUT)
+            assert ex.wait_output_ready(first.async_output_id or "").result(timeout=TIMEOUT)
+            assert second.output.result(timeout=TIMEOUT)
             m = made[0].metrics
             assert m.backpressure_waits == 1 and m.backpressure_seconds > 0
             assert m.in_flight_outputs == 0 and m.packed == 2
@@ -433,7 +432,7 @@ def test_compute_deadline_fails_a_slow_forward(make_executor: Callable[..., InPr
     ex = make_executor(deadlines=Deadlines(compute_timeout=0.2, output_timeout=60.0, rpc_timeout=60.0))
     gate = gate_name()
     t0 = time.monotonic()
-    err = exc_of(ex.submit_request(req("slow", gate=gate)))
+    err = exc_of(ex.submit(req("slow", gate=gate)).computed)
     assert isinstance(err, ComputeTimeout) and "[0]" in str(err)
     assert 0.2 <= time.monotonic() - t0 < 5.0
     assert ex.metrics().compute_timeouts == 1
@@ -475,7 +474,7 @@ def test_shutdown_with_work_in_flight(make_executor: Callable[..., InProcessExec
     ro = ex.execute_request(req("r1", pickle_gate=pack_gate))
     waiter = ex.wait_output_ready(ro.async_output_id or "")
     assert GATES.wait_entered(pack_gate)
-    rpc = ex.submit_request(req("r2", gate=forward_gate))
+    rpc = ex.submit(req("r2", gate=forward_gate)).computed
     assert GATES.wait_entered(forward_gate)
     finished = threading.Event()
 
@@ -501,7 +500,7 @@ def test_shutdown_with_work_in_flight(make_executor: Callable[..., InProcessExec
     with pytest.raises(ExecutorShutdown):
         ex.check_health()
     with pytest.raises(ExecutorShutdown):
-        ex.submit_request(req("r3"))
+        ex.submit(req("r3"))
     assert isinstance(exc_of(ex.wait_output_ready(ro.async_output_id or "")), ExecutorShutdown)
     assert not ex.pump.healthy()
     assert all(not p.alive() for p in ex.packers)
@@ -589,7 +588,8 @@ def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None
     """
     ex = _SilentExecutor()
     try:
-        fut = ex.submit_request(req("r1"))
+        fut = ex.submit(req("r1")).computed
+
         (sent,) = ex.sent
         msg = ComputeDone(sent.rpc_id, ("o1",), ("r1",))
 
