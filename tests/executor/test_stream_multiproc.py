@@ -26,7 +26,9 @@ from omni_async.core.errors import (
     UsageError,
 )
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor import RequestHandle
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+from omni_async.executor.stream import RequestStream
 from omni_async.models.tiny import TinyDiffusionWorker, image_digest
 from omni_async.transport.packing import settle_releases
 
@@ -53,11 +55,22 @@ def quiet(ex: MultiprocDiffusionExecutor, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def finish(ex: MultiprocDiffusionExecutor, result_id: str | None) -> DiffusionOutput | None:
-    if result_id is None:
-        return None
-    out = ex.wait_output_ready(result_id).result(30)
-    return out
+def streamed(ex: MultiprocDiffusionExecutor, request: DiffusionRequest) -> tuple[RequestHandle, RequestStream]:
+    """``submit(stream=True)``: the handle (its ``output`` the final output) and its stream."""
+    h = ex.submit(request, stream=True)
+    assert h.stream is not None
+    return h, h.stream
+
+
+def drop_final(ex: MultiprocDiffusionExecutor, h: RequestHandle) -> None:
+    """Drop the final output after COMPUTE_DONE; one delivered before the drop (the packer
+    can be quick) is the caller's to release.  Either way nothing of it stays."""
+    h.computed.result(30)
+    h.drop().result(30)
+    try:
+        ex.release_output(h.output.result(30))
+    except OutputDropped:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +80,8 @@ def ex() -> Iterator[MultiprocDiffusionExecutor]:
 
 def test_chunks_arrive_in_order_bit_exact_and_before_the_call_resolves(ex: MultiprocDiffusionExecutor) -> None:
     reference = TinyDiffusionWorker(width=WIDTH, steps=6)
-    with ex.submit_stream(r("s1", seed=3, preview_every=2)) as stream:
+    h, stream = streamed(ex, r("s1", seed=3, preview_every=2))
+    with stream:
         chunks = []
         while (c := stream.next_chunk(timeout=30)) is not None:
             assert not stream.result.done() or c.seq <= 2
@@ -78,8 +92,7 @@ def test_chunks_arrive_in_order_bit_exact_and_before_the_call_resolves(ex: Multi
     assert [o.output["info"]["step"] for o in outputs] == [2, 4, 6]
     for o in outputs:
         assert int(image_digest(o.output["image"])) == int(o.output["digest"])  # bit-exact transport
-    final = finish(ex, stream.result.result().async_output_id)
-    assert final is not None
+    final = h.output.result(30)
     # The preview after the last step is the final image.
     assert torch.equal(outputs[-1].output["image"], final.output["image"])
     expected = reference.execute_model(r("x", seed=3)).output["image"]
@@ -91,33 +104,32 @@ def test_chunks_arrive_in_order_bit_exact_and_before_the_call_resolves(ex: Multi
 
 
 def test_iterating_a_stream_yields_the_outputs(ex: MultiprocDiffusionExecutor) -> None:
-    stream = ex.submit_stream(r("s2", preview_every=3))
+    h, stream = streamed(ex, r("s2", preview_every=3))
     seen = []
     for out in stream:
         seen.append(out.output["info"]["step"])
         ex.release_output(out)
     assert seen == [3, 6] and stream.finished and stream.error is None
-    final = finish(ex, stream.result.result().async_output_id)
-    assert final is not None
+    final = h.output.result(30)
     ex.release_output(final)
     del final
     quiet(ex)
 
 
 def test_a_failed_chunk_ends_the_stream_with_its_typed_failure(ex: MultiprocDiffusionExecutor) -> None:
-    stream = ex.submit_stream(r("s3", preview_every=1, unpackable_preview=True))
+    h, stream = streamed(ex, r("s3", preview_every=1, unpackable_preview=True))
     with pytest.raises(RemoteError) as info:
         for out in stream:
             ex.release_output(out)
     assert info.value.failure.type_name == "UnsupportedOutputType"
     assert stream.close().done() or stream.close().result(30) is None
     # The call itself went on: its final output is the caller's to take or drop.
-    ex.drop_output(stream.result.result(30).async_output_id or "").result(30)
+    drop_final(ex, h)
     quiet(ex)
 
 
 def test_a_failed_call_ends_the_stream_with_its_error(ex: MultiprocDiffusionExecutor) -> None:
-    stream = ex.submit_stream(r("s4", preview_every=1, raise_at_step=3))
+    h, stream = streamed(ex, r("s4", preview_every=1, raise_at_step=3))
     steps = []
     with pytest.raises(RpcFailed, match="failed on purpose at step 3"):
         for out in stream:
@@ -127,20 +139,22 @@ def test_a_failed_call_ends_the_stream_with_its_error(ex: MultiprocDiffusionExec
     assert isinstance(stream.error, RpcFailed)
     with pytest.raises(RpcFailed):
         stream.result.result(30)
+    with pytest.raises(RpcFailed):
+        h.output.result(30)
     quiet(ex)
 
 
 def test_closing_a_stream_early_releases_everything(ex: MultiprocDiffusionExecutor) -> None:
     released = ex.metrics().released
-    stream = ex.submit_stream(r("s5", preview_every=1, steps=12, step_ms=20))
+    h, stream = streamed(ex, r("s5", preview_every=1, steps=12, step_ms=20))
     first = stream.next_chunk(timeout=30)
     assert first is not None and first.seq == 0
     time.sleep(0.1)  # more chunks announced meanwhile, not taken
     stream.close().result(30)  # every chunk not taken is gone from the executor
     assert stream.next_chunk(timeout=5) is None
     ex.release_output(first.output.result(30))
-    result = stream.result.result(30)  # closing the stream does not stop the forward
-    ex.drop_output(result.async_output_id or "").result(30)
+    stream.result.result(30)  # closing the stream does not stop the forward
+    drop_final(ex, h)
     quiet(ex)
     assert ex.metrics().released - released >= 2  # chunks dropped, released on arrival
     info = ex.worker_metrics()[0]
@@ -148,12 +162,14 @@ def test_closing_a_stream_early_releases_everything(ex: MultiprocDiffusionExecut
 
 
 def test_cancel_requests_mid_stream_aborts_and_releases(ex: MultiprocDiffusionExecutor) -> None:
-    stream = ex.submit_stream(r("s6", preview_every=1, steps=50, step_ms=20))
+    h, stream = streamed(ex, r("s6", preview_every=1, steps=50, step_ms=20))
     first = stream.next_chunk(timeout=30)
     assert first is not None
     ex.cancel_requests(["s6"])
     with pytest.raises(RequestAborted):
         stream.result.result(30)
+    with pytest.raises(RequestAborted):
+        h.output.result(30)
     assert stream.next_chunk(timeout=30) is None
     assert isinstance(stream.error, RequestAborted)
     ex.release_output(first.output.result(30))
@@ -161,11 +177,14 @@ def test_cancel_requests_mid_stream_aborts_and_releases(ex: MultiprocDiffusionEx
     assert ex.worker_metrics()[0].chunks_sent < 60, "the forward stopped at its next step"
 
 
-def test_submit_stream_checks_its_arguments(ex: MultiprocDiffusionExecutor) -> None:
+def test_a_stream_submission_checks_its_arguments(ex: MultiprocDiffusionExecutor) -> None:
     with pytest.raises(UsageError):
-        ex.submit_stream("not a request")  # type: ignore[arg-type]
+        ex.submit("not a request", stream=True)  # type: ignore[arg-type]
     with pytest.raises(UsageError):
-        ex.submit_stream(r("bad", preview_every=0))
+        ex.submit(r("bad", preview_every=0), stream=True)
+    with pytest.raises(UsageError, match="stream must be a bool"):
+        ex.submit(r("odd"), stream=1)  # type: ignore[arg-type]
+    quiet(ex)
 
 
 @pytest.mark.slow
@@ -185,7 +204,7 @@ def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
 
         watcher = threading.Thread(target=watch)
         watcher.start()
-        stream = ex.submit_stream(r("slow", preview_every=1, steps=12))
+        h, stream = streamed(ex, r("slow", preview_every=1, steps=12))
         time.sleep(1.0)  # nobody reads: the budget fills, the worker waits
         assert ex.metrics().pool_full == 1
         steps = []
@@ -194,9 +213,9 @@ def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
             ex.release_output(out)
             del out
             time.sleep(0.02)
-        final = finish(ex, stream.result.result(30).async_output_id)
-        assert final is not None
+        final = h.output.result(30)
         ex.release_output(final)
+
         del final
         stop.set()
         watcher.join()
