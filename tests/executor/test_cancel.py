@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -90,7 +90,7 @@ def _healthy_after(ex: DiffusionExecutor) -> Iterator[None]:
 
 @pytest.mark.slow
 def test_cancel_stops_a_running_forward(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_request(_req("long", **LONG))
+    fut = ex.submit(_req("long", **LONG)).computed
     _started(fut)
     t0 = time.monotonic()
     ex.cancel_requests(["long"])
@@ -105,8 +105,8 @@ def test_cancel_stops_a_running_forward(ex: DiffusionExecutor) -> None:
 
 
 def test_a_request_cancelled_before_its_forward_started_never_runs(ex: DiffusionExecutor) -> None:
-    first = ex.submit_request(_req("first", **LONG))
-    queued = ex.submit_request(_req("queued", steps=2))
+    first = ex.submit(_req("first", **LONG)).computed
+    queued = ex.submit(_req("queued", steps=2)).computed
     _started(first)
     ex.cancel_requests(["queued"])
     time.sleep(0.2)
@@ -119,7 +119,7 @@ def test_a_request_cancelled_before_its_forward_started_never_runs(ex: Diffusion
 
 @pytest.mark.slow
 def test_a_model_that_ignores_the_check_finishes_and_nothing_is_kept(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_request(_req("stubborn", steps=40, step_ms=25, ignore_cancel=True))
+    fut = ex.submit(_req("stubborn", steps=40, step_ms=25, ignore_cancel=True)).computed
     _started(fut, 0.2)
     t0 = time.monotonic()
     ex.cancel_requests(["stubborn"])
@@ -130,10 +130,15 @@ def test_a_model_that_ignores_the_check_finishes_and_nothing_is_kept(ex: Diffusi
 
 @pytest.mark.slow
 def test_cancelling_one_request_of_a_batch_drops_only_its_output(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_batch([_req("b1", steps=40, step_ms=10), _req("b2", steps=2)])
-    _started(fut, 0.1)
-    ex.cancel_requests(["b1"])
-    outs = fut.result(timeout=30)
+    # execute_batch's shape (one RunnerOutput per member, the cancelled one marked
+    # ``aborted``), called on a thread so that the cancel can come while it blocks.
+    with ThreadPoolExecutor(1) as caller:
+        fut = caller.submit(ex.execute_batch, [_req("b1", steps=40, step_ms=10), _req("b2", steps=2)])
+        wait_until(lambda: ex.metrics().pending_rpcs == 1)  # sent: the cancel will find it
+        _started(fut, 0.1)
+
+        ex.cancel_requests(["b1"])
+        outs = fut.result(timeout=30)
     assert outs[0] == RunnerOutput("b1", finished=True, aborted=True)
     assert outs[1].request_id == "b2" and not outs[1].aborted
     _consume(ex, outs[1])
@@ -176,13 +181,16 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
     if isinstance(ex, MultiprocDiffusionExecutor):
         assert one_leases > 0
     # The batch: b1 (long) is cancelled during the forward, b2 survives.
-    fut = ex.submit_batch([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
-    _started(fut, 0.1)
+    cancelled, survivor = ex.submit_batch_handles([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
+    _started(cancelled.computed, 0.1)
     ex.cancel_requests(["p1"])
-    outs = fut.result(timeout=30)
-    assert outs[0] == RunnerOutput("p1", finished=True, aborted=True)
-    assert outs[1].request_id == "p2" and not outs[1].aborted
-    _consume(ex, outs[1])
+    for fut in (cancelled.computed, cancelled.output):
+        err = exc_of(fut)
+        assert isinstance(err, RequestAborted) and "the rest of its batch went on" in str(err), err
+    out = survivor.output.result(timeout=30)
+    assert out.request_id == "p2"
+    del out.output["image"]  # no view may outlive the release
+    ex.release_output(out)
     # Both members have been handled by the packer (in order) once the counters add up.
     wait_until(lambda: sum(_packer_counts(ex)[:2]) >= packed1 + cancelled1 + 2)
     packed2, cancelled2, bytes2 = _packer_counts(ex)
@@ -192,14 +200,15 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
 
 
 def test_cancelling_every_request_of_a_batch_stops_it(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_batch([_req("c1", **LONG), _req("c2", **LONG)])
-    _started(fut)
+    handles = ex.submit_batch_handles([_req("c1", **LONG), _req("c2", **LONG)])
+    _started(handles[0].computed)
     ex.cancel_requests(["c1"])
     time.sleep(0.2)
-    assert not fut.done()
+    assert not any(h.computed.done() for h in handles), "one member cancelled: the batch goes on"
     ex.cancel_requests(["c2", "c1"])
-    err = exc_of(fut)
-    assert isinstance(err, RequestAborted) and err.request_ids == ("c1", "c2"), err
+    for h in handles:
+        err = exc_of(h.computed)
+        assert isinstance(err, RequestAborted) and err.request_ids == ("c1", "c2"), err
 
 
 def test_cancel_of_unknown_or_finished_requests_is_a_no_op(ex: DiffusionExecutor) -> None:
@@ -223,7 +232,7 @@ def test_cancel_requests_rejects_bad_input(ex: DiffusionExecutor, bad: Any) -> N
 
 
 def test_a_per_call_compute_deadline_stops_the_forward(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_request(_req("slow", **LONG), deadlines=Deadlines(compute_timeout=0.5))
+    fut = ex.submit(_req("slow", **LONG), deadlines=Deadlines(compute_timeout=0.5)).computed
     err = exc_of(fut)
     assert isinstance(err, ComputeTimeout) and "compute_timeout=0.5" in str(err) and "cancelled" in str(err)
     # The worker stops within a step or so: the next request does not wait out the 10 s forward.
@@ -235,9 +244,9 @@ def test_a_per_call_compute_deadline_stops_the_forward(ex: DiffusionExecutor) ->
 
 @pytest.mark.slow
 def test_a_worker_that_ignores_its_deadline_is_reported_stuck(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_request(
+    fut = ex.submit(
         _req("stuck", steps=100, step_ms=30, ignore_cancel=True), deadlines=Deadlines(compute_timeout=0.3)
-    )
+    ).computed
     assert isinstance(exc_of(fut), ComputeTimeout)
     ex.check_health()  # within the grace period (1 s)
     time.sleep(1.2)
@@ -260,4 +269,4 @@ def test_a_per_call_output_deadline_replaces_the_executors(ex: DiffusionExecutor
 
 def test_deadlines_must_be_a_deadlines(ex: DiffusionExecutor) -> None:
     with pytest.raises(UsageError, match="deadlines must be a Deadlines"):
-        ex.submit_request(_req("x"), deadlines=5.0)  # type: ignore[arg-type]
+        ex.submit(_req("x"), deadlines=5.0)  # type: ignore[arg-type]

@@ -215,7 +215,6 @@ def test_a_slow_consumer_is_bounded_by_the_budget_and_loses_nothing() -> None:
             time.sleep(0.02)
         final = h.output.result(30)
         ex.release_output(final)
-
         del final
         stop.set()
         watcher.join()
