@@ -589,7 +589,6 @@ def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None
     ex = _SilentExecutor()
     try:
         fut = ex.submit(req("r1")).computed
-
         (sent,) = ex.sent
         msg = ComputeDone(sent.rpc_id, ("o1",), ("r1",))
 
