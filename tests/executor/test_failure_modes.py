@@ -181,7 +181,7 @@ def test_f2_event_recording_error_fails_the_call_at_once(executors: list[Diffusi
     """
     ex = harness(executors, loop_options={"record_event": _broken_event})
     t0 = time.monotonic()
-    err = exc_of(ex.submit_request(req("r1")))
+    err = exc_of(ex.submit(req("r1")).computed)
     assert time.monotonic() - t0 < 5.0, "not the 60 s compute deadline"
     assert isinstance(err, RpcFailed) and err.failures[0].type_name == "RuntimeError"
     assert "device lost" in err.failures[0].message
@@ -232,8 +232,7 @@ def test_f3_no_exception_in_dispatch_stops_the_pump_and_liveness_is_health(execu
         raise OSError("unlink failed")
 
     ex = harness(executors, release_hook=bad_hook)
-    fut = ex.submit_request(req("r1", pickle_gate=(g := gate_name())))
-    ro = fut.result(timeout=TIMEOUT)
+    ro = ex.execute_request(req("r1", pickle_gate=(g := gate_name())))
     ex.wait_output_ready(ro.async_output_id or "").cancel()  # its output will be released: the hook raises
     bad = OutputReady("x", payload("x"))
     object.__setattr__(bad, "output", None)  # slipped past validation
@@ -562,12 +561,13 @@ def test_f12_reply_rank_compute_done_does_not_hide_another_ranks_error(executors
     """
     ex = in_process(executors, world_size=2)
     g = gate_name()
-    fut = ex.submit_batch([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
+    handles = ex.submit_batch_handles([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
     assert GATES.wait_entered(g)
     wait_until(lambda: ex.metrics().pending_outputs == 2)  # rank 0's COMPUTE_DONE is in
-    assert not fut.done(), "one rank's answer must not resolve the call"
+    assert not any(h.computed.done() or h.output.done() for h in handles), "one rank's answer must not resolve the call"
     GATES.open(g)
-    err = exc_of(fut)
+    err = exc_of(handles[0].computed)
+    assert all(exc_of(f) is err for h in handles for f in (h.computed, h.output))
     assert isinstance(err, RpcFailed) and sorted(err.failures) == [1]
     assert "failed on rank 1" in err.failures[1].message
     wait_until(lambda: ex.metrics().released == 2)
@@ -611,7 +611,9 @@ def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list
     channel = RefusingChannel("compute_done")
     tracer = ListTracer()
     ex = in_process(executors, channel=channel, release_hook=released, tracer=tracer)
-    err = exc_of(ex.submit_batch([req("r1"), req("r2")]))
+    with pytest.raises(RpcFailed) as info:
+        ex.execute_batch([req("r1"), req("r2")])
+    err = info.value
     assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
     wait_until(lambda: len(released) == 2)
     wait_until(lambda: quiet(ex))
@@ -640,7 +642,7 @@ def test_d3_backstop_releases_an_output_whose_call_never_got_an_answer(executors
         tracer=tracer,
         deadlines=Deadlines(compute_timeout=0.5, output_timeout=60.0, rpc_timeout=60.0),
     )
-    assert isinstance(exc_of(ex.submit_request(req("r1"))), ComputeTimeout)
+    assert isinstance(exc_of(ex.submit(req("r1")).computed), ComputeTimeout)
     wait_until(lambda: len(released) == 1)
     wait_until(lambda: ex.metrics().orphaned_outputs == 1)
     assert quiet(ex) and ex.metrics().held_payloads == 0
@@ -750,7 +752,7 @@ def test_f16_shutdown_is_idempotent_fails_every_waiter_and_never_hangs(executors
     packing = ex.execute_request(req("packing", pickle_gate=pg))
     waiter = ex.wait_output_ready(packing.async_output_id or "")
     assert GATES.wait_entered(pg)
-    call = ex.submit_request(req("computing", gate=fg))
+    call = ex.submit(req("computing", gate=fg)).computed
     assert GATES.wait_entered(fg)
     done = threading.Event()
 
