@@ -72,6 +72,7 @@ import attrs
 import pytest
 import torch
 
+from helpers.executor_harness import on_a_thread
 from helpers.executors import KINDS, executor_class, waits_for_room, worker_pids
 from helpers.leaks import LONG_LIVED
 from helpers.mp_workers import expected_image
@@ -285,8 +286,8 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
         kept = deliver(ex, "kept", kept_params)
         packing = ex.wait_output_ready(_oid(ex.execute_request(_req("packing", seed=3, **SHM))))
         _until(lambda: waits_for_room(ex), what="the pack to wait for room")
-        forward = ex.submit_request(_req("forward", sleep=2.0))
-        queued = ex.submit_request(_req("queued", seed=4, **SHM))
+        forward = ex.submit(_req("forward", sleep=2.0)).computed
+        queued = ex.submit(_req("queued", seed=4, **SHM)).computed
         time.sleep(0.5)  # the forward is running; the next call waits behind it
         stages: dict[str, Future[Any]] = {"before the forward": queued, "during it": forward, "while packing": packing}
         assert not any(f.done() for f in stages.values())
@@ -336,7 +337,9 @@ def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest
     )
     try:
         batch = [_req("sent-1", seed=1, **SHM), _req("sent-2", seed=2, **SHM), _req("doomed", die_in_send=True, **SHM)]
-        call = ex.submit_batch(batch)
+        # Blocking, on a thread: an output announced before the death stays unclaimed (a
+        # handle would claim it and hold its lease).
+        call = on_a_thread(lambda: ex.execute_batch(batch))
         victim = ex.procs[0]
         victim.join(WAIT)
         # The executor's monitor joins the same process: when its waitpid reaps the child
@@ -399,7 +402,10 @@ class Rig:
         dropped and its output released on arrival.
         """
         before = _calls(self.ex)
-        call = self.ex.submit_request(_req(rid, sleep=0.5, **INLINE, **params))
+        # Blocking, on a thread: the forged id comes back in the RunnerOutput, unclaimed
+        # (a handle would claim it at the forged COMPUTE_DONE).
+        call = on_a_thread(lambda: self.ex.execute_request(_req(rid, sleep=0.5, **INLINE, **params)))
+        _until(lambda: len(_calls(self.ex) - before) == 1, what="the call to be sent")
         self.put(ComputeDone(_newest_call(self.ex, before), (forged,), (rid,)))
         return call
 
@@ -474,7 +480,7 @@ def _start_fault(rig: Rig, kind: str, rid: str) -> Future[Any]:
     """Start request ``rid`` with the fault ``kind``; returns the future that must fail."""
     ex = rig.ex
     if kind == "forward-raises":
-        return ex.submit_request(_req(rid, **{"raise": True}))
+        return ex.submit(_req(rid, **{"raise": True})).computed
     if kind == "pack-refuses-the-output":
         return ex.wait_output_ready(_oid(ex.execute_request(_req(rid, unpackable=True, **SHM))))
     if kind == "pack-raises":
@@ -507,15 +513,15 @@ def test_an_exception_fails_only_its_own_request(rig: Rig, kind: str) -> None:
     """A fault in one request between two healthy ones: only it fails, at once, typed."""
     ex = rig.ex
     params = [{"seed": 10, **SHM}, {"seed": 11, **INLINE}]
-    first = ex.submit_request(_req(f"{kind}-a", **params[0]))
+    first = ex.submit(_req(f"{kind}-a", **params[0]))
     t0 = time.monotonic()
     bad = _start_fault(rig, kind, kind)
-    second = ex.submit_request(_req(f"{kind}-b", **params[1]))
+    second = ex.submit(_req(f"{kind}-b", **params[1]))
     err = bad.exception(timeout=WAIT)
     assert time.monotonic() - t0 < 5.0, "failed at once, not after a deadline"
     _check_fault(kind, err)
-    for call, p in zip((first, second), params, strict=True):
-        out = ex.wait_output_ready(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
+    for h, p in zip((first, second), params, strict=True):
+        out = h.output.result(timeout=WAIT)
         assert _intact(out, p)
         ex.release_output(out)
     assert not [t for t in rig.logged_errors()], "the pump caught nothing: no message was refused"
@@ -560,9 +566,9 @@ def _duplicate_compute_done(rig: Rig) -> None:
 def _compute_done_from_a_rank_outside_the_world(rig: Rig) -> None:
     """A call answered first by 'rank 1' of a one-rank world: counted; the call still gets its output."""
     before, calls = rig.counts(), _calls(rig.ex)
-    call = rig.ex.submit_request(_req("wrong-rank", sleep=0.3, **SHM))
+    h = rig.ex.submit(_req("wrong-rank", sleep=0.3, **SHM))
     rig.put(ComputeDone(_newest_call(rig.ex, calls), ("wrong-rank-forged",), ("wrong-rank",), rank=1))
-    out = rig.ex.wait_output_ready(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
+    out = h.output.result(timeout=WAIT)
     assert _intact(out, SHM) and out.async_output_id != "wrong-rank-forged"
     rig.ex.release_output(out)
     assert rig.delta(before) == {"protocol_errors": 2}
@@ -573,7 +579,7 @@ def _compute_done_from_a_rank_outside_the_world(rig: Rig) -> None:
 def _answer_without_compute_done(rig: Rig) -> None:
     """The reply rank answers an execute call with RPC_RESULT: that call, and only it, fails."""
     before = _calls(rig.ex)
-    call = rig.ex.submit_request(_req("wrong-kind", sleep=0.3, **SHM))
+    call = rig.ex.submit(_req("wrong-kind", sleep=0.3, **SHM)).computed
     rig.put(RpcResult(_newest_call(rig.ex, before), None))
     err = call.exception(timeout=WAIT)
     assert isinstance(err, ProtocolError) and "without COMPUTE_DONE" in str(err)
@@ -728,9 +734,9 @@ def test_a_truncated_frame_does_not_stall_the_pump(rig: Rig) -> None:
     """A live sender writes a frame header announcing 1000 bytes and 10 bytes of it."""
     os.write(rig.hostile._conn.fileno(), struct.pack("!i", 1000) + b"0123456789")
     time.sleep(0.2)
-    call = rig.ex.submit_request(_req("behind-a-torn-frame", **INLINE))
+    h = rig.ex.submit(_req("behind-a-torn-frame", **INLINE))
     try:
-        assert call.exception(timeout=2.0) is None
+        assert h.computed.exception(timeout=2.0) is None
         # The other ranks are served, but the torn sender is visible: health fails, naming it.
         rig.ex.ranks.torn_frame_bound = 0.1
         time.sleep(0.2)
@@ -739,7 +745,10 @@ def test_a_truncated_frame_does_not_stall_the_pump(rig: Rig) -> None:
     finally:
         rig.ex.ranks.torn_frame_bound = ProcessRanks.torn_frame_bound
         rig.hostile.close()  # EOF: the pump gets out of the read and drops the pipe
-        rig.ex.drop_output(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
+        h.computed.result(timeout=WAIT)
+        h.drop().result(timeout=WAIT)
+        with contextlib.suppress(OutputDropped):  # delivered before the drop: ours to release
+            rig.ex.release_output(h.output.result(timeout=WAIT))
         settle(rig.ex)
 
 
@@ -788,7 +797,7 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        calls = [ex.submit_request(_req(f"slow-{i}", **p)) for i, p in enumerate(params)]
+        handles = [ex.submit(_req(f"slow-{i}", **p)) for i, p in enumerate(params)]
         # Consume nothing until the budget is full and the packer waits for room: on a
         # loaded machine a fixed pause per output need not outpace the forwards.  (Not
         # worker_metrics: the worker answers it on the main thread, which is then waiting.)
@@ -798,8 +807,8 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
             time.sleep(0.02)
         time.sleep(0.5)  # the packer's queue fills behind it, and the next forward waits
         t_fast = 0.0
-        for i, (call, p) in enumerate(zip(calls, params, strict=True)):
-            out = ex.wait_output_ready(_oid(call.result(timeout=WAIT))).result(timeout=WAIT)
+        for i, (h, p) in enumerate(zip(handles, params, strict=True)):
+            out = h.output.result(timeout=WAIT)
             assert _intact(out, p)
             if i < n // 2:
                 time.sleep(0.1)  # the slow half: the workers get well ahead
@@ -823,7 +832,7 @@ def test_a_slow_consumer_holds_shared_memory_under_the_budget(shared: Shared) ->
     settle(ex)
 
 
-ACTIONS = ("consume", "cancel-waiter", "drop", "cancel-call", "consumer-goes")
+ACTIONS = ("consume", "cancel-waiter", "cancel-output", "drop", "cancel-call", "consumer-goes")
 
 
 def test_cancel_and_abort_storm_under_heavy_traffic(shared: Shared) -> None:
@@ -861,22 +870,33 @@ def test_cancel_and_abort_storm_under_heavy_traffic(shared: Shared) -> None:
 
     def one(rid: str, action: str, p: Mapping[str, object], early: bool, consumer: str) -> None:
         if action == "cancel-call":
-            call = ex.submit_request(_req(rid, **p))
-            if call.cancel():
+            h = ex.submit(_req(rid, **p))
+            if h.computed.cancel():
                 return record("call cancelled")
-            consume(ex.wait_output_ready(_oid(call.result(timeout=WAIT))), p)
+            consume(h.output, p)
+            return record("cancel too late: consumed")
+        if action == "cancel-output":
+            h = ex.submit(_req(rid, **p))
+            if h.output.cancel():  # abandoned: released on arrival (F9)
+                return record("output cancelled")
+            consume(h.output, p)
             return record("cancel too late: consumed")
         if action == "consumer-goes":
-            call = ex.submit_request(_req(rid, **p), consumer=consumer)
+            h = ex.submit(_req(rid, **p), consumer=consumer)
             if early:
                 ex.release_consumer(consumer)
-            err = call.exception(timeout=WAIT)
+            err = h.computed.exception(timeout=WAIT)
             if err is not None:
                 assert isinstance(err, OutputDropped), err
                 return record("consumer gone: call failed")
             ex.release_consumer(consumer)
-            got = ex.wait_output_ready(_oid(call.result())).exception(timeout=WAIT)
-            assert isinstance(got, OutputError), got  # abandoned: dropped, or already released
+            # The handle claimed the output at COMPUTE_DONE: abandoned while it was on its
+            # way, or delivered before the consumer went (then the engine's to release).
+            got = h.output.exception(timeout=WAIT)
+            if got is None:
+                consume(h.output, p)
+                return record("consumer gone after delivery: consumed")
+            assert isinstance(got, OutputError), got
             return record("consumer gone: output abandoned")
         oid = _oid(ex.execute_request(_req(rid, **p)))
         waiter = ex.wait_output_ready(oid)
@@ -911,6 +931,7 @@ def test_cancel_and_abort_storm_under_heavy_traffic(shared: Shared) -> None:
     assert not errors, errors[:5]
     assert sum(outcomes.values()) == n, outcomes
     assert outcomes["consumed"] > 0 and outcomes["dropped"] + outcomes["waiter cancelled"] > 0, outcomes
+    assert outcomes["call cancelled"] + outcomes["output cancelled"] > 0, outcomes
     settle(ex)
     healthy_after(ex, "storm")
 
@@ -934,7 +955,7 @@ def test_deadlines_expire_mid_forward_and_mid_pack(tight: Shared) -> None:
     _until(lambda: ex.metrics().released == released + 1, what="the late output released")
 
     t0 = time.monotonic()
-    err = ex.submit_request(_req("slow", sleep=2.0, **SHM)).exception(timeout=10)
+    err = ex.submit(_req("slow", sleep=2.0, **SHM)).computed.exception(timeout=10)
     assert isinstance(err, ComputeTimeout), err
     assert 1.0 < time.monotonic() - t0 < 4.0
     settle(ex)  # the late COMPUTE_DONE is an orphan: its output is released on arrival
@@ -1028,10 +1049,12 @@ def test_shutdown_with_hundreds_of_outputs_in_flight(shared: Shared) -> None:
     ex = shared.get()
     settle(ex)
     held = [deliver(ex, f"sd-held-{i}", {"seed": i, **SHM}) for i in range(4)]
-    calls = [ex.submit_request(_req("sd-stuck", **SHM))]
-    calls += [ex.submit_request(_req(f"sd-{i}", seed=i, **INLINE)) for i in range(300)]
-    waiters = [ex.wait_output_ready(_oid(c.result(timeout=WAIT))) for c in calls]
-    pending_call = ex.submit_request(_req("sd-forward", sleep=1.0))
+    handles = [ex.submit(_req("sd-stuck", **SHM))]
+    handles += [ex.submit(_req(f"sd-{i}", seed=i, **INLINE)) for i in range(300)]
+    for h in handles:
+        h.computed.result(timeout=WAIT)
+    waiters = [h.output for h in handles]  # claimed at COMPUTE_DONE
+    pending_call = ex.submit(_req("sd-forward", sleep=1.0)).computed
     assert ex.metrics().pending_outputs == 301 and not any(w.done() for w in waiters)
     stopping = threading.Thread(target=ex.shutdown, args=("shut down with 301 outputs in flight",))
     stopping.start()
@@ -1049,4 +1072,4 @@ def test_shutdown_with_hundreds_of_outputs_in_flight(shared: Shared) -> None:
     assert "301 outputs in flight" in str(waiters[0].exception())
     assert len(ex.registry) == 0 and ex.registry.closed
     with pytest.raises(ExecutorShutdown):
-        ex.submit_request(_req("after"))
+        ex.submit(_req("after"))

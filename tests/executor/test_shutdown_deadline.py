@@ -29,7 +29,7 @@ def test_shutdown_timeout_bounds_a_shutdown_behind_a_forward_that_ignores_cancel
     pids = [p.pid for p in ex.procs if p.pid is not None]
     prefix = ex.pool.prefix
     try:
-        fut = ex.submit_request(DiffusionRequest("stuck", {"sleep": 10.0}))
+        fut = ex.submit(DiffusionRequest("stuck", {"sleep": 10.0})).computed
         time.sleep(0.5)  # both ranks are in the forward now
         assert not fut.done()
         t0 = time.monotonic()

@@ -8,7 +8,7 @@
 * ``HarnessExecutor``: ``InProcessExecutor`` over ``ToyWorker`` with the packers and
   worker-loop options given by the test (a pack function that raises or blocks, a
   record_event that fails).
-* ``req``, ``gate_name``, ``exc_of``, ``wait_until``: small helpers both test modules use.
+* ``req``, ``gate_name``, ``exc_of``, ``on_a_thread``, ``wait_until``: small helpers the test modules use.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,8 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.transport.channel import ResultSender
 from omni_async.worker.packer import Packer
 from omni_async.worker.stream import emit_chunk
+
+T = TypeVar("T")
 
 TIMEOUT = 10.0
 # Long enough never to fire in a test unless the test means it to.
@@ -175,6 +177,23 @@ def exc_of(fut: Future[Any]) -> BaseException:
     e = fut.exception(timeout=TIMEOUT)
     assert e is not None
     return e
+
+
+def on_a_thread(call: Callable[[], T]) -> Future[T]:
+    """``call()`` run on a thread of its own: a blocking call (``execute_request``) that the
+    test goes on beside, with its outcome in the future.  The thread is a daemon: a call
+    that never returns does not hold the interpreter at exit."""
+    fut: Future[T] = Future()
+    fut.set_running_or_notify_cancel()
+
+    def run() -> None:
+        try:
+            fut.set_result(call())
+        except BaseException as exc:  # noqa: BLE001  # the test reads it from the future
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="blocking-call", daemon=True).start()
+    return fut
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = TIMEOUT) -> None:
