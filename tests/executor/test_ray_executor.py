@@ -31,7 +31,7 @@ from omni_async.core.errors import (
     WorkerDied,
     WorkerStartupFailed,
 )
-from omni_async.core.messages import DiffusionRequest, RunnerOutput
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest, RunnerOutput
 from omni_async.executor.multiproc import WorkerOptions, WorkerSpec
 from omni_async.transport.errors import HeldOutputsFull, OutputStillViewed
 
@@ -96,6 +96,11 @@ def _take(ex: RayDiffusionExecutor, ro: RunnerOutput, params: dict[str, Any]) ->
     assert ro.async_output_id is not None and not ro.aborted
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
     assert out.request_id == ro.request_id
+    _check(ex, out, params)
+
+
+def _check(ex: RayDiffusionExecutor, out: DiffusionOutput, params: dict[str, Any]) -> None:
+    """A delivered output: bit for bit what ``params`` make; released."""
     exp = expected_image(params)
     got = out.output["image"]
     assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
@@ -106,7 +111,7 @@ def _take(ex: RayDiffusionExecutor, ro: RunnerOutput, params: dict[str, Any]) ->
 def test_end_to_end_two_phase(ex2: RayDiffusionExecutor) -> None:
     assert len(ex2.actors) == 2 and len(set(ex2.pids)) == 2
     params = {"numel": 1 << 18, "seed": 7}
-    ro = ex2.submit_request(_req("r1", **params)).result(timeout=30)  # COMPUTE_DONE
+    ro = ex2.execute_request(_req("r1", **params))  # COMPUTE_DONE
     _take(ex2, ro, params)
     wait_until(lambda: _quiet(ex2), timeout=10)
     assert [i.rank for i in ex2.worker_metrics()] == [0, 1]
@@ -114,7 +119,7 @@ def test_end_to_end_two_phase(ex2: RayDiffusionExecutor) -> None:
 
 def test_a_batch(ex2: RayDiffusionExecutor) -> None:
     params = [{"numel": (1 << 17) + i, "seed": i} for i in range(4)]
-    ros = ex2.submit_batch([_req(f"b{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    ros = ex2.execute_batch([_req(f"b{i}", **p) for i, p in enumerate(params)])
     assert [ro.request_id for ro in ros] == ["b0", "b1", "b2", "b3"]
     for ro, p in zip(ros, params, strict=True):
         _take(ex2, ro, p)
@@ -125,9 +130,11 @@ def test_many_requests_keep_each_ranks_order(ex2: RayDiffusionExecutor) -> None:
     """Twenty calls in flight at once: every COMPUTE_DONE and OUTPUT_READY of a rank in put
     order through the polls (a gap or reorder would fail the dispatcher or the numbers)."""
     params = [{"numel": 1 << 17, "seed": 100 + i} for i in range(20)]
-    futs = [ex2.submit_request(_req(f"m{i}", **p)) for i, p in enumerate(params)]
-    for fut, p in zip(futs, params, strict=True):
-        _take(ex2, fut.result(timeout=60), p)
+    handles = [ex2.submit(_req(f"m{i}", **p)) for i, p in enumerate(params)]
+    for h, p in zip(handles, params, strict=True):
+        out = h.output.result(timeout=60)
+        assert out.request_id == h.request_id
+        _check(ex2, out, p)
     wait_until(lambda: _quiet(ex2), timeout=10)
     m = ex2.metrics()
     assert m.protocol_errors == 0 and m.dispatch_errors == 0, m
@@ -143,23 +150,23 @@ def test_a_failing_forward_is_a_typed_error(ex2: RayDiffusionExecutor) -> None:
 
 
 def test_abort_of_a_running_forward(ex2: RayDiffusionExecutor) -> None:
-    fut = ex2.submit_request(_req("long", sleep=1.5))
+    fut = ex2.submit(_req("long", sleep=1.5)).computed
     time.sleep(0.3)
     ex2.cancel_requests(["long"])
     err = exc_of(fut)
     assert isinstance(err, RequestAborted) and err.request_id == "long", err
     wait_until(lambda: _quiet(ex2), timeout=10)
     params = {"numel": 1 << 16, "seed": 1}
-    _take(ex2, ex2.submit_request(_req("after", **params)).result(timeout=30), params)
+    _take(ex2, ex2.execute_request(_req("after", **params)), params)
 
 
 def test_an_actor_killed_mid_forward_fails_its_waiters_naming_rank_and_node() -> None:
     ex = RayDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
     try:
-        done = ex.submit_request(_req("ok", numel=1 << 17)).result(timeout=30)
+        done = ex.execute_request(_req("ok", numel=1 << 17))
         assert done.async_output_id is not None
         waiter = ex.wait_output_ready(done.async_output_id).result(timeout=30)  # delivered before the death
-        running = ex.submit_request(_req("victim", sleep=30))
+        running = ex.submit(_req("victim", sleep=30)).computed
         time.sleep(0.3)
         ray.kill(ex.actors[1], no_restart=True)
         err = exc_of(running)
@@ -251,7 +258,7 @@ def test_object_store_outputs_are_bit_exact_and_their_refs_go(ex_store: RayDiffu
     ]
     for i, p in enumerate(params):
         _take_stored(ex_store, ex_store.execute_request(_req(f"s{i}", **p)), p)
-    ros = ex_store.submit_batch([_req(f"sb{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    ros = ex_store.execute_batch([_req(f"sb{i}", **p) for i, p in enumerate(params)])
     for ro, p in zip(ros, params, strict=True):
         _take_stored(ex_store, ro, p)
     wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=10)
@@ -387,7 +394,7 @@ def test_a_node_lost_with_outputs_in_every_stage_fails_its_waiters_and_leaves_no
         assert packing.async_output_id is not None
         packing_out = ex.wait_output_ready(packing.async_output_id)
         wait_until(lambda: ray.get(ex.actors[0].store_budget.remote(), timeout=30) == (2, 1), timeout=10)
-        forward = ex.submit_request(_req("forward", sleep=5.0))
+        forward = ex.submit(_req("forward", sleep=5.0)).computed
         time.sleep(0.5)
         local_cluster.remove_node(node)
         for stage, fut in (("while packing", packing_out), ("during the forward", forward)):

@@ -1,4 +1,4 @@
-"""``submit_handle``: the output claimed at submit, one handle per request (issue 17, item 6).
+"""``submit``: the output claimed at submit, one handle per request (issue 17, item 6).
 
 Through real worker processes and shared memory: the output is delivered bit-exact;
 dropped, cancelled before its COMPUTE_DONE or after it, nothing stays held; a
@@ -45,7 +45,7 @@ def _quiet(ex: MultiprocDiffusionExecutor) -> bool:
 
 @pytest.mark.slow
 def test_handle_delivers_the_output_bit_exact(ex: MultiprocDiffusionExecutor) -> None:
-    h = ex.submit_handle(DiffusionRequest("h1", BIG))
+    h = ex.submit(DiffusionRequest("h1", BIG))
     assert isinstance(h, RequestHandle) and h.request_id == "h1"
     ro = h.computed.result(timeout=30)
     out = h.output.result(timeout=30)
@@ -59,7 +59,7 @@ def test_handle_delivers_the_output_bit_exact(ex: MultiprocDiffusionExecutor) ->
 
 
 def test_wait_output_ready_on_a_handle_claimed_id_is_refused(ex: MultiprocDiffusionExecutor) -> None:
-    h = ex.submit_handle(DiffusionRequest("h2", BIG))
+    h = ex.submit(DiffusionRequest("h2", BIG))
     ro = h.computed.result(timeout=30)
     assert ro.async_output_id is not None
     second = ex.wait_output_ready(ro.async_output_id)
@@ -70,7 +70,7 @@ def test_wait_output_ready_on_a_handle_claimed_id_is_refused(ex: MultiprocDiffus
 
 
 def test_drop_after_compute_done_releases(ex: MultiprocDiffusionExecutor) -> None:
-    h = ex.submit_handle(DiffusionRequest("h3", BIG))
+    h = ex.submit(DiffusionRequest("h3", BIG))
     ro = h.computed.result(timeout=30)
     assert ro.async_output_id is not None
     ex.drop_output(ro.async_output_id).result(timeout=30)
@@ -83,7 +83,7 @@ def test_drop_after_compute_done_releases(ex: MultiprocDiffusionExecutor) -> Non
 
 
 def test_cancel_of_output_before_compute_done_releases(ex: MultiprocDiffusionExecutor) -> None:
-    h = ex.submit_handle(DiffusionRequest("h4", {**BIG, "sleep": 0.5}))
+    h = ex.submit(DiffusionRequest("h4", {**BIG, "sleep": 0.5}))
     assert h.output.cancel()
     h.computed.result(timeout=30)
     with pytest.raises(CancelledError):
@@ -94,7 +94,7 @@ def test_cancel_of_output_before_compute_done_releases(ex: MultiprocDiffusionExe
 @pytest.mark.parametrize("numel", [1 << 16, 8 << 20], ids=["256KiB", "32MiB"])
 def test_cancel_of_output_after_compute_done_releases(ex: MultiprocDiffusionExecutor, numel: int) -> None:
     # 32 MiB takes the packer long enough that the cancel usually lands before arrival.
-    h = ex.submit_handle(DiffusionRequest("h5", {**BIG, "numel": numel}))
+    h = ex.submit(DiffusionRequest("h5", {**BIG, "numel": numel}))
     h.computed.result(timeout=30)
     if not h.output.cancel():  # already delivered: ours to give back
         ex.release_output(h.output.result(timeout=30))
@@ -102,7 +102,7 @@ def test_cancel_of_output_after_compute_done_releases(ex: MultiprocDiffusionExec
 
 
 def test_a_failed_forward_fails_both_futures(ex: MultiprocDiffusionExecutor) -> None:
-    h = ex.submit_handle(DiffusionRequest("h6", {"raise": True}))
+    h = ex.submit(DiffusionRequest("h6", {"raise": True}))
     with pytest.raises(RpcFailed):
         h.computed.result(timeout=30)
     with pytest.raises(RpcFailed):
@@ -117,14 +117,14 @@ def test_a_delivered_handle_leaves_no_reference_cycle(ex: MultiprocDiffusionExec
     garbage once it was delivered and released."""
     small = {"numel": 4, "seed": 1}
     for i in range(5):  # warm: whatever the first calls allocate once
-        h = ex.submit_handle(DiffusionRequest(f"warm-{i}", small))
+        h = ex.submit(DiffusionRequest(f"warm-{i}", small))
         ex.release_output(h.output.result(timeout=30))
     del h
     gc.collect()
     gc.disable()
     try:
         for i in range(50):
-            h = ex.submit_handle(DiffusionRequest(f"cyc-{i}", small))
+            h = ex.submit(DiffusionRequest(f"cyc-{i}", small))
             h.computed.result(timeout=30)
             ex.release_output(h.output.result(timeout=30))
         del h
