@@ -30,6 +30,7 @@ from omni_async.core.errors import (
     WorkerDied,
 )
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest, OutputReady, RunnerOutput
+from omni_async.executor import RequestHandle
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.transport.packing import pack_diffusion_output_shm, settle_releases
@@ -46,7 +47,18 @@ def _req(rid: str, **params: object) -> DiffusionRequest:
 
 def _wait_ok(ex: MultiprocDiffusionExecutor, ro: RunnerOutput, params: Mapping[str, object]) -> None:
     assert ro.async_output_id is not None
-    out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
+    _check_ok(ex, ro, ex.wait_output_ready(ro.async_output_id).result(timeout=30), params)
+
+
+def _take_ok(ex: MultiprocDiffusionExecutor, h: RequestHandle, params: Mapping[str, object]) -> None:
+    """The handle's output, claimed for it at COMPUTE_DONE, as ``_wait_ok`` checks it."""
+    out = h.output.result(timeout=30)
+    _check_ok(ex, h.computed.result(timeout=30), out, params)
+
+
+def _check_ok(
+    ex: MultiprocDiffusionExecutor, ro: RunnerOutput, out: DiffusionOutput, params: Mapping[str, object]
+) -> None:
     assert out.request_id == ro.request_id
     assert out.async_output_id == ro.async_output_id
     exp = expected_image(params)
@@ -120,9 +132,9 @@ def test_steady_state_creates_no_segment(ex2: MultiprocDiffusionExecutor) -> Non
 
 def test_concurrent_submissions_and_waiters(ex2: MultiprocDiffusionExecutor) -> None:
     params = {"seed": 11, "numel": 1 << 17}
-    futs = [ex2.submit_request(_req(f"c{i}", **params)) for i in range(24)]
-    for f in futs:
-        _wait_ok(ex2, f.result(timeout=30), params)
+    handles = [ex2.submit(_req(f"c{i}", **params)) for i in range(24)]
+    for h in handles:
+        _take_ok(ex2, h, params)
     _assert_quiet(ex2)
 
 
@@ -253,12 +265,12 @@ def _kill_and_expect_worker_died(ex: MultiprocDiffusionExecutor, fut: Future[Any
 @pytest.mark.slow
 def test_worker_killed_mid_forward_fails_waiters_promptly(tracer: ListTracer) -> None:
     with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES, tracer=tracer) as ex:
-        fut = ex.submit_request(_req("slow", sleep=30))
+        fut = ex.submit(_req("slow", sleep=30)).computed
         time.sleep(0.3)  # the forward is running
         assert _kill_and_expect_worker_died(ex, fut, rank=1) < 3.0
         # The executor refuses new work with the same error.
         with pytest.raises(WorkerDied):
-            ex.submit_request(_req("after"))
+            ex.submit(_req("after"))
 
 
 @pytest.mark.slow
@@ -290,7 +302,7 @@ def test_shutdown_with_work_in_flight_fails_everything_and_is_idempotent(tracer:
     assert done.async_output_id is not None
     ready = ex.wait_output_ready(done.async_output_id).result(timeout=30)
     kept = ready.output["image"]
-    pending = ex.submit_request(_req("slow", sleep=30))
+    pending = ex.submit(_req("slow", sleep=30)).computed
     time.sleep(0.2)
     t0 = time.monotonic()
     ex.shutdown()
@@ -320,7 +332,8 @@ def test_outputs_for_nobody_are_released(ex2: MultiprocDiffusionExecutor) -> Non
         # On a loaded machine the output can be READY before the wait: the future is
         # delivered at once, the cancel comes too late and the engine owns the output.
         ex2.release_output(fut.result(timeout=30))
-    ros = [ex2.submit_request(_req(f"g{i}", **params), consumer="stream-1").result(timeout=30) for i in range(2)]
+    # Announced and never claimed (a handle would claim them): the consumer's to lose.
+    ros = [ex2.execute_request(_req(f"g{i}", **params), consumer="stream-1") for i in range(2)]
     assert ex2.release_consumer("stream-1") == 2
     deadline = time.monotonic() + 10
     while (ex2.metrics().pending_outputs or ex2.pool.stats().outstanding) and time.monotonic() < deadline:
@@ -340,13 +353,13 @@ def test_backpressure_holds_the_next_forward_until_the_packer_has_room(tracer: L
         assert first.async_output_id is not None
         held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # pins the one segment
         second = ex.execute_request(_req("q2", **params))  # forward runs; its pack waits for a segment
-        third = ex.submit_request(_req("q3", **params))  # must wait for packer room before its forward
+        third = ex.submit(_req("q3", **params))  # must wait for packer room before its forward
         time.sleep(0.5)
-        assert not third.done(), "the third forward started although the packer was full"
+        assert not third.computed.done(), "the third forward started although the packer was full"
         ex.release_output(held)
         assert second.async_output_id is not None
         _wait_ok(ex, second, params)
-        _wait_ok(ex, third.result(timeout=30), params)
+        _take_ok(ex, third, params)
         packer = ex.worker_metrics()[0].packer
         assert packer.backpressure_waits >= 1 and packer.backpressure_seconds > 0.3, packer
         _assert_quiet(ex)
@@ -365,7 +378,7 @@ def test_a_message_of_a_dead_worker_read_after_its_death_is_released_not_held() 
     (no trace is kept: no worker machine of the spec sent it).
     """
     with MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES) as ex:
-        fut = ex.submit_request(_req("slow", sleep=30))
+        fut = ex.submit(_req("slow", sleep=30)).computed
         time.sleep(0.3)
         # The call's future fails inside the pump's fail_all: the death is handled.
         _kill_and_expect_worker_died(ex, fut)
@@ -404,7 +417,7 @@ def test_shutdown_with_sends_in_flight_is_quiet(capfd: pytest.CaptureFixture[str
         assert first.async_output_id is not None
         held = ex.wait_output_ready(first.async_output_id).result(timeout=30)  # the one segment
         ex.execute_request(_req("h2", **params))  # its pack waits for the segment, then fails
-        ex.submit_request(_req("h3", sleep=1.0, **params))  # a forward still running at shutdown
+        ex.submit(_req("h3", sleep=1.0, **params))  # a forward still running at shutdown
         time.sleep(0.3)
     finally:
         ex.shutdown()
