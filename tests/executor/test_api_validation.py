@@ -104,14 +104,16 @@ def test_reference_model_fails_a_bad_request_in_process_without_running_the_batc
 
 
 def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessExecutor) -> None:
-    _raises_at_once(ex.submit_request, "hello", match=r"submit_request: request must be a DiffusionRequest, got str")
+    _raises_at_once(ex.submit, "hello", match=r"submit: request must be a DiffusionRequest, got str")
     _raises_at_once(ex.execute_request, None, match=r"execute_request: request must be a DiffusionRequest")
-    _raises_at_once(ex.submit_batch, "ab", match=r"submit_batch: requests must be a sequence of DiffusionRequest")
+    _raises_at_once(
+        ex.submit_batch_handles, "ab", match=r"submit_batch_handles: requests must be a sequence of DiffusionRequest"
+    )
     _raises_at_once(ex.execute_batch, req("a"), match=r"for one request use execute_request")
     _raises_at_once(ex.execute_batch, [req("a"), {"id": "b"}], match=r"execute_batch: requests\[1\] must be a Diff")
     _raises_at_once(ex.execute_batch, [], match="at least one request")
     with pytest.raises(UsageError, match="consumer"):
-        ex.submit_request(req("a"), consumer=3)  # type: ignore[arg-type]
+        ex.submit(req("a"), consumer=3)  # type: ignore[arg-type]
     # Nothing reached a worker: no call is pending, no answer came back.
     assert ex.metrics().pending_rpcs == 0
     assert ex.execute_request(req("ok")).async_output_id
@@ -182,7 +184,7 @@ def test_in_process_executor_checks_requests_with_the_models_validator_at_the_ca
     """Both executors fail a bad request at the call: in process too, nothing reaches a worker."""
     with InProcessExecutor(lambda rank: TinyDiffusionWorker()) as ex:
         with pytest.raises(errors.InvalidRequest, match="'steps'"):
-            ex.submit_request(DiffusionRequest("bad", {"steps": -3}))
+            ex.submit(DiffusionRequest("bad", {"steps": -3}))
         assert ex.metrics().pending_outputs == 0
         assert ex.execute_request(DiffusionRequest("good", {"steps": 2})).async_output_id is not None
 

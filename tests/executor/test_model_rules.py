@@ -60,12 +60,12 @@ def test_in_process_executor_validates_in_the_callers_thread(make: object) -> No
     ex = InProcessExecutor(make, deadlines=DEADLINES)  # type: ignore[arg-type]
     try:
         with pytest.raises(InvalidRequest) as err:
-            ex.submit_request(DiffusionRequest("neg", {"size": -1}))
+            ex.submit(DiffusionRequest("neg", {"size": -1}))
         assert err.value.parameter == "size" and err.value.request_id == "neg"
         with pytest.raises(InvalidRequest):
             ex.validate_request(DiffusionRequest("neg2", {"size": 0}))
         assert ex.metrics().pending_rpcs == 0
-        assert ex.submit_request(DiffusionRequest("ok", {"size": 2, "numel": 8})).result(timeout=30).finished
+        assert ex.execute_request(DiffusionRequest("ok", {"size": 2, "numel": 8})).finished
     finally:
         ex.shutdown(timeout=10)
 
@@ -75,10 +75,10 @@ def test_in_process_executor_validates_in_the_callers_thread(make: object) -> No
 def test_worker_processes_validate_in_the_callers_thread(factory: str) -> None:
     with MultiprocDiffusionExecutor(WorkerSpec(factory), deadlines=DEADLINES) as ex:
         with pytest.raises(InvalidRequest) as err:
-            ex.submit_request(DiffusionRequest("neg", {"size": -1}))
+            ex.submit(DiffusionRequest("neg", {"size": -1}))
         assert err.value.parameter == "size"
         assert ex.metrics().pending_rpcs == 0
-        ro = ex.submit_request(DiffusionRequest("ok", {"size": 2, "numel": 8})).result(timeout=30)
+        ro = ex.execute_request(DiffusionRequest("ok", {"size": 2, "numel": 8}))
         assert ro.async_output_id is not None
         ex.release_output(ex.wait_output_ready(ro.async_output_id).result(timeout=30))
 

@@ -50,9 +50,9 @@ def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -
         with pytest.raises(errors.InvalidRequest) as bad:
             ex.execute_request(DiffusionRequest("neg", {"steps": -3}))
         with pytest.raises(errors.InvalidRequest, match="'height'"):
-            ex.submit_batch([DiffusionRequest("a", {"height": 8}), DiffusionRequest("b", {"height": 0})])
+            ex.submit_batch_handles([DiffusionRequest("a", {"height": 8}), DiffusionRequest("b", {"height": 0})])
         with pytest.raises(UsageError, match="request must be a DiffusionRequest"):
-            ex.submit_request("hello")  # type: ignore[arg-type]
+            ex.submit("hello")  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="release_output: output must be"):
             ex.release_output("x")  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="wait_output_ready: async_output_id"):
@@ -74,7 +74,7 @@ def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -
 def test_worker_killed_by_an_exception_reports_it_with_worker_died() -> None:
     spec = WorkerSpec("helpers.mp_workers:ScriptedWorker", pass_rank=True)
     with MultiprocDiffusionExecutor(spec, deadlines=DEADLINES) as ex:
-        fut = ex.submit_request(DiffusionRequest("doomed", {"fatal": "the device fell off the bus"}))
+        fut = ex.submit(DiffusionRequest("doomed", {"fatal": "the device fell off the bus"})).computed
         with pytest.raises(WorkerDied) as err:
             fut.result(timeout=30)
         e = err.value

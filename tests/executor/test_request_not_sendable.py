@@ -31,7 +31,7 @@ def ex() -> Iterator[MultiprocDiffusionExecutor]:
 
 def _ok(ex: MultiprocDiffusionExecutor, rid: str) -> None:
     params = {"numel": 1 << 15, "seed": 5}
-    ro = ex.submit_request(DiffusionRequest(rid, params)).result(timeout=30)
+    ro = ex.execute_request(DiffusionRequest(rid, params))
     assert ro.async_output_id is not None
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
     assert torch.equal(out.output["image"], expected_image(params))
@@ -45,7 +45,7 @@ def test_unpicklable_parameter_raises_request_not_sendable_naming_it(
 ) -> None:
     req = DiffusionRequest("r-bad", {"seed": 1, "fn": bad})
     with pytest.raises(errors.RequestNotSendable) as err:
-        ex.submit_request(req)
+        ex.submit(req)
     e = err.value
     assert isinstance(e, UsageError)
     assert e.request_id == "r-bad" and e.parameter == "fn", str(e)
@@ -57,7 +57,7 @@ def test_unpicklable_parameter_raises_request_not_sendable_naming_it(
 
 def test_unpicklable_parameter_in_a_batch_and_in_a_collective_rpc(ex: MultiprocDiffusionExecutor) -> None:
     with pytest.raises(errors.RequestNotSendable) as err:
-        ex.submit_batch([DiffusionRequest("fine", {"seed": 1}), DiffusionRequest("worse", {"cb": lambda: 2})])
+        ex.submit_batch_handles([DiffusionRequest("fine", {"seed": 1}), DiffusionRequest("worse", {"cb": lambda: 2})])
     assert err.value.request_id == "worse" and err.value.parameter == "cb"
     with pytest.raises(errors.RequestNotSendable) as err2:
         ex.collective_rpc("pid", (lambda: 3,))
