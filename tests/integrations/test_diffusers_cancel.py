@@ -86,7 +86,7 @@ def test_cancel_mid_denoise_stops_within_one_step_and_never_decodes(
     pause_at = 3 * per_step + 1  # the first transformer call of the fourth step
     counted = Counted(worker, pause_at)
     try:
-        fut = ex.submit_request(DiffusionRequest("long", _long(name, 1)))
+        fut = ex.submit(DiffusionRequest("long", _long(name, 1))).computed
         assert counted.paused.wait(60)
         ex.cancel_requests(["long"])
         counted.resume.set()
@@ -113,7 +113,7 @@ def test_a_cancel_during_the_last_step_still_saves_the_decode(
     counted = Counted(worker, (steps - 1) * CALLS_PER_STEP[name] + 1)  # inside the last step
     try:
         params = _long(name, 3) | {"num_inference_steps": steps}
-        fut = ex.submit_request(DiffusionRequest("last", params))
+        fut = ex.submit(DiffusionRequest("last", params)).computed
         assert counted.paused.wait(60)
         ex.cancel_requests(["last"])
         counted.resume.set()

@@ -70,7 +70,7 @@ def _fetch(ex: DiffusionExecutor, output_id: str | None) -> Any:
 def test_in_process_executor_single_and_batch_are_bit_exact_through_the_transport(dit_direct: Any) -> None:
     with _in_process(DiffusersPipelineWorker.spec(builder=DIT)) as ex:
         with pytest.raises(InvalidRequest, match=r"request 'bad': parameter 'class_labels' must be one class"):
-            ex.submit_request(DiffusionRequest("bad", dit_params(1, label=5000)))
+            ex.submit(DiffusionRequest("bad", dit_params(1, label=5000)))
         assert ex.metrics().pending_rpcs == 0  # refused at the call: nothing reached a worker
         single = dit_params(2, label=17)
         out = _fetch(ex, ex.execute_request(DiffusionRequest("one", single)).async_output_id)
@@ -83,7 +83,7 @@ def test_in_process_executor_single_and_batch_are_bit_exact_through_the_transpor
         # for bit (a batch member is its own call's only up to the last bits on some CPUs:
         # test_diffusers_worker.py::test_dit_batch_members_match_their_own_calls).
         here = DiffusersPipelineWorker(builder=DIT).execute_model_batch(batch).outputs
-        ros = ex.submit_batch(batch).result(timeout=120)
+        ros = ex.execute_batch(batch)
         for ro, p, want in zip(ros, params, here, strict=True):
             got = _fetch(ex, ro.async_output_id)
             assert torch.equal(got.output.images, want.output.images), ro.request_id
@@ -175,7 +175,7 @@ def test_worker_processes_check_at_the_call_and_ship_diffusers_classes(
 ) -> None:
     ex = processes
     with pytest.raises(InvalidRequest, match=r"request 'bad': parameter 'height' must be a multiple of 16") as err:
-        ex.submit_request(DiffusionRequest("bad", {**wan_params(1), "height": 20}))
+        ex.submit(DiffusionRequest("bad", {**wan_params(1), "height": 20}))
     assert err.value.parameter == "height" and ex.metrics().pending_rpcs == 0
     params = [wan_params(seed=30 + i) for i in range(3)]
     single = _fetch(ex, ex.execute_request(DiffusionRequest("p0", params[0])).async_output_id)

@@ -302,12 +302,14 @@ def test_in_process_executor_end_to_end() -> None:
     try:
         # The model's static validate_request runs in the caller's thread.
         with pytest.raises(InvalidRequest, match="parameter 'height'"):
-            ex.submit_request(_req("bad", height=12))
-        futs = [ex.submit_request(r) for r in reqs[:2]]
-        ros = [f.result(timeout=60) for f in futs] + ex.execute_batch(reqs[2:])
-        for r, ro in zip(reqs, ros, strict=True):
-            assert ro.request_id == r.request_id and ro.async_output_id is not None
-            out = ex.wait_output_ready(ro.async_output_id).result(timeout=60)
+            ex.submit(_req("bad", height=12))
+        handles = [ex.submit(r) for r in reqs[:2]]
+        outs = [h.output.result(timeout=60) for h in handles]
+        for ro in ex.execute_batch(reqs[2:]):
+            assert ro.async_output_id is not None
+            outs.append(ex.wait_output_ready(ro.async_output_id).result(timeout=60))
+        for r, out in zip(reqs, outs, strict=True):
+            assert out.request_id == r.request_id
             torch.testing.assert_close(_pixels(out), _pixels(reference.execute_model(r)), rtol=0, atol=1e-4)
             ex.release_output(out)
         ex.collective_rpc("sleep")
@@ -335,7 +337,7 @@ def test_worker_process_end_to_end_with_the_postprocess(multiproc: MultiprocDiff
     ex = multiproc
     reference = DiTPipelineWorker(**SMALL)
     with pytest.raises(InvalidRequest, match="parameter 'width' must be a multiple of 8"):
-        ex.submit_request(_req("bad", width=33))  # make_worker carries validate_request
+        ex.submit(_req("bad", width=33))  # make_worker carries validate_request
     reqs = [_req(f"m{i}", seed=i, height=128, width=128, digest=True) for i in range(3)]
     reqs.append(_req("mv", seed=5, num_frames=3, height=64, width=64, digest=True))
     ros = ex.execute_batch(reqs)
