@@ -34,6 +34,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from helpers.executor_harness import on_a_thread
 from helpers.executors import executor_class, worker_pids
 from helpers.tlc import require_tlc
 from helpers.trace_driver import coverage, drive
@@ -50,8 +51,10 @@ from omni_async.core.messages import (
 )
 from omni_async.core.registry import OutputRegistry, apply_resolutions
 from omni_async.core.trace import FieldValue, TraceEvent
+from omni_async.executor import RequestHandle
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor
+from omni_async.executor.stream import RequestStream
 from omni_async.verify.recorder import ListTracer
 from omni_async.verify.tracecheck import TraceFormatError, check_traces, encode_traces
 from omni_async.worker.cancel import raise_if_cancelled
@@ -389,15 +392,30 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
         _ToyModel, world_size=rng.choice([1, 2]), deadlines=Deadlines(30.0, 30.0, 30.0), tracer=tracer
     )
     try:
-        calls = []
+        # Some calls in the seed's shape (execute_batch, on a thread so that several are in
+        # flight, then wait_output_ready by id), the others through handles.
+        calls: list[Future[list[RunnerOutput]] | list[RequestHandle]] = []
         for n in range(rng.randint(1, 4)):
             reqs = [
                 DiffusionRequest(f"q{n}-{k}", {"fail_rank": 1} if rng.random() < 0.15 else {})
                 for k in range(rng.randint(1, 3))
             ]
-            calls.append(ex.submit_batch(reqs))
+            if rng.random() < 0.5:
+                calls.append(ex.submit_batch_handles(reqs))
+            else:
+                calls.append(on_a_thread(lambda reqs=reqs: ex.execute_batch(reqs)))
         waits: list[Future[DiffusionOutput]] = []
         for call in calls:
+            if isinstance(call, list):
+                for h in call:
+                    c = rng.random()
+                    if c < 0.15 and h.computed.exception(10) is None:
+                        h.drop()
+                        continue
+                    if c < 0.3:
+                        h.output.cancel()
+                    waits.append(h.output)
+                continue
             try:
                 outs = call.result(10)
             except Exception:
@@ -467,27 +485,27 @@ def _abort_runs() -> list[list[TraceEvent]]:
         ex = InProcessExecutor(_StepModel, world_size=world, deadlines=Deadlines(30.0, 30.0, 30.0), tracer=tracer)
         try:
             # Stopped while computing.
-            running = ex.submit_request(rq("run", 300))
+            running = ex.submit(rq("run", 300)).computed
             time.sleep(0.1)
             ex.cancel_requests(["run"])
             assert isinstance(running.exception(10), RequestAborted)
             # Never started: cancelled while queued behind another call.
-            first = ex.submit_request(rq("first", 300))
-            queued = ex.submit_request(rq("queued", 1))
+            first = ex.submit(rq("first", 300)).computed
+            queued = ex.submit(rq("queued", 1)).computed
             time.sleep(0.05)
             ex.cancel_requests(["queued"])
             ex.cancel_requests(["first"])
             assert isinstance(first.exception(10), RequestAborted)
             assert isinstance(queued.exception(10), RequestAborted)
             # One request of a batch: the rest goes on, its output is dropped.
-            batch = ex.submit_batch([rq("b1", 30), rq("b2", 1)])
+            b1, b2 = ex.submit_batch_handles([rq("b1", 30), rq("b2", 1)])
             time.sleep(0.05)
             ex.cancel_requests(["b1"])
-            outs = batch.result(10)
-            assert outs[0].aborted
-            consume(ex, outs[1])
+            assert isinstance(b1.computed.exception(10), RequestAborted)
+            assert isinstance(b1.output.exception(10), RequestAborted)
+            b2.output.result(10)
             # A compute deadline cancels the forward; the late answer is an orphan.
-            late = ex.submit_request(rq("late", 300), deadlines=Deadlines(compute_timeout=0.1))
+            late = ex.submit(rq("late", 300), deadlines=Deadlines(compute_timeout=0.1)).computed
             assert isinstance(late.exception(10), ComputeTimeout)
             deadline = time.monotonic() + 10
             while ex.metrics().overdue_calls and time.monotonic() < deadline:
@@ -552,16 +570,21 @@ def _stream_runs() -> list[list[TraceEvent]]:
     def rq(rid: str, steps: int, **params: object) -> DiffusionRequest:
         return DiffusionRequest(rid, {"steps": steps, **params})
 
-    def finish(ex: InProcessExecutor, stream: object) -> None:
-        from omni_async.executor.stream import RequestStream
+    def streamed(
+        ex: InProcessExecutor,
+        request: DiffusionRequest,
+        *,
+        consumer: str | None = None,
+        deadlines: Deadlines | None = None,
+    ) -> tuple[RequestHandle, RequestStream]:
+        h = ex.submit(request, consumer=consumer, deadlines=deadlines, stream=True)
+        assert h.stream is not None
+        return h, h.stream
 
-        assert isinstance(stream, RequestStream)
-        try:
-            ro = stream.result.result(10)
-        except Exception:
-            return
-        assert ro.async_output_id is not None
-        ex.wait_output_ready(ro.async_output_id).result(10)
+    def finish(h: RequestHandle) -> None:
+        """The final output, claimed for the handle at COMPUTE_DONE (if the call got there)."""
+        if h.computed.exception(10) is None:
+            h.output.result(10)
 
     traces: list[list[TraceEvent]] = []
     for world in (1, 2):
@@ -569,55 +592,55 @@ def _stream_runs() -> list[list[TraceEvent]]:
         ex = InProcessExecutor(_StreamModel, world_size=world, deadlines=Deadlines(30.0, 30.0, 30.0), tracer=tracer)
         try:
             # Every chunk taken, in order, then the final output.
-            s = ex.submit_stream(rq("all", 3))
+            h, s = streamed(ex, rq("all", 3))
             assert [c.output["step"] for c in s] == [0, 1, 2]
-            finish(ex, s)
+            finish(h)
             # Closed after the first chunk: the rest dropped, the call goes on.
-            s = ex.submit_stream(rq("closed", 6))
+            h, s = streamed(ex, rq("closed", 6))
             first = s.next_chunk(10)
             assert first is not None
             first.output.result(10)
             time.sleep(0.05)  # more chunks announced meanwhile, not taken
             s.close().result(10)
-            finish(ex, s)
+            finish(h)
             # A chunk that cannot travel fails typed, and ends the iteration.
-            s = ex.submit_stream(rq("bad", 2, bad_chunk=True))
+            h, s = streamed(ex, rq("bad", 2, bad_chunk=True))
             with pytest.raises(OmniAsyncError):
                 list(s)
-            finish(ex, s)
+            finish(h)
             # The forward fails after a chunk: the stream ends with the call's error.  The
             # call's failure is awaited first, so its chunk is still untaken when the failure
             # arrives and is dropped as "failed" (taking it first raced the failure: CI once
             # saw no "failed" drop).
-            s = ex.submit_stream(rq("fails", 3, raise_at=1))
+            h, s = streamed(ex, rq("fails", 3, raise_at=1))
             with pytest.raises(OmniAsyncError):
                 s.result.result(10)
             with pytest.raises(OmniAsyncError):
                 list(s)
             # Aborted mid-stream (cancel_requests).
-            s = ex.submit_stream(rq("abort", 300))
+            h, s = streamed(ex, rq("abort", 300))
             assert s.next_chunk(10) is not None
             time.sleep(0.05)  # chunks announced and not taken: dropped when the call ends
             ex.cancel_requests(["abort"])
             assert isinstance(s.result.exception(10), RequestAborted)
             # The call's future cancelled mid-stream: later chunks dropped on arrival.
-            s = ex.submit_stream(rq("cancel", 8))
+            h, s = streamed(ex, rq("cancel", 8))
             assert s.next_chunk(10) is not None
             s.result.cancel()
             time.sleep(0.15)
             # The consumer goes away mid-stream: the call fails, its later chunks are orphans.
-            s = ex.submit_stream(rq("gone", 8), consumer="leaving")
+            h, s = streamed(ex, rq("gone", 8), consumer="leaving")
             assert s.next_chunk(10) is not None
             ex.release_consumer("leaving")
             time.sleep(0.15)
             # A compute deadline ends the call (what it announced is dropped).
-            s = ex.submit_stream(rq("late", 20, ignore_cancel=True), deadlines=Deadlines(compute_timeout=0.1))
+            h, s = streamed(ex, rq("late", 20, ignore_cancel=True), deadlines=Deadlines(compute_timeout=0.1))
             with pytest.raises(ComputeTimeout):
                 s.result.result(10)
             deadline = time.monotonic() + 10
             while ex.metrics().overdue_calls and time.monotonic() < deadline:
                 time.sleep(0.01)
-            finish(ex, ex.submit_stream(rq("after", 1)))
+            finish(streamed(ex, rq("after", 1))[0])
         finally:
             ex.shutdown()
         traces.append(tracer.snapshot())
@@ -683,19 +706,19 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
     ex = ray_executor(spec, world_size=2, deadlines=deadlines, tracer=tracer)
     try:
         consume(ex, ex.execute_request(rq("one", numel=1 << 17)))
-        for ro in ex.submit_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]).result(30):
+        for ro in ex.execute_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]):
             consume(ex, ro)
-        calls = [ex.submit_request(rq(f"m{i}", numel=1 << 16, seed=i)) for i in range(12)]
-        ros = [c.result(30) for c in calls]
-        for i, ro in enumerate(ros):
+        handles = [ex.submit(rq(f"m{i}", numel=1 << 16, seed=i)) for i in range(12)]
+        for i, h in enumerate(handles):
             if i % 4 == 0:  # a consumer that leaves: the output is abandoned
-                assert ro.async_output_id is not None
-                ex.wait_output_ready(ro.async_output_id).cancel()
+                h.computed.result(30)
+                if not h.output.cancel():  # delivered already: the engine's to release
+                    ex.release_output(h.output.result(30))
             else:
-                consume(ex, ro)
+                ex.release_output(h.output.result(30))
         with pytest.raises(RpcFailed, match="RuntimeError"):
             ex.execute_request(rq("boom", **{"raise": True}))
-        ignored = ex.submit_request(rq("ignored", sleep=1.0))  # no cancellation checks: a late answer
+        ignored = ex.submit(rq("ignored", sleep=1.0)).computed  # no cancellation checks: a late answer
         time.sleep(0.2)
         ex.cancel_requests(["ignored"])
         assert isinstance(ignored.exception(30), RequestAborted)
@@ -708,13 +731,13 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
     tiny = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
     ex = ray_executor(tiny, deadlines=deadlines, tracer=tracer)
     try:
-        stopped = ex.submit_request(rq("stopped", height=64, steps=200, step_ms=20))
+        stopped = ex.submit(rq("stopped", height=64, steps=200, step_ms=20)).computed
         time.sleep(0.3)
         ex.cancel_requests(["stopped"])
         assert isinstance(stopped.exception(30), RequestAborted)
         consume(ex, ex.execute_request(rq("ok", height=64)))
         done = ex.execute_request(rq("unclaimed", height=64))
-        doomed = ex.submit_request(rq("doomed", height=64, steps=200, step_ms=20))
+        doomed = ex.submit(rq("doomed", height=64, steps=200, step_ms=20)).computed
         time.sleep(0.3)
         os.kill(worker_pids(ex)[0], signal.SIGKILL)
         assert isinstance(doomed.exception(30), WorkerDied)
