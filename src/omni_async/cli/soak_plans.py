@@ -42,8 +42,8 @@ FAULTS: Mapping[str, float] = {
     "raise": 1.0,  # the forward raises: RpcFailed
     "unpackable": 1.0,  # the packer refuses the output: RemoteError (UnsupportedOutputType)
     "abort": 1.0,  # drop_output, before or after the output arrived
-    "cancel-call": 1.0,  # cancel the future of submit_request
-    "cancel-wait": 1.0,  # cancel the future of wait_output_ready
+    "cancel-call": 1.0,  # cancel handle.computed (the call, before its COMPUTE_DONE)
+    "cancel-wait": 1.0,  # cancel handle.output, or the future of wait_output_ready (every other request)
     "consumer-gone": 0.5,  # release_consumer, before or after the call resolved
     "tight-wait": 1.0,  # the engine's own deadline of 0-5 ms, then cancel (the guide's fetch)
     "expire": 0.25,  # claimed only after the output deadline: OutputTimeout

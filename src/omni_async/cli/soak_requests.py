@@ -47,34 +47,61 @@ def _consume(life: Life, out: DiffusionOutput, plan: Plan) -> str:
     return RESULT if intact else CHANGED
 
 
+# The faults that act on the call before its COMPUTE_DONE: through a handle.  Those that act
+# on the claim of an output by its id: the seed's shape.  Every other request takes either,
+# by its index's parity, so that both paths carry plain requests and the other faults.
+HANDLE_FAULTS = frozenset({"kill", "cancel-call", "consumer-gone"})
+BY_ID_FAULTS = frozenset({"abort", "tight-wait", "expire"})
+
+
 def executor_request(plan: Plan, life: Life, output_timeout: float) -> str:
-    """Run one request as its plan says; returns its outcome (raises what ended it otherwise)."""
+    """Run one request as its plan says; returns its outcome (raises what ended it otherwise).
+
+    Through a handle (``submit``: the output claimed for it at COMPUTE_DONE) or in the
+    seed's shape (``execute_request``, then ``wait_output_ready`` of the output's id); a
+    'cancel-wait' cancels ``handle.output`` or the future ``wait_output_ready`` gave."""
+    if plan.fault in HANDLE_FAULTS or (plan.fault not in BY_ID_FAULTS and plan.index % 2 == 0):
+        return _through_a_handle(plan, life)
+    return _by_id(plan, life, output_timeout)
+
+
+def _through_a_handle(plan: Plan, life: Life) -> str:
     ex, fault = life.ex, plan.fault
     consumer = f"soak-consumer-{plan.index}" if fault == "consumer-gone" else None
-    call = ex.submit_request(plan.request(), consumer=consumer)
+    h = ex.submit(plan.request(), consumer=consumer)
     if fault == "kill":
         life.kill_one(random.Random(plan.index))
-    if fault == "cancel-call":
+    elif fault == "cancel-call":
         time.sleep(plan.delay)
-        if call.cancel():
+        if h.computed.cancel():
             return CANCELLED
-    if consumer is not None:
+    elif fault == "cancel-wait":
+        time.sleep(plan.delay)
+        if h.output.cancel():  # abandoned: the executor releases it on arrival (F9)
+            return CANCELLED
+    elif consumer is not None:
         if plan.early:
             ex.release_consumer(consumer)
         try:
-            oid = call.result(timeout=WAIT_S).async_output_id
+            h.computed.result(timeout=WAIT_S)
         except OutputDropped:
             return CONSUMER_GONE  # gone before the call resolved
         ex.release_consumer(consumer)
-        assert oid is not None
         try:
-            ex.release_output(ex.wait_output_ready(oid).result(timeout=WAIT_S))
+            out = h.output.result(timeout=WAIT_S)
         except OutputError as exc:
-            if isinstance(exc, OutputDropped) or type(exc) is OutputError:  # abandoned, or released already
+            if isinstance(exc, OutputDropped) or type(exc) is OutputError:  # abandoned on its way
                 return CONSUMER_GONE
             raise
-        raise AssertionError(f"{plan.request_id}: delivered after its consumer was released")  # untyped: fails
-    oid = call.result(timeout=WAIT_S).async_output_id
+        # Claimed for the handle at COMPUTE_DONE, and delivered before the consumer went:
+        # the caller's, as any delivered output.
+        return _consume(life, out, plan)
+    return _consume(life, h.output.result(timeout=WAIT_S), plan)
+
+
+def _by_id(plan: Plan, life: Life, output_timeout: float) -> str:
+    ex, fault = life.ex, plan.fault
+    oid = ex.execute_request(plan.request()).async_output_id
     assert oid is not None
     if fault == "abort" and plan.early:
         ex.drop_output(oid).result(timeout=WAIT_S)
