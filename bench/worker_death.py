@@ -52,7 +52,7 @@ def _time_to_failure(ex: MultiprocDiffusionExecutor, fut: Future[Any], rank: int
 
 def mid_forward() -> float:
     with MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES) as ex:
-        fut = ex.submit_request(DiffusionRequest("slow", {"sleep": 30}))
+        fut = ex.submit(DiffusionRequest("slow", {"sleep": 30})).computed
         time.sleep(0.3)
         return _time_to_failure(ex, fut, rank=1)
 

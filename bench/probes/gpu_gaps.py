@@ -28,12 +28,14 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor import RequestHandle
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.tiny import SyntheticVideoWorker
 
@@ -133,28 +135,33 @@ def main() -> int:
         # warm the pipeline (segments, pinning), then drop those marks
         for phase in ("warm", "run"):
             n = 4 if phase == "warm" else args.requests
-            ids: queue.Queue[str | None] = queue.Queue()
+            ids: queue.Queue[Future[DiffusionOutput] | None] = queue.Queue()
             done: list[float] = []
             packs: list[dict[str, float]] = []
 
             # The thread is joined inside this iteration: binding late is what it wants.
             def consume() -> None:
-                while (oid := ids.get()) is not None:  # noqa: B023
-                    out = ex.wait_output_ready(oid).result(timeout=300)
+                while (output := ids.get()) is not None:  # noqa: B023
+                    out = output.result(timeout=300)
                     done.append(time.perf_counter())  # noqa: B023
                     packs.append(dict(out.metrics))  # noqa: B023
                     ex.release_output(out)
 
             t = threading.Thread(target=consume)
             t.start()
-            pending: collections.deque[Any] = collections.deque()
+            pending: collections.deque[RequestHandle] = collections.deque()
             t0 = time.perf_counter()
+
+            def announce(h: RequestHandle) -> None:
+                h.computed.result(timeout=300)  # COMPUTE_DONE: its output claimed for the handle
+                ids.put(h.output)  # noqa: B023
+
             for i in range(n):
                 while len(pending) >= args.submitted:
-                    ids.put(pending.popleft().result(timeout=300).async_output_id)
-                pending.append(ex.submit_request(DiffusionRequest(f"{phase}{i}", {"seed": i})))
+                    announce(pending.popleft())
+                pending.append(ex.submit(DiffusionRequest(f"{phase}{i}", {"seed": i})))
             while pending:
-                ids.put(pending.popleft().result(timeout=300).async_output_id)
+                announce(pending.popleft())
             ids.put(None)
             t.join()
             wall = max(done) - t0

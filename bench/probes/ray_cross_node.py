@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,
 )
+
+if TYPE_CHECKING:
+    from omni_async.executor import RequestHandle
 
 
 class BlobWorker:
@@ -86,12 +89,11 @@ def main() -> int:
             result["remote"] = [not node.startswith(here) for node in ex.nodes]
             exp = expected(n)
 
-            def one(i: int) -> Any:
-                ro = ex.submit_request(DiffusionRequest(f"r{i}", {"numel": n}))
-                return ro
+            def one(i: int) -> RequestHandle:
+                return ex.submit(DiffusionRequest(f"r{i}", {"numel": n}))
 
             # warm-up and the bit-exact check
-            ro = ex.submit_request(DiffusionRequest("w", {"numel": n})).result(timeout=120)
+            ro = ex.execute_request(DiffusionRequest("w", {"numel": n}))
             assert ro.async_output_id is not None
             out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
             result["bit_exact"] = bool(torch.equal(out.output["image"], exp))
@@ -102,9 +104,7 @@ def main() -> int:
             sent = len(pending)
             ok = True
             while pending:
-                ro = pending.pop(0).result(timeout=120)
-                assert ro.async_output_id is not None
-                out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+                out = pending.pop(0).output.result(timeout=120)
                 ok = ok and out.output["image"].shape[0] == n
                 del out.output["image"]
                 ex.release_output(out)

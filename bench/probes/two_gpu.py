@@ -35,12 +35,14 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor import RequestHandle
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.synthetic import SyntheticForwardWorker
 from omni_async.transport.shm import SegmentPool
@@ -224,14 +226,14 @@ def _phase(
     taken by ``consumer``: on this thread two outputs late (``inline``, the probe's first
     version), or on a consumer thread as each is announced (``thread``, as ``omni-async
     bench`` does).  Returns when each output was ready and rank 0's forward spans."""
-    slots: list[tuple[str, Any]] = []  # running requests: submitted, COMPUTE_DONE not yet in
-    outputs: list[tuple[str, str]] = []
+    slots: list[tuple[str, RequestHandle]] = []  # running requests: submitted, COMPUTE_DONE not yet in
+    outputs: list[tuple[str, Future[DiffusionOutput]]] = []
     done: list[float] = []
     spans: list[tuple[float, float]] = []
 
-    def take(rid: str, oid: str) -> None:
+    def take(rid: str, output: Future[DiffusionOutput]) -> None:
         a = time.monotonic()
-        out = ex.wait_output_ready(oid).result(300)
+        out = output.result(300)
         b = time.monotonic()
         done.append(b)
         spans.append((out.metrics["forward_started_at"], out.metrics["forward_ended_at"]))
@@ -239,7 +241,7 @@ def _phase(
         _EVENTS.append(("client", "take", rid, a, time.monotonic(), {}))
         _EVENTS.append(("client", "ready", rid, b, b, {}))
 
-    announced: queue.Queue[tuple[str, str] | None] = queue.Queue()
+    announced: queue.Queue[tuple[str, Future[DiffusionOutput]] | None] = queue.Queue()
 
     def consume() -> None:
         while (item := announced.get()) is not None:
@@ -249,11 +251,12 @@ def _phase(
     if thread is not None:
         thread.start()
 
-    def announce(rid: str, oid: str) -> None:
+    def announce(rid: str, h: RequestHandle) -> None:
+        h.computed.result(300)  # COMPUTE_DONE: the output was claimed for the handle
         if thread is not None:
-            announced.put((rid, oid))
+            announced.put((rid, h.output))
             return
-        outputs.append((rid, oid))
+        outputs.append((rid, h.output))
         while len(outputs) > 2:  # the inline consumer takes two outputs late
             take(*outputs.pop(0))
 
@@ -264,16 +267,15 @@ def _phase(
         # Two running slots: a call's COMPUTE_DONE comes only once both ranks answered it
         # (F12), and frees its slot for the next request.
         while len(slots) >= 2:
-            rid, fut = slots.pop(0)
-            announce(rid, fut.result(300).async_output_id)
+            announce(*slots.pop(0))
         rid = f"{prefix}{i}"
         a = time.monotonic()
-        fut = ex.submit_request(DiffusionRequest(rid, {**params, "seed": i}))
+        h = ex.submit(DiffusionRequest(rid, {**params, "seed": i}))
         _EVENTS.append(("client", "submit", rid, a, time.monotonic(), {}))
-        fut.add_done_callback(on_done(rid))
-        slots.append((rid, fut))
-    for rid, fut in slots:
-        announce(rid, fut.result(300).async_output_id)
+        h.computed.add_done_callback(on_done(rid))
+        slots.append((rid, h))
+    for rid, h in slots:
+        announce(rid, h)
     if thread is not None:
         announced.put(None)
         thread.join()
@@ -355,11 +357,9 @@ def main() -> int:
             # on rank 0) as the run holds at once.
             _phase(ex, "w", args.warm, params, args.consumer)
         else:
-            warm = [ex.submit_request(DiffusionRequest(f"w{i}", {**params, "seed": i})) for i in range(args.warm)]
+            warm = [ex.submit(DiffusionRequest(f"w{i}", {**params, "seed": i})) for i in range(args.warm)]
             for w in warm:
-                ro = w.result(300)
-                assert ro.async_output_id is not None
-                ex.release_output(ex.wait_output_ready(ro.async_output_id).result(300))
+                ex.release_output(w.output.result(300))
         result["pool_after_warm"] = str(ex.pool.stats())
         ex.collective_rpc("timeline")  # the warm-up's events are not the run's
         _EVENTS.clear()
