@@ -121,7 +121,7 @@ def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessEx
 
 def test_duplicate_request_ids_in_a_batch_are_rejected(ex: InProcessExecutor) -> None:
     _raises_at_once(ex.execute_batch, [req("a"), req("b"), req("a")], match=r"request id 'a' appears more than once")
-    _raises_at_once(ex.submit_batch, [req("a"), req("a")], match=r"submit_batch: request id 'a'")
+    _raises_at_once(ex.submit_batch_handles, [req("a"), req("a")], match=r"submit_batch_handles: request id 'a'")
 
 
 def test_output_calls_reject_wrong_arguments(ex: InProcessExecutor) -> None:
