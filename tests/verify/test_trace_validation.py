@@ -24,6 +24,7 @@ Sources, each checked in one TLC run:
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
@@ -403,7 +404,7 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
             if rng.random() < 0.5:
                 calls.append(ex.submit_batch_handles(reqs))
             else:
-                calls.append(on_a_thread(lambda reqs=reqs: ex.execute_batch(reqs)))
+                calls.append(on_a_thread(functools.partial(ex.execute_batch, reqs)))
         waits: list[Future[DiffusionOutput]] = []
         for call in calls:
             if isinstance(call, list):
