@@ -285,7 +285,7 @@ def test_the_marked_blocks_run(tmp_path: Path) -> None:
         f"a docs block failed ({last}, in order of the run markers, page by page as in PAGES):\n{done.stdout}\n{done.stderr}"
     )
     assert done.stdout.rstrip().endswith("--- all blocks ran")
-    # A few of the results the guide states in comments.
+    # A few of the results the pages state in comments.
     assert "RuntimeError - forward of bad failed on purpose" in done.stdout
     assert "OutputError no-such-id" in done.stdout
     assert "[None, None]" in done.stdout
