@@ -1,6 +1,6 @@
 """omni_async: move finished diffusion outputs off the GPU path.
 
-The public names come in three audiences (``docs/guide.md``, section 13): an engine
+The public names come in three audiences (``docs/names.md`` lists each): an engine
 author imports from ``omni_async`` (``__all__`` below), a model author from
 ``omni_async.worker``, and code that catches errors from ``omni_async.errors``.
 ``spec/PROTOCOL.md`` describes the protocol.  The layers, from the top:
@@ -224,7 +224,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
 
 
-#: The engine author's names (docs/guide.md, section 13).  Model authors import from
+#: The engine author's names (docs/names.md).  Model authors import from
 #: ``omni_async.worker``, code that catches errors from ``omni_async.errors``; the
 #: transport's, the protocol's and the reference models' names live in their modules.
 #: Every name this package exported before that grouping still resolves here (above).

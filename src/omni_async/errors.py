@@ -1,8 +1,8 @@
 """Every error ``omni_async`` raises, for code that catches them.
 
 All of them derive from ``OmniAsyncError``; ``UsageError`` (you called the API wrongly)
-and ``ProtocolError`` (a peer broke the protocol) split misuse from faults, as section 6
-of ``docs/guide.md`` describes.  ``import omni_async.errors`` imports no torch: the three
+and ``ProtocolError`` (a peer broke the protocol) split misuse from faults, as "Errors" in
+``docs/engine.md`` describes.  ``import omni_async.errors`` imports no torch: the three
 errors defined beside torch code are loaded on first use (PEP 562).
 """
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -168,3 +171,60 @@ def test_request_order_is_the_order_of_the_forwards() -> None:
     trace = json.loads(json.dumps(chrome_trace({"m": spans})))
     threads = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert threads == {"worker": 0, "early": 1, "late": 2, "never-ran": 3}
+
+
+def test_the_runs_alternate_in_rounds_of_even_shares() -> None:
+    """ABBA: whatever the machine does during the demo falls on both runs alike."""
+    from omni_async.cli.demo import MODES, round_orders, round_shares
+
+    assert round_orders(2) == [MODES, MODES[::-1]]
+    assert round_orders(3) == [MODES, MODES[::-1], MODES]
+    assert round_shares(48, 2) == [range(0, 24), range(24, 48)]
+    assert round_shares(5, 2) == [range(0, 2), range(2, 5)]
+    assert round_shares(1, 2) == [range(0, 1)]  # no empty round
+    assert [i for share in round_shares(7, 3) for i in share] == list(range(7))
+
+
+def test_a_runs_rounds_add_up_without_the_pause_between_them() -> None:
+    from omni_async.cli.demo import _Run
+
+    def part(t0: float, rid: str) -> _Run:
+        r = _Run("sync", started=t0, finished=t0 + 3.0, latencies=[2.0], digests={rid: 1})
+        r.spans = [Span(rid, "forward", t0 + 1.0, t0 + 2.0)]
+        return r
+
+    run = _Run("sync")
+    run.add_round(part(10.0, "a"))
+    run.add_round(part(100.0, "b"))  # 87 s later: another run's round came between
+    # The second round's spans follow the first's on one time scale.
+    assert [(s.start, s.end) for s in run.spans] == [(11.0, 12.0), (14.0, 15.0)]
+    assert (run.started, run.finished) == (10.0, 16.0)
+    s = run.summary()
+    assert s.requests == 2 and s.wall_s == 6.0 and s.throughput == pytest.approx(2 / 6.0)
+    assert s.forward_total_s == 2.0
+    assert s.idle_total_s == 0.0  # one forward per round: no gap inside a round, none across
+    assert run.forward_p50() == 1.0 and run.digests == {"a": 1, "b": 1}
+
+
+def test_the_demos_cpu_worker_runs_torch_on_one_thread() -> None:
+    """Both paths' forwards on one intra-op thread: with torch's default, the seed's
+    worker spun in OpenMP barriers on a loaded machine and its forwards took 5-10x the
+    library's worker's (demo.make_worker says why).  In a fresh interpreter: the setting
+    is the process's."""
+    code = (
+        "import torch; before = torch.get_num_threads()\n"
+        "from omni_async.cli.demo import make_worker\n"
+        "m = make_worker(device='cpu', steps=1, hidden_size=32, depth=1, heads=2)\n"
+        "print(before, torch.get_num_threads(), type(m).__name__, callable(make_worker.validate_request))\n"
+    )
+    env_threads = "2"  # a process that would use two threads otherwise, on any machine
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": env_threads},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "1", "DiTPipelineWorker", "True"]

@@ -1,6 +1,7 @@
-"""docs/guide.md stays true to the package: every public name described, every name it
-imports or cites importable, every path it cites present, every Python block compiles,
-and the blocks marked to run do run."""
+"""The documentation in docs/ stays true to the package: every public name described,
+every name it imports or cites importable, every path and link it cites present (the
+sections a link names included), every page and section reachable from the contents
+page, every Python block compiles, and the blocks marked to run do run."""
 
 from __future__ import annotations
 
@@ -15,14 +16,24 @@ import pytest
 import omni_async
 
 ROOT = Path(__file__).resolve().parents[2]
-GUIDE = ROOT / "docs" / "guide.md"
+DOCS = ROOT / "docs"
+#: The pages, in the order a reader meets them (and their run blocks run).
+PAGES = ("engine.md", "models.md", "diffusers.md", "operators.md", "verification.md", "names.md")
+#: The contents page, and what is left where the single guide was (a map to the pages).
+CONTENTS = "README.md"
+MOVED = "guide.md"
 RUN_MARKER = "<!-- guide: run -->"
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.S | re.M)
 
 
+def _page(name: str) -> str:
+    return (DOCS / name).read_text(encoding="utf-8")
+
+
 def _text() -> str:
-    return GUIDE.read_text(encoding="utf-8")
+    """Every page, in order: what the checks of the whole documentation read."""
+    return "\n".join(_page(name) for name in PAGES)
 
 
 def python_blocks(markdown: str) -> list[tuple[str, bool]]:
@@ -68,6 +79,23 @@ def imports_from_omni_async(markdown: str) -> list[tuple[str, str]]:
     return found
 
 
+def headings(markdown: str) -> list[tuple[int, str]]:
+    """(level, text) of every ``#`` heading outside fenced blocks, in order."""
+    return [(len(h), text) for h, text in re.findall(r"^(#{1,6}) (.+)$", _FENCE.sub("", markdown), re.M)]
+
+
+def anchor(heading: str) -> str:
+    """The fragment GitHub gives a heading: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces to ``-`` (the headings here are unique within their page)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def links(markdown: str) -> list[tuple[str, str]]:
+    """(target, fragment) of every markdown link outside fenced blocks; either may be empty."""
+    found = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", _FENCE.sub("", markdown))
+    return [(target, fragment) for target, fragment in found if not target.startswith(("http://", "https://"))]
+
+
 # -- the parsers themselves ---------------------------------------------------------------
 
 
@@ -86,9 +114,48 @@ def test_the_parsers_see_what_they_should() -> None:
     assert resolve("omni_async.verify.tlc.main") is importlib.import_module("omni_async.verify.tlc").main
     with pytest.raises(AttributeError):
         resolve("omni_async.NoSuchName")
+    page = (
+        "# Title\n\n## 1. The engine: `AsyncDiffusionEngine`\n```python\n# not a heading\n```\n### omni_async's `x_y`\n"
+    )
+    assert headings(page) == [(1, "Title"), (2, "1. The engine: `AsyncDiffusionEngine`"), (3, "omni_async's `x_y`")]
+    assert [anchor(h) for _, h in headings(page)] == ["title", "1-the-engine-asyncdiffusionengine", "omni_asyncs-x_y"]
+    assert links("[a](engine.md#errors), [b](#deadlines), [c](../spec/PROTOCOL.md), [d](https://x.org/y)") == [
+        ("engine.md", "errors"),
+        ("", "deadlines"),
+        ("../spec/PROTOCOL.md", ""),
+    ]
 
 
-# -- the guide ------------------------------------------------------------------------------
+# -- the pages -----------------------------------------------------------------------------
+
+
+def test_every_page_is_checked() -> None:
+    """A page added to docs/ without joining PAGES would escape every check below."""
+    assert sorted(p.name for p in DOCS.glob("*.md")) == sorted([*PAGES, CONTENTS, MOVED])
+
+
+def test_the_contents_page_links_every_page_and_section() -> None:
+    contents = set(links(_page(CONTENTS)))
+    for page in PAGES:
+        titles = [text for level, text in headings(_page(page)) if level == 1]
+        assert len(titles) == 1, f"docs/{page} has {len(titles)} titles"
+        assert (page, "") in contents, f"docs/{CONTENTS} does not link docs/{page}"
+        unlinked = [text for level, text in headings(_page(page)) if level > 1 and (page, anchor(text)) not in contents]
+        assert not unlinked, f"docs/{CONTENTS} does not link these sections of docs/{page}: {unlinked}"
+
+
+@pytest.mark.parametrize("page", [*PAGES, CONTENTS, MOVED, "../README.md"])
+def test_every_link_to_a_section_finds_it(page: str) -> None:
+    """``engine.md#errors`` and ``#errors`` name a heading of that page (a renamed
+    section must take its links along)."""
+    source = DOCS / page
+    for target, fragment in links(source.read_text(encoding="utf-8")):
+        if not fragment:
+            continue
+        linked = (source.parent / target) if target else source
+        assert linked.suffix == ".md", f"{page}: a fragment of a file that is not markdown: {target}#{fragment}"
+        found = {anchor(text) for _, text in headings(linked.read_text(encoding="utf-8"))}
+        assert fragment in found, f"{page}: no section #{fragment} in {target or page}"
 
 
 def test_every_public_name_is_named_in_backticks() -> None:
@@ -98,15 +165,18 @@ def test_every_public_name_is_named_in_backticks() -> None:
         for name in omni_async.__all__
         if not any(re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", span) for span in spans)
     ]
-    assert not missing, f"docs/guide.md never names these public names in backticks: {missing}"
+    assert not missing, f"no page of docs/ names these public names in backticks: {missing}"
 
 
 AUDIENCES = ("omni_async", "omni_async.worker", "omni_async.errors")
 
 
+def _name_index() -> str:
+    return _page("names.md")
+
+
 def test_the_name_index_lists_exactly_each_audiences_public_api_with_a_description() -> None:
-    index = _text().split("## 13. Every public name", 1)[1].split("\n## ", 1)[0]
-    sections = dict(re.findall(r"^### `([\w.]+)`: [^\n]*\n(.*?)(?=^### |\Z)", index, re.M | re.S))
+    sections = dict(re.findall(r"^## `([\w.]+)`: [^\n]*\n(.*?)(?=^## |\Z)", _name_index(), re.M | re.S))
     assert set(AUDIENCES) <= sections.keys(), sorted(sections)
     for module in AUDIENCES:
         public: list[str] = importlib.import_module(module).__all__
@@ -116,7 +186,7 @@ def test_the_name_index_lists_exactly_each_audiences_public_api_with_a_descripti
         )
         assert all(len(description.split()) >= 3 for description in entries.values()), entries
     # The names listed elsewhere resolve in the module named beside them.
-    elsewhere = re.findall(r"^\* `(\w+)` \(`([\w.]+)`\): ", index, re.M)
+    elsewhere = re.findall(r"^\* `(\w+)` \(`([\w.]+)`\): ", _name_index(), re.M)
     assert elsewhere
     for name, module in elsewhere:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
@@ -124,67 +194,79 @@ def test_the_name_index_lists_exactly_each_audiences_public_api_with_a_descripti
 
 def test_every_name_omni_async_exported_before_the_audiences_still_imports() -> None:
     """Code written against the one flat namespace keeps working (no behaviour change)."""
-    index = _text().split("## 13. Every public name", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^\* `(\w+)`", index, re.M))
+    listed = set(re.findall(r"^\* `(\w+)`", _name_index(), re.M))
     assert len(listed) >= 100, len(listed)
     for name in sorted(listed):
         assert getattr(omni_async, name) is not None, name
 
 
-def test_every_import_from_omni_async_in_the_guide_exists() -> None:
-    found = imports_from_omni_async(_text())
-    assert found, "the guide imports nothing from omni_async"
-    for module, name in found:
+@pytest.mark.parametrize("page", PAGES)
+def test_every_import_from_omni_async_in_the_pages_exists(page: str) -> None:
+    for module, name in imports_from_omni_async(_page(page)):
         mod = importlib.import_module(module)
-        assert hasattr(mod, name), f"`from {module} import {name}` in docs/guide.md does not exist"
+        assert hasattr(mod, name), f"`from {module} import {name}` in docs/{page} does not exist"
         if module == "omni_async":
             assert name in omni_async.__all__, f"{name} is not in omni_async.__all__"
 
 
-def test_every_omni_async_path_the_guide_cites_resolves() -> None:
-    text = _text()
+def test_the_pages_import_from_omni_async() -> None:
+    assert len(imports_from_omni_async(_text())) >= 20
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_omni_async_path_a_page_cites_resolves(page: str) -> None:
+    text = _page(page)
     cited = {m.rstrip(".") for m in re.findall(r"\bomni_async(?:\.\w+)+", text)}
-    assert "omni_async.verify.tlc" in cited
     unresolved = []
     for dotted in sorted(cited):
         try:
             resolve(dotted)
         except (ImportError, AttributeError):
             unresolved.append(dotted)
-    assert not unresolved, f"docs/guide.md cites what does not exist: {unresolved}"
+    assert not unresolved, f"docs/{page} cites what does not exist: {unresolved}"
     for module, name in re.findall(r"\"(omni_async(?:\.\w+)+):(\w+)\"", text):
         assert hasattr(importlib.import_module(module), name), f"{module}:{name}"
 
 
-def test_every_repository_path_the_guide_cites_exists() -> None:
-    text = _text()
-    links = re.findall(r"\]\(([^)#]+)\)", text)
-    for link in links:
-        assert (GUIDE.parent / link).exists(), f"broken link in docs/guide.md: {link}"
-    assert "../spec/PROTOCOL.md" in links
+def test_the_pages_cite_the_verification_tools() -> None:
+    assert "omni_async.verify.tlc" in _page("verification.md")
+
+
+@pytest.mark.parametrize("page", [*PAGES, CONTENTS, MOVED])
+def test_every_repository_path_a_page_cites_exists(page: str) -> None:
+    text = _page(page)
+    for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not link.startswith(("http://", "https://")):
+            assert (DOCS / link).exists(), f"broken link in docs/{page}: {link}"
     paths = {p for span in inline_code(text) for p in re.findall(r"^[\w.-]+/[\w./-]+\.(?:md|py|tla|cfg)$", span)}
     missing = sorted(p for p in paths if not (ROOT / p).exists())
-    assert not missing, f"docs/guide.md cites files that do not exist: {missing}"
+    assert not missing, f"docs/{page} cites files that do not exist: {missing}"
+
+
+def test_the_pages_link_the_protocol() -> None:
+    assert "](../spec/PROTOCOL.md)" in _page(CONTENTS)
+    assert "](../spec/PROTOCOL.md)" in _page("verification.md")
 
 
 def test_every_python_block_compiles() -> None:
-    blocks = python_blocks(_text())
-    assert len(blocks) >= 8
-    for i, (body, _) in enumerate(blocks):
-        compile(body, f"docs/guide.md python block {i}", "exec")
+    assert len(python_blocks(_text())) >= 8
+    for page in PAGES:
+        for i, (body, _) in enumerate(python_blocks(_page(page))):
+            compile(body, f"docs/{page} python block {i}", "exec")
 
 
-def test_every_run_marker_precedes_a_python_block() -> None:
-    text = _text()
+@pytest.mark.parametrize("page", PAGES)
+def test_every_run_marker_precedes_a_python_block(page: str) -> None:
+    text = _page(page)
     marked = sum(1 for _, run in python_blocks(text) if run)
     markers = sum(1 for line in text.splitlines() if line.strip() == RUN_MARKER)
-    assert marked == markers, "a run marker that is not right before a ```python block"
+    assert marked == markers, f"docs/{page}: a run marker that is not right before a ```python block"
 
 
 @pytest.mark.slow
 def test_the_marked_blocks_run(tmp_path: Path) -> None:
     """The self-contained blocks (threads, no worker processes, no TLC), in one fresh interpreter."""
-    runnable = [body for body, run in python_blocks(_text()) if run]
+    runnable = [body for body, run in python_blocks(_text()) if run]  # in PAGES' order
     assert len(runnable) >= 5
     for i, body in enumerate(runnable):
         (tmp_path / f"block_{i}.py").write_text(body, encoding="utf-8")
@@ -200,10 +282,10 @@ def test_the_marked_blocks_run(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(driver)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     last = [line for line in done.stdout.splitlines() if line.startswith("--- block")][-1:]
     assert done.returncode == 0, (
-        f"guide block failed ({last}, in order of the run markers):\n{done.stdout}\n{done.stderr}"
+        f"a docs block failed ({last}, in order of the run markers, page by page as in PAGES):\n{done.stdout}\n{done.stderr}"
     )
     assert done.stdout.rstrip().endswith("--- all blocks ran")
-    # A few of the results the guide states in comments.
+    # A few of the results the pages state in comments.
     assert "RuntimeError - forward of bad failed on purpose" in done.stdout
     assert "OutputError no-such-id" in done.stdout
     assert "[None, None]" in done.stdout

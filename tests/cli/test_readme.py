@@ -116,6 +116,7 @@ _DEV_IMPORTS = {
     "diffusers": "diffusers",
     "transformers": "transformers",
     "av": "av",
+    "ruff": "ruff",
 }
 
 # Runs README's demo with every dev-only package made unimportable, as on a machine that

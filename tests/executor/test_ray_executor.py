@@ -589,15 +589,15 @@ def test_step_mode_answers_over_the_object_store() -> None:
 
 @pytest.mark.slow
 def test_the_guides_cross_node_example_runs() -> None:
-    """docs/guide.md, "Running on Ray": the two-node block, as written, in a fresh
+    """docs/operators.md, "Running on Ray": the two-node block, as written, in a fresh
     interpreter (its own local cluster, beside the session's)."""
     import re
     import subprocess
     import sys
     from pathlib import Path
 
-    guide = (Path(__file__).resolve().parents[2] / "docs" / "guide.md").read_text(encoding="utf-8")
-    section = guide[guide.index("### Running on Ray") :]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text(encoding="utf-8")
+    section = page[page.index("## Running on Ray") :]
     blocks = re.findall(r"^```python\n(.*?)^```$", section, re.S | re.M)
     (block,) = [b for b in blocks if "Cluster(" in b][:1]
     done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300, check=False)

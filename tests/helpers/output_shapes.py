@@ -1,4 +1,4 @@
-"""Output shapes the packer promises to carry (the guide: any nesting of dicts, lists,
+"""Output shapes the packer promises to carry (docs/models.md: any nesting of dicts, lists,
 tuples, named tuples, attrs classes and dataclasses), dict subclasses included, and a
 worker that returns each of them (``ShapesWorker``), for the pack/unpack tests and the
 same through real worker processes.

@@ -1,4 +1,4 @@
-"""Every output shape the guide promises round-trips through pack and unpack: dicts and
+"""Every output shape docs/models.md promises round-trips through pack and unpack: dicts and
 dict subclasses (diffusers' ``BaseOutput``, a dataclass over ``OrderedDict``, among
 them), named tuples, attrs classes and dataclasses (``field(init=False)`` included).
 

@@ -2,7 +2,9 @@
 
 It serves ``DiTPipelineWorker``'s requests (``omni_async.models.dit``: a small DiT, a
 rectified-flow sampler and a decoder, random weights: the images are noise) through an
-``AsyncDiffusionEngine`` twice, each time handed every request at once:
+``AsyncDiffusionEngine`` twice, each time handed every request at once (both workers
+warmed up first, then each run's requests in ``ROUNDS`` rounds taken in turn, ABBA;
+on CPU each worker's torch on one thread: ``make_worker`` says why):
 
 1. ``sync`` ("before"): the seed's path.  A worker in step mode on the synchronous output
    path (``WorkerOptions(output_path="sync")``) does everything on its main thread after
@@ -53,7 +55,7 @@ import attrs
 import numpy as np
 import torch
 
-from omni_async.cli.figures import ModeSummary, speedup, summarize_mode
+from omni_async.cli.figures import ModeSummary, idle_gaps, percentile, speedup, throughput
 from omni_async.cli.parsers import add_demo as add_parser
 from omni_async.cli.parsers import deadlines as _deadlines
 from omni_async.cli.timeline import Span, chrome_trace, draw_timeline, forward_intervals, request_spans
@@ -65,13 +67,19 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.metrics import ExecutorMetrics
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.dit import PIPELINE, SEED_PIPELINE, DiTPipelineWorker
+from omni_async.models.dit import make_worker as make_dit_worker
 from omni_async.models.tiny import host_digest
 from omni_async.transport.shm import files
 
 # The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
 EXIT_INTERRUPTED = 130
-#: The two runs, in the order they run: the seed's path is the baseline.
+#: The two runs: the seed's path is the baseline.
 MODES: tuple[str, ...] = ("sync", "async")
+#: The runs are served in rounds, each round a share of the requests, in ``MODES``' order
+#: in even rounds and reversed in odd ones (ABBA): whatever the machine does meanwhile
+#: (another job's load, a cache or allocator that settles) falls on both runs alike,
+#: where one run after the other gave the whole drift to one of them.
+ROUNDS = 2
 _LABELS = {"sync": "before (seed)", "async": "omni_async"}
 #: ``--output`` -> (the seed's post-process, ours): the pipelines that hand the client that format.
 OUTPUT_PIPELINES: dict[str, tuple[str, str]] = {"pixels": (SEED_PIPELINE, PIPELINE)}
@@ -101,6 +109,27 @@ def resolve_shape(args: argparse.Namespace) -> None:
     args.frames = frames if args.frames is None else args.frames
 
 
+def make_worker(*, device: str, **kwargs: Any) -> DiTPipelineWorker:
+    """The demo's worker model: ``DiTPipelineWorker``, with torch on one intra-op thread
+    when it computes on the CPU.  With torch's default (a thread per core) each of the
+    forward's many parallel regions ends in an OpenMP barrier whose threads spin-wait
+    for each other; on a machine with more runnable threads than cores (the engine's,
+    the packer's, another job's) a partner is descheduled mid-region and the forward
+    burns its time spinning: on the 2-core machine 6-8 s and 2 CPU-seconds per forward
+    against 1.1 s and 0.33 on one thread (``OMP_WAIT_POLICY=passive``: 1.6-2.3 s, 0.35).
+    libgomp only throttles the spinning once a process has more OpenMP threads than
+    cores, which the library's worker reaches (its packer runs torch too) and the
+    seed's does not, so the two runs' forwards differed by 5-10x for a reason that is
+    neither path's.  One thread each: the same forward on both paths, and a core left
+    for what each path does beside it."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+    return make_dit_worker(device=device, **kwargs)
+
+
+make_worker.validate_request = DiTPipelineWorker.validate_request  # type: ignore[attr-defined]
+
+
 def _build_executor(args: argparse.Namespace, mode: str) -> DiffusionExecutor:
     """The run's executor: the seed's path (``sync``: step mode, ``output_path="sync"``, the
     post-process on the worker's main thread) or ours (``async``)."""
@@ -116,7 +145,7 @@ def _build_executor(args: argparse.Namespace, mode: str) -> DiffusionExecutor:
     seed = mode == "sync"
     return MultiprocDiffusionExecutor(
         WorkerSpec(
-            "omni_async.models.dit:make_worker",
+            "omni_async.cli.demo:make_worker",
             kwargs={"device": args.device, "steps": args.steps},
             postprocess=before if seed else after,
         ),
@@ -155,7 +184,8 @@ def interrupted() -> int:
 
 @attrs.define
 class _Run:
-    """One output path's run: what it served, how long it took, what went wrong."""
+    """One output path's run (or one round of it): what it served, how long it took,
+    what went wrong."""
 
     mode: str
     started: float = 0.0
@@ -165,15 +195,66 @@ class _Run:
     digests: dict[str, int] = attrs.field(factory=dict)
     images: dict[str, Any] = attrs.field(factory=dict)  # request id -> PIL image, until written
     bad: int = 0
+    #: Each round's (wall seconds, forwards' intervals); the gaps are counted within a round.
+    rounds: list[tuple[float, list[tuple[float, float]]]] = attrs.field(factory=list)
+
+    def add_round(self, part: _Run) -> None:
+        """Append a round: its spans shifted to start where the rounds so far ended, so the
+        timeline shows the rounds back to back on one time scale."""
+        if not self.rounds:
+            self.started = self.finished = part.started
+        shift = self.finished - part.started
+        self.spans.extend(attrs.evolve(s, start=s.start + shift, end=s.end + shift) for s in part.spans)
+        self.finished = part.finished + shift
+        self.latencies.extend(part.latencies)
+        self.digests.update(part.digests)
+        self.images.update(part.images)
+        self.bad += part.bad
+        self.rounds.append((part.finished - part.started, forward_intervals(part.spans)))
+
+    def summary(self) -> ModeSummary:
+        """The run's figures over its rounds: throughput over their summed wall time, the
+        idle gaps within each round (not the pause between rounds)."""
+        wall = sum(w for w, _ in self.rounds)
+        forwards = [f for _, fs in self.rounds for f in fs]
+        gaps = [g for _, fs in self.rounds for g in idle_gaps(fs)]
+        return ModeSummary(
+            mode=self.mode,
+            requests=len(self.latencies),
+            wall_s=wall,
+            throughput=throughput(len(self.latencies), wall),
+            p50_s=percentile(self.latencies, 50),
+            p95_s=percentile(self.latencies, 95),
+            forward_total_s=sum(end - start for start, end in forwards),
+            idle_total_s=sum(gaps),
+            idle_mean_s=sum(gaps) / len(gaps) if gaps else 0.0,
+        )
+
+    def forward_p50(self) -> float:
+        """The median forward's seconds (the worker's stamps), over every round."""
+        return percentile([end - start for _, fs in self.rounds for start, end in fs], 50)
+
+
+def round_orders(rounds: int) -> list[tuple[str, ...]]:
+    """The order of the runs in each round: ``MODES``, then reversed, alternately."""
+    return [MODES if r % 2 == 0 else MODES[::-1] for r in range(rounds)]
+
+
+def round_shares(requests: int, rounds: int) -> list[range]:
+    """The request indices of each round: ``requests`` split as evenly as they go, the
+    earlier rounds taking one more; no empty round (fewer requests than rounds: fewer rounds)."""
+    rounds = max(1, min(rounds, requests))
+    bounds = [requests * r // rounds for r in range(rounds + 1)]
+    return [range(bounds[r], bounds[r + 1]) for r in range(rounds)]
 
 
 def _shape(args: argparse.Namespace) -> dict[str, object]:
     return {"height": args.height, "width": args.width, "num_frames": args.frames}
 
 
-def _requests(args: argparse.Namespace, prefix: str = "req") -> list[DiffusionRequest]:
+def _requests(args: argparse.Namespace, share: range, prefix: str = "req") -> list[DiffusionRequest]:
     shape = {**_shape(args), "digest": True}
-    return [DiffusionRequest(f"{prefix}-{i}", {"seed": i, **shape}) for i in range(args.requests)]
+    return [DiffusionRequest(f"{prefix}-{i}", {"seed": i, **shape}) for i in share]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -192,17 +273,30 @@ def _run(args: argparse.Namespace) -> int:
         f"DiT pipeline on {args.device} (world_size={args.world_size}): {what} {args.output}, {args.steps} steps, "
         f"{args.requests} requests per run"
     )
-    runs: dict[str, _Run] = {}
+    runs = {mode: _Run(mode) for mode in MODES}
+    warm_ups: dict[str, list[float]] = {}
     executors: dict[str, dict[str, Any]] = {}
+    built: dict[str, DiffusionExecutor] = {}
     bad = 0
-    for mode in MODES:
-        t0 = time.perf_counter()
-        ex = _build_executor(args, mode)
-        try:
+    try:
+        # Both workers are built and warmed before either run is timed: a fresh worker's
+        # first forwards run several times slower (see steady), and neither run may pay
+        # for that, nor run while the other's worker is still starting.
+        for mode in MODES:
+            t0 = time.perf_counter()
+            built[mode] = ex = _build_executor(args, mode)
             print(f"{_LABELS[mode]}: executor {type(ex).__name__} up in {time.perf_counter() - t0:.2f}s", flush=True)
-            warm = asyncio.run(_warm_up(ex, args, mode))
-            print(f"{_LABELS[mode]}: warm-up: {len(warm)} forwards ({', '.join(f'{f:.2f}' for f in warm)} s)")
-            runs[mode] = asyncio.run(_serve(ex, args, mode))
+        for mode in MODES:
+            warm_ups[mode] = asyncio.run(_warm_up(built[mode], args, mode))
+            print(f"{_LABELS[mode]}: warm-up: {len(warm_ups[mode])} forwards "
+                  f"({', '.join(f'{f:.2f}' for f in warm_ups[mode])} s)")  # fmt: skip
+        shares = round_shares(args.requests, ROUNDS)
+        for i, (order, share) in enumerate(zip(round_orders(len(shares)), shares, strict=True)):
+            for mode in order:
+                label = _LABELS[mode] if len(shares) == 1 else f"{_LABELS[mode]} {i + 1}/{len(shares)}"
+                runs[mode].add_round(asyncio.run(_serve(built[mode], args, mode, share, label)))
+        for mode in MODES:
+            ex = built[mode]
             bad += runs[mode].bad + _leftovers(ex, mode)
             m = ex.metrics()
             executors[mode] = m.as_dict()
@@ -213,18 +307,25 @@ def _run(args: argparse.Namespace) -> int:
                     f"{_LABELS[mode]}: segment pool: {st.segments} segments, {st.created} created, {st.reused} "
                     f"reused, {st.outstanding} still leased"
                 )
-        finally:
-            with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
+    finally:
+        with _sigint_ignored():  # a second Ctrl-C must not cut the shutdown short
+            for ex in built.values():
                 ex.shutdown()
     bad += _compare_runs(runs["sync"], runs["async"])
-    summaries = {mode: summarize_mode(mode, r.latencies, r.finished - r.started, forward_intervals(r.spans))
-                 for mode, r in runs.items()}  # fmt: skip
+    summaries = {mode: r.summary() for mode, r in runs.items()}
     _write(out, args, runs, summaries)
     print()
-    print(_summary_text(summaries, out, args, ok=not bad))
+    print(_summary_text(summaries, out, args, ok=not bad, runs=runs))
     if args.json is not None:
+        forwards = {
+            "warm_up_forwards_s": warm_ups,
+            "forward_p50_s": {mode: r.forward_p50() for mode, r in runs.items()},
+            "rounds": [{"order": list(order), "requests": len(share)}
+                       for order, share in zip(round_orders(ROUNDS), round_shares(args.requests, ROUNDS), strict=False)],
+        }  # fmt: skip
         with open(args.json, "w") as fh:
-            json.dump(_summary_json(summaries, out, args, ok=not bad) | {"executor_metrics": executors}, fh, indent=2)
+            summary = _summary_json(summaries, out, args, ok=not bad)
+            json.dump(summary | forwards | {"executor_metrics": executors}, fh, indent=2)
             fh.write("\n")
     return 1 if bad else 0
 
@@ -313,12 +414,12 @@ async def _warm_up(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -
     return forwards
 
 
-async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> _Run:
-    """One run: a warm-up request (not counted), then every request at once, each result
-    checked as it comes, with a progress bar; then the engine's own accounting."""
+async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str, share: range, label: str) -> _Run:
+    """One round of a run: a warm-up request (not counted), then the round's requests at
+    once, each result checked as it comes, with a progress bar; then the engine's own accounting."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    requests = _requests(args)
+    requests = _requests(args, share)
     result = _Run(mode)
     engine = AsyncDiffusionEngine(ex, pipeline=PIPELINE, max_running=args.max_running, async_output=mode == "async")
     # The client's checks in two threads of their own, as a front end bounds its work: one
@@ -331,7 +432,7 @@ async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -> 
         await engine.generate(warm)
         columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, transient=False) as progress:
-            task = progress.add_task(_LABELS[mode], total=len(requests))
+            task = progress.add_task(label, total=len(requests))
             result.started = time.monotonic()
 
             async def one(request: DiffusionRequest) -> None:
@@ -419,7 +520,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def _summary_text(summaries: dict[str, ModeSummary], out: str, args: argparse.Namespace, *, ok: bool) -> str:
+def _summary_text(
+    summaries: dict[str, ModeSummary], out: str, args: argparse.Namespace, *, ok: bool, runs: dict[str, _Run]
+) -> str:
     sync, async_ = summaries["sync"], summaries["async"]
     rows = [
         ("", _LABELS["sync"], _LABELS["async"]),
@@ -428,11 +531,18 @@ def _summary_text(summaries: dict[str, ModeSummary], out: str, args: argparse.Na
         ("latency p95", _ms(sync.p95_s), _ms(async_.p95_s)),
         ("wall time", _ms(sync.wall_s), _ms(async_.wall_s)),
         ("worker busy in forwards", _ms(sync.forward_total_s), _ms(async_.forward_total_s)),
+        ("  median forward", _ms(runs["sync"].forward_p50()), _ms(runs["async"].forward_p50())),
         ("worker idle between forwards", _ms(sync.idle_total_s), _ms(async_.idle_total_s)),
         ("  mean gap", _ms(sync.idle_mean_s), _ms(async_.idle_mean_s)),
     ]
     lines = [f"{a:<30}{b:>20}{c:>20}" for a, b, c in rows]
     lines.append(f"speed-up (omni_async over before): {speedup(sync.throughput, async_.throughput):.2f}x")
+    rounds = len(runs["sync"].rounds)
+    if rounds > 1:
+        lines.append(
+            f"both workers warmed up first; each run served in {rounds} rounds, in turn (before first, then "
+            "omni_async first), so a change in the machine's load falls on both"
+        )
     if args.executor == "inproc":
         lines.append("before: the synchronous output path in one process (the copy on the worker's main thread)")
     else:

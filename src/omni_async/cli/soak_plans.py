@@ -45,7 +45,7 @@ FAULTS: Mapping[str, float] = {
     "cancel-call": 1.0,  # cancel handle.computed (the call, before its COMPUTE_DONE)
     "cancel-wait": 1.0,  # cancel handle.output, or the future of wait_output_ready (every other request)
     "consumer-gone": 0.5,  # release_consumer, before or after the call resolved
-    "tight-wait": 1.0,  # the engine's own deadline of 0-5 ms, then cancel (the guide's fetch)
+    "tight-wait": 1.0,  # the engine's own deadline of 0-5 ms, then cancel (docs/engine.md's fetch)
     "expire": 0.25,  # claimed only after the output deadline: OutputTimeout
     "kill": 0.25,  # SIGKILL of one worker: WorkerDied, then a new executor
 }

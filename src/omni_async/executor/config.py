@@ -146,7 +146,7 @@ def _bool(field: str, value: object) -> None:
 class ProcessGroupConfig:
     """A ``torch.distributed`` process group over the executor's ranks, joined by every rank
     before its model is built (``ExecutorConfig.process_group``; see
-    ``omni_async.worker.dist`` and "Models split across ranks" in docs/guide.md).
+    ``omni_async.worker.dist`` and "Models split across ranks" in docs/models.md).
 
     ``backend``: ``"gloo"`` or ``"nccl"`` (None: NCCL when ``WorkerOptions.device`` is a
     CUDA device, gloo otherwise); ``rendezvous``: ``"tcp"`` (a store the executor hosts on

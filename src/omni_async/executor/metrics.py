@@ -1,7 +1,7 @@
 """``ExecutorMetrics``: the executor's counters, one typed snapshot.
 
 ``metrics()`` used to return a ``dict[str, float]`` whose keys a reader had to know
-and whose counts came back as floats.  The fields keep those names (so the guide, the
+and whose counts came back as floats.  The fields keep those names (so the docs, the
 Prometheus collector and the tests map one to one), with their real types: counts are
 ``int``, durations ``float`` seconds, ``pool_full`` a ``bool``.  The executors with
 a budget of held outputs (processes, Ray) give ``HeldOutputMetrics``, which adds the

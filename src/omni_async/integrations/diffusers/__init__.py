@@ -9,7 +9,7 @@
     with MultiprocDiffusionExecutor(spec) as executor:
         ...
 
-The names (the guide's section "Serving a diffusers pipeline" shows them at work):
+The names (docs/diffusers.md shows them at work):
 
 * ``DiffusersPipelineWorker``: the worker model (``worker``).
 * ``PipelineSource``, ``random_pipeline``: where the pipeline comes from (``source``).

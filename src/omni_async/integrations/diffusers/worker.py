@@ -15,8 +15,8 @@ Built in the worker from a picklable description (``PipelineSource``: a builder
   batched along the pipeline's batch dimension (DiT's list of ``class_labels``, Wan's
   stacked ``prompt_embeds``, a list of prompts) with one generator per member, and the
   output is split back per request.  Each member then draws the noise of its own call;
-  whether its pixels are bit-identical to its own call depends on the kernels (see the
-  guide: on the CPU, DiT's are -- the VAE decodes a batch one member at a time here --
+  whether its pixels are bit-identical to its own call depends on the kernels (see
+  docs/diffusers.md: on the CPU, DiT's are -- the VAE decodes a batch one member at a time here --
   and Wan's are not, to the last bit).  A pipeline that cannot take a list of
   generators (a scheduler that draws noise in its step with them, under guidance) fails
   its first batched step: the worker then runs that batch, and later ones, one call per
