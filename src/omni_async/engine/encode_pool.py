@@ -46,7 +46,7 @@ from omni_async.engine.encoders import EncodedOutput, EncodeJob, serve
 from omni_async.engine.errors import EncodeFailed
 from omni_async.worker.encode import DeviceEncoded, pixel_key
 
-__all__ = ["EncoderPool", "HostEncode", "PendingEncode", "encoded_value", "take_for_encoding"]
+__all__ = ["EncodeResult", "EncoderPool", "HostEncode", "PendingEncode", "encoded_value", "take_for_encoding"]
 
 log = logging.getLogger("omni_async.engine.engine")
 
