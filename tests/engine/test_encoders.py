@@ -21,11 +21,20 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_async.core.encoding import FORMATS, MEDIA_TYPES, Encoding, InvalidEncoding
+from omni_async.core.encoding import (
+    FORMATS,
+    MEDIA_TYPES,
+    SPECS,
+    Encoding,
+    Format,
+    InvalidEncoding,
+    check_encoding,
+    format_spec,
+)
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.encoders import EncodeJob, encode, encode_image, encode_video
-from omni_async.worker.encode import DeviceEncoded, encode_on_device, run_device_encode
+from omni_async.worker.encode import DeviceEncoded, encode_on_device, encodes_on_device, run_device_encode
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -285,3 +294,42 @@ def test_the_first_encode_starts_every_encoder_process_at_once() -> None:
     finally:
         pool.shutdown(timeout=30.0)
     assert pool.pids() == []
+
+
+# ------------------------------------------------------------------------------ the table of formats
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=str)
+def test_every_format_of_the_table_encodes_a_decodable_file_at_each_quality_bound(fmt: Format) -> None:
+    """Every member of ``Format`` goes through every dispatch (the table, the request's
+    check, the host encoder, the device's choice) to a non-empty file of its media type:
+    a member a dispatch misses fails here (``assert_never``'s AssertionError, or the empty
+    file an unmatched case used to return), as it fails ``mypy --strict``."""
+    spec = format_spec(fmt)
+    assert SPECS[fmt] == spec and MEDIA_TYPES[fmt] == spec.media_type and fmt.value in FORMATS
+    assert isinstance(encodes_on_device(Encoding(fmt)), bool)
+    frames = np.stack([smooth(32, 48, 3, seed=i) for i in range(4)])
+    for quality in (None, spec.quality_min, spec.quality_max):
+        encoding = check_encoding("r", fmt.value, quality)
+        assert encoding == Encoding(fmt, quality) and encoding.media_type == spec.media_type
+        files, _ = encode(EncodeJob(frames, encoding, sequence=True, request_id="r"))
+        assert all(len(f) > 0 for f in files)
+        if spec.video:
+            av = pytest.importorskip("av")
+            (video,) = files
+            with av.open(io.BytesIO(video)) as container:
+                back = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            assert len(back) == 4 and back[0].shape == (32, 48, 3)
+            continue
+        assert len(files) == 4
+        for data, image in zip(files, frames, strict=True):
+            with Image.open(io.BytesIO(data)) as pil:
+                assert pil.get_format_mimetype() == spec.media_type and pil.size == (48, 32)
+            assert psnr(decode(data), image) > 15.0  # the image, even at JPEG quality 1 (about 20 dB)
+
+
+def test_the_table_is_the_formats_a_request_names() -> None:
+    assert tuple(Format) == tuple(SPECS) and FORMATS == ("png", "jpeg", "webp", "mp4")
+    assert Format("jpeg") is Format.JPEG and str(Format.JPEG) == "jpeg" and f"{Format.MP4}" == "mp4"
+    assert DiffusionRequest("r", format="png").encoding == Encoding(Format.PNG)
+    assert [fmt for fmt in Format if encodes_on_device(Encoding(fmt))] == [Format.JPEG]
