@@ -11,14 +11,18 @@ host stage.  On its ``omni-postprocess`` thread ``take_for_encoding`` reads its 
   out of shared memory into one uint8 numpy array, an ``EncodeJob``; the segment goes
   back to the pool before anything is encoded.
 
-The job goes to ``EncoderPool``: a ``concurrent.futures.ProcessPoolExecutor`` of spawned
-processes (``os.cpu_count()`` by default, ``AsyncDiffusionEngine(encode_workers=...)``),
-started on first use, so an engine whose requests never ask for a format starts none.
-The event loop awaits the job's future; the encoding never holds the engine's GIL.  Only
-uint8 pixels travel to the pool (a float tensor is refused before: it would pickle 2-4x
-the bytes, and its scale is the pipeline's to know).  ``shutdown`` (the engine's close,
-whatever ended it) cancels the jobs not started, waits for the running ones up to its
-deadline, then terminates what is left: no encoder process outlives its engine.
+The job goes to ``EncoderPool``: spawned encoder processes (``os.cpu_count()`` by
+default, ``AsyncDiffusionEngine(encode_workers=...)``), all started with the first job, so
+an engine whose requests never ask for a format starts none.  Each process has a pipe of
+its own and one job at a time: a process that dies (SIGKILL, the OOM killer) fails the
+one request it was encoding, with ``EncodeFailed`` naming the process and the signal; the
+other processes' jobs go on, and a new process takes its place.  The event loop awaits
+the job's future, which fails with ``EncodeFailed`` only (the request, the format, why);
+the encoding never holds the engine's GIL.  Only uint8 pixels travel to the pool (a
+float tensor is refused before: it would pickle 2-4x the bytes, and its scale is the
+pipeline's to know).  ``shutdown`` (the engine's close, whatever ended it) fails the jobs
+not started, waits for the running ones up to its deadline, then terminates what is
+left: no encoder process outlives its engine.
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class _Encoder:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child,), name="omni-encoder", daemon=True)
         self.process.start()
+        self.pid: int = self.process.pid or 0
         child.close()  # the child's end lives in the child: its death is our end's EOF
         self.task: _Task | None = None
         self.stopping = False  # told to leave (the pool is shutting down)
@@ -158,12 +163,12 @@ class EncoderPool:
     def pids(self) -> list[int]:
         """The encoder processes' ids (none before the first encode, nor after ``shutdown``)."""
         with self._lock:
-            return sorted(e.process.pid for e in self._encoders if e.process.pid is not None)
+            return sorted(e.pid for e in self._encoders)
 
     def running(self) -> dict[int, str]:
         """The processes that hold a job now (sent to them whole): pid -> its request's id."""
         with self._lock:
-            return {e.process.pid: e.task.job.request_id for e in self._encoders if e.task and e.sent and e.process.pid}
+            return {e.pid: e.task.job.request_id for e in self._encoders if e.task is not None and e.sent}
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the encoder processes: jobs not started fail (``EncodeFailed``), running ones
@@ -179,9 +184,7 @@ class EncoderPool:
             self._waiting.clear()
             running = sum(e.task is not None for e in self._encoders)
             thread = self._thread
-        for task in waiting:
-            if task.future.set_running_or_notify_cancel():
-                task.fail(f"the engine's encoder pool shut down before its {task.job.encoding.format} encode ran")
+        _fail_not_run(waiting)
         if thread is None:
             return
         self._wake()
@@ -201,11 +204,10 @@ class EncoderPool:
                     IDLE_EXIT_S,
                 )
             for p in left:
-                p.terminate()
+                _stop(p, kill=False)
             thread.join(2.0)
             for p in left:
-                if p.exitcode is None:
-                    p.kill()  # a stopped process keeps SIGTERM pending; SIGKILL is not held
+                _stop(p, kill=True)  # a stopped process keeps SIGTERM pending; SIGKILL is not held
             thread.join(5.0)
             if thread.is_alive():
                 log.warning("engine close: the encoder pool's thread did not end")
@@ -235,7 +237,7 @@ class EncoderPool:
                 self._waiting.clear()
                 procs = [e.process for e in self._encoders]
             for p in procs:
-                p.kill()
+                _stop(p, kill=True)
             for task in tasks:
                 if task.future.running() or task.future.set_running_or_notify_cancel():
                     task.fail(f"the engine's encoder pool failed ({type(exc).__name__}: {exc}): send it again")
@@ -245,7 +247,10 @@ class EncoderPool:
             with self._lock:
                 encoders = list(self._encoders)
                 if self._closed and not encoders:
-                    return
+                    # A job given back by a process that died after the close has none left to run it.
+                    left = list(self._waiting)
+                    self._waiting.clear()
+                    break
             self._hand_out(encoders)
             ready = set(
                 mp_connection.wait([self._wake_r, *(e.conn for e in encoders), *(e.process.sentinel for e in encoders)])
@@ -255,6 +260,7 @@ class EncoderPool:
             for e in encoders:
                 if e.conn in ready or e.process.sentinel in ready:
                     self._take_reply(e)
+        _fail_not_run(left)
 
     def _hand_out(self, encoders: list[_Encoder]) -> None:
         for e in encoders:
@@ -317,10 +323,11 @@ class EncoderPool:
         """``e``'s process ended: its job fails, another process takes its place."""
         e.process.join(1.0)
         code = e.process.exitcode
+        how = f"exit code {code}"
         if code is not None and code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exit code {code}"
+            how = f"killed by {_signal_name(-code)}"
+        if code is not None:
+            e.process.close()  # its sentinel's descriptor: a pool that replaces many must not leak them
         e.conn.close()
         with self._lock:
             self._encoders.remove(e)
@@ -329,19 +336,43 @@ class EncoderPool:
             if not closed and not e.stopping:
                 self._encoders.append(_Encoder(self._ctx))
         if not e.stopping and not closed:
-            log.warning("engine: encoder process %d died (%s); a new one takes its place", e.process.pid, how)
+            log.warning("engine: encoder process %d died (%s); a new one takes its place", e.pid, how)
         if task is None:
             return
         fmt = task.job.encoding.format
         if closed:
-            task.fail(
-                f"the engine closed while its {fmt} encode ran: encoder process {e.process.pid} was stopped ({how})"
-            )
+            task.fail(f"the engine closed while its {fmt} encode ran: encoder process {e.pid} was stopped ({how})")
         else:
             task.fail(
-                f"the encoder process (pid {e.process.pid}) encoding it as {fmt} died ({how}); the other encodes go "
+                f"the encoder process (pid {e.pid}) encoding it as {fmt} died ({how}); the other encodes go "
                 "on and a new process takes its place: send the request again"
             )
+
+
+def _fail_not_run(tasks: list[_Task]) -> None:
+    for task in tasks:
+        if task.future.running() or task.future.set_running_or_notify_cancel():
+            task.fail(f"the engine's encoder pool shut down before its {task.job.encoding.format} encode ran")
+
+
+def _stop(process: multiprocessing.process.BaseProcess, *, kill: bool) -> None:
+    """Terminate (or kill) ``process`` unless it has ended and the pool's thread closed it."""
+    try:
+        if process.exitcode is not None:
+            return
+        if kill:
+            process.kill()
+        else:
+            process.terminate()
+    except ValueError:  # closed by the pool's thread once it ended: nothing to stop
+        pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _owned_pixels(value: object, rid: str, encoding: Encoding, key: str) -> np.ndarray:
