@@ -276,7 +276,7 @@ class EncoderPool:
                 if not task.future.running() and not task.future.set_running_or_notify_cancel():
                     continue  # cancelled while it waited (its request ended)
                 try:
-                    data = bytes(ForkingPickler.dumps(task.job))
+                    data = ForkingPickler.dumps(task.job)  # pickled here: a job that cannot be fails alone
                 except Exception as exc:  # noqa: BLE001  # the job's own failure
                     task.fail(f"its {task.job.encoding.format} job could not be pickled: {type(exc).__name__}: {exc}")
                     continue
@@ -284,7 +284,7 @@ class EncoderPool:
                     e.task = task
                 self._send(e, data)
 
-    def _send(self, e: _Encoder, data: bytes | None) -> None:
+    def _send(self, e: _Encoder, data: memoryview | None) -> None:
         try:
             if data is None:
                 e.conn.send(None)
