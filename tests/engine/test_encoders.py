@@ -12,6 +12,8 @@ event.
 from __future__ import annotations
 
 import io
+import time
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -19,15 +21,32 @@ import pytest
 import torch
 from PIL import Image
 
-from omni_async.core.encoding import FORMATS, MEDIA_TYPES, Encoding, InvalidEncoding
+from omni_async.core.encoding import (
+    FORMATS,
+    MEDIA_TYPES,
+    SPECS,
+    Encoding,
+    Format,
+    InvalidEncoding,
+    check_encoding,
+    format_spec,
+)
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.encoders import EncodeJob, encode, encode_image, encode_video
-from omni_async.worker.encode import DeviceEncoded, encode_on_device, run_device_encode
+from omni_async.worker.encode import DeviceEncoded, encode_on_device, encodes_on_device, run_device_encode
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 Pixels = npt.NDArray[np.uint8]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds (a state of other processes, which send no event)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not come to hold"
+        time.sleep(0.01)
 
 
 def smooth(h: int, w: int, c: int, seed: int = 0) -> Pixels:
@@ -75,7 +94,7 @@ def test_lossless_webp_gives_back_the_pixels_exactly(channels: int) -> None:
 @pytest.mark.parametrize(("fmt", "quality", "bound"), [("jpeg", None, 33.0), ("jpeg", 95, 36.0), ("webp", 90, 33.0)])
 def test_lossy_formats_stay_within_a_psnr_bound(fmt: str, quality: int | None, bound: float) -> None:
     image = smooth(64, 96, 3, seed=2)
-    data = encode_image(image, Encoding(fmt, quality))  # type: ignore[arg-type]
+    data = encode_image(image, Encoding(fmt, quality))
     back = decode(data)
     assert back.shape == image.shape and psnr(back, image) > bound, psnr(back, image)
     rgba = np.concatenate([image, np.full((*image.shape[:2], 1), 7, np.uint8)], -1)
@@ -203,15 +222,14 @@ def test_nvjpeg_bytes_are_read_only_once_written_with_the_next_forward_queued() 
 
 @pytest.mark.slow
 def test_an_encoder_process_killed_fails_its_job_and_the_pool_is_replaced() -> None:
-    """A real encoder process SIGKILLed: the job it had fails (BrokenProcessPool, which
-    the engine turns into EncodeFailed naming the request), the next submit starts a new
-    pool whose encode is right, and shutdown leaves no encoder process."""
+    """A real encoder process SIGKILLed: the job it had fails (EncodeFailed naming the
+    request, the format and the signal), a new process takes its place and encodes right,
+    and shutdown leaves no encoder process."""
     import os
     import signal
-    import time
-    from concurrent.futures.process import BrokenProcessPool
 
     from omni_async.engine.encode_pool import EncoderPool
+    from omni_async.engine.errors import EncodeFailed
     from omni_async.transport.shm import pid_alive
 
     rng = np.random.default_rng(0)
@@ -221,11 +239,13 @@ def test_an_encoder_process_killed_fails_its_job_and_the_pool_is_replaced() -> N
     try:
         files, _ = pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
         (first,) = pool.pids()
-        doomed = pool.submit(EncodeJob(big, Encoding("png", 9), sequence=True))
-        time.sleep(0.5)  # the job is in the process (its pixels alone take a while to arrive)
+        doomed = pool.submit(EncodeJob(big, Encoding("png", 9), sequence=True, request_id="doomed"))
+        wait_until(lambda: pool.running() == {first: "doomed"})
         os.kill(first, signal.SIGKILL)
-        with pytest.raises(BrokenProcessPool):
+        with pytest.raises(EncodeFailed) as info:
             doomed.result(timeout=60)
+        assert info.value.request_id == "doomed" and info.value.format == "png"
+        assert f"pid {first}" in str(info.value) and "SIGKILL" in str(info.value), str(info.value)
         again, _ = pool.submit(EncodeJob(pixels, Encoding("png"), sequence=False)).result(timeout=120)
         assert again == files  # the same pixels, the same file, from a new process
         (second,) = pool.pids()
@@ -243,7 +263,6 @@ def test_an_idle_encoder_process_that_does_not_leave_does_not_hold_the_close() -
     terminated after IDLE_EXIT_S, not after the whole close deadline."""
     import os
     import signal
-    import time
 
     from omni_async.engine.encode_pool import IDLE_EXIT_S, EncoderPool
     from omni_async.transport.shm import pid_alive
@@ -275,3 +294,42 @@ def test_the_first_encode_starts_every_encoder_process_at_once() -> None:
     finally:
         pool.shutdown(timeout=30.0)
     assert pool.pids() == []
+
+
+# ------------------------------------------------------------------------------ the table of formats
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=str)
+def test_every_format_of_the_table_encodes_a_decodable_file_at_each_quality_bound(fmt: Format) -> None:
+    """Every member of ``Format`` goes through every dispatch (the table, the request's
+    check, the host encoder, the device's choice) to a non-empty file of its media type:
+    a member a dispatch misses fails here (``assert_never``'s AssertionError, or the empty
+    file an unmatched case used to return), as it fails ``mypy --strict``."""
+    spec = format_spec(fmt)
+    assert SPECS[fmt] == spec and MEDIA_TYPES[fmt] == spec.media_type and fmt.value in FORMATS
+    assert isinstance(encodes_on_device(Encoding(fmt)), bool)
+    frames = np.stack([smooth(32, 48, 3, seed=i) for i in range(4)])
+    for quality in (None, spec.quality_min, spec.quality_max):
+        encoding = check_encoding("r", fmt.value, quality)
+        assert encoding == Encoding(fmt, quality) and encoding.media_type == spec.media_type
+        files, _ = encode(EncodeJob(frames, encoding, sequence=True, request_id="r"))
+        assert all(len(f) > 0 for f in files)
+        if spec.video:
+            av = pytest.importorskip("av")
+            (video,) = files
+            with av.open(io.BytesIO(video)) as container:
+                back = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            assert len(back) == 4 and back[0].shape == (32, 48, 3)
+            continue
+        assert len(files) == 4
+        for data, image in zip(files, frames, strict=True):
+            with Image.open(io.BytesIO(data)) as pil:
+                assert pil.get_format_mimetype() == spec.media_type and pil.size == (48, 32)
+            assert psnr(decode(data), image) > 15.0  # the image, even at JPEG quality 1 (about 20 dB)
+
+
+def test_the_table_is_the_formats_a_request_names() -> None:
+    assert tuple(Format) == tuple(SPECS) and FORMATS == ("png", "jpeg", "webp", "mp4")
+    assert Format("jpeg") is Format.JPEG and str(Format.JPEG) == "jpeg" and f"{Format.MP4}" == "mp4"
+    assert DiffusionRequest("r", format="png").encoding == Encoding(Format.PNG)
+    assert [fmt for fmt in Format if encodes_on_device(Encoding(fmt))] == [Format.JPEG]

@@ -131,6 +131,82 @@ def test_pixels_not_uint8_fail_the_request_with_what_to_do() -> None:
         run(body(ex))
 
 
+def test_an_encode_that_fails_in_the_encoder_process_fails_its_request_and_the_engine_goes_on(
+    tiny: MultiprocDiffusionExecutor,
+) -> None:
+    """The encoder process itself raises: the tiny pipeline's output is one image, and
+    mp4 encodes frames.  The engine refuses nothing before the encoder (the pixels are
+    uint8, channel-last); the request fails with ``EncodeFailed`` naming it, its format
+    and the encoder's reason, the process lives on, and the engine serves the next one."""
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(tiny, pipeline="tiny", encode_workers=1) as engine:
+            with pytest.raises(EncodeFailed) as info:
+                await engine.generate(DiffusionRequest("still-as-video", {"height": 16}, format="mp4"))
+            err = info.value
+            assert err.request_id == "still-as-video" and err.format == "mp4"
+            assert "request 'still-as-video'" in str(err) and "as mp4 failed" in str(err), str(err)
+            assert "mp4 encodes frames" in str(err) and "ask for an image format" in str(err)
+            (pid,) = engine._encoders.pids()  # the encoder raised in its process, which lives on
+            ok = await engine.generate(DiffusionRequest("after", {"height": 16, "seed": 2}, format="png"))
+            assert isinstance(ok.output, EncodedOutput) and decode(ok.output.data).shape == (16, WIDTH)
+            assert engine._encoders.pids() == [pid]
+            counts = engine.metrics().requests
+            assert counts["failed"] >= 1 and counts["finished"] >= 1, counts
+            await assert_quiescent(engine)
+
+    run(body())
+
+
+@pytest.mark.slow
+def test_a_killed_encoder_process_fails_only_its_request_through_the_engine(
+    tiny: MultiprocDiffusionExecutor,
+) -> None:
+    """Three requests encode at once, one in each of three encoder processes, held there
+    (the processes are stopped, SIGSTOP, before the jobs reach them; a small job fits in
+    its pipe).  One process is SIGKILLed and the others continued: the killed one's
+    request fails with ``EncodeFailed`` naming it, the process and the signal; the other
+    two get their files; the engine serves on, a new process in the dead one's place."""
+    import signal
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(tiny, pipeline="tiny", encode_workers=3) as engine:
+            await engine.generate(DiffusionRequest("warm", {"height": 16}, format="png"))  # starts the processes
+            pool = engine._encoders
+            pids = pool.pids()
+            assert len(pids) == 3
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                tasks = [
+                    asyncio.ensure_future(engine.generate(DiffusionRequest(f"k{i}", {"height": 16}, format="png")))
+                    for i in range(3)
+                ]
+                while len(pool.running()) < 3:  # each job is in its process's pipe
+                    await asyncio.sleep(0.01)
+                holders = pool.running()
+                victim_pid, victim = next(iter(holders.items()))
+                os.kill(victim_pid, signal.SIGKILL)
+            finally:
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            by_id = {f"k{i}": r for i, r in enumerate(results)}
+            err = by_id.pop(victim)
+            assert isinstance(err, EncodeFailed) and err.request_id == victim and err.format == "png", err
+            assert f"pid {victim_pid}" in str(err) and "SIGKILL" in str(err), str(err)
+            for rid, res in by_id.items():
+                assert not isinstance(res, BaseException), (rid, res)
+                assert isinstance(res.output, EncodedOutput) and decode(res.output.data).shape == (16, WIDTH)
+            again = await engine.generate(DiffusionRequest("after", {"height": 16}, format="png"))
+            assert isinstance(again.output, EncodedOutput) and decode(again.output.data).shape == (16, WIDTH)
+            assert len(pool.pids()) == 3 and victim_pid not in pool.pids()
+            assert set(pids) - {victim_pid} <= set(pool.pids())  # the others lived on
+            await assert_quiescent(engine)
+
+    run(body())
+
+
 def test_rgb_images_and_frames_as_mp4_from_the_dit_pipeline() -> None:
     av = pytest.importorskip("av")  # the encode extra's video container (only this test needs it)
 

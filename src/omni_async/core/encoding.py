@@ -19,7 +19,9 @@ the host's, in a process pool).
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypeAlias, cast
+import enum
+from collections.abc import Mapping
+from typing import Final, assert_never
 
 import attrs
 
@@ -28,33 +30,69 @@ from omni_async.core.errors import InvalidRequest
 __all__ = [
     "FORMATS",
     "MEDIA_TYPES",
+    "SPECS",
     "Encoding",
     "Format",
+    "FormatSpec",
     "InvalidEncoding",
     "check_encoding",
+    "format_spec",
 ]
 
-Format: TypeAlias = Literal["png", "jpeg", "webp", "mp4"]
 
+class Format(enum.StrEnum):
+    """The formats a request may ask for.  A ``str`` (``Format.PNG == "png"``), so a
+    request names one by its string.  Every place that acts on a format matches it with
+    ``typing.assert_never`` in its last case: a member added here that a dispatch misses
+    is a ``mypy --strict`` error, and an ``AssertionError`` at run time, never an empty file."""
+
+    PNG = "png"
+    JPEG = "jpeg"
+    WEBP = "webp"
+    MP4 = "mp4"
+
+
+@attrs.frozen
+class FormatSpec:
+    """What a format is: its ``media_type``, what ``quality`` may be (``quality_min`` ..
+    ``quality_max``, inclusive) and means, and whether it encodes a sequence of frames
+    as one file (``video``)."""
+
+    media_type: str
+    quality_min: int
+    quality_max: int
+    quality_meaning: str
+    video: bool = False
+
+
+def format_spec(fmt: Format) -> FormatSpec:
+    """The one table of formats (``SPECS`` is this function over ``Format``)."""
+    match fmt:
+        case Format.PNG:
+            return FormatSpec("image/png", 0, 9, "the zlib compression level (PNG is lossless; default 6)")
+        case Format.JPEG:
+            return FormatSpec("image/jpeg", 1, 100, "the JPEG quality (default 90)")
+        case Format.WEBP:
+            return FormatSpec("image/webp", 1, 100, "the lossy WebP quality (None: lossless)")
+        case Format.MP4:
+            return FormatSpec(
+                "video/mp4", 1, 100, "the video quality, mapped to H.264's crf (default crf 23)", video=True
+            )
+        case _:
+            assert_never(fmt)
+
+
+SPECS: Final[Mapping[Format, FormatSpec]] = {fmt: format_spec(fmt) for fmt in Format}
 #: The formats a request may ask for, and the media type of what each gives.
-MEDIA_TYPES: Final[dict[str, str]] = {
-    "png": "image/png",
-    "jpeg": "image/jpeg",
-    "webp": "image/webp",
-    "mp4": "video/mp4",
-}
-FORMATS: Final[tuple[str, ...]] = tuple(MEDIA_TYPES)
-
-# What ``quality`` may be for each format (inclusive bounds), and what None means.
-_QUALITY: Final[dict[str, tuple[int, int, str]]] = {
-    "jpeg": (1, 100, "the JPEG quality (default 90)"),
-    "webp": (1, 100, "the lossy WebP quality (None: lossless)"),
-    "png": (0, 9, "the zlib compression level (PNG is lossless; default 6)"),
-    "mp4": (1, 100, "the video quality, mapped to H.264's crf (default crf 23)"),
-}
+MEDIA_TYPES: Final[Mapping[str, str]] = {fmt.value: spec.media_type for fmt, spec in SPECS.items()}
+FORMATS: Final[tuple[str, ...]] = tuple(fmt.value for fmt in Format)
 DEFAULT_JPEG_QUALITY: Final = 90
 DEFAULT_PNG_LEVEL: Final = 6
 DEFAULT_MP4_CRF: Final = 23
+
+
+def _as_format(value: Format | str) -> Format:
+    return Format(value)
 
 
 class InvalidEncoding(InvalidRequest):
@@ -71,19 +109,23 @@ class InvalidEncoding(InvalidRequest):
 
 @attrs.frozen
 class Encoding:
-    """What a request asked for: a format of ``FORMATS`` and its ``quality`` (None: the
-    format's default).  Built by ``check_encoding``, which checks both."""
+    """What a request asked for: a ``Format`` (its string is taken too) and its ``quality``
+    (None: the format's default).  Built by ``check_encoding``, which checks both."""
 
-    format: Format
+    format: Format = attrs.field(converter=_as_format)
     quality: int | None = None
 
     @property
+    def spec(self) -> FormatSpec:
+        return SPECS[self.format]
+
+    @property
     def media_type(self) -> str:
-        return MEDIA_TYPES[self.format]
+        return self.spec.media_type
 
     @property
     def is_video(self) -> bool:
-        return self.format == "mp4"
+        return self.spec.video
 
     def jpeg_quality(self) -> int:
         return DEFAULT_JPEG_QUALITY if self.quality is None else self.quality
@@ -107,10 +149,12 @@ def check_encoding(request_id: str, format: object, quality: object) -> Encoding
     if not isinstance(format, str) or format not in MEDIA_TYPES:
         hint = " ('jpg' is spelt 'jpeg')" if format == "jpg" else ""
         raise InvalidEncoding(request_id, "format", format, f"the formats are {list(FORMATS)}{hint}")
+    fmt = Format(format)
     if quality is not None:
-        lo, hi, meaning = _QUALITY[format]
+        spec = SPECS[fmt]
+        lo, hi, meaning = spec.quality_min, spec.quality_max, spec.quality_meaning
         if isinstance(quality, bool) or not isinstance(quality, int) or not lo <= quality <= hi:
             raise InvalidEncoding(
                 request_id, "quality", quality, f"for {format} it is an int {lo}..{hi}, {meaning}, or None"
             )
-    return Encoding(cast("Format", format), quality)  # checked against MEDIA_TYPES above
+    return Encoding(fmt, quality)

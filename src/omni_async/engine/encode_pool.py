@@ -11,26 +11,34 @@ host stage.  On its ``omni-postprocess`` thread ``take_for_encoding`` reads its 
   out of shared memory into one uint8 numpy array, an ``EncodeJob``; the segment goes
   back to the pool before anything is encoded.
 
-The job goes to ``EncoderPool``: a ``concurrent.futures.ProcessPoolExecutor`` of spawned
-processes (``os.cpu_count()`` by default, ``AsyncDiffusionEngine(encode_workers=...)``),
-started on first use, so an engine whose requests never ask for a format starts none.
-The event loop awaits the job's future; the encoding never holds the engine's GIL.  Only
-uint8 pixels travel to the pool (a float tensor is refused before: it would pickle 2-4x
-the bytes, and its scale is the pipeline's to know).  ``shutdown`` (the engine's close,
-whatever ended it) cancels the jobs not started, waits for the running ones up to its
-deadline, then terminates what is left: no encoder process outlives its engine.
+The job goes to ``EncoderPool``: spawned encoder processes (``os.cpu_count()`` by
+default, ``AsyncDiffusionEngine(encode_workers=...)``), all started with the first job, so
+an engine whose requests never ask for a format starts none.  Each process has a pipe of
+its own and one job at a time: a process that dies (SIGKILL, the OOM killer) fails the
+one request it was encoding, with ``EncodeFailed`` naming the process and the signal; the
+other processes' jobs go on, and a new process takes its place.  The event loop awaits
+the job's future, which fails with ``EncodeFailed`` only (the request, the format, why);
+the encoding never holds the engine's GIL.  Only uint8 pixels travel to the pool (a
+float tensor is refused before: it would pickle 2-4x the bytes, and its scale is the
+pipeline's to know).  ``shutdown`` (the engine's close, whatever ended it) fails the jobs
+not started, waits for the running ones up to its deadline, then terminates what is
+left: no encoder process outlives its engine.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
-from collections.abc import Mapping
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable, Mapping
+from multiprocessing import connection as mp_connection
+from multiprocessing.context import SpawnContext
+from multiprocessing.reduction import ForkingPickler
 
 import attrs
 import numpy as np
@@ -38,11 +46,11 @@ import torch
 
 from omni_async.core.encoding import Encoding
 from omni_async.core.errors import UsageError
-from omni_async.engine.encoders import EncodedOutput, EncodeJob, encode
+from omni_async.engine.encoders import EncodedOutput, EncodeJob, serve
 from omni_async.engine.errors import EncodeFailed
 from omni_async.worker.encode import DeviceEncoded, pixel_key
 
-__all__ = ["EncoderPool", "HostEncode", "PendingEncode", "encoded_value", "take_for_encoding"]
+__all__ = ["EncodeResult", "EncoderPool", "HostEncode", "PendingEncode", "encoded_value", "take_for_encoding"]
 
 log = logging.getLogger("omni_async.engine.engine")
 
@@ -74,106 +82,297 @@ class PendingEncode:
         self.submitted_at = time.perf_counter()
 
 
+class _Task:
+    """A job and the future of its files."""
+
+    def __init__(self, job: EncodeJob) -> None:
+        self.job = job
+        self.future: concurrent.futures.Future[EncodeResult] = concurrent.futures.Future()
+
+    def fail(self, why: str) -> None:
+        job = self.job
+        self.future.set_exception(
+            EncodeFailed(f"request {job.request_id!r}: {why}", request_id=job.request_id, format=job.encoding.format)
+        )
+
+
+class _Encoder:
+    """One encoder process, the engine's end of its pipe, and the task it runs (None: idle)."""
+
+    def __init__(self, ctx: SpawnContext) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=serve, args=(child,), name="omni-encoder", daemon=True)
+        self.process.start()
+        self.pid: int = self.process.pid or 0
+        child.close()  # the child's end lives in the child: its death is our end's EOF
+        self.task: _Task | None = None
+        self.stopping = False  # told to leave (the pool is shutting down)
+        self.lost = False  # its pipe broke: it takes no more jobs
+        self.sent = False  # its task's job is wholly in the pipe (a death now fails the task)
+
+
 class EncoderPool:
-    """The engine's encoder processes (see the module docstring); thread-safe."""
+    """The engine's encoder processes (see the module docstring); thread-safe.
+
+    Each process has a pipe of its own and runs one job at a time, handed out by the
+    pool's ``omni-encoders`` thread, which alone reads the pipes and reaps the processes.
+    So a process that dies fails the one job it had (``EncodeFailed`` naming its request,
+    its format and how the process ended), a new process takes its place, and the jobs of
+    the other processes go on; a ``ProcessPoolExecutor`` breaks as a whole instead,
+    failing every job in flight.  ``_on_queued`` (tests only) runs in ``submit`` once the
+    job is queued, before ``submit`` returns."""
 
     def __init__(self, workers: int | None = None) -> None:
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise UsageError(f"encode_workers must be a positive int or None (os.cpu_count()), got {workers!r}")
         self.workers = workers if workers is not None else max(1, os.cpu_count() or 1)
+        self._ctx = multiprocessing.get_context("spawn")
+        # Guards what follows; no future is completed, and no callback run, under it.
         self._lock = threading.Lock()
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._closed = False
-        self._unfinished = 0  # jobs submitted whose future is not done
+        self._waiting: collections.deque[_Task] = collections.deque()
+        self._encoders: list[_Encoder] = []
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._on_queued: Callable[[concurrent.futures.Future[EncodeResult]], None] | None = None
 
     def submit(self, job: EncodeJob) -> concurrent.futures.Future[EncodeResult]:
         """Queue ``job``; the first call starts the processes (spawned: safe beside the
-        engine's threads and a CUDA context).  A pool broken by a process that died is
-        replaced."""
+        engine's threads and a CUDA context), all at once: one started only when a job
+        found none idle made the first burst of 1024x1024 PNG requests on the H200 wait
+        about 3 s for processes still importing (p99 4.4 s against p50 1.2 s).  The
+        future fails with ``EncodeFailed`` only: the job's request and format, and why."""
+        task = _Task(job)
         with self._lock:
             if self._closed:
-                raise EncodeFailed("the engine's encoder pool is shut down (the engine is closing)")
-            for attempt in range(2):
-                if self._pool is None:
-                    self._pool = self._start()
-                try:
-                    future = self._pool.submit(encode, job)
-                except BrokenProcessPool:
-                    if attempt:
-                        raise
-                    log.warning("engine: an encoder process died; starting a new encoder pool")
-                    self._pool.shutdown(wait=False, cancel_futures=True)
-                    self._pool = None
-                    continue
-                self._unfinished += 1
-                future.add_done_callback(self._finished)
-                return future
-            raise AssertionError("unreachable")
-
-    def _start(self) -> concurrent.futures.ProcessPoolExecutor:
-        """A new pool with all its processes starting at once.  A spawned pool makes a
-        process only when a job finds none idle, one job at a time: on the H200 the first
-        burst of 1024x1024 PNG requests then waited about 3 s for processes still importing
-        (p99 4.4 s against p50 1.2 s).  One quick job per process, submitted together,
-        finds none idle each time, so every process is spawned now and they import side
-        by side."""
-        pool = concurrent.futures.ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
-        for _ in range(self.workers):
-            pool.submit(os.getpid)
-        return pool
-
-    def _finished(self, _: concurrent.futures.Future[EncodeResult]) -> None:
-        with self._lock:
-            self._unfinished -= 1
+                raise EncodeFailed(
+                    f"request {job.request_id!r}: the engine's encoder pool is shut down (the engine is closing)",
+                    request_id=job.request_id,
+                    format=job.encoding.format,
+                )
+            if self._thread is None:
+                self._encoders = [_Encoder(self._ctx) for _ in range(self.workers)]
+                self._thread = threading.Thread(target=self._serve, name="omni-encoders", daemon=True)
+                self._thread.start()
+            self._waiting.append(task)
+        self._wake()
+        if self._on_queued is not None:
+            self._on_queued(task.future)
+        return task.future
 
     def pids(self) -> list[int]:
         """The encoder processes' ids (none before the first encode, nor after ``shutdown``)."""
         with self._lock:
-            return sorted(_processes(self._pool))
+            return sorted(e.pid for e in self._encoders)
+
+    def running(self) -> dict[int, str]:
+        """The processes that hold a job now (sent to them whole): pid -> its request's id."""
+        with self._lock:
+            return {e.pid: e.task.job.request_id for e in self._encoders if e.task is not None and e.sent}
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the encoder processes: jobs not started are cancelled, running ones get
-        until ``timeout`` seconds, then their processes are terminated.  With no job
-        running the processes get ``IDLE_EXIT_S`` to leave, whatever ``timeout`` says:
-        an idle process that does not leave has nothing to lose (in 4 of 34 closes of
+        """Stop the encoder processes: jobs not started fail (``EncodeFailed``), running ones
+        get until ``timeout`` seconds, then their processes are terminated.  With no job
+        running the processes get ``IDLE_EXIT_S`` to leave, whatever ``timeout`` says: an
+        idle process that does not leave has nothing to lose (in 4 of 34 closes of
         ``bench/encoded_images.py``'s engines on a 2-core machine, one process of an idle
-        pool was still there after the engine's whole close deadline, 60 s).  Idempotent; a later
-        ``submit`` raises ``EncodeFailed``."""
+        pool was still there after the engine's whole close deadline, 60 s).  Idempotent;
+        a later ``submit`` raises ``EncodeFailed``."""
         with self._lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-            running = self._unfinished
-        if pool is None:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            running = sum(e.task is not None for e in self._encoders)
+            thread = self._thread
+        _fail_not_run(waiting)
+        if thread is None:
             return
-        procs = list(_processes(pool).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        deadline = time.monotonic() + (timeout if running else min(timeout, IDLE_EXIT_S))
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        left = [p for p in procs if p.is_alive()]
-        if left and running:
-            log.warning(
-                "engine close: %d encoder process(es) still encoding after %.1f s; terminating them", len(left), timeout
+        self._wake()
+        thread.join(timeout if running else min(timeout, IDLE_EXIT_S))
+        if thread.is_alive():
+            with self._lock:
+                left = [e.process for e in self._encoders]
+                busy = sum(e.task is not None for e in self._encoders)
+            if busy:
+                log.warning(
+                    "engine close: %d encoder process(es) still encoding after %.1f s; terminating them", busy, timeout
+                )
+            else:
+                log.warning(
+                    "engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
+                    len(left),
+                    IDLE_EXIT_S,
+                )
+            for p in left:
+                _stop(p, kill=False)
+            thread.join(2.0)
+            for p in left:
+                _stop(p, kill=True)  # a stopped process keeps SIGTERM pending; SIGKILL is not held
+            thread.join(5.0)
+            if thread.is_alive():
+                log.warning("engine close: the encoder pool's thread did not end")
+                return
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send_bytes(b"")
+        except OSError:  # the pool's thread is gone: nothing is waiting to be woken
+            pass
+
+    # ------------------------------------------------------------------ omni-encoders
+
+    def _serve(self) -> None:
+        """The pool's thread: hands jobs to idle processes, takes their replies, replaces
+        the dead; ends once the pool is closed and every process has left."""
+        try:
+            self._serve_until_closed()
+        except BaseException as exc:
+            # A defect here would leave every encode waiting: fail them all, stop the processes.
+            log.exception("engine: the encoder pool's thread failed; failing its encodes")
+            with self._lock:
+                self._closed = True
+                tasks = [*self._waiting, *(e.task for e in self._encoders if e.task is not None)]
+                self._waiting.clear()
+                procs = [e.process for e in self._encoders]
+            for p in procs:
+                _stop(p, kill=True)
+            for task in tasks:
+                if task.future.running() or task.future.set_running_or_notify_cancel():
+                    task.fail(f"the engine's encoder pool failed ({type(exc).__name__}: {exc}): send it again")
+
+    def _serve_until_closed(self) -> None:
+        while True:
+            with self._lock:
+                encoders = list(self._encoders)
+                if self._closed and not encoders:
+                    # A job given back by a process that died after the close has none left to run it.
+                    left = list(self._waiting)
+                    self._waiting.clear()
+                    break
+            self._hand_out(encoders)
+            ready = set(
+                mp_connection.wait([self._wake_r, *(e.conn for e in encoders), *(e.process.sentinel for e in encoders)])
             )
-        elif left:
-            log.warning(
-                "engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
-                len(left),
-                IDLE_EXIT_S,
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+            for e in encoders:
+                if e.conn in ready or e.process.sentinel in ready:
+                    self._take_reply(e)
+        _fail_not_run(left)
+
+    def _hand_out(self, encoders: list[_Encoder]) -> None:
+        for e in encoders:
+            while e.task is None and not e.stopping and not e.lost:
+                with self._lock:
+                    task = self._waiting.popleft() if self._waiting else None
+                    closed = self._closed
+                if task is None:
+                    if closed:  # nothing more will come: leave
+                        e.stopping = True
+                        self._send(e, None)
+                    break
+                if not task.future.running() and not task.future.set_running_or_notify_cancel():
+                    continue  # cancelled while it waited (its request ended)
+                try:
+                    data = ForkingPickler.dumps(task.job)  # pickled here: a job that cannot be fails alone
+                except Exception as exc:  # noqa: BLE001  # the job's own failure
+                    task.fail(f"its {task.job.encoding.format} job could not be pickled: {type(exc).__name__}: {exc}")
+                    continue
+                with self._lock:
+                    e.task = task
+                self._send(e, data)
+
+    def _send(self, e: _Encoder, data: memoryview | None) -> None:
+        try:
+            if data is None:
+                e.conn.send(None)
+            else:
+                e.conn.send_bytes(data)
+                with self._lock:
+                    e.sent = True
+        except OSError:
+            # The process died before it read the job: the job goes back to the front of
+            # the queue for another process, and the sentinel tells the death (``_gone``).
+            e.lost = True
+            with self._lock:
+                task, e.task = e.task, None
+                if task is not None:
+                    self._waiting.appendleft(task)
+
+    def _take_reply(self, e: _Encoder) -> None:
+        try:
+            while e.conn.poll():
+                kind, payload = e.conn.recv()
+                with self._lock:
+                    task, e.task, e.sent = e.task, None, False
+                if task is None:
+                    continue
+                if kind == "files":
+                    task.future.set_result(payload)
+                else:
+                    fmt = task.job.encoding.format
+                    task.fail(f"encoding its pixels {tuple(task.job.pixels.shape)} as {fmt} failed: {payload}")
+        except (EOFError, OSError):
+            pass
+        if e.process.sentinel in mp_connection.wait([e.process.sentinel], 0):
+            self._gone(e)
+
+    def _gone(self, e: _Encoder) -> None:
+        """``e``'s process ended: its job fails, another process takes its place."""
+        e.process.join(1.0)
+        code = e.process.exitcode
+        how = f"exit code {code}"
+        if code is not None and code < 0:
+            how = f"killed by {_signal_name(-code)}"
+        if code is not None:
+            e.process.close()  # its sentinel's descriptor: a pool that replaces many must not leak them
+        e.conn.close()
+        with self._lock:
+            self._encoders.remove(e)
+            task, e.task = e.task, None
+            closed = self._closed
+            if not closed and not e.stopping:
+                self._encoders.append(_Encoder(self._ctx))
+        if not e.stopping and not closed:
+            log.warning("engine: encoder process %d died (%s); a new one takes its place", e.pid, how)
+        if task is None:
+            return
+        fmt = task.job.encoding.format
+        if closed:
+            task.fail(f"the engine closed while its {fmt} encode ran: encoder process {e.pid} was stopped ({how})")
+        else:
+            task.fail(
+                f"the encoder process (pid {e.pid}) encoding it as {fmt} died ({how}); the other encodes go "
+                "on and a new process takes its place: send the request again"
             )
-        for p in left:
-            p.terminate()
-        for p in left:
-            p.join(2.0)
-            if p.is_alive():
-                p.kill()
-                p.join(2.0)
 
 
-def _processes(pool: concurrent.futures.ProcessPoolExecutor | None) -> dict[int, multiprocessing.Process]:
-    # The executor's own table of its processes: the only handle on them it keeps.
-    procs: dict[int, multiprocessing.Process] | None = getattr(pool, "_processes", None)
-    return dict(procs or {})
+def _fail_not_run(tasks: list[_Task]) -> None:
+    for task in tasks:
+        if task.future.running() or task.future.set_running_or_notify_cancel():
+            task.fail(f"the engine's encoder pool shut down before its {task.job.encoding.format} encode ran")
+
+
+def _stop(process: multiprocessing.process.BaseProcess, *, kill: bool) -> None:
+    """Terminate (or kill) ``process`` unless it has ended and the pool's thread closed it."""
+    try:
+        if process.exitcode is not None:
+            return
+        if kill:
+            process.kill()
+        else:
+            process.terminate()
+    except ValueError:  # closed by the pool's thread once it ended: nothing to stop
+        pass
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _owned_pixels(value: object, rid: str, encoding: Encoding, key: str) -> np.ndarray:
@@ -245,7 +444,7 @@ def take_for_encoding(output: Mapping[str, object] | object, rid: str, encoding:
     pixels = _owned_pixels(value, rid, encoding, key)
     fps = output.get("fps", 24.0)
     rate = float(fps) if isinstance(fps, (int, float)) else 24.0
-    return HostEncode(EncodeJob(pixels, encoding, sequence=pixels.ndim == 4, fps=rate), note)
+    return HostEncode(EncodeJob(pixels, encoding, sequence=pixels.ndim == 4, fps=rate, request_id=rid), note)
 
 
 def encoded_value(pending: PendingEncode, files: list[bytes]) -> Encoded:

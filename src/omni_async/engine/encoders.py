@@ -16,14 +16,17 @@ encodes each image of a sequence on its own; ``mp4`` encodes a sequence as one v
 from __future__ import annotations
 
 import io
+import signal
 import time
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import TYPE_CHECKING, Literal, TypeAlias, assert_never
 
 import attrs
 
-from omni_async.core.encoding import Encoding
+from omni_async.core.encoding import Encoding, Format
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
     # Imported where pixels are handled: ``import omni_async`` (which reads
     # ``EncodedOutput`` through ``GenerationResult``) must not import numpy.
     import numpy as np
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
     Pixels: TypeAlias = npt.NDArray[np.uint8]
 
-__all__ = ["EncodeJob", "EncodedOutput", "encode", "encode_image", "encode_video"]
+__all__ = ["EncodeJob", "EncodedOutput", "encode", "encode_image", "encode_video", "serve"]
 
 
 @attrs.frozen
@@ -56,13 +59,14 @@ class EncodedOutput:
 @attrs.frozen
 class EncodeJob:
     """What an encoder process gets: the pixels (uint8, channel-last; see the module
-    docstring), the format and quality, whether the pixels are a sequence, and a video's
-    frame rate."""
+    docstring), the format and quality, whether the pixels are a sequence, a video's
+    frame rate, and the request they are for (``request_id``: for the errors)."""
 
     pixels: Pixels = attrs.field(repr=lambda p: f"<uint8 {p.shape}>")
     encoding: Encoding
     sequence: bool
     fps: float = 24.0
+    request_id: str = ""
 
 
 def _image_mode(image: Pixels) -> tuple[Pixels, str]:
@@ -84,22 +88,25 @@ def encode_image(image: Pixels, encoding: Encoding) -> bytes:
     from PIL import Image
 
     array, mode = _image_mode(image)
-    if encoding.format == "jpeg" and mode == "RGBA":
+    fmt = encoding.format
+    if fmt is Format.JPEG and mode == "RGBA":
         array, mode = np.ascontiguousarray(array[..., :3]), "RGB"
     pil = Image.fromarray(np.ascontiguousarray(array), mode=mode)
     buf = io.BytesIO()
-    match encoding.format:
-        case "png":
+    match fmt:
+        case Format.PNG:
             pil.save(buf, "PNG", compress_level=encoding.png_level())
-        case "jpeg":
+        case Format.JPEG:
             pil.save(buf, "JPEG", quality=encoding.jpeg_quality())
-        case "webp":
+        case Format.WEBP:
             if encoding.quality is None:
                 pil.save(buf, "WEBP", lossless=True, exact=True)
             else:
                 pil.save(buf, "WEBP", quality=encoding.quality)
-        case "mp4":
+        case Format.MP4:
             raise ValueError("mp4 encodes a sequence of frames [T, H, W, C], not one image")
+        case _:
+            assert_never(fmt)
     return buf.getvalue()
 
 
@@ -136,15 +143,42 @@ def encode(job: EncodeJob) -> tuple[list[bytes], float]:
     """Run in an encoder process: ``job``'s files (one per image, or the one video) and
     the seconds the encoding took there."""
     t0 = time.perf_counter()
-    if job.encoding.is_video:
-        if not job.sequence:
-            raise ValueError(
-                f"mp4 encodes frames [T, H, W, C]; this output is one image of shape {job.pixels.shape}: "
-                "ask for an image format (png, jpeg, webp)"
-            )
-        files = [encode_video(job.pixels, job.encoding, job.fps)]
-    elif job.sequence:
-        files = [encode_image(image, job.encoding) for image in job.pixels]
-    else:
-        files = [encode_image(job.pixels, job.encoding)]
+    fmt = job.encoding.format
+    match fmt:
+        case Format.MP4:
+            if not job.sequence:
+                raise ValueError(
+                    f"mp4 encodes frames [T, H, W, C]; this output is one image of shape {job.pixels.shape}: "
+                    "ask for an image format (png, jpeg, webp)"
+                )
+            files = [encode_video(job.pixels, job.encoding, job.fps)]
+        case Format.PNG | Format.JPEG | Format.WEBP:
+            images = job.pixels if job.sequence else job.pixels[None]
+            files = [encode_image(image, job.encoding) for image in images]
+        case _:
+            assert_never(fmt)
+    if not all(files):
+        # An encoder that wrote nothing is a defect here, not a file to hand a client.
+        raise ValueError(f"the {fmt} encoder wrote an empty file for pixels {job.pixels.shape}")
     return files, time.perf_counter() - t0
+
+
+def serve(conn: Connection) -> None:
+    """An encoder process's loop (``omni_async.engine.encode_pool``): a job in, ``("files",
+    encode(job))`` or ``("failed", why)`` out, until ``None`` or the engine's end of the pipe closes."""
+    # Ctrl-C reaches the whole process group: the engine's close stops its encoders, so a
+    # terminal's SIGINT must not fail the encode under way first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        reply: tuple[str, object]
+        try:
+            reply = ("files", encode(job))
+        except Exception as exc:  # noqa: BLE001  # any encoder failure is the job's, told to the engine
+            reply = ("failed", f"{type(exc).__name__}: {exc}")
+        conn.send(reply)

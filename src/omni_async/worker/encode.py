@@ -23,16 +23,16 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import assert_never, cast
 
 import attrs
 import torch
 
-from omni_async.core.encoding import Encoding
+from omni_async.core.encoding import Encoding, Format
 from omni_async.core.messages import DiffusionOutput
 from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_event
 
-__all__ = ["DeviceEncoded", "encode_on_device", "pixel_key", "run_device_encode"]
+__all__ = ["DeviceEncoded", "encode_on_device", "encodes_on_device", "pixel_key", "run_device_encode"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,18 @@ def pixel_key(output: object) -> str | None:
         if key in output:
             return key
     return None
+
+
+def encodes_on_device(encoding: Encoding) -> bool:
+    """Whether the worker's GPU encodes ``encoding``'s format (nvJPEG: JPEG only)."""
+    fmt = encoding.format
+    match fmt:
+        case Format.JPEG:
+            return True
+        case Format.PNG | Format.WEBP | Format.MP4:
+            return False
+        case _:
+            assert_never(fmt)
 
 
 JpegEncoder = Callable[..., list[torch.Tensor]]
@@ -105,7 +117,7 @@ def encode_on_device(output: DiffusionOutput, encoding: Encoding) -> DiffusionOu
     reason it could not be (see the module docstring).  Other outputs are returned as
     they are."""
     key = pixel_key(output.output)
-    if key is None or encoding.format != "jpeg":
+    if key is None or not encodes_on_device(encoding):
         return output
     pixels = output.output[key]
     if not isinstance(pixels, torch.Tensor):

@@ -70,7 +70,7 @@ from omni_async.transport.clock import ClockMark, DeviceClock
 from omni_async.transport.errors import ChannelClosed
 from omni_async.transport.packing import packed_nbytes
 from omni_async.transport.platform import CopyStream, DeviceEvent, record_stream_event, wait_device_event
-from omni_async.worker.encode import run_device_encode
+from omni_async.worker.encode import encodes_on_device, run_device_encode
 from omni_async.worker.postprocess import DeviceStage, launch_device_stage, with_stage_time
 from omni_async.worker.stamps import ForwardMarks, timed
 
@@ -606,7 +606,7 @@ class Packer:
                 output = run.output
                 wait_device_event(run.done, stream)
             copy = self._clock.mark(stream)
-            if job.encoding is not None and job.encoding.format == "jpeg":
+            if job.encoding is not None and encodes_on_device(job.encoding):
                 output = run_device_encode(output, job.encoding, stream, job.event)
                 self._resize(job, budget_nbytes(output))
             if self._start_pack is not None:
