@@ -110,7 +110,7 @@ class Prewarm:
     @classmethod
     def of_bytes(cls, nbytes: int, count: int | None = None) -> Prewarm:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-            raise InvalidConfig("prewarm", f"nbytes must be a positive int, got {nbytes!r}")
+            raise InvalidConfig("prewarm", f"nbytes must be a positive int, got {given(nbytes)}")
         _count(count)
         return cls(count=count, segment=nbytes)
 
@@ -118,9 +118,9 @@ class Prewarm:
     def of_tensor(cls, shape: Sequence[int], dtype: torch.dtype, count: int | None = None) -> Prewarm:
         dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
         if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-            raise InvalidConfig("prewarm", f"shape must be a sequence of ints >= 0, got {shape!r}")
+            raise InvalidConfig("prewarm", f"shape must be a sequence of ints >= 0, got {given(shape)}")
         if not isinstance(dtype, torch.dtype):
-            raise InvalidConfig("prewarm", f"dtype must be a torch.dtype, got {dtype!r}")
+            raise InvalidConfig("prewarm", f"dtype must be a torch.dtype, got {given(dtype)}")
         _count(count)
         return cls((math.prod(dims) * dtype.itemsize,), count)
 
@@ -239,7 +239,7 @@ class ExecutorConfig:
             if not isinstance(self.prewarm, Prewarm):
                 raise InvalidConfig(
                     "prewarm",
-                    f"must be a Prewarm (Prewarm.of_bytes, .of_tensor or .of_output) or None, got {self.prewarm!r}",
+                    f"must be a Prewarm (Prewarm.of_bytes, .of_tensor or .of_output) or None, got {given(self.prewarm)}",
                 )
             self._prewarm_segment()
             if self.max_held_outputs is not None or self.max_held_bytes is not None:
@@ -321,7 +321,7 @@ def check_world(world_field: str, world_size: object, reply_field: str, reply_ra
     check_int(reply_field, reply_rank, 0)
     assert isinstance(world_size, int) and isinstance(reply_rank, int)
     if reply_rank >= world_size:
-        raise InvalidConfig(reply_field, f"must be below {world_field}={world_size}, got {reply_rank}")
+        raise InvalidConfig(reply_field, f"must be below {world_field}={given(world_size)}, got {given(reply_rank)}")
 
 
 def check_final_step_async(final_step_async: object, step_mode: object) -> None:

@@ -233,7 +233,12 @@ class WorkerOptions:
         check_int("WorkerOptions.inline_threshold", self.inline_threshold, 0)
         # 0: an output that finds the budget full fails at once (HeldOutputsFull).
         check_seconds("WorkerOptions.lease_timeout", self.lease_timeout, optional=True, zero=True)
-        check_output_path(self.output_path)
+        if not isinstance(self.output_path, str):
+            raise InvalidConfig(
+                "WorkerOptions.output_path",
+                f"must be one of 'omni', 'sync', 'reference', got {given(self.output_path)}",
+            )
+        check_output_path(self.output_path)  # InvalidOutputPath, which callers catch by name
         check_bool("WorkerOptions.defer_packing", self.defer_packing)
         check_int("WorkerOptions.copies_in_flight", self.copies_in_flight, 1)
 
