@@ -275,19 +275,19 @@ def test_the_longest_deadline_accepted_still_makes_a_rendezvous() -> None:
 @pytest.mark.parametrize(
     ("make", "field"),
     [
-        (lambda: InProcessExecutor(ToyWorker, deadlines=5), "deadlines"),
+        (lambda: InProcessExecutor(ToyWorker, deadlines=5), "deadlines"),  # type: ignore[arg-type]
         (lambda: InProcessExecutor(ToyWorker, max_outputs_in_flight=0), "max_outputs_in_flight"),
         (lambda: InProcessExecutor(ToyWorker, world_size=2, reply_rank=2), "reply_rank"),
         (lambda: InProcessExecutor(ToyWorker, loop_options={"packer": None}), "loop_options"),
-        (lambda: InProcessExecutor(42), "make_worker"),
-        (lambda: MultiprocDiffusionExecutor(TINY, 5), "config"),
-        (lambda: MultiprocDiffusionExecutor(TINY, pool="x"), "pool"),
+        (lambda: InProcessExecutor(42), "make_worker"),  # type: ignore[arg-type]
+        (lambda: MultiprocDiffusionExecutor(TINY, 5), "config"),  # type: ignore[arg-type]
+        (lambda: MultiprocDiffusionExecutor(TINY, pool="x"), "pool"),  # type: ignore[arg-type]
         (
             lambda: MultiprocDiffusionExecutor(TINY, options=WorkerOptions(max_outputs_in_flight=0)),
             "WorkerOptions.max_outputs_in_flight",
         ),
         (lambda: MultiprocDiffusionExecutor(TINY, start_timeout=math.nan), "start_timeout"),
-        (lambda: WorkerOptions(inline_threshold="big"), "WorkerOptions.inline_threshold"),
+        (lambda: WorkerOptions(inline_threshold="big"), "WorkerOptions.inline_threshold"),  # type: ignore[arg-type]
         (lambda: WorkerOptions(device="gpu"), "WorkerOptions.device"),
         (lambda: WorkerOptions(lease_timeout=-1), "WorkerOptions.lease_timeout"),
     ],

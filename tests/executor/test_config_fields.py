@@ -374,7 +374,7 @@ def test_every_field_meets_the_classic_bad_values(target: Target, name: str) -> 
 def test_the_rules_cover_every_field() -> None:
     """A field, or a constructor argument, added without a rule here fails this test."""
     for cls in (Deadlines, WorkerOptions, ProcessGroupConfig, ExecutorConfig, Prewarm):
-        assert set(RULES[cls][1]) == {f.name for f in attrs.fields(cls)}, cls  # type: ignore[arg-type]
+        assert set(RULES[cls][1]) == {f.name for f in attrs.fields(cls)}, cls
     assert set(ExecutorOptions.__annotations__) == {f.name for f in attrs.fields(ExecutorConfig)}
 
     def params(fn: Callable[..., object], leave: set[str]) -> set[str]:
