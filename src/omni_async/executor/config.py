@@ -13,6 +13,15 @@ once, by ``ExecutorOptions`` (``**options: Unpack[ExecutorOptions]``), and overr
 fields of ``config`` (``ExecutorConfig.with_options``).  Keeping the keywords was the
 choice because every engine author, the README and the tests construct executors
 that way; declaring them once (not once per executor) was the point of the issue.
+
+Every field here (and in ``WorkerOptions`` and ``Deadlines``) is checked when it is made,
+with the helpers of ``omni_async.core.config``; and each executor checks its own
+arguments in its constructor's first line (``check_in_process_arguments``,
+``check_multiproc_arguments``, ``check_ray_arguments``), before it spawns, maps or
+imports anything: a setting that cannot work is an ``InvalidConfig`` there, not a
+worker that dies at start-up, a pump thread that dies on its first message (a tracer
+that is not callable: the constructor then waited out ``start_timeout``), or an
+``AttributeError``/``OverflowError`` from deep inside.
 """
 
 from __future__ import annotations
@@ -170,7 +179,7 @@ class ProcessGroupConfig:
     a port the kernel picks) or ``"file"`` (a file in a private temporary directory: one
     machine only); ``timeout``: seconds a rank may wait in one collective before it fails
     (None: the executor's compute deadline, 600 s when that is off -- no collective of a
-    call can rightly take longer than the call).
+    call can rightly take longer than the call); finite, at most ``core.config.MAX_SECONDS``.
     """
 
     backend: Backend | None = None
