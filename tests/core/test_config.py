@@ -10,7 +10,9 @@ from omni_async.core.config import (
     ENV_COMPUTE_TIMEOUT,
     ENV_OUTPUT_TIMEOUT,
     ENV_RPC_TIMEOUT,
+    MAX_SECONDS,
     Deadlines,
+    InvalidConfig,
 )
 from omni_async.core.errors import UsageError
 
@@ -114,3 +116,25 @@ def test_env_zero_written_as_float_disables_a_deadline() -> None:
 def test_constructor_rejects_a_string_with_usage_error() -> None:
     with pytest.raises(UsageError):
         Deadlines(compute_timeout="5")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, MAX_SECONDS * 1.5, 10**400, "5", [5], True])
+@pytest.mark.parametrize("field", ["compute_timeout", "output_timeout", "rpc_timeout", "cancel_grace"])
+def test_constructor_refuses_what_no_wait_can_take_naming_the_field(field: str, bad: object) -> None:
+    """inf (or a finite value past every wait's limit) overflowed where it was used --
+    ``timedelta`` in the process group's rendezvous, ``poll``: None is how a deadline is
+    turned off."""
+    with pytest.raises(InvalidConfig) as err:
+        Deadlines(**{field: bad})  # type: ignore[arg-type]
+    assert err.value.field == f"Deadlines.{field}" and isinstance(err.value, UsageError | ValueError)
+    assert "None (no limit)" in str(err.value) and f"({type(bad).__name__})" in str(err.value)
+
+
+def test_the_longest_deadline_is_accepted() -> None:
+    assert Deadlines(compute_timeout=MAX_SECONDS, cancel_grace=MAX_SECONDS).compute_timeout == MAX_SECONDS
+
+
+@pytest.mark.parametrize("raw", ["inf", "Infinity", "-inf", "1e7"])
+def test_env_refuses_an_infinite_or_too_long_deadline_naming_the_variable(raw: str) -> None:
+    with pytest.raises(UsageError, match=f"{ENV_RPC_TIMEOUT}={raw!r} must be a number of seconds from 0"):
+        Deadlines.from_env({ENV_RPC_TIMEOUT: raw})

@@ -8,6 +8,7 @@ fails on its own where they do not exist.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,11 +19,14 @@ import omni_async
 import omni_async.core.errors as errors
 import omni_async.errors
 from helpers.executor_harness import RELAXED, ToyWorker, req
+from omni_async.core.config import MAX_SECONDS, Deadlines, InvalidConfig
 from omni_async.core.errors import MessageValidationError, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.executor.config import ExecutorConfig, ProcessGroupConfig
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker
+from omni_async.worker.host import WorkerOptions
 
 
 @pytest.fixture
@@ -209,3 +213,95 @@ def test_import_omni_async_does_not_import_ray() -> None:
     code = "import sys, omni_async; assert 'ray' not in sys.modules; print(omni_async.__all__.count('RayDiffusionExecutor'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+
+
+# ---------------------------------------------------- settings checked when made (issue 29)
+#
+# Each of these was accepted, or failed late with the wrong error: ExecutorConfig(tracer=123)
+# hung the constructor until start_timeout (120 s); an infinite deadline overflowed in the
+# process group's rendezvous; InProcessExecutor(deadlines=5) and the multiprocess executor's
+# config=5 and pool='x' raised AttributeError; max_outputs_in_flight=0 raised ValueError in
+# process, or spawned a worker that failed seconds later.  Now each is an InvalidConfig
+# naming the field, raised before anything starts: the timeout marker keeps them fast.
+
+TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker")
+
+
+def _refused_at_once(make: Any, field: str) -> InvalidConfig:
+    """``make()`` raises InvalidConfig naming ``field``, within a second, starting no process."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    t0 = time.monotonic()
+    with pytest.raises(InvalidConfig) as err:
+        make()
+    assert time.monotonic() - t0 < 1.0
+    assert err.value.field == field and str(err.value).startswith(field), err.value
+    assert set(multiprocessing.active_children()) <= before, "a worker process was started"
+    return err.value
+
+
+@pytest.mark.timeout(20)
+def test_a_tracer_that_is_not_callable_is_refused_before_any_worker_starts() -> None:
+    _refused_at_once(lambda: ExecutorConfig(tracer=123), "tracer")  # type: ignore[arg-type]
+    err = _refused_at_once(lambda: MultiprocDiffusionExecutor(TINY, tracer=123, start_timeout=5), "tracer")  # type: ignore[arg-type]
+    assert "got 123 (int)" in str(err)
+    _refused_at_once(lambda: InProcessExecutor(ToyWorker, tracer=5), "tracer")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(20)
+def test_an_infinite_timeout_is_refused_not_overflowed() -> None:
+    _refused_at_once(lambda: ProcessGroupConfig(timeout=math.inf), "process_group.timeout")
+    _refused_at_once(lambda: Deadlines(compute_timeout=math.inf), "Deadlines.compute_timeout")
+    _refused_at_once(
+        lambda: MultiprocDiffusionExecutor(TINY, process_group=ProcessGroupConfig(timeout=1e300)),
+        "process_group.timeout",
+    )
+
+
+def test_the_longest_deadline_accepted_still_makes_a_rendezvous() -> None:
+    """MAX_SECONDS is below every limit a deadline reaches: the process group's store takes
+    it (an infinite compute deadline raised OverflowError here)."""
+    from omni_async.executor.dist import GroupRendezvous
+
+    pg = ProcessGroupConfig()
+    cfg = ExecutorConfig(process_group=pg)
+    group = GroupRendezvous(pg, cfg, Deadlines(compute_timeout=MAX_SECONDS))
+    try:
+        assert group.rendezvous.timeout == MAX_SECONDS
+    finally:
+        group.close()
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: InProcessExecutor(ToyWorker, deadlines=5), "deadlines"),  # type: ignore[arg-type]
+        (lambda: InProcessExecutor(ToyWorker, max_outputs_in_flight=0), "max_outputs_in_flight"),
+        (lambda: InProcessExecutor(ToyWorker, world_size=2, reply_rank=2), "reply_rank"),
+        (lambda: InProcessExecutor(ToyWorker, loop_options={"packer": None}), "loop_options"),
+        (lambda: InProcessExecutor(42), "make_worker"),  # type: ignore[arg-type]
+        (lambda: MultiprocDiffusionExecutor(TINY, 5), "config"),  # type: ignore[arg-type]
+        (lambda: MultiprocDiffusionExecutor(TINY, pool="x"), "pool"),  # type: ignore[arg-type]
+        (
+            lambda: MultiprocDiffusionExecutor(TINY, options=WorkerOptions(max_outputs_in_flight=0)),
+            "WorkerOptions.max_outputs_in_flight",
+        ),
+        (lambda: MultiprocDiffusionExecutor(TINY, start_timeout=math.nan), "start_timeout"),
+        (lambda: WorkerOptions(inline_threshold="big"), "WorkerOptions.inline_threshold"),  # type: ignore[arg-type]
+        (lambda: WorkerOptions(device="gpu"), "WorkerOptions.device"),
+        (lambda: WorkerOptions(lease_timeout=-1), "WorkerOptions.lease_timeout"),
+    ],
+)
+def test_an_executor_argument_that_cannot_work_is_refused_naming_it(make: Any, field: str) -> None:
+    _refused_at_once(make, field)
+
+
+@pytest.mark.timeout(20)
+def test_a_ray_executor_argument_is_checked_before_ray_starts() -> None:
+    from omni_async.executor.ray_executor import RayDiffusionExecutor
+
+    _refused_at_once(lambda: RayDiffusionExecutor(TINY, num_cpus_per_rank=math.nan), "num_cpus_per_rank")
+    _refused_at_once(lambda: RayDiffusionExecutor(TINY, config=5), "config")  # type: ignore[arg-type]
+    _refused_at_once(lambda: RayDiffusionExecutor(TINY, placement_strategy="TIGHT"), "placement_strategy")

@@ -13,41 +13,66 @@ once, by ``ExecutorOptions`` (``**options: Unpack[ExecutorOptions]``), and overr
 fields of ``config`` (``ExecutorConfig.with_options``).  Keeping the keywords was the
 choice because every engine author, the README and the tests construct executors
 that way; declaring them once (not once per executor) was the point of the issue.
+
+Every field here (and in ``WorkerOptions`` and ``Deadlines``) is checked when it is made,
+with the helpers of ``omni_async.core.config``; and each executor checks its own
+arguments in its constructor's first line (``check_in_process_arguments``,
+``check_multiproc_arguments``, ``check_ray_arguments``), before it spawns, maps or
+imports anything: a setting that cannot work is an ``InvalidConfig`` there, not a
+worker that dies at start-up, a pump thread that dies on its first message (a tracer
+that is not callable: the constructor then waited out ``start_timeout``), or an
+``AttributeError``/``OverflowError`` from deep inside.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal, TypedDict
 
 import attrs
 import torch
 
-from omni_async.core.config import Deadlines
+from omni_async.core.config import (
+    Deadlines,
+    InvalidConfig,
+    check_bool,
+    check_callable,
+    check_choice,
+    check_instance,
+    check_int,
+    check_seconds,
+    given,
+)
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
 from omni_async.core.trace import Tracer
 from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
+from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.packing import leaf_nbytes, segment_nbytes
+from omni_async.transport.shm import SegmentPool
 from omni_async.worker.baselines import check_output_path
 from omni_async.worker.dist import BACKENDS, Backend
-from omni_async.worker.host import WorkerOptions
+from omni_async.worker.host import WorkerOptions, WorkerSpec
+from omni_async.worker.loop import WorkerLoop
 
-__all__ = ["ExecutorConfig", "ExecutorOptions", "InvalidConfig", "Prewarm", "ProcessGroupConfig"]
-
-
-class InvalidConfig(UsageError, ValueError):
-    """A setting of an executor that cannot work; ``field`` names it (and starts the message)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field} {message}")
-        self.field = field
+__all__ = [
+    "RAY_TRANSPORTS",
+    "ExecutorConfig",
+    "ExecutorOptions",
+    "InvalidConfig",
+    "Prewarm",
+    "ProcessGroupConfig",
+    "check_in_process_arguments",
+    "check_multiproc_arguments",
+    "check_ray_arguments",
+]
 
 
 def _count(value: object) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidConfig("prewarm", f"count must be a positive int or None, got {value!r}")
+        raise InvalidConfig("prewarm", f"count must be a positive int or None, got {given(value)}")
 
 
 @attrs.frozen
@@ -77,10 +102,24 @@ class Prewarm:
     count: int | None = None
     segment: int | None = None
 
+    def __attrs_post_init__(self) -> None:
+        ok = isinstance(self.leaves, tuple) and all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.leaves
+        )
+        if not ok:
+            raise InvalidConfig(
+                "prewarm", f"leaves must be a tuple of byte sizes (ints >= 0), got {given(self.leaves)}"
+            )
+        _count(self.count)
+        if self.segment is not None and (
+            isinstance(self.segment, bool) or not isinstance(self.segment, int) or self.segment < 1
+        ):
+            raise InvalidConfig("prewarm", f"segment must be a positive int (bytes) or None, got {given(self.segment)}")
+
     @classmethod
     def of_bytes(cls, nbytes: int, count: int | None = None) -> Prewarm:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-            raise InvalidConfig("prewarm", f"nbytes must be a positive int, got {nbytes!r}")
+            raise InvalidConfig("prewarm", f"nbytes must be a positive int, got {given(nbytes)}")
         _count(count)
         return cls(count=count, segment=nbytes)
 
@@ -88,9 +127,9 @@ class Prewarm:
     def of_tensor(cls, shape: Sequence[int], dtype: torch.dtype, count: int | None = None) -> Prewarm:
         dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
         if dims is None or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-            raise InvalidConfig("prewarm", f"shape must be a sequence of ints >= 0, got {shape!r}")
+            raise InvalidConfig("prewarm", f"shape must be a sequence of ints >= 0, got {given(shape)}")
         if not isinstance(dtype, torch.dtype):
-            raise InvalidConfig("prewarm", f"dtype must be a torch.dtype, got {dtype!r}")
+            raise InvalidConfig("prewarm", f"dtype must be a torch.dtype, got {given(dtype)}")
         _count(count)
         return cls((math.prod(dims) * dtype.itemsize,), count)
 
@@ -129,19 +168,6 @@ class ExecutorOptions(TypedDict, total=False):
     process_group: ProcessGroupConfig | bool
 
 
-def _int_at_least(field: str, value: object, low: int, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        what = "a positive int" if low == 1 else f"an int >= {low}"
-        raise InvalidConfig(field, f"must be {what}{' or None' if optional else ''}, got {value!r}")
-
-
-def _bool(field: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise InvalidConfig(field, f"must be a bool, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class ProcessGroupConfig:
     """A ``torch.distributed`` process group over the executor's ranks, joined by every rank
@@ -153,7 +179,7 @@ class ProcessGroupConfig:
     a port the kernel picks) or ``"file"`` (a file in a private temporary directory: one
     machine only); ``timeout``: seconds a rank may wait in one collective before it fails
     (None: the executor's compute deadline, 600 s when that is off -- no collective of a
-    call can rightly take longer than the call).
+    call can rightly take longer than the call); finite, at most ``core.config.MAX_SECONDS``.
     """
 
     backend: Backend | None = None
@@ -161,13 +187,9 @@ class ProcessGroupConfig:
     timeout: float | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.backend is not None and self.backend not in BACKENDS:
-            raise InvalidConfig("process_group.backend", f"must be one of {BACKENDS} or None, got {self.backend!r}")
-        if self.rendezvous not in ("tcp", "file"):
-            raise InvalidConfig("process_group.rendezvous", f"must be 'tcp' or 'file', got {self.rendezvous!r}")
-        t = self.timeout
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise InvalidConfig("process_group.timeout", f"must be a number of seconds > 0 or None, got {t!r}")
+        check_choice("process_group.backend", self.backend, BACKENDS, optional=True)
+        check_choice("process_group.rendezvous", self.rendezvous, ("tcp", "file"))
+        check_seconds("process_group.timeout", self.timeout, optional=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -204,37 +226,29 @@ class ExecutorConfig:
     process_group: ProcessGroupConfig | bool = False
 
     def __attrs_post_init__(self) -> None:
-        _int_at_least("world_size", self.world_size, 1)
+        check_world("world_size", self.world_size, "reply_rank", self.reply_rank)
         if not isinstance(self.process_group, (bool, ProcessGroupConfig)):
             raise InvalidConfig(
-                "process_group", f"must be a bool or a ProcessGroupConfig, got {type(self.process_group).__name__}"
+                "process_group", f"must be a bool or a ProcessGroupConfig, got {given(self.process_group)}"
             )
-        _int_at_least("reply_rank", self.reply_rank, 0)
-        if self.reply_rank >= self.world_size:
-            raise InvalidConfig("reply_rank", f"must be below world_size={self.world_size}, got {self.reply_rank}")
-        for name in ("step_mode", "copy_outputs", "final_step_async"):
-            _bool(name, getattr(self, name))
-        if self.final_step_async and not self.step_mode:
-            raise InvalidConfig(
-                "final_step_async",
-                "True is an option of step mode (step_mode=True); request mode always takes the asynchronous path",
-            )
-        if self.deadlines is not None and not isinstance(self.deadlines, Deadlines):
-            raise InvalidConfig("deadlines", f"must be a Deadlines or None, got {type(self.deadlines).__name__}")
-        if self.options is not None and not isinstance(self.options, WorkerOptions):
-            raise InvalidConfig("options", f"must be a WorkerOptions or None, got {type(self.options).__name__}")
-        _int_at_least("max_held_outputs", self.max_held_outputs, 1, optional=True)
-        _int_at_least("max_held_bytes", self.max_held_bytes, 1, optional=True)
-        t = self.start_timeout
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-            raise InvalidConfig("start_timeout", f"must be a number of seconds > 0, got {t!r}")
+        for name in ("step_mode", "copy_outputs"):
+            check_bool(name, getattr(self, name))
+        check_final_step_async(self.final_step_async, self.step_mode)
+        check_instance("deadlines", self.deadlines, Deadlines, optional=True)
+        check_instance("options", self.options, WorkerOptions, optional=True)
+        check_int("max_held_outputs", self.max_held_outputs, 1, optional=True)
+        check_int("max_held_bytes", self.max_held_bytes, 1, optional=True)
+        check_seconds("start_timeout", self.start_timeout)
+        # A tracer that is not one failed in the result pump's thread, and the executor
+        # then waited out start_timeout for answers it had dropped.
+        check_callable("tracer", self.tracer, "a Tracer: a callable (action, fields)", optional=True)
         # InvalidOutputPath (a UsageError of its own, which callers catch by name).
         check_output_path(self.worker_options.output_path, step_mode=self.step_mode)
         if self.prewarm is not None:
             if not isinstance(self.prewarm, Prewarm):
                 raise InvalidConfig(
                     "prewarm",
-                    f"must be a Prewarm (Prewarm.of_bytes, .of_tensor or .of_output) or None, got {self.prewarm!r}",
+                    f"must be a Prewarm (Prewarm.of_bytes, .of_tensor or .of_output) or None, got {given(self.prewarm)}",
                 )
             self._prewarm_segment()
             if self.max_held_outputs is not None or self.max_held_bytes is not None:
@@ -308,3 +322,125 @@ class ExecutorConfig:
         """The budget of held outputs asked for (the pool's byte default still open: None)."""
         held = self.max_held_outputs if self.max_held_outputs is not None else DEFAULT_MAX_HELD_OUTPUTS
         return OutputBudget(max_outputs=held, max_bytes=self.max_held_bytes)
+
+
+def check_world(world_field: str, world_size: object, reply_field: str, reply_rank: object) -> None:
+    """``world_size`` ranks (>= 1), ``reply_rank`` one of them."""
+    check_int(world_field, world_size, 1)
+    check_int(reply_field, reply_rank, 0)
+    assert isinstance(world_size, int) and isinstance(reply_rank, int)
+    if reply_rank >= world_size:
+        raise InvalidConfig(reply_field, f"must be below {world_field}={given(world_size)}, got {given(reply_rank)}")
+
+
+def check_final_step_async(final_step_async: object, step_mode: object) -> None:
+    check_bool("final_step_async", final_step_async)
+    if final_step_async and not step_mode:
+        raise InvalidConfig(
+            "final_step_async",
+            "True is an option of step mode (step_mode=True); request mode always takes the asynchronous path",
+        )
+
+
+# The WorkerLoop arguments InProcessExecutor sets itself: ``loop_options`` may not name them.
+_LOOP_SET = frozenset({"rank", "worker", "sender", "reply_rank", "packer", "tracer"})
+
+
+def check_in_process_arguments(
+    make_worker: object,
+    *,
+    world_size: object,
+    reply_rank: object,
+    step_mode: object,
+    deadlines: object,
+    max_outputs_in_flight: object,
+    tracer: object,
+    channel: object,
+    make_packer: object,
+    loop_options: object,
+    release_hook: object,
+    validate_request: object,
+    postprocess: object,
+    final_step_async: object,
+) -> None:
+    """``InProcessExecutor``'s arguments, checked before it builds anything: ``InvalidConfig``
+    naming the first that cannot work (its thread-side failures were an AttributeError, or
+    a worker thread that died)."""
+    check_callable("make_worker", make_worker, "a callable rank -> model (a model class, say)")
+    check_world("world_size", world_size, "reply_rank", reply_rank)
+    check_bool("step_mode", step_mode)
+    check_final_step_async(final_step_async, step_mode)
+    check_instance("deadlines", deadlines, Deadlines, optional=True)
+    check_int("max_outputs_in_flight", max_outputs_in_flight, 1)
+    check_callable("tracer", tracer, "a Tracer: a callable (action, fields)", optional=True)
+    check_instance("channel", channel, InProcessChannel, optional=True)
+    check_callable("make_packer", make_packer, "a callable (rank, sender) -> Packer", optional=True)
+    if loop_options is not None:
+        if not isinstance(loop_options, Mapping):
+            raise InvalidConfig(
+                "loop_options", f"must be a mapping of WorkerLoop arguments or None, got {given(loop_options)}"
+            )
+        known = set(inspect.signature(WorkerLoop).parameters) - _LOOP_SET
+        unknown = sorted(str(k) for k in loop_options if k not in known)
+        if unknown:
+            raise InvalidConfig(
+                "loop_options", f"names {unknown}, not among the WorkerLoop arguments it may set: {sorted(known)}"
+            )
+    check_callable("release_hook", release_hook, "a callable (output) -> None")
+    check_callable("validate_request", validate_request, "a callable (request) -> None", optional=True)
+    if postprocess is not None and (not isinstance(postprocess, str) or not postprocess):
+        raise InvalidConfig(
+            "postprocess", f"must be a registered pipeline name (str) or None, got {given(postprocess)}"
+        )
+
+
+def check_multiproc_arguments(spec: object, config: object, *, pool: object, sweep_dead_pools: object) -> None:
+    """``MultiprocDiffusionExecutor``'s own arguments (its ``ExecutorConfig`` fields check
+    themselves), before it spawns anything."""
+    _check_spec(spec)
+    check_instance("config", config, ExecutorConfig, optional=True, hint="or pass its fields as keyword arguments")
+    check_instance("pool", pool, SegmentPool, optional=True, hint="or None: the executor makes its own")
+    check_bool("sweep_dead_pools", sweep_dead_pools)
+
+
+# How ``RayDiffusionExecutor`` ships its ranks' outputs (its ``transport`` argument).
+RAY_TRANSPORTS = ("auto", "shm", "object_store")
+# Ray's placement strategies (``ray.util.placement_group``).
+_RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def check_ray_arguments(
+    spec: object,
+    config: object,
+    *,
+    num_cpus_per_rank: object,
+    num_gpus_per_rank: object,
+    placement_strategy: object,
+    transport: object,
+    fetch_threads: object,
+) -> None:
+    """``RayDiffusionExecutor``'s own arguments, before it imports or starts Ray
+    (``placement_group``, a Ray type, is checked once Ray is imported)."""
+    _check_spec(spec)
+    check_instance("config", config, ExecutorConfig, optional=True, hint="or pass its fields as keyword arguments")
+    _check_resource("num_cpus_per_rank", num_cpus_per_rank, optional=False)
+    _check_resource("num_gpus_per_rank", num_gpus_per_rank, optional=True)
+    check_choice("placement_strategy", placement_strategy, _RAY_STRATEGIES)
+    check_choice("transport", transport, RAY_TRANSPORTS)
+    check_int("fetch_threads", fetch_threads, 1)
+
+
+def _check_spec(spec: object) -> None:
+    if not isinstance(spec, WorkerSpec):
+        raise InvalidConfig(
+            "spec", f"must be a WorkerSpec, got {given(spec)}: WorkerSpec('mypkg.models:MyWorker', kwargs={{...}})"
+        )
+
+
+def _check_resource(field: str, value: object, *, optional: bool) -> None:
+    """A Ray resource count: a finite number >= 0 (fractions share a CPU or GPU)."""
+    if value is None and optional:
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
+        return
+    raise InvalidConfig(field, f"must be a finite number >= 0{' or None' if optional else ''}, got {given(value)}")

@@ -15,6 +15,7 @@ from omni_async.core.messages import CancelMessage, DiffusionRequest, RpcRequest
 from omni_async.core.registry import ReleaseHook, no_release
 from omni_async.core.trace import Tracer
 from omni_async.executor.api import DiffusionExecutor, stop_budget
+from omni_async.executor.config import check_in_process_arguments
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
@@ -61,6 +62,22 @@ class InProcessExecutor(DiffusionExecutor):
         processes: a static or class method of the model's class (or an attribute of
         ``make_worker``).  A model whose class defines it as an instance method is refused
         (``UsageError``), as ``WorkerSpec`` refuses it: one rule for both executors."""
+        check_in_process_arguments(
+            make_worker,
+            world_size=world_size,
+            reply_rank=reply_rank,
+            step_mode=step_mode,
+            deadlines=deadlines,
+            max_outputs_in_flight=max_outputs_in_flight,
+            tracer=tracer,
+            channel=channel,
+            make_packer=make_packer,
+            loop_options=loop_options,
+            release_hook=release_hook,
+            validate_request=validate_request,
+            postprocess=postprocess,
+            final_step_async=final_step_async,
+        )
         if postprocess is not None and (not isinstance(postprocess, str) or not postprocess):
             raise UsageError(f"postprocess must be a registered pipeline name (str) or None, got {postprocess!r}")
         stage = get_postprocess(postprocess).device if postprocess is not None else None

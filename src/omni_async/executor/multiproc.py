@@ -94,7 +94,7 @@ from omni_async.core.errors import (
 )
 from omni_async.core.messages import AsyncDiffusionOutput, CancelMessage, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
-from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
+from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig, check_multiproc_arguments
 from omni_async.executor.dist import GroupRendezvous, check_process_group
 from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.transport.channel import PipeChannel
@@ -548,6 +548,7 @@ class MultiprocDiffusionExecutor(RankedExecutor[ProcessRanks]):
         sweep_dead_pools: bool = True,
         **options: Unpack[ExecutorOptions],
     ) -> None:
+        check_multiproc_arguments(spec, config, pool=pool, sweep_dead_pools=sweep_dead_pools)
         if not isinstance(spec, WorkerSpec):
             raise UsageError(
                 f"spec must be a WorkerSpec, got {type(spec).__name__} {spec!r}: "

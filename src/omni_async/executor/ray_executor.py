@@ -106,7 +106,7 @@ from omni_async.core.errors import (
 )
 from omni_async.core.messages import CancelMessage, DiffusionOutput, Failure, RpcRequest
 from omni_async.executor.api import stop_budget
-from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig
+from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig, check_ray_arguments
 from omni_async.executor.dist import GroupRendezvous, check_process_group
 from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
 from omni_async.executor.ray_actor import Buffer, OutboxLimits, RankActor, RankActorHandle, StoreBudget
@@ -462,6 +462,15 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
         fetch_threads: int = 4,
         **options: Unpack[ExecutorOptions],
     ) -> None:
+        check_ray_arguments(
+            spec,
+            config,
+            num_cpus_per_rank=num_cpus_per_rank,
+            num_gpus_per_rank=num_gpus_per_rank,
+            placement_strategy=placement_strategy,
+            transport=transport,
+            fetch_threads=fetch_threads,
+        )
         try:
             import ray
             from ray.util.placement_group import PlacementGroup as RayPlacementGroup

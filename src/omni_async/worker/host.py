@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
+from omni_async.core.config import InvalidConfig, check_bool, check_int, check_seconds, given
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.transport.channel import ResultSender
@@ -188,7 +189,17 @@ class WorkerSpec:
 
 @attrs.frozen
 class WorkerOptions:
-    """Worker-side settings, sent to every worker process."""
+    """Worker-side settings, sent to every worker process; each checked when it is made
+    (``InvalidConfig`` naming ``WorkerOptions.<field>``), so that a bad one fails here and
+    not in every worker at start-up or on every output.
+
+    ``device``: a device ``torch.device`` reads (``"cuda"`` without an index: by rank,
+    ``device_for_rank``); ``max_outputs_in_flight`` (>= 1) and ``max_bytes_in_flight``
+    (>= 1 or None): the packer's budget, which back-pressures the forwards;
+    ``backpressure_timeout``: seconds a forward waits for that room before its call fails
+    (None: without a bound; 0: at once); ``inline_threshold``: the largest leaf in bytes
+    that travels in the message instead of in shared memory (>= 0).
+    """
 
     reply_rank: int = 0
     device: str = "cpu"
@@ -214,12 +225,37 @@ class WorkerOptions:
     copies_in_flight: int = 2
 
     def __attrs_post_init__(self) -> None:
-        check_output_path(self.output_path)
-        if not isinstance(self.defer_packing, bool):
-            raise UsageError(f"WorkerOptions.defer_packing must be a bool, got {self.defer_packing!r}")
-        c = self.copies_in_flight
-        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise UsageError(f"WorkerOptions.copies_in_flight must be an int >= 1, got {c!r}")
+        check_int("WorkerOptions.reply_rank", self.reply_rank, 0)
+        check_device("WorkerOptions.device", self.device)
+        check_int("WorkerOptions.max_outputs_in_flight", self.max_outputs_in_flight, 1)
+        check_int("WorkerOptions.max_bytes_in_flight", self.max_bytes_in_flight, 1, optional=True)
+        check_seconds("WorkerOptions.backpressure_timeout", self.backpressure_timeout, optional=True, zero=True)
+        check_int("WorkerOptions.inline_threshold", self.inline_threshold, 0)
+        # 0: an output that finds the budget full fails at once (HeldOutputsFull).
+        check_seconds("WorkerOptions.lease_timeout", self.lease_timeout, optional=True, zero=True)
+        if not isinstance(self.output_path, str):
+            raise InvalidConfig(
+                "WorkerOptions.output_path",
+                f"must be one of 'omni', 'sync', 'reference', got {given(self.output_path)}",
+            )
+        check_output_path(self.output_path)  # InvalidOutputPath, which callers catch by name
+        check_bool("WorkerOptions.defer_packing", self.defer_packing)
+        check_int("WorkerOptions.copies_in_flight", self.copies_in_flight, 1)
+
+
+def check_device(field: str, value: object) -> None:
+    """A device name ``torch.device`` reads (``"cpu"``, ``"cuda"``, ``"cuda:1"``...): a
+    typo fails when the options are made, not in every worker as it starts."""
+    import torch
+
+    if not isinstance(value, str):
+        raise InvalidConfig(field, f"must be a device name (str) such as 'cpu' or 'cuda:0', got {given(value)}")
+    try:
+        torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise InvalidConfig(
+            field, f"must be a device name such as 'cpu' or 'cuda:0', got {given(value)}: {exc}"
+        ) from None
 
 
 def device_for_rank(device: str, rank: int, device_count: int) -> str:
