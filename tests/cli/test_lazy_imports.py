@@ -74,7 +74,7 @@ def test_every_lazy_name_is_the_name_of_its_module_and_typed_for_checkers() -> N
     assert all(name in vars(omni_async) for name in omni_async.__all__)
     assert set(omni_async.__all__) <= set(dir(omni_async))
     with pytest.raises(AttributeError, match="NoSuchName"):
-        _ = omni_async.NoSuchName  # type: ignore[attr-defined]
+        _ = omni_async.NoSuchName
 
 
 def _cpu_build_of_torch() -> bool:
