@@ -195,6 +195,7 @@ class _Run:
     digests: dict[str, int] = attrs.field(factory=dict)
     images: dict[str, Any] = attrs.field(factory=dict)  # request id -> PIL image, until written
     bad: int = 0
+    failed: int = 0  # requests that ended in an error (counted in ``bad`` too)
     #: Each round's (wall seconds, forwards' intervals); the gaps are counted within a round.
     rounds: list[tuple[float, list[tuple[float, float]]]] = attrs.field(factory=list)
 
@@ -210,6 +211,7 @@ class _Run:
         self.digests.update(part.digests)
         self.images.update(part.images)
         self.bad += part.bad
+        self.failed += part.failed
         self.rounds.append((part.finished - part.started, forward_intervals(part.spans)))
 
     def summary(self) -> ModeSummary:
@@ -273,7 +275,7 @@ def _run(args: argparse.Namespace) -> int:
         f"DiT pipeline on {args.device} (world_size={args.world_size}): {what} {args.output}, {args.steps} steps, "
         f"{args.requests} requests per run"
     )
-    runs = {mode: _Run(mode) for mode in MODES}
+    runs: dict[str, _Run] = {}
     warm_ups: dict[str, list[float]] = {}
     executors: dict[str, dict[str, Any]] = {}
     built: dict[str, DiffusionExecutor] = {}
@@ -290,11 +292,7 @@ def _run(args: argparse.Namespace) -> int:
             warm_ups[mode] = asyncio.run(_warm_up(built[mode], args, mode))
             print(f"{_LABELS[mode]}: warm-up: {len(warm_ups[mode])} forwards "
                   f"({', '.join(f'{f:.2f}' for f in warm_ups[mode])} s)")  # fmt: skip
-        shares = round_shares(args.requests, ROUNDS)
-        for i, (order, share) in enumerate(zip(round_orders(len(shares)), shares, strict=True)):
-            for mode in order:
-                label = _LABELS[mode] if len(shares) == 1 else f"{_LABELS[mode]} {i + 1}/{len(shares)}"
-                runs[mode].add_round(asyncio.run(_serve(built[mode], args, mode, share, label)))
+        runs = asyncio.run(_serve(built, args, round_shares(args.requests, ROUNDS)))
         for mode in MODES:
             ex = built[mode]
             bad += runs[mode].bad + _leftovers(ex, mode)
@@ -414,62 +412,87 @@ async def _warm_up(ex: DiffusionExecutor, args: argparse.Namespace, mode: str) -
     return forwards
 
 
-async def _serve(ex: DiffusionExecutor, args: argparse.Namespace, mode: str, share: range, label: str) -> _Run:
-    """One round of a run: a warm-up request (not counted), then the round's requests at
-    once, each result checked as it comes, with a progress bar; then the engine's own accounting."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    requests = _requests(args, share)
-    result = _Run(mode)
-    engine = AsyncDiffusionEngine(ex, pipeline=PIPELINE, max_running=args.max_running, async_output=mode == "async")
+async def _serve(built: dict[str, DiffusionExecutor], args: argparse.Namespace, shares: list[range]) -> dict[str, _Run]:
+    """Both runs: an engine per executor, open for the whole demo, each with a warm-up
+    request (not counted); then the rounds, each run's share of the requests at once,
+    each result checked as it comes, with a progress bar; then each engine's own accounting."""
+    runs = {mode: _Run(mode) for mode in built}
     # The client's checks in two threads of their own, as a front end bounds its work: one
     # thread per result at once (asyncio.to_thread) took the cores the engine needs to send
     # the next request, and the GPU idled between forwards.
     checks = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="omni-demo-check")
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            engines: dict[str, AsyncDiffusionEngine] = {}
+            for mode, ex in built.items():
+                engine = AsyncDiffusionEngine(
+                    ex, pipeline=PIPELINE, max_running=args.max_running, async_output=mode == "async"
+                )
+                engines[mode] = await stack.enter_async_context(engine)
+                await engine.generate(DiffusionRequest(f"warm-up-{mode}", {"seed": 0, **_shape(args)}))
+            for i, (order, share) in enumerate(zip(round_orders(len(shares)), shares, strict=True)):
+                for mode in order:
+                    label = _LABELS[mode] if len(shares) == 1 else f"{_LABELS[mode]} {i + 1}/{len(shares)}"
+                    runs[mode].add_round(await _serve_round(engines[mode], args, mode, share, label, checks))
+            metrics = {mode: engine.metrics() for mode, engine in engines.items()}
+    finally:
+        checks.shutdown(wait=False, cancel_futures=True)
+    for mode, run in runs.items():
+        em = metrics[mode]
+        # Only the outcomes that happened, and what the engine still holds only if anything.
+        ended = ", ".join(f"{k}={v}" for k, v in sorted(em.requests.items()) if v) or "none"
+        left = (
+            "nothing left in it"
+            if not (em.waiting or em.running or em.holding)
+            else f"waiting={em.waiting}, running={em.running}, holding={em.holding}"
+        )
+        print(
+            f"{mode}: {len(run.latencies) + run.failed} requests in {run.summary().wall_s:.2f}s; {run.bad} "
+            f"mismatched; engine (with the warm-up request): {ended}; in_flight_limit={em.in_flight_limit}; {left}"
+        )
+        if em.requests["finished"] != args.requests + 1 or em.waiting or em.running or em.holding:
+            print(f"{mode}: the engine did not finish every request, or holds one at the end", file=sys.stderr)
+            run.bad += 1
+    return runs
+
+
+async def _serve_round(
+    engine: AsyncDiffusionEngine,
+    args: argparse.Namespace,
+    mode: str,
+    share: range,
+    label: str,
+    checks: ThreadPoolExecutor,
+) -> _Run:
+    """One round of a run: its requests at once, each result checked as it comes."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    requests = _requests(args, share)
+    result = _Run(mode)
     loop = asyncio.get_running_loop()
-    async with engine:
-        warm = DiffusionRequest(f"warm-up-{mode}", {"seed": 0, **_shape(args)})
-        await engine.generate(warm)
-        columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, transient=False) as progress:
-            task = progress.add_task(label, total=len(requests))
-            result.started = time.monotonic()
+    columns = (TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        task = progress.add_task(label, total=len(requests))
+        result.started = time.monotonic()
 
-            async def one(request: DiffusionRequest) -> None:
-                r = await engine.generate(request)
-                progress.advance(task)
-                if not await loop.run_in_executor(checks, _check_result, r, args):
-                    result.bad += 1
-                result.latencies.append(r.timings.total)
-                result.spans.extend(request_spans(r.request_id, r.timings))
-                result.digests[r.request_id] = int(r.output["digest"])
-                if mode == "async":  # the sync run's are the same pixels (_compare_runs)
-                    result.images[r.request_id] = _picture(r)
-                result.finished = max(result.finished, r.timings.finished_at)
-
-            try:
-                outcomes = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
-            finally:
-                checks.shutdown(wait=False, cancel_futures=True)
-        for request, outcome in zip(requests, outcomes, strict=True):
-            if isinstance(outcome, BaseException):
+        async def one(request: DiffusionRequest) -> None:
+            r = await engine.generate(request)
+            progress.advance(task)
+            if not await loop.run_in_executor(checks, _check_result, r, args):
                 result.bad += 1
-                print(f"{mode}: {request.request_id} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
-        em = engine.metrics()
-    # Only the outcomes that happened, and what the engine still holds only if anything.
-    ended = ", ".join(f"{k}={v}" for k, v in sorted(em.requests.items()) if v) or "none"
-    left = (
-        "nothing left in it"
-        if not (em.waiting or em.running or em.holding)
-        else f"waiting={em.waiting}, running={em.running}, holding={em.holding}"
-    )
-    print(
-        f"{mode}: {len(requests)} requests in {result.finished - result.started:.2f}s; {result.bad} mismatched; "
-        f"engine (with the warm-up request): {ended}; in_flight_limit={em.in_flight_limit}; {left}"
-    )
-    if em.requests["finished"] != len(requests) + 1 or em.waiting or em.running or em.holding:
-        print(f"{mode}: the engine did not finish every request, or holds one at the end", file=sys.stderr)
-        result.bad += 1
+            result.latencies.append(r.timings.total)
+            result.spans.extend(request_spans(r.request_id, r.timings))
+            result.digests[r.request_id] = int(r.output["digest"])
+            if mode == "async":  # the sync run's are the same pixels (_compare_runs)
+                result.images[r.request_id] = _picture(r)
+            result.finished = max(result.finished, r.timings.finished_at)
+
+        outcomes = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+    for request, outcome in zip(requests, outcomes, strict=True):
+        if isinstance(outcome, BaseException):
+            result.bad += 1
+            result.failed += 1
+            print(f"{mode}: {request.request_id} failed: {type(outcome).__name__}: {outcome}", file=sys.stderr)
     return result
 
 
