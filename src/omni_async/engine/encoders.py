@@ -16,9 +16,11 @@ encodes each image of a sequence on its own; ``mp4`` encodes a sequence as one v
 from __future__ import annotations
 
 import io
+import os
 import signal
+import sys
 import time
-from typing import TYPE_CHECKING, Literal, TypeAlias, assert_never
+from typing import TYPE_CHECKING, Literal, NoReturn, TypeAlias, assert_never
 
 import attrs
 
@@ -163,7 +165,7 @@ def encode(job: EncodeJob) -> tuple[list[bytes], float]:
     return files, time.perf_counter() - t0
 
 
-def serve(conn: Connection) -> None:
+def serve(conn: Connection) -> NoReturn:
     """An encoder process's loop (``omni_async.engine.encode_pool``): a job in, ``("files",
     encode(job))`` or ``("failed", why)`` out, until ``None`` or the engine's end of the pipe closes."""
     # Ctrl-C reaches the whole process group: the engine's close stops its encoders, so a
@@ -173,12 +175,18 @@ def serve(conn: Connection) -> None:
         try:
             job = conn.recv()
         except (EOFError, OSError):
-            return
+            break
         if job is None:
-            return
+            break
         reply: tuple[str, object]
         try:
             reply = ("files", encode(job))
         except Exception as exc:  # noqa: BLE001  # any encoder failure is the job's, told to the engine
             reply = ("failed", f"{type(exc).__name__}: {exc}")
         conn.send(reply)
+    # Leave at once: every reply is written, and nothing else is ours to flush.  A normal
+    # exit finalizes the interpreter (numpy, Pillow), which took an idle encoder over 2 s
+    # on a loaded 2-core machine: longer than the close gives it (IDLE_EXIT_S).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
