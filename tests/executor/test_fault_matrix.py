@@ -842,8 +842,10 @@ def test_cancel_and_abort_storm_under_heavy_traffic(shared: Shared) -> None:
     bit-exact; a cancel or a drop either wins (the output is released by the
     executor) or comes too late (the output is delivered and released by the engine);
     a consumer that goes away fails its pending calls and waiters with
-    ``OutputDropped``.  Afterwards nothing is pending, no lease is outstanding, and the
-    executor is healthy.
+    ``OutputDropped`` (an output its handle got before it went stays the engine's).
+    Cancels of both kinds: the future of ``wait_output_ready`` and a handle's ``output``
+    (F9), and a handle's ``computed``.  Afterwards nothing is pending, no lease is
+    outstanding, and the executor is healthy.
     """
     ex = shared.get()
     settle(ex)
