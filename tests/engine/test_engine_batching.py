@@ -355,7 +355,7 @@ def test_batching_options_are_checked(ex: InProcessExecutor) -> None:
     with pytest.raises(UsageError, match="batch_key must be a callable"):
         AsyncDiffusionEngine(ex, max_batch_size=2, batch_key="x")  # type: ignore[arg-type]
     engine = AsyncDiffusionEngine(ex, max_batch_size=4)
-    assert engine._max_running == 8  # default: two batches
+    assert engine.config.running_slots == 8  # default: two batches
 
 
 def test_an_explicit_batch_key_overrides_the_models(ex: InProcessExecutor, calls: list[tuple[str, ...]]) -> None:

@@ -135,7 +135,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def limits_hold(self) -> None:
-        s = self.engine._scheduler
+        s = self.engine._admission.scheduler
         assert s is not None
         assert s.running <= self.MAX_RUNNING and s.in_flight <= self.MAX_IN_FLIGHT and s.waiting <= self.MAX_WAITING
 
