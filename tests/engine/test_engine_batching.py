@@ -350,7 +350,7 @@ def test_batching_options_are_checked(ex: InProcessExecutor) -> None:
         AsyncDiffusionEngine(ex, max_batch_size=4, max_running=2)
     with pytest.raises(UsageError, match="max_batch_size must be a positive int"):
         AsyncDiffusionEngine(ex, max_batch_size=0)
-    with pytest.raises(UsageError, match="batch_wait_s must be a number of seconds >= 0"):
+    with pytest.raises(UsageError, match="batch_wait_s must be a finite number of seconds >= 0"):
         AsyncDiffusionEngine(ex, max_batch_size=2, batch_wait_s=-1)
     with pytest.raises(UsageError, match="batch_key must be a callable"):
         AsyncDiffusionEngine(ex, max_batch_size=2, batch_key="x")  # type: ignore[arg-type]

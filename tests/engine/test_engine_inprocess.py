@@ -13,8 +13,8 @@ import torch
 
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
 from helpers.executor_harness import GATES, RELAXED, ToyWorker, gate_name, make_toy, req
-from omni_async.core.errors import RequestAborted, RpcFailed, UsageError
 from omni_async.core.engine_states import StageState
+from omni_async.core.errors import RequestAborted, RpcFailed, UsageError
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import (

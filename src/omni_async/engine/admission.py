@@ -179,6 +179,33 @@ class Admission:
     def phase_of(self, request_id: str) -> SchedulerPhase | None:
         return None if self.scheduler is None else self.scheduler.phase(request_id)
 
+    async def await_gone(self, deadline: float) -> None:
+        """Until every request in the engine is gone, or ``deadline`` (``time.monotonic()``):
+        then the drivers left are cancelled, their requests abandoned to the executor."""
+        recs = list(self.records.values())
+        if not recs:
+            return
+        waits = [asyncio.ensure_future(r.gone.wait()) for r in recs]
+        limit = max(0.0, deadline - time.monotonic())
+        _, pending = await asyncio.wait(waits, timeout=limit)
+        for w in pending:
+            w.cancel()
+        left = [r for r in recs if not r.gone.is_set()]
+        if left:
+            log.warning(
+                "engine close: %d request(s) still on a worker after %.1f s (%s); abandoning them to the "
+                "executor, which releases their outputs as they arrive",
+                len(left),
+                limit,
+                [r.request_id for r in left][:10],
+            )
+            for r in left:
+                if r.driver is not None:
+                    r.driver.cancel()  # cancels the executor futures it awaits: abandoned (F9)
+            # A driver stuck in a host stage returns from its cancel at once (the
+            # stage's thread is abandoned): this gather does not wait for the stage.
+            await asyncio.gather(*(r.driver for r in left if r.driver is not None), return_exceptions=True)
+
     # ------------------------------------------------------------------ the loop
 
     async def run(self, start: Callable[[list[RequestRecord]], None]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypedDict
+
 import attrs
 
 from omni_async.core.trace import Tracer

@@ -102,7 +102,7 @@ from typing import TYPE_CHECKING, Self, Unpack
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import EngineState, StageEvent, StageState
 from omni_async.core.engine_trace import trace_observers
-from omni_async.core.errors import OmniAsyncError, UsageError
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.admission import Admission
 from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
@@ -110,15 +110,15 @@ from omni_async.engine.driver import RequestDriver
 from omni_async.engine.ends import RequestEnds
 from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted
 from omni_async.engine.lifecycle import Lifecycle, log
-from omni_async.engine.metrics import STAGES, EngineMetrics, GenerationChunk, GenerationResult, LatencyHistogram
+from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
 from omni_async.engine.postprocessor import PostProcessor
 from omni_async.engine.record import RequestRecord
 from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.engine.sending import Sender
+from omni_async.engine.snapshot import engine_snapshot
 from omni_async.engine.streaming import StreamReader
 from omni_async.engine.threads import EngineThreads
 from omni_async.executor.api import DiffusionExecutor
-from omni_async.executor.metrics import ExecutorMetrics
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -344,36 +344,12 @@ class AsyncDiffusionEngine:
                 self.executor.shutdown, "the engine closed", timeout=max(0.1, deadline - time.monotonic())
             )
             await asyncio.to_thread(shutdown)
-        await self._await_gone(list(self._admission.records.values()), deadline)
+        await self._admission.await_gone(deadline)
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._threads.stop()
         self._post.stop()
-
-    async def _await_gone(self, recs: list[RequestRecord], deadline: float) -> None:
-        if not recs:
-            return
-        waits = [asyncio.ensure_future(r.gone.wait()) for r in recs]
-        limit = max(0.0, deadline - time.monotonic())
-        _, pending = await asyncio.wait(waits, timeout=limit)
-        for w in pending:
-            w.cancel()
-        left = [r for r in recs if not r.gone.is_set()]
-        if left:
-            log.warning(
-                "engine close: %d request(s) still on a worker after %.1f s (%s); abandoning them to the "
-                "executor, which releases their outputs as they arrive",
-                len(left),
-                limit,
-                [r.request_id for r in left][:10],
-            )
-            for r in left:
-                if r.driver is not None:
-                    r.driver.cancel()  # cancels the executor futures it awaits: abandoned (F9)
-            # A driver stuck in a host stage returns from its cancel at once (the
-            # stage's thread is abandoned): this gather does not wait for the stage.
-            await asyncio.gather(*(r.driver for r in left if r.driver is not None), return_exceptions=True)
 
     # ---------------------------------------------------------------- requests
 
@@ -406,7 +382,9 @@ class AsyncDiffusionEngine:
         err.__cause__ = cause
         return err
 
-    def _admit(self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, streaming: bool) -> RequestRecord:
+    def _admit(
+        self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, streaming: bool
+    ) -> RequestRecord:
         if not isinstance(request, DiffusionRequest):
             raise UsageError(f"{what}: request must be a DiffusionRequest, got {type(request).__name__}")
         if deadlines is not None and not isinstance(deadlines, Deadlines):
@@ -561,45 +539,8 @@ class AsyncDiffusionEngine:
         return self._snapshot()
 
     def _snapshot(self) -> EngineMetrics:
-        s = self._admission.scheduler
-        now = time.monotonic()
-        executor: ExecutorMetrics | None = None
-        pump_alive = executor_healthy = False
-        if self._executor is not None:
-            try:
-                executor = self._executor.metrics()
-            except OmniAsyncError as exc:  # shut down: the engine's numbers still count
-                log.debug("engine metrics: the executor's are unavailable: %s", exc)
-            pump_alive = self._executor.pump.healthy()
-            try:
-                self._executor.check_health()
-                executor_healthy = True
-            except OmniAsyncError:
-                pass
-        task = self._loop_task
-        driver = self._driver
-        return EngineMetrics(
-            requests=dict(self._admission.counts),
-            waiting=0 if s is None else s.waiting,
-            running=0 if s is None else s.running,
-            holding=0 if s is None else s.holding,
-            postprocessing=self._post.in_progress,
-            in_flight_limit=None if s is None else s.in_flight_limit,
-            budget_waits=0 if s is None else s.stats.budget_waits,
-            budget_wait_s=0.0 if s is None else s.budget_wait_s(now),
-            largest_output_bytes=0 if s is None else s.largest_output,
-            pack_s_total=0.0 if driver is None else driver.pack_s_total,
-            pack_bytes_total=0.0 if driver is None else driver.pack_bytes_total,
-            latency={stage: (LatencyHistogram() if driver is None else driver.latency[stage]).snapshot() for stage in STAGES},
-            loop_alive=task is not None and not task.done(),
-            pump_alive=pump_alive,
-            executor_healthy=executor_healthy,
-            executor=executor,
-            chunks=0 if self._streams is None else self._streams.chunks,
-            batches=0 if s is None else s.stats.batches,
-            batched=0 if s is None else s.stats.batched,
-            batch_size_mean=0.0 if s is None or not s.stats.batches else s.stats.admitted / s.stats.batches,
-            batch_size_max=0 if s is None else s.stats.max_batch,
+        return engine_snapshot(
+            self._admission, self._post, self._driver, self._streams, self._executor, self._loop_task
         )
 
     def prometheus_registry(self) -> CollectorRegistry:

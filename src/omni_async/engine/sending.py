@@ -108,9 +108,7 @@ class Sender:
             self._streams.attach(rec, handle.stream)
 
     async def _send_alone(self, rec: RequestRecord) -> RequestHandle:
-        submit = functools.partial(
-            self._executor.submit, rec.request, deadlines=rec.deadlines, stream=rec.streaming
-        )
+        submit = functools.partial(self._executor.submit, rec.request, deadlines=rec.deadlines, stream=rec.streaming)
         handle = await self._threads.send(submit)
         self._took(rec, handle)
         return handle
