@@ -148,7 +148,7 @@ class RequestDriver:
             return
         self._admission.fire(rec, SE.COMPUTE_DONE)
         if rec.ended():
-            self._ends.drop_output(rec)
+            self._ends.drop_computed(rec)
             await self._ends.await_drop(rec)
             return
         try:

@@ -82,7 +82,7 @@ class RequestEnds:
             case SS.COMPUTING:
                 self.cancel_forward(rec)
             case SS.COMPUTED:
-                self.drop_output(rec)
+                self.drop_computed(rec)
             case _:
                 raise AssertionError(f"request {rid!r}: an end decided in stage {where}")
 
@@ -96,7 +96,7 @@ class RequestEnds:
         cancel = self._executor.cancel_requests
         self._threads.control_logged(lambda: cancel([rid]), "cancel_requests", rid)
 
-    def drop_output(self, rec: RequestRecord) -> None:
+    def drop_computed(self, rec: RequestRecord) -> None:
         """After COMPUTE_DONE: drop ``rec``'s output through its handle (once); ``rec.drop``
         resolves to the executor's acknowledgement."""
         handle = rec.handle
