@@ -96,17 +96,35 @@ def _float(value: object) -> object:
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    """The engine's settings (see ``AsyncDiffusionEngine`` for what each does).
+    """The engine's settings.
 
-    ``pipeline``: a registered post-process name for every request (a request's own wins);
-    ``max_running``: requests sent whose forward has not finished (None: 3, or two
-    batches with batching); ``max_waiting``: the queue's bound (``EngineOverloaded``
-    beyond it); ``max_in_flight``: the engine's own cap on running + holding requests
-    (None: the executor's budget, or 64 without one); ``postprocess_workers``: host-stage
-    threads; ``close_timeout``: the default bound of ``close``; ``async_output``: False
-    takes the synchronous baseline path; ``tracer``: records every machine step;
-    ``max_batch_size``, ``batch_wait_s``, ``batch_key``: batching; ``encode_workers``:
-    encoder processes (None: one per CPU).
+    ``pipeline``: the name of a registered ``PostProcess`` whose ``host`` stage turns each
+    output into the caller's result (``UnknownPostProcess`` at once if none is
+    registered); without one the result is an owned copy of the model's output.  A
+    request may choose its own (``DiffusionRequest(..., postprocess="name")``, checked
+    at ``generate``).  ``max_running``: requests sent to the executor whose forward has
+    not finished, batch members counted one by one (default 3: one computing, two queued
+    behind it on the worker, so a loop held up for a forward's time leaves the worker
+    busy; with batching ``2 * max_batch_size``: one batch computing, one queued); ``max_batch_size`` (1: no batching):
+    requests with equal batch keys go to the workers together, up to this many, in one
+    ``execute_model_batch`` (``omni_async.engine.sending``); ``batch_wait_s`` (2 ms;
+    0: take what waits): how long a batch that could take more members waits for them;
+    ``batch_key`` (``request -> key or None``): which requests may share a batch,
+    instead of the executor's ``batch_key`` (the model's); ``max_waiting``: the engine's queue,
+    beyond the running slots free at the call (full: ``EngineOverloaded`` at the call); ``max_in_flight``: cap on running requests plus
+    outputs not yet released, in addition to the executor's budget of held outputs
+    (default: that budget, or 64 for an executor without one); ``postprocess_workers``:
+    threads running host stages; ``async_output`` (True): False sends every request down
+    the executor's synchronous output path instead (``execute_request(sync_output=True)``:
+    the worker copies each output on its main thread before it answers, and the calls
+    run one at a time) -- the baseline the asynchronous path is measured against
+    (``omni-async demo``), not a way to serve: a request whose call is in flight cannot
+    be cancelled (an abort waits for its forward, then releases its output).
+    ``encode_workers``: the processes that encode the requests that ask for a format
+    (``DiffusionRequest(..., format="png")``; default ``os.cpu_count()``), started with
+    the first such request and stopped by ``close`` (``omni_async.engine.encode_pool``).
+    ``close_timeout`` (60 s): the default bound of ``close`` and of a stream's ``aclose``.
+    ``tracer``: records every step of the engine's machines (``omni_async.core.engine_trace``).
     """
 
     pipeline: str | None = attrs.field(default=None, validator=_optional_str)
