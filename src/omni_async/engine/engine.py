@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
@@ -109,7 +110,7 @@ from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
 from omni_async.engine.driver import RequestDriver
 from omni_async.engine.ends import RequestEnds
 from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted
-from omni_async.engine.lifecycle import Lifecycle, log
+from omni_async.engine.lifecycle import Lifecycle
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
 from omni_async.engine.postprocessor import PostProcessor
 from omni_async.engine.record import RequestRecord
@@ -124,6 +125,10 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 __all__ = ["AsyncDiffusionEngine"]
+
+# The engine's one logger, whichever of its modules logs: a user's logging set-up for
+# ``omni_async.engine.engine`` sees all of it.
+log = logging.getLogger("omni_async.engine.engine")
 
 SS = StageState
 SE = StageEvent
