@@ -20,8 +20,10 @@ from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixture
     DIT,
     WAN,
     direct_call,
+    dit_direct,  # noqa: F401  # a module fixture: used as a test parameter
     dit_params,
     tensor,
+    wan_direct,  # noqa: F401  # a module fixture: used as a test parameter
     wan_params,
 )
 from omni_async.core.config import Deadlines
