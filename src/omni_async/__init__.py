@@ -120,6 +120,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from omni_async.core.encoding import Encoding
+    from omni_async.engine.config import EngineConfig
     from omni_async.engine.engine import AsyncDiffusionEngine
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
@@ -161,6 +162,7 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "AsyncDiffusionEngine": "omni_async.engine.engine",
     "DiffusionEngine": "omni_async.engine.sync",
+    "EngineConfig": "omni_async.engine.config",
     "DiffusionExecutor": "omni_async.executor.api",
     "InProcessExecutor": "omni_async.executor.inprocess",
     "MultiprocDiffusionExecutor": "omni_async.executor.multiproc",
@@ -236,6 +238,7 @@ __all__ = [
     "DiffusionOutput",
     "DiffusionRequest",
     "EncodedOutput",
+    "EngineConfig",
     "EngineMetrics",
     "EngineState",
     "ExecutorConfig",

@@ -350,12 +350,12 @@ def test_batching_options_are_checked(ex: InProcessExecutor) -> None:
         AsyncDiffusionEngine(ex, max_batch_size=4, max_running=2)
     with pytest.raises(UsageError, match="max_batch_size must be a positive int"):
         AsyncDiffusionEngine(ex, max_batch_size=0)
-    with pytest.raises(UsageError, match="batch_wait_s must be a number of seconds >= 0"):
+    with pytest.raises(UsageError, match="batch_wait_s must be a finite number of seconds >= 0"):
         AsyncDiffusionEngine(ex, max_batch_size=2, batch_wait_s=-1)
     with pytest.raises(UsageError, match="batch_key must be a callable"):
         AsyncDiffusionEngine(ex, max_batch_size=2, batch_key="x")  # type: ignore[arg-type]
     engine = AsyncDiffusionEngine(ex, max_batch_size=4)
-    assert engine._max_running == 8  # default: two batches
+    assert engine.config.running_slots == 8  # default: two batches
 
 
 def test_an_explicit_batch_key_overrides_the_models(ex: InProcessExecutor, calls: list[tuple[str, ...]]) -> None:

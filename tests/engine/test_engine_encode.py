@@ -69,7 +69,7 @@ def test_each_request_gets_the_format_it_asked_for_in_one_engine(tiny: Multiproc
                     for i, (f, q) in enumerate(formats)
                 )
             )
-            pids = engine._encoders.pids()
+            pids = engine._post.encoders.pids()
             assert len(pids) == 2 and alive(pids) == pids
             plain = np.asarray(results[0].output)  # the pipeline's PIL image, as before
             assert plain.shape == (32, WIDTH) and results[0].media_type is None and results[0].encoded == ()
@@ -101,10 +101,10 @@ def test_no_encoder_process_outlives_an_engine_left_by_an_error(tiny: MultiprocD
 
     async def body() -> None:
         async with AsyncDiffusionEngine(tiny, pipeline="tiny", encode_workers=1) as engine:
-            assert engine._encoders.pids() == []  # started with the first encode, not before
+            assert engine._post.encoders.pids() == []  # started with the first encode, not before
             res = await engine.generate(DiffusionRequest("e", {"height": 16}, format="png"))
             assert res.media_type == "image/png"
-            seen.extend(engine._encoders.pids())
+            seen.extend(engine._post.encoders.pids())
             raise RuntimeError("the caller's own failure")
 
     with pytest.raises(RuntimeError, match="the caller's own failure"):
@@ -122,7 +122,7 @@ def test_pixels_not_uint8_fail_the_request_with_what_to_do() -> None:
             err = info.value
             assert err.request_id == "floaty" and err.format == "webp"
             assert "'image' is torch.float32, not uint8" in str(err) and "WorkerSpec(postprocess=" in str(err)
-            assert engine._encoders.pids() == []  # refused before any process started
+            assert engine._post.encoders.pids() == []  # refused before any process started
             ok = await engine.generate(DiffusionRequest("after", {"height": 16}))  # the engine goes on
             assert tuple(ok.output["image"].shape) == (16, WIDTH)
             await assert_quiescent(engine)
@@ -268,7 +268,7 @@ def test_jpeg_is_encoded_on_the_workers_gpu_and_only_its_bytes_cross() -> None:
             # Only the JPEG's bytes crossed: fewer than the uint8 pixels.
             assert jpeg.metrics.get("pack_shm_bytes", 0.0) + jpeg.metrics.get("pack_inline_bytes", 0.0) < 256 * 256 * 3
             assert len(batch.encoded) == 8 and all(e.encoded_on == "cuda" for e in batch.encoded)
-            assert engine._encoders.pids() == []  # the host encoders never started
+            assert engine._post.encoders.pids() == []  # the host encoders never started
             await assert_quiescent(engine)
 
     for ex in kept_for_the_module(MultiprocDiffusionExecutor(spec, deadlines=DEADLINES)):

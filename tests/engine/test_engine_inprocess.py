@@ -13,8 +13,9 @@ import torch
 
 from helpers.engine_harness import assert_quiescent, eventually, in_thread, run
 from helpers.executor_harness import GATES, RELAXED, ToyWorker, gate_name, make_toy, req
+from omni_async.core.engine_states import StageState
 from omni_async.core.errors import RequestAborted, RpcFailed, UsageError
-from omni_async.core.messages import DiffusionOutput
+from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import (
     EngineClosed,
@@ -328,6 +329,61 @@ def test_abort_while_post_processing_discards_the_result(ex: InProcessExecutor, 
     run(body())
 
 
+def test_a_request_aborted_while_its_output_waits_for_a_busy_host_thread_never_runs_its_host_stage(
+    ex: InProcessExecutor,
+) -> None:
+    """Issue 29: whether a request still wants its host stage was decided when its output
+    was queued for the post-processing thread, not when the thread took it, so a request
+    aborted while that thread was busy with another ran its host stage anyway."""
+    entered, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def host(out: DiffusionOutput, request: DiffusionRequest) -> float:
+        ran.append(request.request_id)
+        if request.request_id == "busy":
+            entered.set()
+            assert release.wait(30)
+        return _image_sum(out)
+
+    register_postprocess(PostProcess("engine-test-busy-host", host=host), replace=True)
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(ex, pipeline="engine-test-busy-host", postprocess_workers=1) as engine:
+            busy = asyncio.create_task(engine.generate(req("busy")))
+            assert await in_thread(lambda: entered.wait(30))
+            queued = asyncio.create_task(engine.generate(req("queued")))
+            # Its output is here and waits for the one thread, which "busy" holds.
+            await eventually(lambda: engine.stage_of("queued") is StageState.POSTPROCESSING)
+            await engine.abort("queued")
+            with pytest.raises(RequestAborted, match="while its output was post-processed"):
+                await queued
+            release.set()
+            await busy
+            await assert_quiescent(engine)
+            assert ran == ["busy"], ran
+            m = engine.metrics()
+            assert m.requests["aborted"] == 1 and m.requests["finished"] == 1
+
+    run(body())
+
+
+def test_an_idle_engine_takes_requests_started_together_into_its_free_running_slots_first(
+    ex: InProcessExecutor,
+) -> None:
+    """Issue 29: an idle engine with max_running=2, max_waiting=1 refused two of three
+    requests started together with EngineOverloaded: two fit the running slots and one
+    the queue."""
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(ex, max_running=2, max_waiting=1) as engine:
+            results = await asyncio.gather(*(engine.generate(req(f"r{i}")) for i in range(3)))
+            assert [r.request_id for r in results] == ["r0", "r1", "r2"]
+            assert engine.metrics().requests["rejected"] == 0
+            await assert_quiescent(engine)
+
+    run(body())
+
+
 def test_a_cancelled_generate_task_releases_everything_of_its_request(ex: InProcessExecutor) -> None:
     async def body() -> None:
         async with AsyncDiffusionEngine(ex) as engine:
@@ -369,6 +425,11 @@ def test_close_fails_every_pending_request_and_leaves_nothing(ex: InProcessExecu
         for t in (holding, computing, waiting):
             with pytest.raises(EngineClosed, match="closed before request"):
                 await t
+        # "computing" and "holding" are still on the worker, held by their gates: close
+        # must not return before they are gone (deterministic: nothing opens the gates
+        # until this has been checked).
+        done, _ = await asyncio.wait([closing], timeout=0.5)
+        assert not done, "close returned while requests were still on a worker"
         GATES.open(fwd)
         GATES.open(pack)
         await closing
@@ -420,9 +481,9 @@ def test_check_health_fails_when_the_loop_task_died(ex: InProcessExecutor) -> No
             def broken(now: float) -> list[list[str]]:
                 raise RuntimeError("scheduler bug")
 
-            assert engine._scheduler is not None
-            engine._scheduler.schedule_batches = broken  # type: ignore[method-assign]  # fault injection
-            engine._wake.set()
+            assert engine._admission.scheduler is not None
+            engine._admission.scheduler.schedule_batches = broken  # type: ignore[method-assign]  # fault injection
+            engine._admission.wake.set()
             with pytest.raises(EngineDead, match="scheduler bug"):
                 await b  # waiting requests fail at once: nobody would admit them
             with pytest.raises(EngineDead) as err:

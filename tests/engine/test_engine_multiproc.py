@@ -364,6 +364,10 @@ def test_close_with_work_in_flight_fails_it_and_leaves_nothing(make: Make) -> No
         for t in (post, computing, waiting):
             with pytest.raises(EngineClosed):
                 await t
+        # "post" is still in its host stage, held by ``release``: close must not return
+        # before it is gone (nothing opens that gate until this was checked).
+        done, _ = await asyncio.wait([closing], timeout=0.5)
+        assert not done, "close returned while a request's host stage still ran"
         release.set()
         await closing
         assert ex._closed and len(ex.registry) == 0 and len(engine) == 0

@@ -31,14 +31,37 @@ def test_fifo_and_running_slots_free_at_compute_done() -> None:
 def test_a_full_queue_refuses_at_the_call() -> None:
     s = Scheduler(max_waiting=2, max_running=1)
     s.add("a")
+    assert s.schedule(0.0) == ["a"]  # the one running slot taken: the queue's bound alone is left
     s.add("b")
+    s.add("c")
     with pytest.raises(EngineOverloaded) as err:
-        s.add("c")
-    assert err.value.request_id == "c" and err.value.max_waiting == 2
+        s.add("d")
+    assert err.value.request_id == "d" and err.value.max_waiting == 2
     assert "max_waiting=2" in str(err.value)
-    assert s.stats.rejected == 1 and "c" not in s
+    assert s.stats.rejected == 1 and "d" not in s
     with pytest.raises(UsageError, match="already in the engine"):
         s.add("a")
+
+
+def test_free_running_slots_count_before_the_queue() -> None:
+    """Defect (issue 29): an idle scheduler with max_running=2, max_waiting=1 refused the
+    second of three requests added before a ``schedule``, though two fit the running
+    slots and one the queue."""
+    s = Scheduler(max_waiting=1, max_running=2)
+    for rid in ("a", "b", "c"):
+        s.add(rid)
+    with pytest.raises(EngineOverloaded):
+        s.add("d")
+    assert s.schedule(0.0) == ["a", "b"] and s.waiting_ids() == ["c"]
+
+
+def test_the_budget_bounds_the_free_slots_the_queue_counts() -> None:
+    s = Scheduler(max_waiting=1, max_running=3, budget=OutputBudget(max_outputs=1))
+    s.add("a")
+    s.add("b")
+    with pytest.raises(EngineOverloaded):
+        s.add("c")  # one may run (the budget), one may wait
+    assert s.free_slots == 1 and s.schedule(0.0) == ["a"] and s.free_slots == 0
 
 
 def test_the_budget_of_held_outputs_bounds_running_plus_holding() -> None:
@@ -110,7 +133,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def add(self) -> None:
         rid = f"r{self.next}"
         self.next += 1
-        if len(self.waiting) >= self.max_waiting:
+        free = self.max_running - len(self.running)
+        if self.held is not None:
+            free = min(free, self.held - len(self.running) - len(self.holding))
+        if len(self.waiting) >= self.max_waiting + max(0, free):
             with pytest.raises(EngineOverloaded):
                 self.s.add(rid)
             return

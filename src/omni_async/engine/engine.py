@@ -12,7 +12,7 @@ happening.  ``generate(request)`` validates the request (the model's
 starts one *driver* task per admitted request (ADMIT), which walks it through the
 executor:
 
-1. **send** (SENT): ``executor.submit_handle`` on the ``omni-engine-send`` thread (it
+1. **send** (SENT): ``executor.submit`` on the ``omni-engine-send`` thread (it
    writes to every worker's pipe, which can block while a worker is busy).  Cancels,
    drops and stream closes go on ``omni-engine-control``, so an abort never waits
    behind another request's send.
@@ -21,7 +21,7 @@ executor:
    one is always queued on the worker behind the running forward (the default, 3,
    keeps two: the engine has a whole forward's time to send the next one).
 3. **output** (OUTPUT): await the handle's ``output``, which the pump claimed for it as
-   it dispatched the COMPUTE_DONE (a stream's final output: ``wait_output_ready``).
+   it dispatched the COMPUTE_DONE (a stream's too): no output id travels back down.
 4. **post-process**: on an ``omni-postprocess`` thread: the pipeline's host stage (or,
    without one, an owned copy of the output's tensors), then ``release_output`` --
    the segment goes back to the pool before the result reaches the caller.
@@ -40,7 +40,7 @@ Ends, and who releases what (nothing of a request survives any of them):
   forward at the model's next cancellation check (the execute future fails with
   ``RequestAborted``); a model that ignores it finishes, and its output is dropped
   the moment COMPUTE_DONE names it.
-* **abort after COMPUTE_DONE**: ``drop_output``: a packing that has not started is
+* **abort after COMPUTE_DONE**: the handle's ``drop()``: a packing that has not started is
   cancelled (F15), an output already here is released at once (F10); the driver
   awaits the drop's acknowledgement.
 * **abort while post-processing**: the host stage cannot be interrupted; its result
@@ -58,7 +58,7 @@ awaits the drivers, i.e. until nothing of those requests remains on any worker o
 the executor.
 
 Streaming (``generate_stream``): the driver sends the request with
-``executor.submit_stream`` and walks it as above; the caller's async iterator takes the
+``executor.submit(..., stream=True)`` and walks it as above; the caller's async iterator takes the
 chunks from the executor's ``RequestStream`` one at a time, as the caller asks for them:
 it awaits the chunk's output, post-processes it like a final output (step 4: host stage
 or owned copy, then the release) and yields a ``GenerationChunk``; after the last chunk
@@ -74,79 +74,71 @@ the consuming task aborts the request like a cancelled ``generate`` (F9, F11), a
 closes its stream: the chunks not taken are dropped, and every later one is dropped
 on arrival.
 
-Modules, by concern: ``record`` (a request's record), ``base`` (the engine's state, a
-request's early end, the send and control threads' calls, post-processing),
-``streaming`` (a stream's consumer), ``driver`` (the loop and each request's walk),
-``lifecycle`` (the start-up and close tasks); this module is the public face.  Each
-is a layer of the one class: ``AsyncDiffusionEngine`` stands on ``EngineLifecycle``,
-which stands on ``EngineDriver``, ``EngineStreams`` and ``EngineBase``.
+Collaborators, each a class that owns its state (the engine owns them all and hands
+each what it needs; none calls back up into the engine):
+
+* ``EngineConfig`` (``config``): every setting, validated when made;
+* ``Lifecycle`` (``lifecycle``): the start/close machine and its tasks;
+* ``Admission`` (``admission``): the scheduler (queue, running slots, budget of held
+  outputs, batches), the requests' records and outcome counts, the admitting loop;
+* ``RequestDriver`` (``driver``): one request's walk through its stage machine, with
+  ``Sender`` (``sending``: alone or in batches, through handles), ``RequestEnds``
+  (``ends``: aborts, cancels, closes and their clean-up) and ``StreamReader``
+  (``streaming``: a stream's consumer);
+* ``PostProcessor`` (``postprocessor``): host stages and the encoder pool;
+* ``EngineThreads`` (``threads``): the send, control and sync threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Self, Unpack
 
 from omni_async.core.config import Deadlines
-from omni_async.core.engine_states import EngineEvent, EngineState, StageEvent, StageState
-from omni_async.core.errors import OmniAsyncError, UsageError
+from omni_async.core.engine_states import EngineState, StageEvent, StageState
+from omni_async.core.engine_trace import trace_observers
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
-from omni_async.core.trace import Tracer
-from omni_async.engine.base import DEFAULT_BATCH_WAIT_S, log
-from omni_async.engine.errors import EngineClosed, EngineNotStarted
-from omni_async.engine.lifecycle import EngineLifecycle
+from omni_async.engine.admission import Admission
+from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
+from omni_async.engine.driver import RequestDriver
+from omni_async.engine.ends import RequestEnds
+from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted
+from omni_async.engine.lifecycle import Lifecycle
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
-from omni_async.engine.record import retrieve
+from omni_async.engine.postprocessor import PostProcessor
+from omni_async.engine.record import RequestRecord
 from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.engine.sending import Sender
+from omni_async.engine.snapshot import engine_snapshot
+from omni_async.engine.streaming import StreamReader
+from omni_async.engine.threads import EngineThreads
 from omni_async.executor.api import DiffusionExecutor
-from omni_async.executor.batches import BatchKeyer
-from omni_async.executor.metrics import ExecutorMetrics
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 __all__ = ["AsyncDiffusionEngine"]
 
+# The engine's one logger, whichever of its modules logs: a user's logging set-up for
+# ``omni_async.engine.engine`` sees all of it.
+log = logging.getLogger("omni_async.engine.engine")
+
 SS = StageState
 SE = StageEvent
-EE = EngineEvent
 ES = EngineState
 
-DEFAULT_MAX_WAITING = 4096
 
-
-class AsyncDiffusionEngine(EngineLifecycle):
-    """An asyncio engine over a ``DiffusionExecutor`` (see the module docstring).
-
-    ``pipeline``: the name of a registered ``PostProcess`` whose ``host`` stage turns each
-    output into the caller's result (``UnknownPostProcess`` at once if none is
-    registered); without one the result is an owned copy of the model's output.  A
-    request may choose its own (``DiffusionRequest(..., postprocess="name")``, checked
-    at ``generate``).  ``max_running``: requests sent to the executor whose forward has
-    not finished, batch members counted one by one (default 3: one computing, two queued
-    behind it on the worker, so a loop held up for a forward's time leaves the worker
-    busy; with batching ``2 * max_batch_size``: one batch computing, one queued); ``max_batch_size`` (1: no batching):
-    requests with equal batch keys go to the workers together, up to this many, in one
-    ``execute_model_batch`` (``omni_async.engine.batching``); ``batch_wait_s`` (2 ms;
-    0: take what waits): how long a batch that could take more members waits for them;
-    ``batch_key`` (``request -> key or None``): which requests may share a batch,
-    instead of the executor's ``batch_key`` (the model's); ``max_waiting``: the engine's queue (full:
-    ``EngineOverloaded`` at the call); ``max_in_flight``: cap on running requests plus
-    outputs not yet released, in addition to the executor's budget of held outputs
-    (default: that budget, or 64 for an executor without one); ``postprocess_workers``:
-    threads running host stages; ``async_output`` (True): False sends every request down
-    the executor's synchronous output path instead (``execute_request(sync_output=True)``:
-    the worker copies each output on its main thread before it answers, and the calls
-    run one at a time) -- the baseline the asynchronous path is measured against
-    (``omni-async demo``), not a way to serve: a request whose call is in flight cannot
-    be cancelled (an abort waits for its forward, then releases its output).
-    ``encode_workers``: the processes that encode the requests that ask for a format
-    (``DiffusionRequest(..., format="png")``; default ``os.cpu_count()``), started with
-    the first such request and stopped by ``close`` (``omni_async.engine.encode_pool``).
+class AsyncDiffusionEngine:
+    """An asyncio engine over a ``DiffusionExecutor`` (see the module docstring); its
+    settings are an ``EngineConfig`` (``config=``) or that class's fields as keyword
+    arguments (``EngineConfig``'s docstring says what each does).
 
     Use on one event loop: ``async with engine:``, or ``await engine.start()`` ...
     ``await engine.close()``.  ``from_factory`` builds an engine that creates its
@@ -154,58 +146,20 @@ class AsyncDiffusionEngine(EngineLifecycle):
     """
 
     def __init__(
-        self,
-        executor: DiffusionExecutor,
-        *,
-        pipeline: str | None = None,
-        max_running: int | None = None,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        max_in_flight: int | None = None,
-        postprocess_workers: int = 2,
-        close_timeout: float = 60.0,
-        async_output: bool = True,
-        tracer: Tracer | None = None,
-        max_batch_size: int = 1,
-        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
-        batch_key: BatchKeyer | None = None,
-        encode_workers: int | None = None,
+        self, executor: DiffusionExecutor, *, config: EngineConfig | None = None, **options: Unpack[EngineOptions]
     ) -> None:
+        """``config``, or its fields as keyword arguments (``EngineConfig``)."""
         if not isinstance(executor, DiffusionExecutor):
             raise UsageError(f"executor must be a DiffusionExecutor, got {type(executor).__name__} {executor!r:.80}")
-        self._init(
-            executor,
-            None,
-            pipeline=pipeline,
-            max_running=max_running,
-            max_waiting=max_waiting,
-            max_in_flight=max_in_flight,
-            postprocess_workers=postprocess_workers,
-            close_timeout=close_timeout,
-            async_output=async_output,
-            tracer=tracer,
-            max_batch_size=max_batch_size,
-            batch_wait_s=batch_wait_s,
-            batch_key=batch_key,
-            encode_workers=encode_workers,
-        )
+        self._setup(executor, None, engine_config(config, options, "AsyncDiffusionEngine"))
 
     @classmethod
     def from_factory(
         cls,
         factory: Callable[[], DiffusionExecutor],
         *,
-        pipeline: str | None = None,
-        max_running: int | None = None,
-        max_waiting: int = DEFAULT_MAX_WAITING,
-        max_in_flight: int | None = None,
-        postprocess_workers: int = 2,
-        close_timeout: float = 60.0,
-        async_output: bool = True,
-        tracer: Tracer | None = None,
-        max_batch_size: int = 1,
-        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
-        batch_key: BatchKeyer | None = None,
-        encode_workers: int | None = None,
+        config: EngineConfig | None = None,
+        **options: Unpack[EngineOptions],
     ) -> AsyncDiffusionEngine:
         """An engine that owns its executor: ``start`` calls ``factory()`` and ``close``
         shuts the executor down, both on a worker thread (the executor's constructor and
@@ -213,30 +167,45 @@ class AsyncDiffusionEngine(EngineLifecycle):
         if not callable(factory):
             raise UsageError(f"factory must be a callable returning a DiffusionExecutor, got {factory!r:.80}")
         engine = cls.__new__(cls)
-        engine._init(
-            None,
-            factory,
-            pipeline=pipeline,
-            max_running=max_running,
-            max_waiting=max_waiting,
-            max_in_flight=max_in_flight,
-            postprocess_workers=postprocess_workers,
-            close_timeout=close_timeout,
-            async_output=async_output,
-            tracer=tracer,
-            max_batch_size=max_batch_size,
-            batch_wait_s=batch_wait_s,
-            batch_key=batch_key,
-            encode_workers=encode_workers,
-        )
+        engine._setup(None, factory, engine_config(config, options, "from_factory"))
         return engine
+
+    def _setup(
+        self, executor: DiffusionExecutor | None, factory: Callable[[], DiffusionExecutor] | None, config: EngineConfig
+    ) -> None:
+        self.config = config
+        self._executor = executor
+        self._factory = factory
+        # With a tracer, every step of the machines is recorded (EngineFire, StageFire).
+        trace_life, trace_stage = trace_observers(config.tracer)
+        self._life = Lifecycle(f"engine-{id(self):x}", trace_life)
+        self._post = PostProcessor(config)  # checks the pipeline's name now
+        self._admission = Admission(config, trace_stage)
+        # Built at start, once the executor is known.
+        self._threads: EngineThreads | None = None
+        self._ends: RequestEnds | None = None
+        self._streams: StreamReader | None = None
+        self._driver: RequestDriver | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._prometheus: CollectorRegistry | None = None
+
+    @property
+    def executor(self) -> DiffusionExecutor:
+        """The executor (for an engine from a factory: once ``start`` has built it)."""
+        if self._executor is None:
+            raise EngineNotStarted("the engine builds its executor at start(); start it first")
+        return self._executor
+
+    @property
+    def pipeline(self) -> str | None:
+        return self.config.pipeline
 
     # ---------------------------------------------------------------- lifecycle
 
     @property
     def close_timeout(self) -> float:
         """The default bound of ``close`` (and of a stream's ``aclose``), in seconds."""
-        return self._close_timeout
+        return self.config.close_timeout
 
     @property
     def started(self) -> bool:
@@ -261,27 +230,59 @@ class AsyncDiffusionEngine(EngineLifecycle):
         caller gives the start up: an executor the factory is still building is shut
         down the moment it is built.  ``close`` during the start wins: the start raises
         ``EngineClosed`` and nothing it built survives."""
-        state = self._life.state
-        if state is ES.RUNNING:
-            return
-        if state is ES.STARTING and self._starting is not None:
-            await asyncio.shield(self._starting)
-            return
-        if state is ES.FAILED:
-            raise EngineClosed("the engine failed to start; build a new one")
-        if state is not ES.NEW:
-            raise EngineClosed("the engine is closed; build a new one")
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
-        self._life.fire(EE.START)
-        self._starting = self._loop.create_task(self._start_up(), name="omni-engine-start")
-        self._starting.add_done_callback(retrieve)
+        await self._life.start(self._start_up)
+
+    async def _start_up(self) -> None:
+        cfg = self.config
         try:
-            await asyncio.shield(self._starting)
-        except asyncio.CancelledError:
-            if not self._starting.done():
-                self._start_given_up = True  # the start-up sees it when its awaits return
+            if self._executor is None:
+                assert self._factory is not None
+                # The factory runs to its end on its thread, whatever happens here.
+                built = await asyncio.to_thread(self._factory)
+                if not isinstance(built, DiffusionExecutor):
+                    raise UsageError(f"the executor factory returned {type(built).__name__}, not a DiffusionExecutor")
+                self._executor = built
+            self._life.check_start_wanted()
+            ex = self._executor
+            if ex.step_mode and cfg.async_output:
+                raise UsageError(
+                    "AsyncDiffusionEngine needs an executor in request mode (step_mode=False): it overlaps each "
+                    "output's copy with the next forward (a step-mode executor serves only the synchronous "
+                    "baseline, async_output=False)"
+                )
+            budget = ex.budget
+            self._life.check_start_wanted()
+        except BaseException:
+            # What the start built goes before the lifecycle says FAILED: a failed start
+            # never leaves a live executor behind.
+            if self._factory is not None and self._executor is not None:
+                await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
             raise
+        loop = asyncio.get_running_loop()
+        self._admission.open(budget, validate=ex.validate_request, post_of=self._post.post_of, batch_key=ex.batch_key)
+        self._post.start(loop, ex.release_output)
+        self._threads = threads = EngineThreads(loop, sync_threads=0 if cfg.async_output else cfg.running_slots)
+        self._ends = ends = RequestEnds(self._admission, threads, ex)
+        self._streams = streams = StreamReader(loop, ends, self._post)
+        sender = Sender(ex, threads, ends, streams, self._post, async_output=cfg.async_output)
+        self._driver = RequestDriver(
+            ex, self._admission, threads, ends, sender, streams, self._post, async_output=cfg.async_output
+        )
+        self._loop_task = loop.create_task(self._admission.run(self._driver.start), name="omni-engine-loop")
+        self._loop_task.add_done_callback(self._on_loop_end)
+
+    def _on_loop_end(self, task: asyncio.Task[None]) -> None:
+        """The loop task ended: at close, by design; otherwise it died (a bug of ours).
+        Nobody would admit the waiting requests any more: fail them with ``EngineDead``
+        (the ones already sent go on with their drivers)."""
+        if task.cancelled() or self._life.state is not ES.RUNNING:
+            return
+        err = self._dead()
+        log.error("engine: %s", err)
+        assert self._ends is not None
+        for rec in list(self._admission.records.values()):
+            if rec.stage is SS.WAITING:
+                self._ends.fail(rec, err)  # WAITING -> FAILED: forgotten at once
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -298,30 +299,80 @@ class AsyncDiffusionEngine(EngineLifecycle):
         failed start it returns at once; during a start it stops the start (which shuts
         down what it built) and waits for it.
 
-        ``timeout`` (default: the constructor's ``close_timeout``) bounds all of it: the
+        ``timeout`` (default: the config's ``close_timeout``) bounds all of it: the
         requests' release, the executor's shutdown (cancel, then terminate, each rank in
         parallel) and the host stages, which are abandoned with a warning when they do
         not return in time (their outputs are released when they do).
         """
-        limit = self._close_timeout if timeout is None else timeout
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-            raise UsageError(f"close: timeout must be a number of seconds > 0, got {timeout!r}")
-        state = self._life.state
-        if self._life.terminal:
-            return  # closed already, or a failed start (which shut down what it built)
-        if state is ES.CLOSING and self._closing is not None:
-            self._life.fire(EE.CLOSE)  # CLOSING stays CLOSING: wait for the first close
-            await asyncio.shield(self._closing)
-            return
-        self._life.fire(EE.CLOSE)
-        if self._life.state is not ES.CLOSING:
-            return  # NEW -> CLOSED: nothing to release
-        assert self._loop is not None
-        self._closing = self._loop.create_task(self._shut_down(time.monotonic() + limit), name="omni-engine-close")
-        self._closing.add_done_callback(retrieve)
-        await asyncio.shield(self._closing)
+        await self._life.close(self.config.close_timeout if timeout is None else timeout, self._shut_down)
+
+    async def _shut_down(self, deadline: float, started: bool) -> None:
+        try:
+            if started and self._ends is not None:  # (a start a close stopped built nothing to release)
+                await self._release_everything(deadline)
+        finally:
+            # Whatever ended the engine: no encoder process outlives it.
+            await self._post.close_encoders(max(0.1, deadline - time.monotonic()))
+
+    async def _release_everything(self, deadline: float) -> None:
+        assert self._ends is not None and self._threads is not None
+        for rec in list(self._admission.records.values()):
+            self._ends.end_early(rec, SE.CLOSE)
+        if self._factory is not None:
+            # Shutting the executor down fails every pending future at once and
+            # unlinks every segment: the drivers only have to notice.
+            shutdown = functools.partial(
+                self.executor.shutdown, "the engine closed", timeout=max(0.1, deadline - time.monotonic())
+            )
+            await asyncio.to_thread(shutdown)
+        await self._admission.await_gone(deadline)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._threads.stop()
+        self._post.stop()
 
     # ---------------------------------------------------------------- requests
+
+    def _check_open(self, what: str) -> None:
+        state = self._life.state
+        if state in (ES.CLOSING, ES.CLOSED):
+            raise EngineClosed(f"{what}: the engine is closed")
+        if state is ES.FAILED:
+            raise EngineClosed(f"{what}: the engine failed to start; build a new one")
+        if state is not ES.RUNNING:
+            raise EngineNotStarted(f"{what}: the engine is not started (await engine.start() or use async with)")
+        task = self._loop_task
+        if task is not None and task.done():
+            raise self._dead()
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._life.loop:
+            raise UsageError(
+                f"{what}: called from another event loop than the engine's (the one that ran start()); the engine "
+                "serves one loop: call it there (asyncio.run_coroutine_threadsafe from another thread), or use "
+                "the blocking DiffusionEngine"
+            )
+
+    def _dead(self) -> EngineDead:
+        task = self._loop_task
+        cause = None if task is None or task.cancelled() else task.exception()
+        err = EngineDead(f"the engine's loop task ended ({cause!r}); close the engine and build a new one")
+        err.__cause__ = cause
+        return err
+
+    def _admit(
+        self, request: DiffusionRequest, deadlines: Deadlines | None, what: str, streaming: bool
+    ) -> RequestRecord:
+        if not isinstance(request, DiffusionRequest):
+            raise UsageError(f"{what}: request must be a DiffusionRequest, got {type(request).__name__}")
+        if deadlines is not None and not isinstance(deadlines, Deadlines):
+            raise UsageError(f"{what}: deadlines must be a Deadlines or None, got {type(deadlines).__name__}")
+        self._check_open(what)
+        assert self._life.loop is not None
+        return self._admission.admit(request, deadlines, what, streaming=streaming, loop=self._life.loop)
 
     async def generate(self, request: DiffusionRequest, *, deadlines: Deadlines | None = None) -> GenerationResult:
         """Run ``request`` to its finished, post-processed result.
@@ -337,13 +388,14 @@ class AsyncDiffusionEngine(EngineLifecycle):
         (``UsageError`` otherwise); an aborted request's id is free again once
         ``abort(..., wait=True)`` returned.
         """
-        rec = self._admit(request, deadlines, "generate", streaming=False)
+        rec = self._admit(request, deadlines, "generate", False)
         try:
             # Shielded: cancelling the caller must not cancel the outcome future, only abort.
             return await asyncio.shield(rec.result)
         except asyncio.CancelledError:
             if not rec.result.done():
-                self._end_early(rec, SE.CANCEL)
+                assert self._ends is not None
+                self._ends.end_early(rec, SE.CANCEL)
             raise
 
     async def generate_stream(
@@ -363,43 +415,45 @@ class AsyncDiffusionEngine(EngineLifecycle):
         cancelling the consuming task aborts the request and releases everything of it;
         ``aclose`` returns once nothing of it remains (bounded by ``close_timeout``).
         """
-        if not self._async_output:
+        if not self.config.async_output:
             raise UsageError("generate_stream: streaming takes the asynchronous output path (async_output=True)")
-        rec = self._admit(request, deadlines, "generate_stream", streaming=True)
+        rec = self._admit(request, deadlines, "generate_stream", True)
+        assert self._streams is not None and self._ends is not None
+        streams, ends = self._streams, self._ends
         done = False
         try:
             while rec.stream is None and not rec.result.done() and not rec.ended():
                 rec.changed.clear()
                 if rec.stream is None and not rec.result.done() and not rec.ended():
                     await rec.changed.wait()
-            while (chunk := await self._next_chunk(rec)) is not None:
-                yield await self._chunk_item(rec, chunk)
+            while (chunk := await streams.next_chunk(rec)) is not None:
+                yield await streams.item(rec, chunk)
             result = await asyncio.shield(rec.result)
             if rec.error is not None:
                 raise rec.error  # ended (aborted, closed) after its result was set: that end counts
             done = True
             # The consumer has its result: the driver may forget the request (FINISHED).
-            self._consumed(rec)
+            streams.consumed(rec)
             yield result
         except GeneratorExit:
             # aclose(): abort what is left, and return once nothing of it remains.
-            self._stop_stream(rec)
+            streams.stop(rec)
             try:
-                await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self._close_timeout)
+                await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self.config.close_timeout)
             except (TimeoutError, asyncio.CancelledError):
                 log.warning("engine: request %r still releasing after its stream closed", rec.request_id)
             raise
         except asyncio.CancelledError:
-            self._stop_stream(rec)
+            streams.stop(rec)
             raise
         except BaseException as exc:
             if not done:
                 # A chunk failed: the stream ends with its error, and the request with it.
-                self._end_early(rec, SE.FAIL, error=exc)
-                self._stop_stream(rec)
+                ends.end_early(rec, SE.FAIL, error=exc)
+                streams.stop(rec)
             raise
         finally:
-            self._consumed(rec)
+            streams.consumed(rec)
 
     async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are
@@ -422,9 +476,11 @@ class AsyncDiffusionEngine(EngineLifecycle):
             if not isinstance(rid, str):
                 raise UsageError(f"abort: request ids must be str, got {type(rid).__name__} {rid!r:.60}")
         self._check_open("abort")
-        recs = [self._records[rid] for rid in ids if rid in self._records]
+        records = self._admission.records
+        recs = [records[rid] for rid in ids if rid in records]
+        assert self._ends is not None
         for rec in recs:
-            self._end_early(rec, SE.ABORT)
+            self._ends.end_early(rec, SE.ABORT)
         if wait:
             await asyncio.gather(*(r.gone.wait() for r in recs))
 
@@ -449,8 +505,8 @@ class AsyncDiffusionEngine(EngineLifecycle):
 
         Any thread: from another thread than the engine's event loop (a Prometheus
         scrape, the synchronous facade) the snapshot is taken on the loop."""
-        loop = self._loop
-        if loop is not None and self._loop_thread != threading.get_ident() and loop.is_running():
+        loop = self._life.loop
+        if loop is not None and self._life.loop_thread != threading.get_ident() and loop.is_running():
             done: Future[EngineMetrics] = Future()
 
             def take() -> None:
@@ -464,45 +520,8 @@ class AsyncDiffusionEngine(EngineLifecycle):
         return self._snapshot()
 
     def _snapshot(self) -> EngineMetrics:
-        s = self._scheduler
-        now = time.monotonic()
-        executor: ExecutorMetrics | None = None
-        if self._executor is not None:
-            try:
-                executor = self._executor.metrics()
-            except OmniAsyncError as exc:  # shut down: the engine's numbers still count
-                log.debug("engine metrics: the executor's are unavailable: %s", exc)
-        task = self._loop_task
-        pump_alive = executor_healthy = False
-        if self._executor is not None:
-            pump_alive = self._executor.pump.healthy()
-            try:
-                self._executor.check_health()
-                executor_healthy = True
-            except OmniAsyncError:
-                pass
-        return EngineMetrics(
-            requests=dict(self._counts),
-            waiting=0 if s is None else s.waiting,
-            running=0 if s is None else s.running,
-            holding=0 if s is None else s.holding,
-            postprocessing=self._postprocessing,
-            in_flight_limit=None if s is None else s.in_flight_limit,
-            budget_waits=0 if s is None else s.stats.budget_waits,
-            budget_wait_s=0.0 if s is None else s.budget_wait_s(now),
-            largest_output_bytes=0 if s is None else s.largest_output,
-            pack_s_total=self._pack_s_total,
-            pack_bytes_total=self._pack_bytes_total,
-            latency={stage: h.snapshot() for stage, h in self._latency.items()},
-            loop_alive=task is not None and not task.done(),
-            pump_alive=pump_alive,
-            executor_healthy=executor_healthy,
-            executor=executor,
-            chunks=self._chunks,
-            batches=0 if s is None else s.stats.batches,
-            batched=0 if s is None else s.stats.batched,
-            batch_size_mean=0.0 if s is None or not s.stats.batches else s.stats.admitted / s.stats.batches,
-            batch_size_max=0 if s is None else s.stats.max_batch,
+        return engine_snapshot(
+            self._admission, self._post, self._driver, self._streams, self._executor, self._loop_task
         )
 
     def prometheus_registry(self) -> CollectorRegistry:
@@ -516,13 +535,13 @@ class AsyncDiffusionEngine(EngineLifecycle):
 
     def stage_of(self, request_id: str) -> StageState | None:
         """The stage of ``request_id`` in the engine (None: unknown, or over and gone)."""
-        rec = self._records.get(request_id)
+        rec = self._admission.records.get(request_id)
         return None if rec is None else rec.stage
 
     def phase_of(self, request_id: str) -> SchedulerPhase | None:
         """Where the scheduler has ``request_id`` (None: unknown or finished)."""
-        return None if self._scheduler is None else self._scheduler.phase(request_id)
+        return self._admission.phase_of(request_id)
 
     def __len__(self) -> int:
         """Requests in the engine: waiting, running, or holding an output."""
-        return len(self._records)
+        return len(self._admission.records)

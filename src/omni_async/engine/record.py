@@ -56,7 +56,9 @@ class RequestRecord:
     # The error an early end gave the caller (an abort, close, a failed chunk): what a
     # stream's consumer raises instead of a result set before that end.
     error: BaseException | None = None
-    output_id: str | None = None
+    # The executor's handle once sent (asynchronous path): its COMPUTE_DONE, its output
+    # claimed for it, its stream, and the drop of its output after COMPUTE_DONE.
+    handle: RequestHandle | None = None
     drop: asyncio.Future[Future[None]] | None = None
     driver: asyncio.Task[None] | None = None
     # Set once nothing of the request remains anywhere (what abort(wait=True) awaits).

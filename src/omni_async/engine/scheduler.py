@@ -5,7 +5,8 @@ Theory of operation
 A request the engine accepted is in one of three places:
 
 * **waiting**: in the engine's FIFO queue, not sent to any worker.  The queue is
-  bounded (``max_waiting``); ``add`` on a full queue raises ``EngineOverloaded`` at the
+  bounded (``max_waiting``, beyond the running slots free now, which the next
+  ``schedule`` fills); ``add`` on a full queue raises ``EngineOverloaded`` at the
   call.  Refusing, not waiting for room, is deliberate: a serving front end turns it
   into "try again later" (HTTP 503) at once, where a caller parked on a full queue
   would hide the overload behind latency.
@@ -182,6 +183,16 @@ class Scheduler:
             limits.append(self.budget.in_flight_limit(self._largest_output))
         return min(limits) if limits else None
 
+    @property
+    def free_slots(self) -> int:
+        """Running slots the next ``schedule`` could fill now: those ``max_running`` leaves,
+        within the limit of requests in flight."""
+        room = self.max_running - len(self._running)
+        limit = self.in_flight_limit
+        if limit is not None:
+            room = min(room, limit - self.in_flight)
+        return max(0, room)
+
     def waiting_ids(self) -> list[str]:
         return list(self._waiting)
 
@@ -199,12 +210,15 @@ class Scheduler:
         ``batch_wait_s`` counts from)."""
         if request_id in self:
             raise UsageError(f"request id {request_id!r} is already in the engine; request ids must be unique")
-        if len(self._waiting) >= self.max_waiting:
+        # Waiting requests that free running slots will take at the next ``schedule`` are
+        # not in the queue's bound: requests started together on an idle engine fill the
+        # running slots first, and only what is left over waits.
+        if len(self._waiting) >= self.max_waiting + self.free_slots:
             self.stats.rejected += 1
             raise EngineOverloaded(
                 f"request {request_id!r} refused: the engine's waiting queue is full "
-                f"({self.max_waiting} requests wait, max_waiting={self.max_waiting}); retry later "
-                "or raise max_waiting",
+                f"({len(self._waiting) - self.free_slots} requests wait, max_waiting={self.max_waiting}, every "
+                "running slot taken); retry later or raise max_waiting",
                 request_id=request_id,
                 max_waiting=self.max_waiting,
             )

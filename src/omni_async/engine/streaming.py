@@ -1,43 +1,69 @@
-"""A stream's consumer (``generate_stream``): the chunks taken one at a time, as the
-caller asks for them, each awaited, post-processed and released before it is yielded;
-and the stream's end, which the request's driver awaits before it forgets it."""
+"""``StreamReader``: the consumer side of ``generate_stream``.
+
+The chunks are taken one at a time, as the caller asks for them, each awaited,
+post-processed and released before it is yielded; the stream's end is what the
+request's driver awaits before it forgets the request.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
+import logging
 import time
 
 from omni_async.core.engine_states import StageEvent
-from omni_async.engine.base import EngineBase, log
+from omni_async.engine.ends import RequestEnds
 from omni_async.engine.metrics import GenerationChunk
+from omni_async.engine.postprocessor import PostProcessor
 from omni_async.engine.record import RequestRecord
-from omni_async.executor.stream import OutputChunk
+from omni_async.executor.stream import OutputChunk, RequestStream
 
-__all__ = ["EngineStreams"]
+__all__ = ["StreamReader"]
+
+log = logging.getLogger("omni_async.engine.engine")
 
 SE = StageEvent
 
 
-class EngineStreams(EngineBase):
-    """The consumer side of ``generate_stream`` (see ``engine``'s module docstring)."""
+class StreamReader:
+    """A stream's consumer (see the module docstring)."""
 
-    def _consumed(self, rec: RequestRecord) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, ends: RequestEnds, post: PostProcessor) -> None:
+        self._loop = loop
+        self._ends = ends
+        self._post = post
+        self.chunks = 0  # chunks handed to consumers
+
+    def attach(self, rec: RequestRecord, stream: RequestStream) -> None:
+        """``rec`` was sent as a stream: its consumer wakes at each chunk."""
+        rec.stream = stream
+        loop = self._loop
+
+        def wake() -> None:  # on the pump's thread: only schedule
+            try:
+                loop.call_soon_threadsafe(rec.changed.set)
+            except RuntimeError:  # the loop closed: nobody consumes the stream any more
+                pass
+
+        stream.add_listener(wake)
+        rec.changed.set()
+
+    def consumed(self, rec: RequestRecord) -> None:
         rec.consumed = True
         rec.poke.set()
 
-    def _stop_stream(self, rec: RequestRecord) -> None:
+    def stop(self, rec: RequestRecord) -> None:
         """The consumer of ``rec``'s stream went away (or failed): abort what is left."""
-        self._end_early(rec, SE.CANCEL)
-        self._close_stream(rec)
-        self._consumed(rec)
+        self._ends.end_early(rec, SE.CANCEL)
+        self._ends.close_stream(rec)
+        self.consumed(rec)
 
-    async def _next_chunk(self, rec: RequestRecord) -> OutputChunk | None:
+    async def next_chunk(self, rec: RequestRecord) -> OutputChunk | None:
         """The next chunk of ``rec``'s stream, claimed; None at its end (or the request's)."""
         stream = rec.stream
         while stream is not None and not rec.ended() and rec.close is None:
             rec.changed.clear()
-            # A short look under the executor's lock (as wait_output_ready), not a wait.
+            # A short look under the executor's lock, not a wait.
             chunk = stream.poll()
             if chunk is not None:
                 rec.taking += 1
@@ -47,41 +73,25 @@ class EngineStreams(EngineBase):
             await rec.changed.wait()
         return None
 
-    async def _chunk_item(self, rec: RequestRecord, chunk: OutputChunk) -> GenerationChunk:
+    async def item(self, rec: RequestRecord, chunk: OutputChunk) -> GenerationChunk:
         """``chunk``'s output, awaited and post-processed (then released), as a ``GenerationChunk``."""
         try:
             try:
                 output = await asyncio.wrap_future(chunk.output)
             except asyncio.CancelledError:
-                self._discard_chunk(chunk)
+                self._post.discard(chunk.output)
                 raise
             arrived = time.monotonic()
-            assert self._post is not None and self._loop is not None
-            self._postprocessing += 1
-            try:
-                metrics = dict(output.metrics)
-                value, _, post_s = await self._loop.run_in_executor(
-                    self._post, functools.partial(self._postprocess, rec, output, True)
-                )
-                value, encode_s = await self._encoded(rec, value, metrics)
-                post_s += encode_s or 0.0
-            finally:
-                self._postprocessing -= 1
-                del output
+            metrics = dict(output.metrics)
+            done = await self._post.process(rec, output, chunk=True)
+            del output
         finally:
             rec.taking -= 1
             rec.poke.set()
-        self._chunks += 1
-        return GenerationChunk(rec.request_id, chunk.seq, value, metrics, rec.pipeline, arrived, post_s)
+        self.chunks += 1
+        return GenerationChunk(rec.request_id, chunk.seq, done.value, metrics, rec.pipeline, arrived, done.seconds)
 
-    def _discard_chunk(self, chunk: OutputChunk) -> None:
-        """A chunk taken but not consumed (its consumer was cancelled): give it back."""
-        fut = chunk.output
-        if not fut.cancel() and fut.done() and not fut.cancelled() and fut.exception() is None:
-            assert self._post is not None
-            self._post.submit(self._release_quietly, fut.result())
-
-    async def _finish_stream(self, rec: RequestRecord) -> None:
+    async def finish(self, rec: RequestRecord) -> None:
         """Before the driver forgets a streaming request: its consumer is done with the
         stream (or the stream is closed and the consumer holds no chunk of it), and what
         a close dropped is gone."""

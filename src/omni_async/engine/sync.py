@@ -13,10 +13,11 @@ import concurrent.futures
 import threading
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Self, TypeVar, Unpack
 
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
+from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
@@ -33,19 +34,30 @@ T = TypeVar("T")
 class DiffusionEngine:
     """A blocking engine: ``generate(request)`` returns the ``GenerationResult``.
 
-    Takes the keyword arguments of ``AsyncDiffusionEngine``; ``from_factory`` builds one
+    Takes an ``EngineConfig`` (``config=``) or its fields as keyword arguments, as
+    ``AsyncDiffusionEngine`` does; ``from_factory`` builds one
     that owns its executor.  Started by the constructor; ``close()`` (or leaving the
     ``with`` block) stops it.
     """
 
-    def __init__(self, executor: DiffusionExecutor, **options: Any) -> None:
-        self._start(lambda: AsyncDiffusionEngine(executor, **options))
+    def __init__(
+        self, executor: DiffusionExecutor, *, config: EngineConfig | None = None, **options: Unpack[EngineOptions]
+    ) -> None:
+        made = engine_config(config, options, "DiffusionEngine")  # refused here, before a thread starts
+        self._start(lambda: AsyncDiffusionEngine(executor, config=made))
 
     @classmethod
-    def from_factory(cls, factory: Callable[[], DiffusionExecutor], **options: Any) -> DiffusionEngine:
+    def from_factory(
+        cls,
+        factory: Callable[[], DiffusionExecutor],
+        *,
+        config: EngineConfig | None = None,
+        **options: Unpack[EngineOptions],
+    ) -> DiffusionEngine:
         """An engine that builds its executor with ``factory()`` and shuts it down at ``close``."""
+        made = engine_config(config, options, "DiffusionEngine.from_factory")
         engine = cls.__new__(cls)
-        engine._start(lambda: AsyncDiffusionEngine.from_factory(factory, **options))
+        engine._start(lambda: AsyncDiffusionEngine.from_factory(factory, config=made))
         return engine
 
     def _start(self, make: Callable[[], AsyncDiffusionEngine]) -> None:
