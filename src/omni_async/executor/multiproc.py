@@ -113,6 +113,11 @@ log = logging.getLogger(__name__)
 
 # How often the monitor looks for a full budget of held outputs.
 _BUDGET_CHECK_S = 0.5
+# How long the ranks still alive get to exit when asked, once a rank has died: every
+# call in flight failed with the death (WorkerDied), so what they still compute is for
+# nobody; a forward that ignores cancellation would otherwise hold the shutdown for
+# half its deadline (a close after a SIGKILL took 20 s with nothing left to wait for).
+_ASK_AFTER_DEATH_S = 1.0
 
 
 class _CancelSender:
@@ -471,6 +476,8 @@ class ProcessRanks(RankTransport):
         # at once instead of waiting for room.
         self._channel.close()  # unlinks the credit semaphores' names too (a failed start)
         asked = phase_end(5.0, 0.5, t0)
+        if any(p.exitcode is not None for p in self.procs):
+            asked = min(asked, t0 + _ASK_AFTER_DEATH_S)
         self._cancel_sender.stop(timeout=max(0.0, min(1.0, asked - time.monotonic())))
         # A caller's send may be blocked on a full RPC pipe (a large request) and hold the
         # lock: then that rank is not asked, it is terminated below, and the broken pipe
