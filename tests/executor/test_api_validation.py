@@ -107,7 +107,7 @@ def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessEx
     _raises_at_once(ex.submit_request, "hello", match=r"submit_request: request must be a DiffusionRequest, got str")
     _raises_at_once(ex.execute_request, None, match=r"execute_request: request must be a DiffusionRequest")
     _raises_at_once(ex.submit_batch, "ab", match=r"submit_batch: requests must be a sequence of DiffusionRequest")
-    _raises_at_once(ex.execute_batch, req("a"), match=r"for one request use execute_request")
+    _raises_at_once(ex.execute_batch, req("a"), match=r"for one request use submit/execute_request")
     _raises_at_once(ex.execute_batch, [req("a"), {"id": "b"}], match=r"execute_batch: requests\[1\] must be a Diff")
     _raises_at_once(ex.execute_batch, [], match="at least one request")
     with pytest.raises(UsageError, match="consumer"):

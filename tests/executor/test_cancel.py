@@ -21,6 +21,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, RequestAborted, UsageError, WorkerStuck
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker
@@ -47,6 +48,13 @@ def _consume(ex: DiffusionExecutor, ro: RunnerOutput) -> None:
     assert ro.async_output_id is not None and not ro.aborted
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
     assert out.request_id == ro.request_id
+    del out.output["image"]  # no view may outlive the release
+    ex.release_output(out)
+
+
+def _consume_handle(ex: DiffusionExecutor, h: RequestHandle) -> None:
+    out = h.output.result(timeout=30)
+    assert out.request_id == h.request_id
     del out.output["image"]  # no view may outlive the release
     ex.release_output(out)
 
@@ -130,13 +138,12 @@ def test_a_model_that_ignores_the_check_finishes_and_nothing_is_kept(ex: Diffusi
 
 @pytest.mark.slow
 def test_cancelling_one_request_of_a_batch_drops_only_its_output(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_batch([_req("b1", steps=40, step_ms=10), _req("b2", steps=2)])
-    _started(fut, 0.1)
+    b1, b2 = ex.submit_batch([_req("b1", steps=40, step_ms=10), _req("b2", steps=2)])
+    _started(b1.computed, 0.1)
     ex.cancel_requests(["b1"])
-    outs = fut.result(timeout=30)
-    assert outs[0] == RunnerOutput("b1", finished=True, aborted=True)
-    assert outs[1].request_id == "b2" and not outs[1].aborted
-    _consume(ex, outs[1])
+    assert isinstance(exc_of(b1.computed), RequestAborted) and isinstance(exc_of(b1.output), RequestAborted)
+    assert b2.computed.result(timeout=30).request_id == "b2"
+    _consume_handle(ex, b2)
 
 
 def _packer_counts(ex: DiffusionExecutor) -> tuple[int, int, int]:
@@ -176,13 +183,12 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
     if isinstance(ex, MultiprocDiffusionExecutor):
         assert one_leases > 0
     # The batch: b1 (long) is cancelled during the forward, b2 survives.
-    fut = ex.submit_batch([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
-    _started(fut, 0.1)
+    p1, p2 = ex.submit_batch([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
+    _started(p1.computed, 0.1)
     ex.cancel_requests(["p1"])
-    outs = fut.result(timeout=30)
-    assert outs[0] == RunnerOutput("p1", finished=True, aborted=True)
-    assert outs[1].request_id == "p2" and not outs[1].aborted
-    _consume(ex, outs[1])
+    assert isinstance(exc_of(p1.computed), RequestAborted)
+    assert p2.computed.result(timeout=30).request_id == "p2"
+    _consume_handle(ex, p2)
     # Both members have been handled by the packer (in order) once the counters add up.
     wait_until(lambda: sum(_packer_counts(ex)[:2]) >= packed1 + cancelled1 + 2)
     packed2, cancelled2, bytes2 = _packer_counts(ex)
@@ -192,14 +198,15 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
 
 
 def test_cancelling_every_request_of_a_batch_stops_it(ex: DiffusionExecutor) -> None:
-    fut = ex.submit_batch([_req("c1", **LONG), _req("c2", **LONG)])
-    _started(fut)
+    c1, c2 = ex.submit_batch([_req("c1", **LONG), _req("c2", **LONG)])
+    _started(c1.computed)
     ex.cancel_requests(["c1"])
     time.sleep(0.2)
-    assert not fut.done()
+    assert not c1.computed.done() and not c2.computed.done()
     ex.cancel_requests(["c2", "c1"])
-    err = exc_of(fut)
-    assert isinstance(err, RequestAborted) and err.request_ids == ("c1", "c2"), err
+    for h in (c1, c2):  # the whole call was aborted: each member fails with its error
+        err = exc_of(h.computed)
+        assert isinstance(err, RequestAborted) and err.request_ids == ("c1", "c2"), err
 
 
 def test_cancel_of_unknown_or_finished_requests_is_a_no_op(ex: DiffusionExecutor) -> None:

@@ -562,12 +562,13 @@ def test_f12_reply_rank_compute_done_does_not_hide_another_ranks_error(executors
     """
     ex = in_process(executors, world_size=2)
     g = gate_name()
-    fut = ex.submit_batch([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
+    handles = ex.submit_batch([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
     assert GATES.wait_entered(g)
     wait_until(lambda: ex.metrics().pending_outputs == 2)  # rank 0's COMPUTE_DONE is in
-    assert not fut.done(), "one rank's answer must not resolve the call"
+    assert not any(h.computed.done() or h.output.done() for h in handles), "one rank's answer must not resolve"
     GATES.open(g)
-    err = exc_of(fut)
+    err = exc_of(handles[0].computed)
+    assert all(exc_of(h.output) is err for h in handles)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == [1]
     assert "failed on rank 1" in err.failures[1].message
     wait_until(lambda: ex.metrics().released == 2)
@@ -611,7 +612,7 @@ def test_d3_compute_done_that_cannot_be_sent_leaves_nothing_held(executors: list
     channel = RefusingChannel("compute_done")
     tracer = ListTracer()
     ex = in_process(executors, channel=channel, release_hook=released, tracer=tracer)
-    err = exc_of(ex.submit_batch([req("r1"), req("r2")]))
+    err = exc_of(ex.submit_batch([req("r1"), req("r2")])[0].computed)
     assert isinstance(err, RpcFailed) and err.failures[0].type_name == "ChannelFull"
     wait_until(lambda: len(released) == 2)
     wait_until(lambda: quiet(ex))

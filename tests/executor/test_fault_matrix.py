@@ -336,15 +336,16 @@ def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest
     )
     try:
         batch = [_req("sent-1", seed=1, **SHM), _req("sent-2", seed=2, **SHM), _req("doomed", die_in_send=True, **SHM)]
-        call = ex.submit_batch(batch)
+        handles = ex.submit_batch(batch)
         victim = ex.procs[0]
         victim.join(WAIT)
         # The executor's monitor joins the same process: when its waitpid reaps the child
         # first, ours can return before the exit code is stored (it reads None once).
         _until(lambda: victim.exitcode is not None, what="the exit code")
         assert victim.exitcode == -signal.SIGKILL
-        call.exception(timeout=WAIT)  # WorkerDied, or (COMPUTE_DONE came first) the outputs' ids
-        _until(lambda: ex._failure is not None, what="the death to be handled")
+        for h in handles:  # WorkerDied, or (COMPUTE_DONE came first) the output's
+            h.output.exception(timeout=WAIT)
+        _until(lambda: ex.ranks.failure() is not None, what="the death to be handled")
         st = ex.pool.stats()
         assert st.created == 3, st  # the doomed output was packed into its own segment before the kill
         try:

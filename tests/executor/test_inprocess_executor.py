@@ -42,10 +42,12 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
 )
-from omni_async.core.messages import ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.messages import CancelMessage, ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.core.states import RequestState
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.link import RankEvents, RankLink
+from omni_async.executor.store import InlineStore
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.verify.recorder import ListTracer
@@ -194,9 +196,11 @@ def test_several_ranks_one_failing_fails_the_call(
     make_executor: Callable[..., InProcessExecutor], failing: list[int]
 ) -> None:
     ex = make_executor(world_size=3)
-    fut = ex.submit_batch([req("r1", fail_on=failing), req("r2", fail_on=failing)])
-    err = exc_of(fut)
+    handles = ex.submit_batch([req("r1", fail_on=failing), req("r2", fail_on=failing)])
+    err = exc_of(handles[0].computed)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == failing
+    for h in handles:  # every member fails with the call's error, its output too
+        assert exc_of(h.computed) is err and exc_of(h.output) is err
     for rank in failing:
         assert err.failures[rank].type_name == "ValueError"
         assert f"failed on rank {rank}" in err.failures[rank].message
@@ -567,18 +571,36 @@ def test_trace_of_a_request(make_executor: Callable[..., InProcessExecutor]) -> 
 # --------------------------------------------------------------------------- cancelled calls
 
 
-class _SilentExecutor(DiffusionExecutor):
-    """No workers: the test plays them by hand through the pump."""
+class _SilentRanks(RankLink):
+    """No workers: the test plays them by hand through the pump, and reads what was sent."""
 
     def __init__(self) -> None:
-        super().__init__(
-            InProcessChannel(), deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None)
-        )
+        self.receiver = InProcessChannel()
         self.sent: list[RpcRequest] = []
-        self.pump.start()
 
-    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+    def start(self, events: RankEvents | None, deadline: float, start_timeout: float) -> None:
+        pass
+
+    def broadcast(self, req: RpcRequest, wire: list[bytes] | None) -> None:
         self.sent.append(req)
+
+    def deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        pass
+
+    def stop(self, deadline: float | None) -> None:
+        pass
+
+
+class _SilentExecutor(DiffusionExecutor):
+    def __init__(self) -> None:
+        self.ranks = _SilentRanks()
+        super().__init__(
+            self.ranks,
+            InlineStore(),
+            deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None),
+        )
+        self.sent = self.ranks.sent
+        self.pump.start()
 
 
 def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None:

@@ -114,7 +114,7 @@ def test_end_to_end_two_phase(ex2: RayDiffusionExecutor) -> None:
 
 def test_a_batch(ex2: RayDiffusionExecutor) -> None:
     params = [{"numel": (1 << 17) + i, "seed": i} for i in range(4)]
-    ros = ex2.submit_batch([_req(f"b{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    ros = ex2.execute_batch([_req(f"b{i}", **p) for i, p in enumerate(params)])
     assert [ro.request_id for ro in ros] == ["b0", "b1", "b2", "b3"]
     for ro, p in zip(ros, params, strict=True):
         _take(ex2, ro, p)
@@ -251,7 +251,7 @@ def test_object_store_outputs_are_bit_exact_and_their_refs_go(ex_store: RayDiffu
     ]
     for i, p in enumerate(params):
         _take_stored(ex_store, ex_store.execute_request(_req(f"s{i}", **p)), p)
-    ros = ex_store.submit_batch([_req(f"sb{i}", **p) for i, p in enumerate(params)]).result(timeout=30)
+    ros = ex_store.execute_batch([_req(f"sb{i}", **p) for i, p in enumerate(params)])
     for ro, p in zip(ros, params, strict=True):
         _take_stored(ex_store, ro, p)
     wait_until(lambda: _quiet(ex_store) and _stored_everywhere(ex_store) == 0, timeout=10)

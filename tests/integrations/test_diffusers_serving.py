@@ -83,7 +83,7 @@ def test_in_process_executor_single_and_batch_are_bit_exact_through_the_transpor
         # for bit (a batch member is its own call's only up to the last bits on some CPUs:
         # test_diffusers_worker.py::test_dit_batch_members_match_their_own_calls).
         here = DiffusersPipelineWorker(builder=DIT).execute_model_batch(batch).outputs
-        ros = ex.submit_batch(batch).result(timeout=120)
+        ros = ex.execute_batch(batch)
         for ro, p, want in zip(ros, params, here, strict=True):
             got = _fetch(ex, ro.async_output_id)
             assert torch.equal(got.output.images, want.output.images), ro.request_id

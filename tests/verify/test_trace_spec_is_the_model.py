@@ -73,7 +73,7 @@ def _executor_run() -> list[TraceEvent]:
     tracer = ListTracer()
     ex = InProcessExecutor(make_toy, world_size=2, deadlines=RELAXED, tracer=tracer)
     try:
-        outs = ex.submit_batch([req("q1"), req("q2")]).result(10)
+        outs = ex.execute_batch([req("q1"), req("q2")])
         for ro in outs:
             assert ro.async_output_id is not None
             ex.wait_output_ready(ro.async_output_id).result(10)

@@ -397,21 +397,21 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
             ]
             calls.append(ex.submit_batch(reqs))
         waits: list[Future[DiffusionOutput]] = []
-        for call in calls:
-            try:
-                outs = call.result(10)
-            except Exception:
-                continue
-            for ro in outs:
-                assert ro.async_output_id is not None
+        # The outputs are claimed for the handles at COMPUTE_DONE: a drop or a cancel of
+        # the handle's output is what the engine can still do with them.
+        for handles in calls:
+            for h in handles:
+                try:
+                    h.computed.result(10)
+                except Exception:
+                    continue
                 c = rng.random()
                 if c < 0.15:
-                    ex.drop_output(ro.async_output_id)
+                    h.drop()
                     continue
-                w = ex.wait_output_ready(ro.async_output_id)
                 if c < 0.3:
-                    w.cancel()
-                waits.append(w)
+                    h.output.cancel()
+                waits.append(h.output)
         for w in waits:
             if not w.cancelled():
                 try:
@@ -480,12 +480,11 @@ def _abort_runs() -> list[list[TraceEvent]]:
             assert isinstance(first.exception(10), RequestAborted)
             assert isinstance(queued.exception(10), RequestAborted)
             # One request of a batch: the rest goes on, its output is dropped.
-            batch = ex.submit_batch([rq("b1", 30), rq("b2", 1)])
+            b1, b2 = ex.submit_batch([rq("b1", 30), rq("b2", 1)])
             time.sleep(0.05)
             ex.cancel_requests(["b1"])
-            outs = batch.result(10)
-            assert outs[0].aborted
-            consume(ex, outs[1])
+            assert isinstance(b1.computed.exception(10), RequestAborted)
+            b2.output.result(10)
             # A compute deadline cancels the forward; the late answer is an orphan.
             late = ex.submit_request(rq("late", 300), deadlines=Deadlines(compute_timeout=0.1))
             assert isinstance(late.exception(10), ComputeTimeout)
@@ -683,8 +682,8 @@ def _ray_runs(ray_executor: type[MultiprocDiffusionExecutor]) -> list[list[Trace
     ex = ray_executor(spec, world_size=2, deadlines=deadlines, tracer=tracer)
     try:
         consume(ex, ex.execute_request(rq("one", numel=1 << 17)))
-        for ro in ex.submit_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]).result(30):
-            consume(ex, ro)
+        for h in ex.submit_batch([rq(f"b{i}", numel=1 << 12, seed=i) for i in range(3)]):
+            ex.release_output(h.output.result(30))
         calls = [ex.submit_request(rq(f"m{i}", numel=1 << 16, seed=i)) for i in range(12)]
         ros = [c.result(30) for c in calls]
         for i, ro in enumerate(ros):

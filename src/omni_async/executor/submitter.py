@@ -13,6 +13,7 @@ health check; it owns the model's batch key.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -179,20 +180,24 @@ class BatchSubmitter:
             handles.append(
                 RequestHandle(r.request_id, computed[i], outputs[i], member_stream, drop_fn=self._desk.drop_output)
             )
-        self._link_cancels(call, computed)
+        if not batch:
+            self._link_cancel(call, computed[0])
         return handles
 
     @staticmethod
-    def _link_cancels(call: Future[tuple[RunnerOutput, ...]], computed: list[Future[RunnerOutput]]) -> None:
-        """Cancelling every member's ``computed`` before the call started cancels the call
-        (a single request's handle cancels its call, as ``submit_request``'s future does)."""
+    def _link_cancel(call: Future[tuple[RunnerOutput, ...]], computed: Future[RunnerOutput]) -> None:
+        """Cancelling a single request's ``computed`` before its call started cancels the
+        call, as ``submit_request``'s future does (a batch goes on for its other members)."""
+        # Weakly, as map_future: the two futures must not hold each other until a
+        # garbage collection (the engine's ceiling showed its pauses).
+        ref = weakref.ref(call)
 
-        def on_member(_: Future[RunnerOutput]) -> None:
-            if all(c.cancelled() for c in computed):
-                call.cancel()
+        def on_computed(c: Future[RunnerOutput]) -> None:
+            inner = ref()
+            if c.cancelled() and inner is not None:
+                inner.cancel()
 
-        for c in computed:
-            c.add_done_callback(on_member)
+        computed.add_done_callback(on_computed)
 
     def _settle_members(
         self,
