@@ -27,7 +27,6 @@ shapes, kept while their callers move to ``submit``.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -65,8 +64,6 @@ from omni_async.transport.budget import OutputBudget
 from omni_async.worker.loop import WorkerInfo
 
 __all__ = ["DiffusionExecutor", "stop_budget"]
-
-log = logging.getLogger(__name__)
 
 
 class DiffusionExecutor:
@@ -147,9 +144,6 @@ class DiffusionExecutor:
             self.shutdown("the executor failed to start")
             raise
 
-    def next_rpc_id(self) -> str:
-        return self._sender.ids.next()
-
     @property
     def stale_sync_answers(self) -> int:
         """Late answers of an earlier synchronous call of ours, discarded with what they carried."""
@@ -170,19 +164,12 @@ class DiffusionExecutor:
         deadlines: Deadlines | None = None,
         stream: bool = False,
     ) -> RequestHandle:
-        """Start a forward; a ``RequestHandle`` with both phases of its output (request mode).
-
-        ``handle.computed`` resolves at COMPUTE_DONE (or fails with the forward's typed
-        error; ``RequestAborted`` once ``cancel_requests`` stopped it); ``handle.output``
-        is the output, claimed for the handle when the pump dispatches that COMPUTE_DONE,
-        so no output id travels back to claim it (a ``wait_output_ready`` of its id gets
-        ``OutputAlreadyClaimed``).  Cancelling ``output`` abandons the output (released
-        on arrival, F9); ``handle.drop()`` drops it after COMPUTE_DONE.  Release a
-        delivered output with ``release_output``.  ``stream=True``: ``handle.stream``
-        gives the intermediate outputs the model emits (``RequestStream``; its ``result``
-        is ``computed``); ``handle.output`` is still the final one.  ``deadlines``: this
-        call's ``compute_timeout`` and ``output_timeout`` instead of the executor's.
-        """
+        """Start a forward; a ``RequestHandle`` with both phases of its output (request mode):
+        ``computed`` at COMPUTE_DONE (or the forward's typed error), ``output`` claimed for
+        the handle as the pump dispatches that COMPUTE_DONE (``RequestHandle`` says the
+        rest).  ``stream=True``: ``handle.stream`` gives the intermediate outputs the model
+        emits.  ``deadlines``: this call's compute and output timeouts instead of the
+        executor's."""
         self._check_request(request, "submit")
         self._check_args(consumer, deadlines, stream, "submit")
         return self._submitter.handles([request], consumer, deadlines, batch=False, stream=stream)[0]
@@ -195,17 +182,10 @@ class DiffusionExecutor:
         deadlines: Deadlines | None = None,
         stream: bool = False,
     ) -> list[RequestHandle]:
-        """Start one batched forward (``execute_model_batch``); a ``RequestHandle`` per
-        request, in order (request mode).
-
-        Each handle is ``submit``'s for its request: ``computed`` resolves with its own
-        ``RunnerOutput`` at the call's COMPUTE_DONE, and fails with ``RequestAborted`` when
-        that request alone was cancelled (``cancel_requests``) while the rest of the batch
-        went on; ``output`` is its output, claimed for the handle by the pump.  Cancelling
-        one handle's futures abandons that request's output only, never the call.
-        ``stream=True``: every request is a stream.  ``deadlines``: one call, one compute
-        deadline.
-        """
+        """Start one batched forward; a ``RequestHandle`` per request, in order, each as
+        ``submit``'s: ``computed`` fails with ``RequestAborted`` when that request alone was
+        cancelled while the rest of the batch went on; cancelling one handle's futures
+        abandons its output only, never the call.  One call: one compute deadline."""
         reqs = self._check_batch(requests, "submit_batch")
         self._check_args(consumer, deadlines, stream, "submit_batch")
         return self._submitter.handles(reqs, consumer, deadlines, batch=True, stream=stream)
@@ -255,20 +235,13 @@ class DiffusionExecutor:
         final_step_async: bool | None = None,
         sync_output: bool = False,
     ) -> RunnerOutput:
-        """Run one forward and return its ``RunnerOutput`` (the seed's shape): in request
-        mode at COMPUTE_DONE, its output taken with ``wait_output_ready``; in step mode the
-        synchronous answer, which ``deadlines`` does not bound (``rpc_timeout`` does).
-
-        ``sync_output=True`` (request mode too): the synchronous output path -- the worker
-        copies the output on its main thread before it answers, and the call returns with
-        it in ``result`` (release it with ``release_output``); one at a time, bounded by
-        ``rpc_timeout``, not cancellable.  ``UsageError`` with ``final_step_async=True``.
-
-        Step mode: an intermediate step gives ``RunnerOutput(finished=False)``.
-        ``final_step_async=True`` (default: the executor's) sends the call down the
-        asynchronous path: the final step's output is packed behind the next step and the
-        call returns at COMPUTE_DONE with its ``async_output_id``; bounded by ``deadlines``.
-        """
+        """Run one forward, blocking (the seed's shape): its ``RunnerOutput`` at COMPUTE_DONE,
+        the output taken with ``wait_output_ready``; in step mode the synchronous answer
+        (bounded by ``rpc_timeout``; an intermediate step: ``finished=False``).
+        ``sync_output=True``: the worker copies the output before it answers and
+        ``result`` holds it (one call at a time, not cancellable).  ``final_step_async``
+        (step mode; default the executor's): the final step's output is packed behind the
+        next step and the call returns at COMPUTE_DONE with its ``async_output_id``."""
         self._check_request(request, "execute_request")
         return self._execute(
             "execute_model", (request,), [request], consumer, deadlines, final_step_async, sync_output
@@ -316,17 +289,11 @@ class DiffusionExecutor:
         return outs
 
     def cancel_requests(self, request_ids: Iterable[str]) -> None:
-        """Abort the forwards of these requests, wherever they are; returns at once.
-
-        Reaches every request-mode execute call still in flight that holds one of them: a
-        worker in the forward hears of it on a control channel and the model stops at its
-        next cancellation check (``omni_async.worker.cancel_requested``); a call not
-        started yet never runs.  Such a call fails with ``RequestAborted``
-        (``by="abort"``) once nothing of it remains anywhere.  A batch stops only when all
-        its requests are cancelled; with some cancelled the others go on, and those come
-        back ``aborted``.  An id not in a call in flight is ignored (drop its output
-        instead).  Idempotent; a no-op after shutdown.
-        """
+        """Abort the forwards of these requests wherever they are; returns at once.  A model
+        stops at its next ``cancel_requested()`` check, a call not started never runs, and
+        the call fails with ``RequestAborted`` once nothing of it remains; a batch stops
+        only when all its requests are cancelled (the others go on).  An id not in flight
+        is ignored (drop its output instead).  Idempotent; a no-op after shutdown."""
         ids = check_request_ids(request_ids)
         if not ids or self._closed:
             return
@@ -335,15 +302,11 @@ class DiffusionExecutor:
     # -------------------------------------------------------------- outputs
 
     def wait_output_ready(self, async_output_id: str) -> Future[DiffusionOutput]:
-        """The future of an output announced by COMPUTE_DONE (the seed's shape).
-
-        **Exactly one waiter per id.**  The first claim of an id (this call, or a
-        ``RequestHandle`` that claimed it at COMPUTE_DONE) is the only one ever to get its
-        output or its failure; a later call for the same id fails at once with
-        ``OutputAlreadyClaimed`` naming what became of the first claim.  An id never
-        announced, already dropped, or long finished is "unknown"; a closed executor says
-        so.  Cancelling the future abandons the output: released on arrival (F9).
-        """
+        """The future of an output announced by COMPUTE_DONE (the seed's shape).  **Exactly
+        one waiter per id**: the first claim (this call, or a ``RequestHandle``) is the only
+        one to get it; a later one fails at once with ``OutputAlreadyClaimed`` naming what
+        became of the first.  Cancelling the future abandons the output (released on
+        arrival, F9)."""
         return self._desk.wait_output_ready(async_output_id)
 
     def drop_output(self, async_output_id: str) -> Future[None]:
@@ -356,13 +319,9 @@ class DiffusionExecutor:
         self._desk.abort_outputs(async_output_ids, timeout)
 
     def release_output(self, output: DiffusionOutput) -> int:
-        """The engine is done with a delivered output: give back what it holds.
-
-        Returns how many segments went back (0 without shared memory).  Where outputs are
-        zero-copy views of shared memory the segment goes back only once no view of it is
-        alive: this call takes the output's own views back (``output.output`` is unusable
-        afterwards) and raises ``OutputStillViewed`` if the engine still holds others.
-        """
+        """The engine is done with a delivered output: how many segments went back (0
+        without shared memory).  A zero-copy output's own views are taken back; another
+        view still alive raises ``OutputStillViewed`` (the segment goes back once it is gone)."""
         return self._desk.release_output(output)
 
     def release_consumer(self, consumer: str) -> int:
@@ -377,8 +336,7 @@ class DiffusionExecutor:
     # ---------------------------------------------------------------- checks
 
     def validate_request(self, request: DiffusionRequest) -> None:
-        """Check ``request`` as ``submit`` would, without sending it (``UsageError``; the
-        model's ``InvalidRequest``)."""
+        """Check ``request`` as ``submit`` would, without sending it."""
         self._check_request(request, "validate_request")
 
     def _check_request(self, request: object, method: str, argument: str = "request") -> None:
@@ -463,14 +421,10 @@ class DiffusionExecutor:
 
     def shutdown(self, reason: str = "the executor shut down", *, timeout: float | None = None) -> None:
         """Idempotent: fail every pending waiter (F16), stop the pump, stop the ranks, close
-        the output store.
-
-        ``timeout`` bounds the whole call (seconds): the pump's stop, then every rank asked
-        to stop, terminated, killed, in parallel, against one deadline; the shared memory
-        is unlinked all the same.  None: each step's default (a worker process gets 5 s to
-        exit by itself, then 2 s after SIGTERM, then 2 s after SIGKILL; after a rank's
-        death the others get 1 s: their calls failed with it).  A second call returns at once.
-        """
+        the output store.  ``timeout`` bounds all of it (ranks asked, terminated, killed in
+        parallel against one deadline); None: each step's default (a worker process gets 5 s
+        to exit, then 2 s after SIGTERM, 2 s after SIGKILL; after a rank's death the others
+        get 1 s: their calls failed with it)."""
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0
         ):

@@ -1,9 +1,13 @@
 """``MultiprocDiffusionExecutor``: worker processes, a result pump and a monitor.
 
-The executor is a ``RankedExecutor`` (``omni_async.executor.ranked``: the pool, its
-budget, deaths, outputs, shutdown) over ``ProcessRanks``, the transport below; the
-worker process itself (its entry point, the watch of its executor) is
-``omni_async.worker.process``, and what it builds is ``omni_async.worker.host``.
+The executor is a ``DiffusionExecutor`` (``omni_async.executor.api``) built with two
+collaborators: ``ProcessRanks``, its rank link (``omni_async.executor.process_link``:
+the processes, their pipes, the monitor), and a ``PoolStore``, its output store
+(``omni_async.executor.pool_store``: the pool, its budget, what a dead rank held; a
+``FreshStore`` for the bench's comparison paths).  A death is reported to
+``RankEvents`` (``omni_async.executor.link``).  The worker process itself (its entry
+point, the watch of its executor) is ``omni_async.worker.process``, and what it builds
+is ``omni_async.worker.host``.
 
 Processes and threads, and who owns what:
 

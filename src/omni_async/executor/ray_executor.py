@@ -1,8 +1,10 @@
 """``RayDiffusionExecutor``: one Ray actor per rank, the same two-phase protocol.
 
-Only the transport differs from ``MultiprocDiffusionExecutor``: both are a
-``RankedExecutor`` (the registry, the dispatcher, the pump, the pool and its budget,
-deaths, outputs), this one over ``RayRanks``, the other over ``ProcessRanks``; each
+Only the rank link and the store differ from ``MultiprocDiffusionExecutor``: both are a
+``DiffusionExecutor`` (the registry, the dispatcher, the pump, the desk, the
+submitter), this one over ``RayRanks`` (``omni_async.executor.ray_link``) with an
+``ObjectStore`` (``omni_async.executor.ray_store``, around a ``PoolStore``), the other
+over ``ProcessRanks`` with a ``PoolStore``; each
 actor hosts the same ``WorkerLoop`` and ``Packer`` built from a ``WorkerSpec``
 (``omni_async.worker.host``; the actor's side is ``omni_async.worker.ray_actor``).  Ray is imported here
 only, when the executor is built (``pip install 'omni_async[ray]'``).
