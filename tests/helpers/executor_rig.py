@@ -23,7 +23,8 @@ class RecordingRanks(RankLink):
     """A link whose ranks never answer: what was sent is in ``sent``, cancels in ``cancels``."""
 
     def __init__(self) -> None:
-        self.receiver = InProcessChannel()
+        self.channel = InProcessChannel()
+        self.receiver = self.channel
         self.sent: list[RpcRequest] = []
         self.cancels: list[CancelMessage] = []
         self.refuse: BaseException | None = None

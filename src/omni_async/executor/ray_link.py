@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 # Threads of a threaded actor: the long polls, rpc and cancel calls, stop.
 _ACTOR_CONCURRENCY: Final = 8
+# How long the live actors get to stop when asked, once one of them died.
+_ASK_AFTER_DEATH_S: Final = 1.0
 
 
 def check_bundles(bundles: list[dict[str, float]], world_size: int, need: dict[str, float]) -> None:
@@ -247,6 +249,10 @@ class RayRanks(RankLink):
         # Every actor asked at once, then killed: the kill is immediate, so the asking
         # gets most of the deadline (10 s without one).
         asked = stop_budget(deadline, 10.0, 0.8)
+        if self._events is not None and self._events.failure is not None:
+            # An actor died: every call in flight failed with it, so what the others still
+            # compute is for nobody (as ProcessRanks: a second, not the deadline).
+            asked = min(asked, _ASK_AFTER_DEATH_S)
         stops = []
         if self._rpc_lock.acquire(timeout=min(1.0, asked)):
             try:

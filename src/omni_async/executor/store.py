@@ -15,8 +15,8 @@ answer nobody takes carries (``discard_answer``).  Stores:
   ``SegmentPool``, its budget of held outputs, and what a dead rank held there.
 * ``ObjectStore`` (``executor/ray_store.py``): Ray's object store for the ranks on
   other nodes, beside a ``PoolStore`` for the ranks on the executor's.
-* ``FreshStore`` (``omni_async.baselines.store``): the bench's comparison paths, whose
-  outputs live in a segment made for each.
+* ``FreshStore`` (``executor/fresh_store.py``): the bench's comparison paths
+  (``WorkerOptions.output_path``), whose outputs live in segments made for each.
 
 A store knows nothing of how the ranks are reached (the rank link, ``executor/link.py``),
 and the rank link nothing of where outputs live beyond what it is handed.
@@ -50,7 +50,8 @@ class OutputStore(abc.ABC):
     @abc.abstractmethod
     def release_packed(self, packed: DiffusionOutput) -> None:
         """An output that arrived for nobody (dropped, expired, its waiter gone): give back
-        what it holds.  The registry's release hook: logs, never raises."""
+        what it holds.  The registry's release hook, called under the pump's lock: it must
+        not block (the registry counts what it raises, ``release_errors``)."""
 
     @abc.abstractmethod
     def release(self, output: DiffusionOutput) -> int:
