@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 from omni_async.core.calls import ClaimSlots
 from omni_async.core.dispatch import Dispatcher
-from omni_async.core.errors import OutputAlreadyClaimed, RequestAborted, UsageError
+from omni_async.core.errors import OutputAlreadyClaimed, ProtocolError, RequestAborted
 from omni_async.core.messages import DiffusionOutput, RunnerOutput
 from omni_async.core.stream import ChunkFeed
 from omni_async.executor.checks import check_output, check_output_id
@@ -70,18 +70,23 @@ class OutputDesk:
 
         def on_call(f: Future[tuple[RunnerOutput, ...]]) -> None:
             exc = None if f.cancelled() else f.exception()
+            result = () if f.cancelled() or exc is not None else f.result()
             for i, output in enumerate(outputs):
                 if f.cancelled():
                     output.cancel()
                     continue
-                announced = None if exc is not None else f.result()[i]
+                announced = result[i] if i < len(result) else None
                 waiter = slots.waiters[i] if exc is None and i < len(slots.waiters) else None
                 err: BaseException | None = exc
                 if announced is not None and announced.aborted:
                     err = RequestAborted(announced.request_id, detail="cancelled while the rest of its batch went on")
                 if waiter is None or announced is None or announced.async_output_id is None:
                     if output.set_running_or_notify_cancel():
-                        output.set_exception(err if err is not None else UsageError("the request has no output"))
+                        output.set_exception(
+                            err
+                            if err is not None
+                            else ProtocolError(f"request {i} of the call: its COMPUTE_DONE announced no output")
+                        )
                     continue
                 # Linked even when ``output`` was cancelled already: the link then cancels
                 # the claim at once, and the registry releases the output on arrival (F9)
