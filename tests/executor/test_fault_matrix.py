@@ -343,8 +343,9 @@ def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest
         # first, ours can return before the exit code is stored (it reads None once).
         _until(lambda: victim.exitcode is not None, what="the exit code")
         assert victim.exitcode == -signal.SIGKILL
-        for h in handles:  # WorkerDied, or (COMPUTE_DONE came first) the output's
-            h.output.exception(timeout=WAIT)
+        for h in handles:  # WorkerDied; or (COMPUTE_DONE came first) the output, claimed for its handle
+            if h.output.exception(timeout=WAIT) is None:
+                ex.release_output(h.output.result())
         _until(lambda: ex.ranks.failure() is not None, what="the death to be handled")
         st = ex.pool.stats()
         assert st.created == 3, st  # the doomed output was packed into its own segment before the kill
