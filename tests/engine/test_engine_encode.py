@@ -147,10 +147,10 @@ def test_an_encode_that_fails_in_the_encoder_process_fails_its_request_and_the_e
             assert err.request_id == "still-as-video" and err.format == "mp4"
             assert "request 'still-as-video'" in str(err) and "as mp4 failed" in str(err), str(err)
             assert "mp4 encodes frames" in str(err) and "ask for an image format" in str(err)
-            (pid,) = engine._encoders.pids()  # the encoder raised in its process, which lives on
+            (pid,) = engine._post.encoders.pids()  # the encoder raised in its process, which lives on
             ok = await engine.generate(DiffusionRequest("after", {"height": 16, "seed": 2}, format="png"))
             assert isinstance(ok.output, EncodedOutput) and decode(ok.output.data).shape == (16, WIDTH)
-            assert engine._encoders.pids() == [pid]
+            assert engine._post.encoders.pids() == [pid]
             counts = engine.metrics().requests
             assert counts["failed"] >= 1 and counts["finished"] >= 1, counts
             await assert_quiescent(engine)
@@ -172,7 +172,7 @@ def test_a_killed_encoder_process_fails_only_its_request_through_the_engine(
     async def body() -> None:
         async with AsyncDiffusionEngine(tiny, pipeline="tiny", encode_workers=3) as engine:
             await engine.generate(DiffusionRequest("warm", {"height": 16}, format="png"))  # starts the processes
-            pool = engine._encoders
+            pool = engine._post.encoders
             pids = pool.pids()
             assert len(pids) == 3
             for pid in pids:

@@ -110,10 +110,8 @@ def test_reference_model_fails_a_bad_request_in_process_without_running_the_batc
 def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessExecutor) -> None:
     _raises_at_once(ex.submit, "hello", match=r"submit: request must be a DiffusionRequest, got str")
     _raises_at_once(ex.execute_request, None, match=r"execute_request: request must be a DiffusionRequest")
-    _raises_at_once(
-        ex.submit_batch_handles, "ab", match=r"submit_batch_handles: requests must be a sequence of DiffusionRequest"
-    )
-    _raises_at_once(ex.execute_batch, req("a"), match=r"for one request use execute_request")
+    _raises_at_once(ex.submit_batch, "ab", match=r"submit_batch: requests must be a sequence of DiffusionRequest")
+    _raises_at_once(ex.execute_batch, req("a"), match=r"for one request use submit/execute_request")
     _raises_at_once(ex.execute_batch, [req("a"), {"id": "b"}], match=r"execute_batch: requests\[1\] must be a Diff")
     _raises_at_once(ex.execute_batch, [], match="at least one request")
     with pytest.raises(UsageError, match="consumer"):
@@ -125,7 +123,7 @@ def test_submit_and_execute_reject_what_is_not_a_request_at_once(ex: InProcessEx
 
 def test_duplicate_request_ids_in_a_batch_are_rejected(ex: InProcessExecutor) -> None:
     _raises_at_once(ex.execute_batch, [req("a"), req("b"), req("a")], match=r"request id 'a' appears more than once")
-    _raises_at_once(ex.submit_batch_handles, [req("a"), req("a")], match=r"submit_batch_handles: request id 'a'")
+    _raises_at_once(ex.submit_batch, [req("a"), req("a")], match=r"submit_batch: request id 'a'")
 
 
 def test_output_calls_reject_wrong_arguments(ex: InProcessExecutor) -> None:

@@ -21,6 +21,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import ComputeTimeout, RequestAborted, UsageError, WorkerStuck
 from omni_async.core.messages import DiffusionRequest, RunnerOutput
 from omni_async.executor.api import DiffusionExecutor
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.tiny import TinyDiffusionWorker
@@ -47,6 +48,13 @@ def _consume(ex: DiffusionExecutor, ro: RunnerOutput) -> None:
     assert ro.async_output_id is not None and not ro.aborted
     out = ex.wait_output_ready(ro.async_output_id).result(timeout=30)
     assert out.request_id == ro.request_id
+    del out.output["image"]  # no view may outlive the release
+    ex.release_output(out)
+
+
+def _consume_handle(ex: DiffusionExecutor, h: RequestHandle) -> None:
+    out = h.output.result(timeout=30)
+    assert out.request_id == h.request_id
     del out.output["image"]  # no view may outlive the release
     ex.release_output(out)
 
@@ -181,7 +189,7 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
     if isinstance(ex, MultiprocDiffusionExecutor):
         assert one_leases > 0
     # The batch: b1 (long) is cancelled during the forward, b2 survives.
-    cancelled, survivor = ex.submit_batch_handles([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
+    cancelled, survivor = ex.submit_batch([_req("p1", steps=40, step_ms=10, **SIZE), _req("p2", **BIG)])
     _started(cancelled.computed, 0.1)
     ex.cancel_requests(["p1"])
     for fut in (cancelled.computed, cancelled.output):
@@ -200,7 +208,7 @@ def test_a_batch_member_cancelled_during_its_forward_is_never_packed(ex: Diffusi
 
 
 def test_cancelling_every_request_of_a_batch_stops_it(ex: DiffusionExecutor) -> None:
-    handles = ex.submit_batch_handles([_req("c1", **LONG), _req("c2", **LONG)])
+    handles = ex.submit_batch([_req("c1", **LONG), _req("c2", **LONG)])
     _started(handles[0].computed)
     ex.cancel_requests(["c1"])
     time.sleep(0.2)

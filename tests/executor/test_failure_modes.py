@@ -561,7 +561,7 @@ def test_f12_reply_rank_compute_done_does_not_hide_another_ranks_error(executors
     """
     ex = in_process(executors, world_size=2)
     g = gate_name()
-    handles = ex.submit_batch_handles([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
+    handles = ex.submit_batch([req("r1", gate=g, gate_ranks=[1], fail_on=[1]), req("r2")])
     assert GATES.wait_entered(g)
     wait_until(lambda: ex.metrics().pending_outputs == 2)  # rank 0's COMPUTE_DONE is in
     assert not any(h.computed.done() or h.output.done() for h in handles), "one rank's answer must not resolve the call"

@@ -347,7 +347,7 @@ def test_a_worker_killed_between_hand_off_and_send_leaks_no_lease(caplog: pytest
         _until(lambda: victim.exitcode is not None, what="the exit code")
         assert victim.exitcode == -signal.SIGKILL
         call.exception(timeout=WAIT)  # WorkerDied, or (COMPUTE_DONE came first) the outputs' ids
-        _until(lambda: ex._failure is not None, what="the death to be handled")
+        _until(lambda: ex.ranks.failure() is not None, what="the death to be handled")
         st = ex.pool.stats()
         assert st.created == 3, st  # the doomed output was packed into its own segment before the kill
         try:

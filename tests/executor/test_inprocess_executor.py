@@ -42,10 +42,12 @@ from omni_async.core.errors import (
     RpcFailed,
     UsageError,
 )
-from omni_async.core.messages import ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
+from omni_async.core.messages import CancelMessage, ComputeDone, DiffusionOutput, DiffusionRequest, RpcRequest
 from omni_async.core.states import RequestState
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
+from omni_async.executor.link import RankEvents, RankLink
+from omni_async.executor.store import InlineStore
 from omni_async.transport.channel import InProcessChannel, ResultSender
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.verify.recorder import ListTracer
@@ -152,7 +154,7 @@ def test_an_output_id_is_delivered_to_exactly_one_waiter(make_executor: Callable
 def test_empty_batch_is_a_usage_error(make_executor: Callable[..., InProcessExecutor]) -> None:
     ex = make_executor()
     with pytest.raises(UsageError):
-        ex.submit_batch_handles([])
+        ex.submit_batch([])
 
 
 # --------------------------------------------------------------------------- step mode
@@ -193,10 +195,12 @@ def test_several_ranks_one_failing_fails_the_call(
     make_executor: Callable[..., InProcessExecutor], failing: list[int]
 ) -> None:
     ex = make_executor(world_size=3)
-    handles = ex.submit_batch_handles([req("r1", fail_on=failing), req("r2", fail_on=failing)])
+    handles = ex.submit_batch([req("r1", fail_on=failing), req("r2", fail_on=failing)])
     err = exc_of(handles[0].computed)
     assert exc_of(handles[1].computed) is err and all(exc_of(h.output) is err for h in handles)
     assert isinstance(err, RpcFailed) and sorted(err.failures) == failing
+    for h in handles:  # every member fails with the call's error, its output too
+        assert exc_of(h.computed) is err and exc_of(h.output) is err
     for rank in failing:
         assert err.failures[rank].type_name == "ValueError"
         assert f"failed on rank {rank}" in err.failures[rank].message
@@ -566,18 +570,36 @@ def test_trace_of_a_request(make_executor: Callable[..., InProcessExecutor]) -> 
 # --------------------------------------------------------------------------- cancelled calls
 
 
-class _SilentExecutor(DiffusionExecutor):
-    """No workers: the test plays them by hand through the pump."""
+class _SilentRanks(RankLink):
+    """No workers: the test plays them by hand through the pump, and reads what was sent."""
 
     def __init__(self) -> None:
-        super().__init__(
-            InProcessChannel(), deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None)
-        )
+        self.receiver = InProcessChannel()
         self.sent: list[RpcRequest] = []
-        self.pump.start()
 
-    def _broadcast(self, req: RpcRequest, wire: list[bytes] | None = None) -> None:
+    def start(self, events: RankEvents | None, deadline: float, start_timeout: float) -> None:
+        pass
+
+    def broadcast(self, req: RpcRequest, wire: list[bytes] | None) -> None:
         self.sent.append(req)
+
+    def deliver_cancels(self, cancels: list[CancelMessage]) -> None:
+        pass
+
+    def stop(self, deadline: float | None) -> None:
+        pass
+
+
+class _SilentExecutor(DiffusionExecutor):
+    def __init__(self) -> None:
+        self.ranks = _SilentRanks()
+        super().__init__(
+            self.ranks,
+            InlineStore(),
+            deadlines=Deadlines(compute_timeout=None, output_timeout=None, rpc_timeout=None),
+        )
+        self.sent = self.ranks.sent
+        self.pump.start()
 
 
 def test_call_cancelled_after_its_answer_was_claimed_drops_its_outputs() -> None:

@@ -50,7 +50,7 @@ def test_bad_requests_and_arguments_fail_in_the_caller_before_any_round_trip() -
         with pytest.raises(errors.InvalidRequest) as bad:
             ex.execute_request(DiffusionRequest("neg", {"steps": -3}))
         with pytest.raises(errors.InvalidRequest, match="'height'"):
-            ex.submit_batch_handles([DiffusionRequest("a", {"height": 8}), DiffusionRequest("b", {"height": 0})])
+            ex.submit_batch([DiffusionRequest("a", {"height": 8}), DiffusionRequest("b", {"height": 0})])
         with pytest.raises(UsageError, match="request must be a DiffusionRequest"):
             ex.submit("hello")  # type: ignore[arg-type]
         with pytest.raises(UsageError, match="release_output: output must be"):

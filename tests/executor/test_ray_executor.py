@@ -293,7 +293,7 @@ def test_a_slow_transfer_holds_up_only_its_own_waiter(
     large video) runs on a fetch thread: while one takes 3 s, the pump goes on routing
     the other requests' messages.  On the pump's thread, the next request's COMPUTE_DONE
     would wait behind it."""
-    import omni_async.executor.ray_executor as rx
+    import omni_async.executor.ray_store as rx
 
     started = threading.Event()
     real = rx._get_stored
@@ -610,7 +610,7 @@ def test_room_given_back_counts_at_once() -> None:
     """A stored output's release is counted when it happens (``metrics().held_outputs``
     falls to 0 before ``release_output`` returns, as with a pooled segment), not when the
     credit thread gets to it: the engine's abort test read 1 there now and then."""
-    from omni_async.executor.ray_receiver import Credits
+    from omni_async.executor.ray_store import Credits
 
     credits = Credits()  # its thread not started: nothing sends, the count is already right
     credits.give("0.1")

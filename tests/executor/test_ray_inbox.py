@@ -13,7 +13,7 @@ import threading
 import time
 
 from omni_async.core.messages import RpcRequest
-from omni_async.executor.ray_actor import OrderedInbox as _OrderedInbox
+from omni_async.worker.ray_actor import OrderedInbox as _OrderedInbox
 
 TIMEOUT = 10.0
 # How long a consumer is given to (wrongly) take something it must not have yet.

@@ -57,7 +57,7 @@ def test_unpicklable_parameter_raises_request_not_sendable_naming_it(
 
 def test_unpicklable_parameter_in_a_batch_and_in_a_collective_rpc(ex: MultiprocDiffusionExecutor) -> None:
     with pytest.raises(errors.RequestNotSendable) as err:
-        ex.submit_batch_handles([DiffusionRequest("fine", {"seed": 1}), DiffusionRequest("worse", {"cb": lambda: 2})])
+        ex.submit_batch([DiffusionRequest("fine", {"seed": 1}), DiffusionRequest("worse", {"cb": lambda: 2})])
     assert err.value.request_id == "worse" and err.value.parameter == "cb"
     with pytest.raises(errors.RequestNotSendable) as err2:
         ex.collective_rpc("pid", (lambda: 3,))

@@ -7,13 +7,15 @@ still fails every waiter and unlinks every segment of its pool.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
 from helpers.crash_children import gone
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import ExecutorShutdown, UsageError
+from omni_async.core.errors import ExecutorShutdown, UsageError, WorkerDied
 from omni_async.core.messages import DiffusionRequest
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
@@ -43,6 +45,32 @@ def test_shutdown_timeout_bounds_a_shutdown_behind_a_forward_that_ignores_cancel
         t0 = time.monotonic()
         ex.shutdown(timeout=1.0)  # idempotent, at once
         assert time.monotonic() - t0 < 0.1
+    finally:
+        ex.shutdown()
+
+
+@pytest.mark.slow
+def test_shutdown_after_a_rank_died_does_not_wait_for_the_survivors_forward() -> None:
+    """A rank SIGKILLed mid-forward fails the call at once; the other rank goes on in a
+    forward that ignores cancellation, for nobody.  Closing (as the engine does, with its
+    60 s close timeout) must not wait for it: about a second, not half the deadline
+    (20 s before the fix, the survivor's whole forward)."""
+    ex = MultiprocDiffusionExecutor(SPEC, world_size=2, deadlines=DEADLINES)
+    pids = [p.pid for p in ex.procs if p.pid is not None]
+    prefix = ex.pool.prefix
+    try:
+        fut = ex.submit(DiffusionRequest("doomed", {"sleep": 20.0})).computed
+        time.sleep(0.5)  # both ranks are in the forward now
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerDied):
+            fut.result(timeout=10)
+        assert ex.procs[0].is_alive()  # the survivor is still sleeping in its forward
+        t0 = time.monotonic()
+        ex.shutdown("the engine closed", timeout=60.0)
+        took = time.monotonic() - t0
+        assert took < 5.0, f"shutdown after a rank's death took {took:.2f} s"
+        assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid)]
+        assert not entries(prefix), entries(prefix)
     finally:
         ex.shutdown()
 

@@ -67,8 +67,8 @@ def _cross_node_class() -> type[MultiprocDiffusionExecutor]:
                 remove_placement_group(self._test_pg)
                 self._test_pg = None
 
-    # RayDiffusionExecutor no longer subclasses MultiprocDiffusionExecutor (siblings over
-    # RankedExecutor); the tests drive both through the API they share, and the helpers
+    # RayDiffusionExecutor does not subclass MultiprocDiffusionExecutor (siblings over
+    # DiffusionExecutor); the tests drive both through the API they share, and the helpers
     # here that differ (worker_pids, waits_for_room) look the difference up at run time.
     return cast("type[MultiprocDiffusionExecutor]", CrossNodeRayExecutor)
 

@@ -402,7 +402,7 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
                 for k in range(rng.randint(1, 3))
             ]
             if rng.random() < 0.5:
-                calls.append(ex.submit_batch_handles(reqs))
+                calls.append(ex.submit_batch(reqs))
             else:
                 calls.append(on_a_thread(functools.partial(ex.execute_batch, reqs)))
         waits: list[Future[DiffusionOutput]] = []
@@ -425,12 +425,11 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
                 assert ro.async_output_id is not None
                 c = rng.random()
                 if c < 0.15:
-                    ex.drop_output(ro.async_output_id)
+                    h.drop()
                     continue
-                w = ex.wait_output_ready(ro.async_output_id)
                 if c < 0.3:
-                    w.cancel()
-                waits.append(w)
+                    h.output.cancel()
+                waits.append(h.output)
         for w in waits:
             if not w.cancelled():
                 try:
@@ -499,7 +498,7 @@ def _abort_runs() -> list[list[TraceEvent]]:
             assert isinstance(first.exception(10), RequestAborted)
             assert isinstance(queued.exception(10), RequestAborted)
             # One request of a batch: the rest goes on, its output is dropped.
-            b1, b2 = ex.submit_batch_handles([rq("b1", 30), rq("b2", 1)])
+            b1, b2 = ex.submit_batch([rq("b1", 30), rq("b2", 1)])
             time.sleep(0.05)
             ex.cancel_requests(["b1"])
             assert isinstance(b1.computed.exception(10), RequestAborted)

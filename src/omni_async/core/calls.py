@@ -14,10 +14,10 @@ from typing import TypeAlias, assert_never
 import attrs
 
 from omni_async.core.errors import RequestAborted
-from omni_async.core.messages import AbortCause, ComputeDone, Failure, RpcResult, RunnerOutput
+from omni_async.core.messages import AbortCause, ComputeDone, DiffusionOutput, Failure, RpcResult, RunnerOutput
 from omni_async.core.stream import ChunkFeed
 
-__all__ = ["Aborting", "Answer", "OverdueRpc", "PendingRpc", "answer_failure"]
+__all__ = ["Aborting", "Answer", "ClaimSlots", "OverdueRpc", "PendingRpc", "answer_failure"]
 
 #: What a rank answers an execute call with: the reply rank's COMPUTE_DONE, or an RPC_RESULT.
 Answer: TypeAlias = ComputeDone | RpcResult
@@ -31,6 +31,17 @@ def answer_failure(answer: Answer) -> Failure | None:
             return answer.failure
         case _:
             assert_never(answer)
+
+
+@attrs.define(eq=False)
+class ClaimSlots:
+    """The waiters the dispatcher attaches to a call's outputs as it dispatches the call's
+    COMPUTE_DONE, under the pump's lock, before the call's future resolves: one per request
+    of the call, in order (None: that request has no output -- it was cancelled while the
+    rest of its batch went on).  The caller reads them once the call's future is done, so
+    no output id travels back down to claim an output (a ``RequestHandle``'s ``output``)."""
+
+    waiters: list[Future[DiffusionOutput] | None]
 
 
 @attrs.define(eq=False)
@@ -57,6 +68,9 @@ class PendingRpc:
     # A step of step mode (final-step async): the reply rank's plain answer is an
     # intermediate step, not a missing COMPUTE_DONE.
     step: bool = False
+    # Outputs claimed for the caller at COMPUTE_DONE (``ClaimSlots``); None: the caller
+    # claims them itself, by id.
+    claims: ClaimSlots | None = None
 
     @property
     def fully_cancelled(self) -> bool:

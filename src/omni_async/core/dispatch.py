@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import assert_never
 
-from omni_async.core.calls import Aborting, Answer, OverdueRpc, PendingRpc, answer_failure
+from omni_async.core.calls import Aborting, Answer, ClaimSlots, OverdueRpc, PendingRpc, answer_failure
 from omni_async.core.config import Deadlines
 from omni_async.core.dispatch_stream import StreamDispatch
 from omni_async.core.errors import (
@@ -69,7 +69,7 @@ from omni_async.core.registry import DEFAULT, OutputRegistry, Resolution, Settle
 from omni_async.core.stream import ChunkFeed
 from omni_async.core.trace import Tracer, emit
 
-__all__ = ["Aborting", "Dispatcher", "OverdueRpc", "PendingRpc"]
+__all__ = ["Aborting", "ClaimSlots", "Dispatcher", "OverdueRpc", "PendingRpc"]
 
 
 class Dispatcher(StreamDispatch):
@@ -129,6 +129,7 @@ class Dispatcher(StreamDispatch):
         deadlines: Deadlines | None = None,
         streams: Iterable[ChunkFeed] = (),
         step: bool = False,
+        claims: ClaimSlots | None = None,
     ) -> Future[tuple[RunnerOutput, ...]]:
         """Register an execute RPC before it is broadcast; its future resolves on COMPUTE_DONE.
 
@@ -137,7 +138,11 @@ class Dispatcher(StreamDispatch):
         means no deadline); ``timeout`` is the older way to set the compute timeout alone.
         ``streams``: a feed per request whose chunks the caller wants (each names a
         request of ``request_ids``); ``step``: a step of step mode (see the module docstring).
+        ``claims``: one slot per request, filled with the waiter of its output when the
+        call's COMPUTE_DONE is dispatched (``ClaimSlots``).
         """
+        if claims is not None and len(claims.waiters) != len(request_ids):
+            raise ValueError(f"rpc {rpc_id}: {len(claims.waiters)} claim slot(s) for {len(request_ids)} request(s)")
         if method not in ASYNC_METHODS:
             raise ValueError(f"{method!r} does not take the async path")
         if rpc_id in self._pending:
@@ -177,6 +182,7 @@ class Dispatcher(StreamDispatch):
             compute_timeout=limit,
             streams=feeds,
             step=step,
+            claims=claims,
         )
         emit(
             self._trace,
@@ -440,6 +446,13 @@ class Dispatcher(StreamDispatch):
                 self.registry.drop(oid)
                 if oid in self.registry:
                     self._worker_drops.append(oid)  # its packer may skip it (F15)
+            if rpc.claims is not None and not intermediate:
+                # Under the lock already held, after the call resolved in the registry's
+                # eyes (its ids are known now, F4), before the caller's future is set:
+                # the caller's first look at the call finds its outputs claimed.
+                rpc.claims.waiters[:] = [
+                    None if ro.async_output_id is None else self.registry.wait(ro.async_output_id) for ro in outputs
+                ]
             return
         # Failed, or the caller cancelled: the announced outputs have no owner (F12).
         why = "failed" if error is not None else "cancelled"

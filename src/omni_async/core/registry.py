@@ -38,6 +38,7 @@ import attrs
 from omni_async.core.errors import (
     ExecutorShutdown,
     IllegalTransition,
+    OutputAlreadyClaimed,
     OutputDropped,
     OutputError,
     OutputOrphaned,
@@ -146,10 +147,23 @@ class OutputRecord:
     # DROPPING for a call never made (``give_up_dropping``): at its deadline the
     # registry stops waiting for its OUTPUT_READY (M6).
     given_up: bool = False
+    # What became of the first claim of the id (``claim``): "waiting", "delivered",
+    # "failed with <error>" or "cancelled"; None while nobody claimed it.
+    claim: str | None = None
 
     @property
     def state(self) -> RequestState:
         return self.machine.state
+
+
+@attrs.define
+class Finished:
+    """What the registry remembers of a finished id (see ``OutputRegistry._finished``)."""
+
+    # The messages of the id still to come (late ones, released quietly).
+    expected: set[IdMessage]
+    # How its claim ended (``OutputRecord.claim``), for a later ``claim`` to say.
+    claim: str | None
 
 
 @attrs.define
@@ -199,7 +213,7 @@ class OutputRegistry:
         # for nobody (F9).  A bounded memory of recently finished ids, each with the
         # messages it still expects, tells them apart: an expected late message is
         # released quietly, any other is a counted protocol error; neither creates a record.
-        self._finished: OrderedDict[str, set[IdMessage]] = OrderedDict()
+        self._finished: OrderedDict[str, Finished] = OrderedDict()
         self._max_finished = max_finished
         # Tombstones of expired ids (as bounded): a later wait says the output expired,
         # and how long it had waited, not "unknown id" or "abandoned by its waiter".
@@ -362,9 +376,33 @@ class OutputRegistry:
         if rec.waiter is not None:
             return rec.waiter
         rec.waiter = fut
+        rec.claim = "waiting"
         emit(self._trace, "WaiterAdd", output_id=output_id)
         self._after_change(rec)
         return fut
+
+    def claim(self, output_id: str) -> Future[DiffusionOutput]:
+        """``wait``, for exactly one taker: the first claim of an id gets its output; a
+        later one gets ``OutputAlreadyClaimed`` naming what became of the first (waiting,
+        delivered, failed, cancelled), decided from the id's record while it lives and
+        from what the registry remembers of it once it finished (``_finished``, bounded:
+        an id older than that is "unknown" again).  A claim that fails at once for another
+        reason (an id never announced, dropped, a closed registry) claims nothing."""
+        rec = self._records.get(output_id)
+        done = self._finished.get(output_id) if rec is None else None
+        first = rec.claim if rec is not None else (done.claim if done is not None else None)
+        if first is not None and self._closed is None:  # closed: that error says more
+            refused: Future[DiffusionOutput] = Future()
+            refused.set_exception(
+                OutputAlreadyClaimed(
+                    f"output {output_id!r} was already claimed by an earlier wait_output_ready or request "
+                    f"handle ({first}): an output is delivered to exactly one waiter; share that future or "
+                    "the output it delivered (copy what you keep)",
+                    output_id=output_id,
+                )
+            )
+            return refused
+        return self.wait(output_id)
 
     def cancel(self, output_id: str, future: Future[DiffusionOutput] | None = None) -> None:
         """The waiter of ``output_id`` was cancelled: the output is no longer wanted (F9)."""
@@ -373,6 +411,7 @@ class OutputRegistry:
         if rec is None or rec.waiter is None or (future is not None and rec.waiter is not future):
             return
         rec.waiter = None
+        rec.claim = "cancelled"
         emit(self._trace, "WaiterResolve", output_id=output_id, outcome="cancelled")
         self._abandon(rec)
 
@@ -560,6 +599,7 @@ class OutputRegistry:
                 payload, failure = rec.payload, rec.failure
                 rec.payload = rec.failure = None
                 self._fire(rec, E.DELIVER)
+                rec.claim = "delivered" if payload is not None else f"failed with {RemoteError.__name__}"
                 if payload is not None:
                     self.stats.delivered += 1
                     emit(self._trace, "PayloadDeliver", output_id=rec.output_id)
@@ -573,6 +613,7 @@ class OutputRegistry:
                     )
             else:
                 # Cancelled between the caller's check and our claim (F3): treat as abandoned.
+                rec.claim = "cancelled"
                 emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome="cancelled")
                 self._fire(rec, E.ABANDON)
                 self._discard_payload(rec)
@@ -596,6 +637,7 @@ class OutputRegistry:
             return
         rec.waiter = None
         claimed = fut.set_running_or_notify_cancel()
+        rec.claim = f"failed with {type(error).__name__}" if claimed else "cancelled"
         emit(self._trace, "WaiterResolve", output_id=rec.output_id, outcome=outcome if claimed else "cancelled")
         if claimed:
             self._outbox.append(Resolution(fut, error=error))
@@ -622,9 +664,10 @@ class OutputRegistry:
         """True if ``output_id`` already finished: the message is late or repeated (see ``_finished``)."""
         if output_id in self._records:
             return False
-        expected = self._finished.get(output_id)
-        if expected is None:
+        done = self._finished.get(output_id)
+        if done is None:
             return False
+        expected = done.expected
         emit(self._trace, "Late", output_id=output_id, kind=kind.value, expected=kind in expected)
         if kind in expected:
             expected.discard(kind)
@@ -633,7 +676,7 @@ class OutputRegistry:
         return True
 
     def _remember_finished(self, rec: OutputRecord) -> None:
-        self._finished[rec.output_id] = set(IdMessage) - rec.seen
+        self._finished[rec.output_id] = Finished(set(IdMessage) - rec.seen, rec.claim)
         while len(self._finished) > self._max_finished:
             self._finished.popitem(last=False)
 

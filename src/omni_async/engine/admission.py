@@ -31,7 +31,7 @@ from omni_async.engine.config import DEFAULT_MAX_IN_FLIGHT, EngineConfig
 from omni_async.engine.errors import EngineOverloaded
 from omni_async.engine.record import RequestRecord, retrieve
 from omni_async.engine.scheduler import Scheduler, SchedulerPhase
-from omni_async.executor.batches import BatchKeyer
+from omni_async.executor.submitter import BatchKeyer
 from omni_async.transport.budget import OutputBudget
 from omni_async.worker.postprocess import PostProcess
 

@@ -17,8 +17,8 @@ from typing import Any, TypedDict
 import attrs
 
 from omni_async.core.trace import Tracer
-from omni_async.executor.batches import BatchKeyer
 from omni_async.executor.config import InvalidConfig
+from omni_async.executor.submitter import BatchKeyer
 
 __all__ = [
     "DEFAULT_BATCH_WAIT_S",

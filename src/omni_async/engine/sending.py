@@ -9,7 +9,7 @@ Batches: with ``max_batch_size > 1`` the scheduler admits groups of requests who
 compatibility keys are equal (the model's ``batch_key``, the deadlines, streaming or
 not: ``Admission``).  ``start_group`` starts one ``BatchGroup`` per group of two or
 more: its ``send`` task sends the members that have not ended yet in one call
-(``submit_batch_handles`` on the send thread; with ``async_output=False``,
+(``submit_batch`` on the send thread; with ``async_output=False``,
 ``execute_batch(sync_output=True)`` on a sync thread), and every member keeps a driver
 of its own that awaits that send and then walks exactly as a request sent alone: its
 own handle, its own abort (``cancel_requests`` of one member: the others go on),
@@ -118,9 +118,9 @@ class Sender:
         if not members:
             return {}
         first = members[0]
-        # The one batch call site (``submit_batch_handles``: ``submit_batch`` once renamed).
+        # The one batch call site (``submit_batch``: ``submit_batch`` once renamed).
         submit = functools.partial(
-            self._executor.submit_batch_handles,
+            self._executor.submit_batch,
             [r.request for r in members],
             deadlines=first.deadlines,
             stream=first.streaming,

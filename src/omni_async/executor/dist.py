@@ -1,7 +1,7 @@
 """The executor's end of its ranks' process group: the rendezvous it owns.
 
 ``GroupRendezvous`` is made by an executor with ``process_group`` on, before its ranks
-start, and closed after they stopped (``RankTransport.stop``).  It owns what the ranks
+start, and closed after they stopped (``RankLink.stop``).  It owns what the ranks
 meet at -- a ``TCPStore`` served from this process on a port the kernel picked, or a
 file in a private temporary directory -- so that its lifetime is the executor's and
 two executors never share one.  The ranks' side is ``omni_async.worker.dist``.

@@ -1,4 +1,4 @@
-"""``RequestHandle``: one object per request, both phases of its output (``submit_handle``)."""
+"""``RequestHandle``: one object per request, both phases of its output (``submit``, ``submit_batch``)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ __all__ = ["RequestHandle"]
 
 @attrs.frozen
 class RequestHandle:
-    """A request submitted with ``DiffusionExecutor.submit_handle``.
+    """A request submitted with ``DiffusionExecutor.submit`` (or one of ``submit_batch``).
 
-    ``computed``: as ``submit_request``'s future (COMPUTE_DONE, or the forward's typed
-    failure).  ``output``: the request's output, claimed for this handle by the pump as
-    it dispatches the COMPUTE_DONE (no id travels back through ``wait_output_ready``;
-    a ``wait_output_ready`` for the same id gets ``OutputAlreadyClaimed``); it fails
-    with the forward's error if the forward failed.  Cancelling ``output`` abandons the
+    ``computed``: its ``RunnerOutput`` at COMPUTE_DONE, or the forward's typed failure
+    (``RequestAborted`` once ``cancel_requests`` stopped it).  ``output``: the request's
+    output, claimed for this handle by the dispatcher as the pump dispatches the
+    COMPUTE_DONE, under its lock (no id travels back through ``wait_output_ready``; a
+    ``wait_output_ready`` for the same id gets ``OutputAlreadyClaimed``); it fails with
+    the forward's error if the forward failed.  ``stream``: the intermediate outputs,
+    with ``submit(stream=True)``.  Cancelling ``output`` abandons the
     output: it is released the moment it arrives (F9).  Release a delivered output with
     ``release_output``, as one from ``wait_output_ready``.
     """

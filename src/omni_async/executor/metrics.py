@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import attrs
 
-__all__ = ["ExecutorMetrics", "HeldOutputMetrics"]
+from omni_async.core.dispatch import Dispatcher
+from omni_async.executor.pump import ResultPump
+
+__all__ = ["ExecutorMetrics", "HeldOutputMetrics", "read_metrics"]
 
 
 @attrs.frozen(kw_only=True)
@@ -95,3 +98,44 @@ class HeldOutputMetrics(ExecutorMetrics):
     pool_wait_s_total: float
     pool_exhausted: int
     stored_outputs: int | None = None
+
+
+def read_metrics(
+    d: Dispatcher,
+    pump: ResultPump,
+    waits: tuple[int, float, float],
+    unexpected_sync_answers: int,
+    stale_sync_answers: int,
+) -> ExecutorMetrics:
+    """The executor's counters, read under the pump's lock (``pump.call``): the
+    dispatcher's and registry's, the pump's, the desk's ``waits`` (deliveries, their total
+    and longest wait) and the synchronous calls' discarded answers."""
+    s = d.registry.stats
+    c = d.counters
+    return ExecutorMetrics(
+        pending_rpcs=d.pending_rpcs(),
+        pending_outputs=len(d.registry),
+        pending_waiters=d.registry.pending_waiters(),
+        held_payloads=d.registry.held_payloads(),
+        delivered=s.delivered,
+        released=s.released,
+        timeouts=s.timeouts,
+        orphaned_outputs=s.orphaned,
+        protocol_errors=s.protocol_errors + c["protocol_errors"] + unexpected_sync_answers,
+        answers_without_compute_done=c["answers_without_compute_done"],
+        unknown_call_compute_done=c["unknown_call_compute_done"],
+        unknown_call_chunk=c["unknown_call_chunk"],
+        unknown_call_rpc_result=c["unknown_call_rpc_result"],
+        unexpected_sync_answers=unexpected_sync_answers,
+        orphan_compute_done=c["orphan_compute_done"],
+        stale_sync_answers=stale_sync_answers,
+        late_rpc_results=c["late_rpc_results"],
+        orphan_drops_expired=s.orphan_drops_expired,
+        compute_timeouts=c["compute_timeouts"],
+        overdue_calls=d.overdue_calls(),
+        dispatch_errors=pump.dispatch_errors,
+        messages=pump.messages,
+        output_waits=waits[0],
+        output_wait_s_total=waits[1],
+        output_wait_s_max=waits[2],
+    )

@@ -1,10 +1,12 @@
 """``RayDiffusionExecutor``: one Ray actor per rank, the same two-phase protocol.
 
-Only the transport differs from ``MultiprocDiffusionExecutor``: both are a
-``RankedExecutor`` (the registry, the dispatcher, the pump, the pool and its budget,
-deaths, outputs), this one over ``RayRanks``, the other over ``ProcessRanks``; each
+Only the rank link and the store differ from ``MultiprocDiffusionExecutor``: both are a
+``DiffusionExecutor`` (the registry, the dispatcher, the pump, the desk, the
+submitter), this one over ``RayRanks`` (``omni_async.executor.ray_link``) with an
+``ObjectStore`` (``omni_async.executor.ray_store``, around a ``PoolStore``), the other
+over ``ProcessRanks`` with a ``PoolStore``; each
 actor hosts the same ``WorkerLoop`` and ``Packer`` built from a ``WorkerSpec``
-(``omni_async.worker.host``; the actor's side is ``omni_async.executor.ray_actor``).  Ray is imported here
+(``omni_async.worker.host``; the actor's side is ``omni_async.worker.ray_actor``).  Ray is imported here
 only, when the executor is built (``pip install 'omni_async[ray]'``).
 
 Placement: a placement group of ``world_size`` bundles (``{"CPU": 1}``, plus
@@ -86,341 +88,33 @@ they left in /dev/shm is swept by the next executor (its pid is in the names).
 from __future__ import annotations
 
 import logging
-import pickle
-import sys
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Final, Unpack, cast
-
-import attrs
+from typing import TYPE_CHECKING, Final, Unpack
 
 from omni_async.core.config import Deadlines
-from omni_async.core.errors import (
-    ActorDied,
-    ComputeTimeout,
-    OutputUnpackFailed,
-    UsageError,
-    WorkerStartupFailed,
-)
-from omni_async.core.messages import CancelMessage, DiffusionOutput, Failure, RpcRequest
-from omni_async.executor.api import stop_budget
+from omni_async.core.errors import UsageError
+from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig, check_ray_arguments
 from omni_async.executor.dist import GroupRendezvous, check_process_group
-from omni_async.executor.ranked import RankedExecutor, RankHost, RankTransport, prewarm_pool, shut_down_error
-from omni_async.executor.ray_actor import Buffer, OutboxLimits, RankActor, RankActorHandle, StoreBudget
-from omni_async.executor.ray_receiver import Credits, RayReceiver
-from omni_async.transport.channel import (
-    DEFAULT_CAPACITY_BYTES,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_PUT_TIMEOUT,
-)
-from omni_async.transport.packing import StoredPayload, unpack_diffusion_output_host
-from omni_async.transport.shm import SegmentPool
-from omni_async.worker.host import WorkerOptions, WorkerSpec
+from omni_async.executor.link import RankEvents
+from omni_async.executor.metrics import HeldOutputMetrics
+from omni_async.executor.pool_store import PoolStore, prewarm_pool
+from omni_async.executor.ray_link import Placement, RayRanks, check_bundles
+from omni_async.executor.ray_store import ObjectStore
+from omni_async.transport.budget import OutputBudget
+from omni_async.worker.host import WorkerSpec
+from omni_async.worker.ray_actor import RankActorHandle
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
     from ray.util.placement_group import PlacementGroup
 
 __all__ = ["RayDiffusionExecutor", "RayRanks"]
 
 log = logging.getLogger(__name__)
 
-# Threads of a threaded actor: the long polls, rpc and cancel calls, stop.
-_ACTOR_CONCURRENCY: Final = 8
 _TRANSPORTS: Final = ("auto", "shm", "object_store")
 
 
-def _get_stored(ref: ObjectRef[Buffer], timeout: float | None) -> Buffer:
-    import ray
-
-    return ray.get(ref, timeout=timeout)
-
-
-# ------------------------------------------------------------------------- executor side
-
-
-def _check_bundles(bundles: list[dict[str, float]], world_size: int, need: dict[str, float]) -> None:
-    """A caller's placement group: a bundle per rank, each with room for the rank's actor."""
-    if len(bundles) < world_size:
-        raise UsageError(
-            f"placement_group has {len(bundles)} bundle(s), world_size={world_size} needs one per rank "
-            "(rank r runs in bundle r)"
-        )
-    for rank, b in enumerate(bundles[:world_size]):
-        short = {k: v for k, v in need.items() if v and b.get(k, 0.0) < v}
-        if short:
-            raise UsageError(
-                f"placement_group bundle {rank} ({b}) has no room for worker rank {rank}'s actor, which needs "
-                f"{need}: make the bundles larger, or lower num_cpus_per_rank/num_gpus_per_rank"
-            )
-
-
-@attrs.frozen
-class _Placement:
-    """Where the actors go: each rank's resources, and the group (None: the executor makes one)."""
-
-    bundle: dict[str, float]
-    num_cpus: float
-    num_gpus: float
-    strategy: str
-    group: PlacementGroup | None
-
-
-class RayRanks(RankTransport):
-    """Ranks in Ray actors: RPCs and cancels as actor calls, results by polling each
-    actor's outbox (``RayReceiver``, ``omni_async.executor.ray_receiver``), stored outputs read on fetch threads, their room
-    given back by ``Credits``."""
-
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        opts: WorkerOptions,
-        cfg: ExecutorConfig,
-        pool: SegmentPool,
-        placement: _Placement,
-        transport: str,
-        fetch_threads: int,
-        group: GroupRendezvous | None = None,
-    ) -> None:
-        self._spec = spec
-        self._group = group  # the ranks' process group's rendezvous (on this node), closed by ``stop``
-        self._opts = opts
-        self._cfg = cfg
-        self._pool = pool
-        self._placement = placement
-        self.transport = transport
-        self._lease_timeout = opts.lease_timeout if opts.lease_timeout is not None else pool.lease_timeout
-        self._receiver = RayReceiver(pool)
-        self.receiver = self._receiver
-        self._credits = Credits()
-        self._fetchers = ThreadPoolExecutor(max_workers=fetch_threads, thread_name_prefix="omni-fetch")
-        self._rpc_lock = threading.Lock()
-        self._actor_seq = [0] * cfg.world_size
-        self.actors: list[RankActorHandle] = []
-        self.nodes: list[str] = []  # per rank: "node id (address)"
-        self.pids: list[int] = []
-        self.via_store: list[bool] = []  # per rank: outputs through Ray's object store
-        self._stopped = False
-        self._own_placement = placement.group is None
-        self.placement_group: PlacementGroup | None = placement.group
-        self._host: RankHost | None = None
-
-    @property
-    def host(self) -> RankHost:
-        assert self._host is not None, "RayRanks.start sets the host"
-        return self._host
-
-    def start(self, host: RankHost, deadline: float, start_timeout: float) -> None:
-        import ray
-        from ray.util.placement_group import placement_group as make_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self._host = host
-        self._receiver.on_death = self._on_actor_death
-        p = self._placement
-        world_size = self._cfg.world_size
-        if self.placement_group is None:
-            self.placement_group = make_placement_group(
-                [dict(p.bundle) for _ in range(world_size)], strategy=p.strategy
-            )
-        group = self.placement_group
-        try:
-            ray.get(group.ready(), timeout=start_timeout)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise ComputeTimeout(
-                f"Ray could not place {world_size} bundle(s) of {p.bundle} in {start_timeout} s "
-                f"(strategy {p.strategy}): not enough resources in the cluster"
-            ) from exc
-        actor_cls = ray.remote(RankActor)
-        here = ray.get_runtime_context().get_node_id()
-        state = pickle.dumps(self._pool)
-        outbox = OutboxLimits(
-            DEFAULT_MAX_MESSAGES, DEFAULT_CAPACITY_BYTES, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PUT_TIMEOUT
-        )
-        budget = self._cfg.budget
-        for rank in range(world_size):
-            strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank)
-            actor = actor_cls.options(
-                num_cpus=p.num_cpus,
-                num_gpus=p.num_gpus,
-                scheduling_strategy=strategy,
-                max_concurrency=_ACTOR_CONCURRENCY,
-                max_restarts=0,
-                max_task_retries=0,
-                name=f"omni-worker-{host.token}-{rank}",
-            ).remote(
-                rank,
-                self._spec,
-                self._opts,
-                state,
-                outbox,
-                list(sys.path),
-                here,
-                self.transport,
-                StoreBudget(budget, self._lease_timeout, rank),
-                None if self._group is None else self._group.rendezvous,
-            )
-            # Ray types a handle's methods as it cannot know them: ours, named.
-            self.actors.append(cast("RankActorHandle", actor))
-        self._await_actors(deadline, start_timeout)
-        self._receiver.start(self.actors)
-        self._credits.start(self.actors)
-
-    def _await_actors(self, deadline: float, start_timeout: float) -> None:
-        import ray
-
-        here = ray.get_runtime_context().get_node_id()
-        refs = [a.ready.remote(max(1.0, deadline - time.monotonic())) for a in self.actors]
-        for rank, ref in enumerate(refs):
-            try:
-                failure, pid, node_id, address, via_store = ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError as exc:
-                raise ComputeTimeout(f"worker rank {rank} did not build its model in {start_timeout} s") from exc
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerStartupFailed(rank, None, failure=Failure.from_exception(exc), actor=True) from exc
-            if node_id and node_id != here and not via_store and failure is None:
-                raise UsageError(
-                    f"worker rank {rank} was placed on node {node_id} ({address}), not on the executor's node "
-                    f"{here}: transport='shm' ships outputs through this node's shared memory, which another "
-                    "node cannot reach; use transport='auto' (the object store for remote ranks), or "
-                    "placement_strategy='STRICT_PACK'"
-                )
-            if failure is not None:
-                raise WorkerStartupFailed(rank, None, failure=failure, actor=True)
-            self.pids.append(pid)
-            self.nodes.append(f"{node_id} ({address})")
-            self.via_store.append(via_store)
-
-    # ----------------------------------------------------------------- sending
-
-    def broadcast(self, req: RpcRequest, wire: list[bytes] | None) -> None:
-        # Ray serializes each actor call itself (cloudpickle: a lambda travels, a lock
-        # does not), so nothing is pickled ahead (``encode`` stays None), unlike the
-        # worker processes' pipes.
-        with self._rpc_lock:
-            if self.host.closed:
-                raise shut_down_error()
-            for rank, actor in enumerate(self.actors):
-                seq = self._actor_seq[rank]
-                self._actor_seq[rank] += 1
-                actor.rpc.remote(seq, req)  # a dead actor: its poll reports the death
-
-    def deliver_cancels(self, cancels: list[CancelMessage]) -> None:
-        for actor in self.actors:
-            actor.cancel.remote(cancels)  # returns at once
-
-    # ------------------------------------------------------- object-store outputs
-
-    def run_unpack(self, packed: DiffusionOutput, finish: Callable[[], None]) -> None:
-        """The pump's thread: a stored output's unpack goes to a fetch thread (its
-        ``ray.get`` is a transfer); a pooled one is unpacked here, as by the multiprocess
-        executor."""
-        if not (isinstance(packed.output, StoredPayload) and packed.output.key):
-            finish()
-            return
-        try:
-            self._fetchers.submit(finish)
-        except RuntimeError:  # shut down: unpack here (the table is empty, it fails at once)
-            finish()
-
-    def unpack(self, packed: DiffusionOutput, copy: bool) -> DiffusionOutput | None:
-        payload = packed.output
-        if not isinstance(payload, StoredPayload):
-            return None
-        try:
-            if payload.key:
-                ref = self._receiver.take_stored(payload.key)  # freed once: the views hold the buffer now
-                if ref is None:
-                    raise UsageError(f"stored buffer {payload.key} is gone (released, or the executor shut down)")
-                try:
-                    buf = _get_stored(ref, self.host.deadlines.output_timeout)
-                except BaseException:
-                    self._credits.give(payload.key)
-                    raise
-                key = payload.key
-                return unpack_diffusion_output_host(packed, buf, copy=copy, on_gone=lambda: self._credits.give(key))
-            return unpack_diffusion_output_host(packed, None, copy=copy)
-        except Exception as exc:
-            raise OutputUnpackFailed(packed.async_output_id, packed.request_id, exc) from exc
-
-    def release(self, packed: DiffusionOutput) -> bool:
-        if isinstance(packed.output, StoredPayload):
-            if packed.output.key and self._receiver.take_stored(packed.output.key) is not None:
-                self._credits.give(packed.output.key)
-            return True
-        return False
-
-    def held_elsewhere(self) -> int:
-        """Stored outputs received and not yet released (unread, or read and some view alive)."""
-        with self._receiver.stored_lock:
-            received = self._receiver.received_stored
-        return max(0, received - self._credits.given)
-
-    def stored_outputs(self) -> int:
-        with self._receiver.stored_lock:
-            return len(self._receiver.stored)
-
-    def _on_actor_death(self, rank: int, cause: str) -> None:
-        """Pump thread: rank's poll failed, after every message it sent before was received
-        (so what it shipped and no message carried can be reclaimed at once)."""
-        if self.host.closed:
-            return
-        node = self.nodes[rank] if rank < len(self.nodes) else "?"
-        self.host.rank_died(
-            rank,
-            ActorDied(rank, node, cause=cause),
-            lambda oid: ActorDied(rank, node, output_id=oid, cause=cause),
-            self.pids[rank] if rank < len(self.pids) else None,
-            reclaim_shipped=True,
-        )
-
-    # ------------------------------------------------------------------ shutdown
-
-    def stop(self, deadline: float | None) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        if self._stopped:
-            return
-        self._stopped = True
-        self._receiver.close()
-        # Every actor asked at once, then killed: the kill is immediate, so the asking
-        # gets most of the deadline (10 s without one).
-        asked = stop_budget(deadline, 10.0, 0.8)
-        stops = []
-        if self._rpc_lock.acquire(timeout=min(1.0, asked)):
-            try:
-                for rank, actor in enumerate(self.actors):
-                    stops.append(actor.stop.remote(self._actor_seq[rank], min(5.0, asked)))
-                    self._actor_seq[rank] += 1
-            finally:
-                self._rpc_lock.release()
-        try:
-            if stops:
-                ray.wait(stops, num_returns=len(stops), timeout=asked)
-        except Exception:  # noqa: BLE001  # dead actors: killed below all the same
-            log.debug("stopping the actors failed", exc_info=True)
-        for actor in self.actors:
-            try:
-                ray.kill(cast("ray.actor.ActorHandle[RankActor]", actor), no_restart=True)
-            except Exception:  # noqa: BLE001  # already gone
-                log.debug("killing an actor failed", exc_info=True)
-        if self.placement_group is not None and self._own_placement:
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001
-                log.warning("removing the placement group failed", exc_info=True)
-        self._fetchers.shutdown(wait=False)
-        self._credits.close()  # what is queued still runs, and fails at once: the table is empty
-        if self._group is not None:
-            self._group.close()  # every actor is killed: nobody meets there any more
-
-
-class RayDiffusionExecutor(RankedExecutor[RayRanks]):
+class RayDiffusionExecutor(DiffusionExecutor):
     """``world_size`` Ray actors built from ``spec`` (one per rank, in a placement group).
 
     The settings shared with ``MultiprocDiffusionExecutor`` are the same
@@ -502,7 +196,7 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
         if placement_group is not None:
             if not isinstance(placement_group, RayPlacementGroup):
                 raise UsageError(f"placement_group must be a Ray PlacementGroup, got {type(placement_group).__name__}")
-            _check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
+            check_bundles(placement_group.bundle_specs, cfg.world_size, bundle)
         validator = spec.request_validator()
         pg = check_process_group(spec, cfg)
         keyer = spec.batch_keyer()
@@ -521,10 +215,35 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
             except BaseException:
                 pool.close()  # a constructor that raises leaves nothing in /dev/shm
                 raise
-        placement = _Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
-        ranks = RayRanks(spec, opts, cfg, pool, placement, transport, fetch_threads, group)
-        super().__init__(ranks, pool, cfg, validator, keyer)
-        self._start()
+        placement = Placement(bundle, num_cpus_per_rank, gpus, placement_strategy, placement_group)
+        self.config = cfg
+        self.pool = pool
+        self._pool_store = PoolStore(
+            pool, copy_outputs=cfg.copy_outputs, lease_timeout=opts.lease_timeout, owner=type(self).__name__
+        )
+        deadlines = cfg.deadlines if cfg.deadlines is not None else Deadlines.from_env()
+        self._object_store = ObjectStore(
+            self._pool_store,
+            fetch_threads=fetch_threads,
+            output_timeout=deadlines.output_timeout,
+            copy=cfg.copy_outputs,
+        )
+        store = self._object_store
+        self.ranks = RayRanks(spec, opts, cfg, pool, placement, transport, store.stored, store.credits, group)
+        super().__init__(
+            self.ranks,
+            store,
+            world_size=cfg.world_size,
+            reply_rank=cfg.reply_rank,
+            step_mode=cfg.step_mode,
+            deadlines=deadlines,
+            tracer=cfg.tracer,
+            validate_request=validator,
+            final_step_async=cfg.final_step_async,
+            batch_key=keyer,
+        )
+        events = RankEvents(self.pump, self._pool_store, closed=lambda: self._closed, token=self.token)
+        self._start(events, cfg.start_timeout, probe=True)
 
     @property
     def transport(self) -> str:
@@ -554,7 +273,17 @@ class RayDiffusionExecutor(RankedExecutor[RayRanks]):
     def placement_group(self) -> PlacementGroup | None:
         return self.ranks.placement_group
 
+    @property
+    def budget(self) -> OutputBudget:
+        """The budget of held outputs in force: the pool's (each rank's, in the object store)."""
+        return self._pool_store.budget
+
+    def metrics(self) -> HeldOutputMetrics:
+        """The executor's counters with the budget of held outputs (``HeldOutputMetrics``),
+        ``held_outputs`` counting the outputs in the object store too."""
+        return self._object_store.metrics(super().metrics())
+
     def stored_outputs(self) -> int:
         """How many received outputs' buffers in Ray's object store the executor still
         references (neither unpacked for a waiter nor released)."""
-        return self.ranks.stored_outputs()
+        return len(self._object_store.stored)

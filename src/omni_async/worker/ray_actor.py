@@ -5,7 +5,7 @@
 of its own, fed RPCs in sequence order by an ``OrderedInbox``; the loop and the packer
 put their messages into the ``Outbox``, which the executor's pump polls.  An output
 shipped through Ray's object store holds room in the rank's ``StoreBudget`` until the
-executor releases it.  See ``omni_async.executor.ray_executor`` for the whole design.
+executor releases it.  See ``omni_async.executor.ray_executor`` (the executor side) for the whole design.
 """
 
 from __future__ import annotations
