@@ -12,10 +12,13 @@ exporters that iterate.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
-from omni_async.core.dispatch import Dispatcher
-from omni_async.executor.pump import ResultPump
+if TYPE_CHECKING:  # the metrics types stay importable without torch (import omni_async is light)
+    from omni_async.core.dispatch import Dispatcher
+    from omni_async.executor.pump import ResultPump
 
 __all__ = ["ExecutorMetrics", "HeldOutputMetrics", "read_metrics"]
 
