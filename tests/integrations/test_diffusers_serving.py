@@ -16,12 +16,14 @@ import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
-from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
+from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures, used by name
     DIT,
     WAN,
     direct_call,
+    dit_direct,  # noqa: F401
     dit_params,
     tensor,
+    wan_direct,  # noqa: F401
     wan_params,
 )
 from omni_async.core.config import Deadlines

@@ -75,13 +75,17 @@ class PipelineHandle:
     def class_name(self) -> str:
         return type(self.pipeline).__name__
 
+    def call_signature(self) -> inspect.Signature:
+        """The signature of the pipeline's ``__call__``."""
+        return inspect.signature(type(self.pipeline).__call__)
+
     def call_parameters(self) -> frozenset[str]:
         """The names ``__call__`` takes."""
-        return frozenset(inspect.signature(type(self.pipeline).__call__).parameters)
+        return frozenset(self.call_signature().parameters)
 
     def call_default(self, name: str) -> object | None:
         """The default of ``__call__``'s argument ``name`` (None when it has none)."""
-        found = inspect.signature(type(self.pipeline).__call__).parameters.get(name)
+        found = self.call_signature().parameters.get(name)
         if found is None or found.default is inspect.Parameter.empty:
             return None
         return cast("object", found.default)
@@ -90,6 +94,18 @@ class PipelineHandle:
         """The source of ``__call__`` ('' when it cannot be read)."""
         try:
             return inspect.getsource(type(self.pipeline).__call__)
+        except (OSError, TypeError):
+            return ""
+
+    def class_source(self, name: str) -> str:
+        """The source of the pipeline class's attribute ``name`` (a method or property; ''
+        when absent or unreadable)."""
+        found = inspect.getattr_static(type(self.pipeline), name, None)
+        target = found.fget if isinstance(found, property) else found
+        if target is None:
+            return ""
+        try:
+            return inspect.getsource(target)
         except (OSError, TypeError):
             return ""
 

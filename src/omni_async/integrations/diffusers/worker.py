@@ -48,10 +48,13 @@ from omni_async.core.messages import (
 )
 from omni_async.integrations.diffusers.pixels import DECODE_LATER, PIPELINE
 from omni_async.integrations.diffusers.profile import (
+    OWN_PARAMETERS,
     PipelineProfile,
     batch_key,
-    embeds_2d,
+    is_per_member,
+    per_request,
     profile_of,
+    stack_dims,
     validate_request,
 )
 from omni_async.integrations.diffusers.source import PipelineSource
@@ -63,7 +66,6 @@ __all__ = ["DiffusersPipelineWorker"]
 
 log = logging.getLogger(__name__)
 
-_SHARED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 _SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
 
 
@@ -220,17 +222,20 @@ class DiffusersPipelineWorker:
         except Exception as exc:
             if len(requests) == 1 or hook.done > 0 or cancel_requested():
                 raise
-            # Before its first step ended: the pipeline (its scheduler, under guidance) may not
-            # take a list of generators.  One call per member from now on.
-            log.warning(
-                "%s refused a batch of %d with one generator per request (%s: %s); running batches one request "
-                "at a time from now on",
-                self.profile.pipeline,
-                len(requests),
-                type(exc).__name__,
-                exc,
-            )
-            self.generator_lists = False
+            if _refuses_generator_lists(exc):
+                # The refusal this fallback is for: the pipeline takes one generator, not one per
+                # member.  It will refuse every later batch the same way.
+                log.warning(
+                    "%s refused a batch of %d with one generator per request (%s: %s); running batches one "
+                    "request at a time from now on",
+                    self.profile.pipeline,
+                    len(requests),
+                    type(exc).__name__,
+                    exc,
+                )
+                self.generator_lists = False
+            # Otherwise a member's own failure: this batch runs one call per member (the failing
+            # one fails alone), and later batches still batch.
             return [out for r in requests for out in self._run([r])]
         outputs = [
             DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=later or asked == "latent"))
@@ -251,19 +256,26 @@ class DiffusersPipelineWorker:
             return self.handle(**kwargs)
 
     def _call_kwargs(self, requests: Sequence[DiffusionRequest], hook: StepHook) -> dict[str, object]:
+        """The pipeline's arguments for ``requests`` (equal ``batch_key``): the shared ones
+        as the first request has them, the per-member ones as lists or stacked tensors."""
         first = requests[0].params
-        kwargs: dict[str, object] = {name: first[name] for name in _SHARED if name in first}
-        if "class_labels" in first:
-            kwargs["class_labels"] = [int(r.params["class_labels"]) for r in requests]
-        if "prompt" in first:
-            kwargs["prompt"] = [str(r.params["prompt"]) for r in requests]
-            if any("negative_prompt" in r.params for r in requests):
-                kwargs["negative_prompt"] = [str(r.params.get("negative_prompt", "")) for r in requests]
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            if name in first:
+        kwargs: dict[str, object] = {}
+        for name, value in first.items():
+            if name in OWN_PARAMETERS:
+                continue
+            if name == "class_labels":
+                kwargs[name] = [int(r.params[name]) for r in requests]
+            elif not is_per_member(name):
+                kwargs[name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+            elif (dims := stack_dims(name)) is not None:
                 tensors = [r.params[name] for r in requests]
                 assert all(isinstance(t, torch.Tensor) for t in tensors)  # validated
-                kwargs[name] = torch.cat([embeds_2d(t) for t in tensors if isinstance(t, torch.Tensor)]).to(self.device)
+                stacked = [per_request(t, dims) for t in tensors if isinstance(t, torch.Tensor)]
+                kwargs[name] = torch.cat(stacked).to(self.device)
+            else:
+                kwargs[name] = [str(r.params[name]) for r in requests]
+        if self.profile.unconditional and len(requests) > 1:
+            kwargs["batch_size"] = len(requests)  # DDIM/DDPM: the batch is its batch_size
         generators = [self._generator(r) for r in requests]
         kwargs["generator"] = generators[0] if len(generators) == 1 else generators
         kwargs["output_type"] = first.get("output_type", "pt")
@@ -278,6 +290,12 @@ class DiffusersPipelineWorker:
         else:
             gen.seed()  # no seed asked for: a fresh one, still one generator per request
         return gen
+
+
+def _refuses_generator_lists(exc: Exception) -> bool:
+    """Whether ``exc`` is a pipeline's refusal of a list of generators (diffusers says
+    "list of generators" when it refuses one), not a member's own failure."""
+    return "generator" in str(exc).lower()
 
 
 def _check_decode(decode: object) -> None:
