@@ -40,12 +40,6 @@ class Configurable(Protocol):
     def load_config(self, path: str, *, subfolder: str) -> Mapping[str, object]: ...
 
 
-class Decoder(Protocol):
-    """A diffusers VAE, as the previews use it."""
-
-    def decode(self, z: torch.Tensor, *, return_dict: bool) -> tuple[torch.Tensor, ...]: ...
-
-
 class Stepper(Protocol):
     """A diffusers scheduler, as the step hook wraps it."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Hashable, Mapping
 from numbers import Integral, Real
 
@@ -41,6 +42,7 @@ import torch
 
 from omni_async.core.errors import InvalidRequest
 from omni_async.core.messages import DiffusionRequest
+from omni_async.integrations.diffusers.decode import decode_of
 from omni_async.integrations.diffusers.edge import PipelineHandle, int_or_none
 
 __all__ = ["CallParameter", "PipelineProfile", "batch_key", "profile_of", "validate_request"]
@@ -130,6 +132,13 @@ class PipelineProfile:
     default_steps: int = 50
     # No conditioning at all, a batch is __call__'s batch_size (DDIM, DDPM).
     unconditional: bool = False
+    # The family's decode is known (decode.DECODES): previews; with latent_output, decode="device".
+    decode_known: bool = False
+
+    @property
+    def device_decode(self) -> bool:
+        """``decode="device"`` works: the pipeline returns latents and its decode is known."""
+        return self.latent_output and self.decode_known
 
     def parameters(self) -> list[str]:
         """The request parameters this pipeline takes."""
@@ -166,7 +175,7 @@ _CHECKED = frozenset(
 _OWN_TYPES = {"seed": "int", "output_type": "str ('pt' or 'latent')", "preview_every": "int"}
 
 
-def _accepted(handle: PipelineHandle, latent: bool) -> tuple[CallParameter, ...]:
+def _accepted(handle: PipelineHandle, latent: bool, previews: bool) -> tuple[CallParameter, ...]:
     found: list[CallParameter] = []
     for param in handle.call_signature().parameters.values():
         if param.name in SET_HERE or param.name in OWN_PARAMETERS:
@@ -178,6 +187,8 @@ def _accepted(handle: PipelineHandle, latent: bool) -> tuple[CallParameter, ...]
         found.append(CallParameter(param.name, annotation, default, param.name in _CHECKED))
     own_defaults = {"seed": "", "output_type": "'pt'", "preview_every": "None"}
     for name in OWN_PARAMETERS:
+        if name == "preview_every" and not previews:
+            continue  # no known decode for previews (decode.DECODES)
         annotation = _OWN_TYPES[name] if name != "output_type" or latent else "str ('pt')"
         found.append(CallParameter(name, annotation, own_defaults[name], True))
     return tuple(sorted(found, key=lambda p: p.name))
@@ -205,14 +216,24 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
         num_classes = int_or_none(transformer.get("num_embeds_ada_norm")) or int_or_none(transformer.get("num_classes"))
     spatial = None
     if "height" in params:
-        vae_scale = int_or_none(handle.attribute("vae_scale_factor_spatial")) or int_or_none(
-            handle.attribute("vae_scale_factor")
+        vae_scale = (
+            int_or_none(handle.attribute("vae_scale_factor_spatial"))
+            or int_or_none(handle.attribute("vae_scale_factor"))
+            or int_or_none(handle.attribute("vae_spatial_compression_ratio"))
         )
         patch = int_or_none(transformer.get("patch_size")) or 1
         spatial = (vae_scale or 8) * patch
         if denoiser_class == "FluxTransformer2DModel":
             spatial = (vae_scale or 8) * 2  # Flux packs 2x2 latent patches (its check_inputs)
-    temporal = int_or_none(handle.attribute("vae_scale_factor_temporal")) if "num_frames" in params else None
+        # A pipeline's check_inputs may ask for more (LTX: 32, SD: 8): its own number wins.
+        literal = re.search(r"height % (\d+) != 0", handle.class_source("check_inputs"))
+        if literal is not None:
+            spatial = max(spatial, int(literal.group(1)))
+    temporal = None
+    if "num_frames" in params:
+        temporal = int_or_none(handle.attribute("vae_scale_factor_temporal")) or int_or_none(
+            handle.attribute("vae_temporal_compression_ratio")
+        )
     text_dim = pooled_dim = None
     text_field = ""
     fields = TEXT_FIELDS.get(denoiser_class)
@@ -232,7 +253,7 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
     return PipelineProfile(
         pipeline=handle.class_name,
         call_parameters=params,
-        accepted=_accepted(handle, latent),
+        accepted=_accepted(handle, latent, decode_of(handle) is not None),
         num_classes=num_classes,
         spatial_multiple=spatial,
         temporal_factor=temporal,
@@ -245,6 +266,7 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
         step_callback="callback_on_step_end" in params,
         latent_output=latent,
         default_steps=_int(handle.call_default("num_inference_steps")) or 50,
+        decode_known=decode_of(handle) is not None,
         unconditional="batch_size" in params and not params & {"prompt", "prompt_embeds", "class_labels"},
     )
 

@@ -37,7 +37,6 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import ClassVar
 
-import attrs
 import torch
 
 from omni_async.core.errors import UsageError
@@ -46,7 +45,8 @@ from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,
 )
-from omni_async.integrations.diffusers.pixels import DECODE_LATER, PIPELINE
+from omni_async.integrations.diffusers.decode import DECODES, decode_of
+from omni_async.integrations.diffusers.pixels import DECODE_LATER, ENCODE_LATER, PIPELINE, encodable
 from omni_async.integrations.diffusers.profile import (
     OWN_PARAMETERS,
     PipelineProfile,
@@ -132,11 +132,12 @@ class DiffusersPipelineWorker:
         self.generator_device = torch.device(generator_device)
         self.handle = self.source.load(self.device)
         self.profile: PipelineProfile = profile_of(self.handle)
-        # The VAE decode, for previews and (``decode="device"``) the device stage.
-        self.decoder = LatentDecoder(self.handle)
-        self.decode_in_device_stage = decode == "device" and self.profile.latent_output
-        if decode == "device" and not self.profile.latent_output:
-            log.warning("%s cannot return latents: decode='device' decodes in the forward", self.profile.pipeline)
+        # The family's own decode, for previews and (``decode="device"``) the device stage.
+        found = decode_of(self.handle)
+        self.decoder = None if found is None else LatentDecoder(self.handle, found)
+        if decode == "device":
+            _check_device_decode(self.profile)
+        self.decode_in_device_stage = decode == "device"
         self.sliced_vae = slice_vae and self.handle.slice_vae()
         # False once the pipeline refused a list of generators: batches run member by member.
         self.generator_lists = True
@@ -172,7 +173,7 @@ class DiffusersPipelineWorker:
     def spec(cls, *, postprocess: str | None = None, **kwargs: object) -> WorkerSpec:
         """The ``WorkerSpec`` of a worker built with ``kwargs`` (the constructor's);
         ``postprocess="diffusers"`` converts the pixels to uint8 on the device, before the copy."""
-        _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
+        source = _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
         decode = kwargs.get("decode", "forward")
         _check_decode(decode)
         if decode == "device" and postprocess != PIPELINE:
@@ -180,6 +181,11 @@ class DiffusersPipelineWorker:
                 f"DiffusersPipelineWorker.spec: decode='device' decodes in the device stage of "
                 f"postprocess={PIPELINE!r}; got postprocess={postprocess!r}"
             )
+        # What can be checked without the weights, now rather than at the worker's start: the
+        # builder imports, the pipeline class exists, the folder's config reads, the options fit.
+        profile = profile_of(source.load_config_only())
+        if decode == "device":
+            _check_device_decode(profile)
         return WorkerSpec(f"{cls.__module__}:{cls.__qualname__}", kwargs=kwargs, postprocess=postprocess)
 
     # -- the model interface ------------------------------------------------------------------
@@ -210,6 +216,8 @@ class DiffusersPipelineWorker:
     def _run(self, requests: Sequence[DiffusionRequest]) -> list[DiffusionOutput]:
         if len(requests) > 1 and not self.generator_lists:
             return [out for r in requests for out in self._run([r])]
+        if any(r.format is not None for r in requests) and len({r.format is None for r in requests}) > 1:
+            return [out for r in requests for out in self._run([r])]  # an encoded member's output differs
         steps = requests[0].params.get("num_inference_steps", self.profile.default_steps)
         hook = StepHook(self.decoder, requests, int(steps) if isinstance(steps, int) else 0)
         kwargs = self._call_kwargs(requests, hook)
@@ -237,14 +245,20 @@ class DiffusersPipelineWorker:
             # Otherwise a member's own failure: this batch runs one call per member (the failing
             # one fails alone), and later batches still batch.
             return [out for r in requests for out in self._run([r])]
-        outputs = [
-            DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=later or asked == "latent"))
-            for i, r in enumerate(requests)
-        ]
-        if later:
-            # The device stage decodes them (pixels.device_stage), in the worker's process:
-            # the decoder never travels.
-            outputs = [attrs.evolve(o, output={**o.output, DECODE_LATER: self.decoder}) for o in outputs]
+        outputs = []
+        for i, r in enumerate(requests):
+            member = _member(result, i, len(requests), latent=later or asked == "latent")
+            if later:
+                # The device stage decodes them (pixels.device_stage), in the worker's process:
+                # the decoder never travels.
+                assert isinstance(member, Mapping) and self.decoder is not None
+                decode = functools.partial(self.decoder, params=dict(r.params))
+                member = {**member, DECODE_LATER: decode}
+                if r.format is not None:
+                    member[ENCODE_LATER] = True
+            elif r.format is not None and asked != "latent":
+                member = encodable(member, r.request_id)
+            outputs.append(DiffusionOutput(r.request_id, member))
         return outputs
 
     def _call(self, kwargs: dict[str, object], hook: StepHook) -> object:
@@ -274,6 +288,10 @@ class DiffusersPipelineWorker:
                 kwargs[name] = torch.cat(stacked).to(self.device)
             else:
                 kwargs[name] = [str(r.params[name]) for r in requests]
+        neg_default = self.handle.call_default("negative_prompt")
+        if "negative_prompt_embeds" in first and "negative_prompt" not in first and neg_default is not None:
+            # PixArt's default negative_prompt is "", which its check refuses beside embeddings.
+            kwargs["negative_prompt"] = None
         if self.profile.unconditional and len(requests) > 1:
             kwargs["batch_size"] = len(requests)  # DDIM/DDPM: the batch is its batch_size
         generators = [self._generator(r) for r in requests]
@@ -296,6 +314,19 @@ def _refuses_generator_lists(exc: Exception) -> bool:
     """Whether ``exc`` is a pipeline's refusal of a list of generators (diffusers says
     "list of generators" when it refuses one), not a member's own failure."""
     return "generator" in str(exc).lower()
+
+
+def _check_device_decode(profile: PipelineProfile) -> None:
+    if not profile.latent_output:
+        raise UsageError(
+            f"DiffusersPipelineWorker: decode='device' needs a pipeline that can stop at its latents "
+            f"(output_type='latent'); {profile.pipeline} cannot: use decode='forward'"
+        )
+    if not profile.decode_known:
+        raise UsageError(
+            f"DiffusersPipelineWorker: decode='device' runs the pipeline's own decode, and that of "
+            f"{profile.pipeline} is not known here (known: {sorted(DECODES)}): use decode='forward'"
+        )
 
 
 def _check_decode(decode: object) -> None:
