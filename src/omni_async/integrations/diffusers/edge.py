@@ -123,6 +123,11 @@ class PipelineHandle:
         config = getattr(found, "config", None)
         return cast("Mapping[str, object]", config) if isinstance(config, Mapping) else {}
 
+    def pipeline_config(self) -> Mapping[str, object]:
+        """The pipeline's own config (its ``__init__`` options: ``force_zeros_for_empty_prompt``...)."""
+        config = getattr(self.pipeline, "config", None)
+        return cast("Mapping[str, object]", config) if isinstance(config, Mapping) else {}
+
     def attribute(self, name: str) -> object | None:
         return cast("object | None", getattr(self.pipeline, name, None))
 

@@ -124,6 +124,9 @@ class PipelineProfile:
     # negative conditioning: the text encoder's empty prompt, or negative_prompt_embeds.
     cfg_guidance: bool = False
     default_guidance: float | None = None
+    # The pipeline guides against zeros when no negative prompt is given (SDXL's
+    # force_zeros_for_empty_prompt): no text encoder is needed for it.
+    zero_negative: bool = False
     # __call__ has callback_on_step_end (else the scheduler's step is hooked).
     step_callback: bool = False
     # output_type="latent" returns the latents (checked in __call__'s source).
@@ -263,6 +266,7 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
         has_text_encoder=handle.component("text_encoder") is not None,
         cfg_guidance=_cfg_guidance(handle, params),
         default_guidance=_number(guidance_default),
+        zero_negative=handle.pipeline_config().get("force_zeros_for_empty_prompt") is True,
         step_callback="callback_on_step_end" in params,
         latent_output=latent,
         default_steps=_int(handle.call_default("num_inference_steps")) or 50,
@@ -415,7 +419,7 @@ def _check_conditioning(profile: PipelineProfile, request: DiffusionRequest) -> 
             _check_embeds(profile, request, prefix)
     guidance = guidance_of(p)
     guidance = profile.default_guidance if guidance is None else guidance
-    cfg = profile.cfg_guidance and (guidance is None or guidance > 1)
+    cfg = profile.cfg_guidance and not profile.zero_negative and (guidance is None or guidance > 1)
     if cfg and "prompt_embeds" in p and "negative_prompt_embeds" not in p and not profile.has_text_encoder:
         raise InvalidRequest(
             rid,

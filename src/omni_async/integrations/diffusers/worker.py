@@ -164,6 +164,12 @@ class DiffusersPipelineWorker:
         profile = profile_of(_source(kwargs).load_config_only())
         return functools.partial(validate_request, profile)
 
+    @classmethod
+    def parameter_schema(cls, **kwargs: object) -> dict[str, object]:
+        """The request parameters of the pipeline a worker built with ``kwargs`` takes, their
+        types and defaults, as JSON-able data (``PipelineProfile.schema``): what a server publishes."""
+        return profile_of(_source(kwargs).load_config_only()).schema()
+
     @staticmethod
     def batch_key(request: DiffusionRequest) -> Hashable | None:
         """Requests with equal keys share one pipeline call (``profile.batch_key``)."""
