@@ -47,6 +47,13 @@ def _worker(name: str, **kwargs: object) -> DiffusersPipelineWorker:
     return DiffusersPipelineWorker(**family_spec_kwargs(name), **kwargs)  # type: ignore[arg-type]
 
 
+def _served(output: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The uint8 pixels a client got (``images`` or ``frames``)."""
+    value = output["images"] if "images" in output else output["frames"]
+    assert isinstance(value, np.ndarray) and value.dtype == np.uint8
+    return value
+
+
 def _u8(pixels: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return to_uint8(pixels).numpy()
 
@@ -231,9 +238,9 @@ def test_family_through_the_engine_over_worker_processes(name: str) -> None:
         return plain, items, encoded
 
     plain, items, encoded = asyncio.run(body())
-    assert np.array_equal(pixels_of(plain.output), _u8(want)), name
+    assert np.array_equal(_served(plain.output), _u8(want)), name
     *chunks, final = items
-    assert isinstance(final, GenerationResult) and np.array_equal(pixels_of(final.output), _u8(want)), name
+    assert isinstance(final, GenerationResult) and np.array_equal(_served(final.output), _u8(want)), name
     assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 2, name
     if seen:  # the preview is the family's own decode of that step's latents
         handle = PipelineHandle(pipe)
@@ -241,7 +248,7 @@ def test_family_through_the_engine_over_worker_processes(name: str) -> None:
         assert decode is not None
         with torch.no_grad():
             preview = _u8(pixels_of(decode(handle, seen[2], params)))
-        assert np.array_equal(pixels_of(chunks[0].output), preview), name
+        assert np.array_equal(_served(chunks[0].output), preview), name
     data = encoded.output.data
     if fmt == "png":
         from PIL import Image
