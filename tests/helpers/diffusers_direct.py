@@ -174,3 +174,16 @@ def _call_names(pipe: Any) -> set[str]:
     import inspect
 
     return set(inspect.signature(type(pipe).__call__).parameters)
+
+
+def leave_like_a_worker() -> None:
+    """A worker's life in a spawned process: build a pipeline, run one call (diffusers makes
+    a progress bar, shown or not), leave by ``os._exit`` as a worker process does."""
+    import os
+
+    from omni_async.core.messages import DiffusionRequest
+    from omni_async.integrations.diffusers import DiffusersPipelineWorker
+
+    worker = DiffusersPipelineWorker(builder=FAMILY, builder_kwargs={"name": "ddim"})
+    worker.execute_model(DiffusionRequest("a", {"seed": 1, "num_inference_steps": 1}))
+    os._exit(0)

@@ -256,3 +256,24 @@ def test_family_through_the_engine_over_worker_processes(name: str) -> None:
         assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), _u8(want[0])), name
     else:
         assert encoded.output.frames == want.shape[1] and data[4:8] == b"ftyp", name
+
+
+@pytest.mark.slow
+def test_a_worker_leaves_no_semaphore_behind() -> None:
+    """tqdm's cross-process lock is a named semaphore; a worker leaves by os._exit, so the
+    resource tracker used to warn "leaked semaphore objects" at every worker's end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    script = (
+        f"import sys, multiprocessing as mp\nsys.path.insert(0, {str(tests)!r})\n"
+        "from helpers.diffusers_direct import leave_like_a_worker\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=leave_like_a_worker)\n"
+        "    p.start(); p.join(); assert p.exitcode == 0, p.exitcode\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr

@@ -32,6 +32,22 @@ def load_diffusers() -> ModuleType:
         raise UsageError(f"omni_async.integrations.diffusers needs diffusers ({exc}); {_INSTALL}") from exc
 
 
+def no_process_lock_for_progress_bars() -> None:
+    """Keep tqdm from making its cross-process lock in this process (a worker's): a
+    ``multiprocessing.RLock`` is a named semaphore, and a worker leaves by ``os._exit``,
+    which skips its cleanup, so every worker that made a progress bar (diffusers makes one
+    per call, shown or not) ended with "resource_tracker: There appear to be 1 leaked
+    semaphore objects".  A worker shows no bars and shares none with another process;
+    its thread lock stays.  A lock already made is left as it is."""
+    try:
+        std = importlib.import_module("tqdm.std")
+    except ImportError:
+        return
+    lock_class = std.TqdmDefaultWriteLock
+    if not hasattr(lock_class, "mp_lock"):
+        lock_class.mp_lock = None  # create_mp_lock() makes one only where the attribute is missing
+
+
 class Configurable(Protocol):
     """A diffusers model or scheduler class: built from a config, its config read from a folder."""
 

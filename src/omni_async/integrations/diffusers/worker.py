@@ -46,6 +46,7 @@ from omni_async.core.messages import (
     DiffusionRequest,
 )
 from omni_async.integrations.diffusers.decode import DECODES, decode_of
+from omni_async.integrations.diffusers.edge import no_process_lock_for_progress_bars
 from omni_async.integrations.diffusers.pixels import DECODE_LATER, ENCODE_LATER, PIPELINE, encodable
 from omni_async.integrations.diffusers.profile import (
     OWN_PARAMETERS,
@@ -118,6 +119,7 @@ class DiffusersPipelineWorker:
         decode: str = "forward",
     ) -> None:
         _check_decode(decode)
+        no_process_lock_for_progress_bars()
         self.source = _source(
             {
                 "builder": builder,
