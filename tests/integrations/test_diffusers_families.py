@@ -117,9 +117,9 @@ def test_parameters_come_from_the_pipelines_call_and_checks_from_its_config() ->
         return DiffusersPipelineWorker.request_validator(**family_spec_kwargs(name))
 
     pixart, cog, flux, sdxl = check("pixart"), check("cogvideox"), check("flux"), check("sdxl")
-    pixart(DiffusionRequest("ok", family_params("pixart", 1)))  # [8, 16]: caption_channels 16, hidden 16... and
+    pixart(DiffusionRequest("ok", family_params("pixart", 1)))  # [8, 16]: caption_channels 16, hidden size 24
     with pytest.raises(InvalidRequest, match=r"transformer.config.caption_channels of PixArtSigmaPipeline is 16"):
-        pixart(DiffusionRequest("bad", {**family_params("pixart", 1), "prompt_embeds": torch.zeros(8, 32)}))
+        pixart(DiffusionRequest("bad", {**family_params("pixart", 1), "prompt_embeds": torch.zeros(8, 24)}))
     with pytest.raises(InvalidRequest, match=r"'prompt_attention_mask' is required with prompt_embeds by PixArt"):
         pixart(
             DiffusionRequest(
