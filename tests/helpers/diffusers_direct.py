@@ -3,7 +3,7 @@ request stands for: what ``DiffusersPipelineWorker`` must reproduce bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -111,7 +111,7 @@ def family_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
         "prompt_attention_mask": torch.ones(8, dtype=torch.long),
         "negative_prompt_attention_mask": torch.tensor([1] * 6 + [0] * 2),
     }
-    extra: dict[str, object] = {
+    by_family: dict[str, dict[str, object]] = {
         "sd": {**embeds},
         "sdxl": {"prompt_embeds": embeds["prompt_embeds"], "pooled_prompt_embeds": pooled["pooled_prompt_embeds"]},
         "sd3": {**embeds, **pooled},
@@ -125,7 +125,8 @@ def family_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
         "ddim": {},
         "cogvideox": {**embeds, "height": 16, "width": 16, "num_frames": 9},
         "ltx": {**embeds, **masks, "height": 32, "width": 32, "num_frames": 9},
-    }[name]
+    }
+    extra = by_family[name]
     return {**extra, "num_inference_steps": steps, "seed": seed}
 
 
@@ -145,7 +146,7 @@ def family_spec_kwargs(name: str) -> dict[str, object]:
     return {"builder": FAMILY, "builder_kwargs": {"name": name}}
 
 
-def direct_family_call(pipe: Any, params: list[Mapping[str, object]], **extra: object) -> Any:
+def direct_family_call(pipe: Any, params: Sequence[Mapping[str, object]], **extra: object) -> Any:
     """``pipe`` called directly for one request or a batch of them (lists of prompts, stacked
     tensors, one generator each; ``batch_size`` for an unconditional pipeline)."""
     kwargs: dict[str, object] = {}

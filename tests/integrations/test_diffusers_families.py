@@ -193,7 +193,7 @@ def test_spec_checks_at_once() -> None:
     with pytest.raises(UsageError, match="cannot read the pipeline config"):
         DiffusersPipelineWorker.spec(pretrained="/nonexistent/model")
     with pytest.raises(UsageError, match="DDIMPipeline cannot"):
-        DiffusersPipelineWorker.spec(**family_spec_kwargs("ddim"), decode="device", postprocess="diffusers")  # type: ignore[arg-type]
+        DiffusersPipelineWorker.spec(**family_spec_kwargs("ddim"), decode="device", postprocess="diffusers")
 
 
 # -- slow: through the engine over worker processes ------------------------------------------
@@ -227,7 +227,7 @@ def test_family_through_the_engine_over_worker_processes(name: str) -> None:
     spec = DiffusersPipelineWorker.spec(postprocess="diffusers", **kwargs)
     fmt = "mp4" if name in VIDEOS else "png"
 
-    async def body() -> tuple[GenerationResult, list[object], Any]:
+    async def body() -> tuple[GenerationResult, list[GenerationChunk | GenerationResult], GenerationResult]:
         engine = AsyncDiffusionEngine.from_factory(
             lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers"
         )
