@@ -1,4 +1,4 @@
-"""Tiny ``DiTPipeline`` and ``WanPipeline`` with random weights: tests, docs, a first try.
+"""Tiny pipelines of ten diffusers families with random weights: tests, docs, a first try.
 
 Built from configs under a fixed seed (``random_pipeline``): nothing is downloaded, and
 each takes a fraction of a second on the CPU.  Their shapes are those of the real
@@ -10,7 +10,14 @@ pipelines at toy scale:
   ``UniPCMultistepScheduler``, no text encoder: requests send ``prompt_embeds``
   (``tiny_prompt_embeds``); videos of ``4k + 1`` frames, sides multiples of 16.
 
-As builders: ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_dit")``.
+* ``tiny_family(name)``: the other families of ``FAMILIES`` -- ``"sd"`` (Stable
+  Diffusion), ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"pixart"`` (PixArt-Sigma), ``"ddim"``,
+  ``"cogvideox"``, ``"ltx"`` -- without text encoders (text dimension ``TEXT_DIM``,
+  pooled ``POOLED_DIM``): requests send embeddings.
+
+As builders: ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_dit")``,
+``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_family",
+builder_kwargs={"name": "flux"})``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,18 @@ import torch
 
 from omni_async.integrations.diffusers.source import ComponentConfig, random_pipeline
 
-__all__ = ["TINY_DIT", "TINY_WAN", "WAN_TEXT_DIM", "tiny_dit", "tiny_prompt_embeds", "tiny_wan"]
+__all__ = [
+    "FAMILIES",
+    "POOLED_DIM",
+    "TEXT_DIM",
+    "TINY_DIT",
+    "TINY_WAN",
+    "WAN_TEXT_DIM",
+    "tiny_dit",
+    "tiny_family",
+    "tiny_prompt_embeds",
+    "tiny_wan",
+]
 
 TINY_DIT: Mapping[str, ComponentConfig] = {
     "transformer": (

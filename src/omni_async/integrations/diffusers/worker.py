@@ -10,19 +10,24 @@ Built in the worker from a picklable description (``PipelineSource``: a builder
   CPU by default, so a seed gives the same noise on every device).  Its output is the
   pipeline's own output object (``ImagePipelineOutput``, ``WanPipelineOutput``: dict
   subclasses the transport carries as they are), its tensors still on the device; with
-  ``output_type="latent"``, ``{"latents": tensor}``.
+  ``output_type="latent"``, ``{"latents": tensor}``.  A request with a ``format``
+  gets ``{"image": uint8 [H, W, 3]}`` or ``{"frames": uint8 [F, H, W, 3]}``, made on
+  the device, which the engine's encoder reads (``pixels.encodable``).
 * ``execute_model_batch(requests)``: requests with equal ``batch_key`` share one call,
-  batched along the pipeline's batch dimension (DiT's list of ``class_labels``, Wan's
-  stacked ``prompt_embeds``, a list of prompts) with one generator per member, and the
-  output is split back per request.  Each member then draws the noise of its own call;
-  whether its pixels are bit-identical to its own call depends on the kernels (see the
-  guide: on the CPU, DiT's are -- the VAE decodes a batch one member at a time here --
-  and Wan's are not, to the last bit).  A pipeline that cannot take a list of
-  generators (a scheduler that draws noise in its step with them, under guidance) fails
-  its first batched step: the worker then runs that batch, and later ones, one call per
-  member, and logs it once.
+  batched along the pipeline's batch dimension (lists of ``class_labels`` and prompts,
+  stacked embeddings, pooled embeddings and masks; ``batch_size`` for an unconditional
+  pipeline, DDIM's) with one generator per member, and the output is split back per
+  request.  Each member then draws the noise of its own call; whether its pixels are
+  bit-identical to its own call depends on the kernels (see the guide: on the CPU,
+  DiT's are -- the VAE decodes a batch one member at a time here -- and Wan's are not,
+  to the last bit); they are bit-identical to the same batch called directly.  A
+  pipeline that refuses a list of generators (its error says so) fails its first
+  batched step: the worker then runs that batch, and later ones, one call per member,
+  and logs it once.  Any other failure before the first step ends runs that batch one
+  call per member, so the member that fails fails alone, and later batches still batch.
 
-Cancellation and previews run between denoising steps (``omni_async.integrations.diffusers.steps``).
+Cancellation and previews run between denoising steps (``omni_async.integrations.diffusers.steps``);
+previews and ``decode="device"`` decode with the family's own decode (``decode``).
 
 The executor checks requests before they reach a worker with ``request_validator(**kwargs)``
 (built from the pipeline's config, without its weights), and groups them with the
