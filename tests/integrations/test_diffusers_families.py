@@ -277,3 +277,31 @@ def test_a_worker_leaves_no_semaphore_behind() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+def test_a_refusal_of_generator_lists_runs_batches_member_by_member() -> None:
+    """A pipeline that refuses a list of generators (diffusers' own words for it, raised
+    here by the transformer of a batched call: none of the tiny families refuses one) runs
+    that batch and later ones one call per member, each its own call's pixels."""
+    worker = _worker("dit")
+    pipe: Any = worker.pipeline
+
+    def refuse(module: object, args: tuple[object, ...], kwargs: dict[str, Any]) -> None:
+        labels = kwargs.get("class_labels")
+        if isinstance(labels, torch.Tensor) and len(labels) > 2:  # guided: a batch of 2 or more
+            raise ValueError(
+                "You have passed a list of generators of length 2, but requested an effective batch size of 4"
+            )
+
+    hook = pipe.transformer.register_forward_pre_hook(refuse, with_kwargs=True)
+    try:
+        params = [family_params("dit", 40 + i) for i in range(2)]
+        got = worker.execute_model_batch([DiffusionRequest(f"g{i}", p) for i, p in enumerate(params)]).outputs
+        assert not worker.generator_lists and worker.pipeline_calls == 3  # the refused call, then one each
+        worker.execute_model_batch([DiffusionRequest(f"h{i}", p) for i, p in enumerate(params)])
+        assert worker.pipeline_calls == 5  # later batches too, without trying again
+        for out, p in zip(got, params, strict=True):
+            alone = worker.execute_model(DiffusionRequest("alone", p)).output
+            assert torch.equal(pixels_of(out.output), pixels_of(alone)), out.request_id
+    finally:
+        hook.remove()

@@ -324,9 +324,11 @@ class DiffusersPipelineWorker:
 
 
 def _refuses_generator_lists(exc: Exception) -> bool:
-    """Whether ``exc`` is a pipeline's refusal of a list of generators (diffusers says
-    "list of generators" when it refuses one), not a member's own failure."""
-    return "generator" in str(exc).lower()
+    """Whether ``exc`` is a pipeline's refusal of a list of generators -- diffusers says
+    "list of generators" where it refuses one, and a scheduler that takes one generator
+    fails on the list's missing attributes -- not a member's own failure."""
+    text = str(exc).lower()
+    return "list of generators" in text or (isinstance(exc, AttributeError) and "'list' object" in text)
 
 
 def _check_device_decode(profile: PipelineProfile) -> None:
