@@ -305,3 +305,38 @@ def test_a_refusal_of_generator_lists_runs_batches_member_by_member() -> None:
             assert torch.equal(pixels_of(out.output), pixels_of(alone)), out.request_id
     finally:
         hook.remove()
+
+
+def test_a_prompt_through_the_pipelines_own_text_encoder() -> None:
+    """Stable Diffusion with a (tiny, in-memory) tokenizer and text encoder: a request with
+    a prompt and a negative prompt, and a batch of two prompts, bit for bit against the
+    pipeline called directly with the same prompts."""
+    from omni_async.integrations.diffusers.tiny import tiny_sd_with_text
+
+    pipe: Any = tiny_sd_with_text()
+    pipe.set_progress_bar_config(disable=True)
+    worker = DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_sd_with_text")
+    one = {"prompt": "a red cat", "negative_prompt": "blurry", "num_inference_steps": 2, "seed": 3}
+    want = pipe(
+        prompt="a red cat",
+        negative_prompt="blurry",
+        num_inference_steps=2,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(3),
+    ).images
+    assert torch.equal(worker.execute_model(DiffusionRequest("p", one)).output.images, want)
+    two = [{**one, "prompt": "a blue dog", "seed": 4}, {**one, "prompt": "photo of a cat", "seed": 5}]
+    calls = worker.pipeline_calls
+    got = worker.execute_model_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(two)]).outputs
+    assert worker.pipeline_calls == calls + 1
+    pipe.vae.enable_slicing()
+    stacked = pipe(
+        prompt=["a blue dog", "photo of a cat"],
+        negative_prompt=["blurry"] * 2,
+        num_inference_steps=2,
+        output_type="pt",
+        generator=[torch.Generator().manual_seed(s) for s in (4, 5)],
+    ).images
+    for i, out in enumerate(got):
+        assert torch.equal(out.output.images, stacked[i : i + 1]), i
+    assert not torch.equal(stacked[0], stacked[1])

@@ -23,6 +23,7 @@ builder_kwargs={"name": "flux"})``.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
@@ -38,6 +39,7 @@ __all__ = [
     "tiny_dit",
     "tiny_family",
     "tiny_prompt_embeds",
+    "tiny_sd_with_text",
     "tiny_wan",
 ]
 
@@ -387,6 +389,49 @@ def tiny_family(name: str, seed: int = 0) -> object:
     """A tiny pipeline of family ``name`` (a key of ``FAMILIES``), random weights under ``seed``."""
     pipeline, components, options = FAMILIES[name]
     return random_pipeline(pipeline, components, seed=seed, options=options)
+
+
+#: The words ``tiny_sd_with_text``'s tokenizer knows (any other is ``<unk>``).
+TINY_WORDS = ("<pad>", "<unk>", "<s>", "</s>", "a", "red", "blue", "cat", "dog", "blurry", "photo", "of")
+
+
+def tiny_sd_with_text(seed: int = 0) -> object:
+    """``tiny_family("sd")`` with a text encoder and a tokenizer, made in memory (a word-level
+    tokenizer over ``TINY_WORDS`` and a one-layer ``CLIPTextModel`` of width ``TEXT_DIM``):
+    requests send a ``prompt``."""
+    import importlib
+
+    tokenizers = importlib.import_module("tokenizers")
+    transformers = importlib.import_module("transformers")
+    vocab = {word: i for i, word in enumerate(TINY_WORDS)}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        model_max_length=8,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    config = transformers.CLIPTextConfig(
+        vocab_size=len(TINY_WORDS),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        projection_dim=POOLED_DIM,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    pipe = tiny_family("sd", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        encoder = transformers.CLIPTextModel(config).eval()
+    cast("Any", pipe).register_modules(text_encoder=encoder, tokenizer=tokenizer)
+    return pipe
 
 
 def tiny_dit(seed: int = 0) -> object:
