@@ -340,3 +340,26 @@ def test_a_prompt_through_the_pipelines_own_text_encoder() -> None:
     for i, out in enumerate(got):
         assert torch.equal(out.output.images, stacked[i : i + 1]), i
     assert not torch.equal(stacked[0], stacked[1])
+
+
+def test_decode_on_the_device_without_its_post_process_says_what_to_do() -> None:
+    """The in-process pattern without the spec's post-process: a decode="device" output
+    cannot travel (its decoder holds the pipeline), and the error says how to build it."""
+    from omni_async.executor.inprocess import InProcessExecutor
+
+    spec = DiffusersPipelineWorker.spec(**family_spec_kwargs("flux"), decode="device", postprocess="diffusers")
+    params = family_params("flux", 1)
+    with InProcessExecutor(spec.build, deadlines=DEADLINES, validate_request=spec.request_validator()) as ex:
+        with pytest.raises(Exception, match=r"postprocess=spec.postprocess") as err:
+            ro = ex.execute_request(DiffusionRequest("d", params))
+            assert ro.async_output_id is not None
+            ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+    assert "cannot pickle '_thread.lock'" not in str(err.value)
+    with InProcessExecutor(
+        spec.build, deadlines=DEADLINES, validate_request=spec.request_validator(), postprocess=spec.postprocess
+    ) as ex:
+        ro = ex.execute_request(DiffusionRequest("d", params))
+        assert ro.async_output_id is not None
+        out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+        assert out.output["images"].dtype == torch.uint8
+        ex.release_output(out)

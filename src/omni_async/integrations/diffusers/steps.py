@@ -30,7 +30,7 @@ from omni_async.integrations.diffusers.edge import PipelineHandle, Stepper
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
-__all__ = ["LatentDecoder", "StepHook", "hooked_scheduler"]
+__all__ = ["DecodeLater", "LatentDecoder", "StepHook", "hooked_scheduler"]
 
 
 class LatentDecoder:
@@ -47,6 +47,28 @@ class LatentDecoder:
     def __call__(self, latents: torch.Tensor, params: Mapping[str, object]) -> Mapping[str, torch.Tensor]:
         with self._lock, torch.no_grad():
             return self._decode(self._handle, latents, params)
+
+
+class DecodeLater:
+    """What a ``decode="device"`` output carries to its device stage (``pixels.device_stage``):
+    the decode of its latents with its request's parameters.  It holds the pipeline and a
+    lock, so it never leaves the worker's process; where no device stage runs (an executor
+    built without ``postprocess="diffusers"``) the output would travel with it, and pickling
+    it fails saying what to do."""
+
+    def __init__(self, decoder: LatentDecoder, params: Mapping[str, object]) -> None:
+        self._decoder = decoder
+        self._params = dict(params)
+
+    def __call__(self, latents: torch.Tensor) -> Mapping[str, torch.Tensor]:
+        return self._decoder(latents, self._params)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError(
+            "a decode='device' output left its latents for the device stage of postprocess='diffusers', and this "
+            "executor runs none: build it with the spec's post-process, e.g. "
+            "InProcessExecutor(spec.build, postprocess=spec.postprocess, ...)"
+        )
 
 
 class StepHook:

@@ -64,7 +64,7 @@ from omni_async.integrations.diffusers.profile import (
     validate_request,
 )
 from omni_async.integrations.diffusers.source import PipelineSource
-from omni_async.integrations.diffusers.steps import LatentDecoder, StepHook, hooked_scheduler
+from omni_async.integrations.diffusers.steps import DecodeLater, LatentDecoder, StepHook, hooked_scheduler
 from omni_async.worker.cancel import cancel_requested
 from omni_async.worker.host import WorkerSpec
 
@@ -265,8 +265,7 @@ class DiffusersPipelineWorker:
                 # The device stage decodes them (pixels.device_stage), in the worker's process:
                 # the decoder never travels.
                 assert isinstance(member, Mapping) and self.decoder is not None
-                decode = functools.partial(self.decoder, params=dict(r.params))
-                member = {**member, DECODE_LATER: decode}
+                member = {**member, DECODE_LATER: DecodeLater(self.decoder, r.params)}
                 if r.format is not None:
                     member[ENCODE_LATER] = True
             elif r.format is not None and asked != "latent":
