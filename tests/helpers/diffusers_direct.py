@@ -3,7 +3,7 @@ request stands for: what ``DiffusersPipelineWorker`` must reproduce bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -82,3 +82,109 @@ def dit_direct() -> Any:
 @pytest.fixture(scope="module")
 def wan_direct() -> Any:
     return direct_pipeline("wan")
+
+
+# -- the family matrix (omni_async.integrations.diffusers.tiny.FAMILIES, plus DiT and Wan) --------
+
+FAMILY = "omni_async.integrations.diffusers.tiny:tiny_family"
+
+
+def _draw(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def family_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
+    """One request's parameters for the tiny pipeline of family ``name``: precomputed
+    embeddings (and the pooled embeddings and masks its pipeline requires), a small size."""
+    from omni_async.integrations.diffusers.tiny import POOLED_DIM, TEXT_DIM
+
+    if name == "dit":
+        return dit_params(seed, label=seed % 1000, steps=steps)
+    if name == "wan":
+        return wan_params(seed, steps=steps)
+    embeds = {"prompt_embeds": _draw(100 + seed, 8, TEXT_DIM), "negative_prompt_embeds": _draw(200 + seed, 8, TEXT_DIM)}
+    pooled = {
+        "pooled_prompt_embeds": _draw(300 + seed, POOLED_DIM),
+        "negative_pooled_prompt_embeds": _draw(400 + seed, POOLED_DIM),
+    }
+    masks = {
+        "prompt_attention_mask": torch.ones(8, dtype=torch.long),
+        "negative_prompt_attention_mask": torch.tensor([1] * 6 + [0] * 2),
+    }
+    by_family: dict[str, dict[str, object]] = {
+        "sd": {**embeds},
+        "sdxl": {"prompt_embeds": embeds["prompt_embeds"], "pooled_prompt_embeds": pooled["pooled_prompt_embeds"]},
+        "sd3": {**embeds, **pooled},
+        "flux": {
+            "prompt_embeds": embeds["prompt_embeds"],
+            "pooled_prompt_embeds": pooled["pooled_prompt_embeds"],
+            "height": 16,
+            "width": 16,
+        },
+        "pixart": {**embeds, **masks, "height": 64, "width": 64},
+        "ddim": {},
+        "cogvideox": {**embeds, "height": 16, "width": 16, "num_frames": 9},
+        "ltx": {**embeds, **masks, "height": 32, "width": 32, "num_frames": 9},
+    }
+    extra = by_family[name]
+    return {**extra, "num_inference_steps": steps, "seed": seed}
+
+
+def family_pipeline(name: str) -> Any:
+    """The tiny pipeline of family ``name``, built as a client would, to call directly."""
+    from omni_async.integrations.diffusers.tiny import tiny_family
+
+    pipe: Any = direct_pipeline(name) if name in BUILDERS else tiny_family(name)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def family_spec_kwargs(name: str) -> dict[str, object]:
+    """``DiffusersPipelineWorker`` keyword arguments that build family ``name``."""
+    if name in BUILDERS:
+        return {"builder": BUILDERS[name][0]}
+    return {"builder": FAMILY, "builder_kwargs": {"name": name}}
+
+
+def direct_family_call(pipe: Any, params: Sequence[Mapping[str, object]], **extra: object) -> Any:
+    """``pipe`` called directly for one request or a batch of them (lists of prompts, stacked
+    tensors, one generator each; ``batch_size`` for an unconditional pipeline)."""
+    kwargs: dict[str, object] = {}
+    for key, value in params[0].items():
+        if key in ("seed", "preview_every"):
+            continue
+        if key == "class_labels":
+            kwargs[key] = [p[key] for p in params]
+        elif isinstance(value, torch.Tensor):
+            # One request's tensor without its batch dimension ([seq, dim], [dim], [seq]) gets one.
+            full = 3 if key.removeprefix("negative_") == "prompt_embeds" else 2
+            kwargs[key] = torch.cat([t if (t := tensor(p, key)).dim() == full else t[None] for p in params])
+        else:
+            kwargs[key] = value
+    if "negative_prompt_embeds" in kwargs and "negative_prompt" in _call_names(pipe):
+        kwargs["negative_prompt"] = None  # PixArt's default "" is refused beside embeddings
+    if "batch_size" in _call_names(pipe) and len(params) > 1:
+        kwargs["batch_size"] = len(params)
+    gens = [torch.Generator().manual_seed(int(str(p["seed"]))) for p in params]
+    kwargs.setdefault("output_type", "pt")
+    kwargs.update(extra)
+    return pipe(**kwargs, generator=gens[0] if len(gens) == 1 else gens)
+
+
+def _call_names(pipe: Any) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(type(pipe).__call__).parameters)
+
+
+def leave_like_a_worker() -> None:
+    """A worker's life in a spawned process: build a pipeline, run one call (diffusers makes
+    a progress bar, shown or not), leave by ``os._exit`` as a worker process does."""
+    import os
+
+    from omni_async.core.messages import DiffusionRequest
+    from omni_async.integrations.diffusers import DiffusersPipelineWorker
+
+    worker = DiffusersPipelineWorker(builder=FAMILY, builder_kwargs={"name": "ddim"})
+    worker.execute_model(DiffusionRequest("a", {"seed": 1, "num_inference_steps": 1}))
+    os._exit(0)

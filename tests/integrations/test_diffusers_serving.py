@@ -16,7 +16,7 @@ import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
-from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
+from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures, used by name
     DIT,
     WAN,
     direct_call,
@@ -35,9 +35,9 @@ from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 from omni_async.integrations.diffusers import DiffusersPipelineWorker, host_stage
+from omni_async.integrations.diffusers.decode import decode_of
 from omni_async.integrations.diffusers.edge import PipelineHandle
 from omni_async.integrations.diffusers.pixels import to_uint8
-from omni_async.integrations.diffusers.steps import decode_latents
 from omni_async.worker.host import WorkerSpec
 
 DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
@@ -145,7 +145,11 @@ def test_streaming_previews_are_the_decoded_latents_of_their_step(wan_direct: An
 
     *chunks, result, plain = asyncio.run(body())
     assert [type(c) for c in chunks] == [GenerationChunk] and [c.output["step"] for c in chunks] == [2]
-    want = to_uint8(decode_latents(PipelineHandle(wan_direct), seen[2])["frames"]).numpy()
+    handle = PipelineHandle(wan_direct)
+    decode = decode_of(handle)
+    assert decode is not None
+    with torch.no_grad():
+        want = to_uint8(decode(handle, seen[2], params)["frames"]).numpy()
     assert np.array_equal(chunks[0].output["frames"], want)
     assert isinstance(result, GenerationResult)
     assert np.array_equal(result.output.frames, to_uint8(final.frames).numpy())
@@ -308,5 +312,8 @@ def test_decode_in_the_device_stage_needs_its_post_process_and_a_known_value() -
         DiffusersPipelineWorker.spec(builder=WAN, decode="device")
     with pytest.raises(UsageError, match="decode must be 'forward' or 'device'"):
         DiffusersPipelineWorker.spec(builder=WAN, decode="later", postprocess="diffusers")
-    # A pipeline that cannot stop at its latents (DiT) decodes in its forward.
-    assert not DiffusersPipelineWorker(builder=DIT, decode="device").decode_in_device_stage
+    # A pipeline that cannot stop at its latents (DiT): refused at once, not decoded in the forward.
+    with pytest.raises(UsageError, match="DiTPipeline cannot: use decode='forward'"):
+        DiffusersPipelineWorker.spec(builder=DIT, decode="device", postprocess="diffusers")
+    with pytest.raises(UsageError, match="DiTPipeline cannot"):
+        DiffusersPipelineWorker(builder=DIT, decode="device")

@@ -12,12 +12,14 @@ import torch
 from diffusers import ImagePipelineOutput
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
-from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures
+from helpers.diffusers_direct import (  # dit_direct, wan_direct: module fixtures, used by name
     DIT,
     WAN,
     direct_call,
+    dit_direct,  # noqa: F401
     dit_params,
     tensor,
+    wan_direct,  # noqa: F401
     wan_params,
 )
 from omni_async.core.errors import InvalidRequest, UsageError
@@ -161,7 +163,7 @@ def check_wan() -> Any:
             r"must be one class, an int in 0\.\.999 .*num_embeds_ada_norm=1000.*got 1000",
         ),
         ({}, "class_labels", r"is required by DiTPipeline"),
-        ({"class_labels": 1, "height": 64}, "height", r"is not a parameter of this DiTPipeline \(it takes \["),
+        ({"class_labels": 1, "height": 64}, "height", r"is not accepted by DiTPipeline.__call__ \(it takes \["),
         ({"class_labels": 1, "num_inference_steps": 0}, "num_inference_steps", r"must be an int in 1\.\.10000, got 0"),
         ({"class_labels": 1, "seed": -1}, "seed", r"must be an int in 0\.\.2\*\*64-1"),
         ({"class_labels": 1, "output_type": "latent"}, "output_type", r"must be one of \['pt'\]"),
@@ -186,7 +188,7 @@ def test_dit_checks_name_the_request_the_parameter_and_the_fix(
         ),
         ({"num_frames": 6}, "num_frames", r"must be 4k \+ 1 .*got 6: send 5 or 9"),
         ({"prompt_embeds": torch.zeros(1, 8, 31)}, "prompt_embeds", r"must have shape \[seq, 32\] .*got \[1, 8, 31\]"),
-        ({"prompt": "a cat"}, "prompt", r"is not a parameter .*no text encoder: send prompt_embeds"),
+        ({"prompt": "a cat"}, "prompt", r"needs a text encoder, and this WanPipeline has none: send prompt_embeds"),
         ({"negative_prompt_embeds": None}, "negative_prompt_embeds", r"must be a float tensor"),
         ({"preview_every": 0}, "preview_every", r"must be an int >= 1"),
     ],

@@ -32,18 +32,28 @@ def load_diffusers() -> ModuleType:
         raise UsageError(f"omni_async.integrations.diffusers needs diffusers ({exc}); {_INSTALL}") from exc
 
 
+def no_process_lock_for_progress_bars() -> None:
+    """Keep tqdm from making its cross-process lock in this process (a worker's): a
+    ``multiprocessing.RLock`` is a named semaphore, and a worker leaves by ``os._exit``,
+    which skips its cleanup, so every worker that made a progress bar (diffusers makes one
+    per call, shown or not) ended with "resource_tracker: There appear to be 1 leaked
+    semaphore objects".  A worker shows no bars and shares none with another process;
+    its thread lock stays.  A lock already made is left as it is."""
+    try:
+        std = importlib.import_module("tqdm.std")
+    except ImportError:
+        return
+    lock_class = std.TqdmDefaultWriteLock
+    if not hasattr(lock_class, "mp_lock"):
+        lock_class.mp_lock = None  # create_mp_lock() makes one only where the attribute is missing
+
+
 class Configurable(Protocol):
     """A diffusers model or scheduler class: built from a config, its config read from a folder."""
 
     def from_config(self, config: Mapping[str, object]) -> object: ...
 
     def load_config(self, path: str, *, subfolder: str) -> Mapping[str, object]: ...
-
-
-class Decoder(Protocol):
-    """A diffusers VAE, as the previews use it."""
-
-    def decode(self, z: torch.Tensor, *, return_dict: bool) -> tuple[torch.Tensor, ...]: ...
 
 
 class Stepper(Protocol):
@@ -75,13 +85,17 @@ class PipelineHandle:
     def class_name(self) -> str:
         return type(self.pipeline).__name__
 
+    def call_signature(self) -> inspect.Signature:
+        """The signature of the pipeline's ``__call__``."""
+        return inspect.signature(type(self.pipeline).__call__)
+
     def call_parameters(self) -> frozenset[str]:
         """The names ``__call__`` takes."""
-        return frozenset(inspect.signature(type(self.pipeline).__call__).parameters)
+        return frozenset(self.call_signature().parameters)
 
     def call_default(self, name: str) -> object | None:
         """The default of ``__call__``'s argument ``name`` (None when it has none)."""
-        found = inspect.signature(type(self.pipeline).__call__).parameters.get(name)
+        found = self.call_signature().parameters.get(name)
         if found is None or found.default is inspect.Parameter.empty:
             return None
         return cast("object", found.default)
@@ -90,6 +104,18 @@ class PipelineHandle:
         """The source of ``__call__`` ('' when it cannot be read)."""
         try:
             return inspect.getsource(type(self.pipeline).__call__)
+        except (OSError, TypeError):
+            return ""
+
+    def class_source(self, name: str) -> str:
+        """The source of the pipeline class's attribute ``name`` (a method or property; ''
+        when absent or unreadable)."""
+        found = inspect.getattr_static(type(self.pipeline), name, None)
+        target = found.fget if isinstance(found, property) else found
+        if target is None:
+            return ""
+        try:
+            return inspect.getsource(target)
         except (OSError, TypeError):
             return ""
 
@@ -111,6 +137,11 @@ class PipelineHandle:
         """The config of component ``name`` ({} when it has none)."""
         found = self.component(name)
         config = getattr(found, "config", None)
+        return cast("Mapping[str, object]", config) if isinstance(config, Mapping) else {}
+
+    def pipeline_config(self) -> Mapping[str, object]:
+        """The pipeline's own config (its ``__init__`` options: ``force_zeros_for_empty_prompt``...)."""
+        config = getattr(self.pipeline, "config", None)
         return cast("Mapping[str, object]", config) if isinstance(config, Mapping) else {}
 
     def attribute(self, name: str) -> object | None:

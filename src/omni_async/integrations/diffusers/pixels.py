@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
 from omni_async.worker.postprocess import PostProcess, register_postprocess
 
@@ -36,13 +37,24 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["DECODE_LATER", "PIPELINE", "POSTPROCESS", "device_stage", "host_stage", "to_uint8"]
+__all__ = [
+    "DECODE_LATER",
+    "ENCODE_LATER",
+    "PIPELINE",
+    "POSTPROCESS",
+    "device_stage",
+    "encodable",
+    "host_stage",
+    "to_uint8",
+]
 
 #: The pipeline name of the post-process (``get_postprocess("diffusers")``).
 PIPELINE = "diffusers"
 _PIXELS = ("images", "frames")
 #: The key under which a ``decode="device"`` worker's output carries its decoder to the device stage.
 DECODE_LATER = "omni_async.decode_later"
+#: Beside it: whether the request asked for a format (the decoded pixels then become ``encodable``).
+ENCODE_LATER = "omni_async.encode_later"
 
 
 def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
@@ -95,6 +107,21 @@ def _map_pixels(output: object, *, to_host: bool) -> object:
     return output
 
 
+def encodable(output: object, request_id: str) -> dict[str, object]:
+    """One request's pipeline output (``images`` ``[1, 3, H, W]`` or ``frames`` ``[1, F, 3,
+    H, W]``, in [0, 1]) as the engine's encoder reads it: ``{"image": uint8 [H, W, 3]}`` or
+    ``{"frames": uint8 [F, H, W, 3]}``, made on the output's device."""
+    fields = output if isinstance(output, Mapping) else {}
+    for key, single in (("frames", "frames"), ("images", "image")):
+        value = fields.get(key)
+        if isinstance(value, torch.Tensor) and value.dim() >= 4 and value.shape[0] == 1:
+            return {single: to_uint8(value[0])}
+    raise UsageError(
+        f"request {request_id!r} asked for a format, but its pipeline output ({type(output).__name__}) has no "
+        "'images' [1, 3, H, W] or 'frames' [1, F, 3, H, W] tensor to encode"
+    )
+
+
 def host_stage(output: DiffusionOutput) -> object:
     """The engine-side stage: uint8 channel-last numpy pixels that own their memory."""
     return _map_pixels(output.output, to_host=True)
@@ -106,7 +133,10 @@ def device_stage(output: DiffusionOutput) -> DiffusionOutput:
     value = output.output
     if isinstance(value, Mapping) and DECODE_LATER in value:
         decode = value[DECODE_LATER]
+        encode = bool(value.get(ENCODE_LATER))
         value = dict(decode(value["latents"]))
+        if encode:
+            value = encodable(value, output.request_id)
     return attrs.evolve(output, output=_map_pixels(value, to_host=False))
 
 

@@ -47,6 +47,7 @@ def random_pipeline(
     components: Mapping[str, ComponentConfig],
     seed: int = 0,
     dtype: str | None = None,
+    options: Mapping[str, object] | None = None,
 ) -> object:
     """A ``diffusers`` pipeline from configs, with random weights drawn under ``seed``.
 
@@ -54,6 +55,7 @@ def random_pipeline(
     ``components``: each ``__init__`` argument as ``(class name, config)`` (models and
     schedulers, built with ``from_config``) or None.  The global RNG is left as it was.
     ``dtype``: a torch dtype name (``"bfloat16"``) for the models, or None (float32).
+    ``options``: other ``__init__`` arguments (``requires_safety_checker=False``).
     The models are built on the current default device (a worker builds under its own,
     so random weights are drawn on the GPU there: fast for billions of parameters).
     """
@@ -77,7 +79,7 @@ def random_pipeline(
             if isinstance(made, torch.nn.Module):
                 made.eval()
             parts[name] = made
-    built = pipe_cls(**parts)
+    built = pipe_cls(**parts, **(options or {}))
     if dtype is not None:
         torch_dtype = getattr(torch, dtype, None)
         if not isinstance(torch_dtype, torch.dtype):

@@ -11,8 +11,8 @@ call, ``scheduler.step`` is wrapped so that the hook runs after each step.  Eith
   not used: it skips the remaining steps but still decodes.)  The check also runs after
   the last step, so a cancel that arrives during it still saves the decode.
 * previews: a streamed request with ``preview_every=k`` gets, every k steps but the
-  last, its latents so far decoded by the pipeline's VAE into the final output's
-  layout (``emit_chunk``, ``omni_async.worker.stream``).
+  last, its latents so far decoded by the pipeline's own decode (``decode.DECODES``)
+  into the final output's layout (``emit_chunk``, ``omni_async.worker.stream``).
 """
 
 from __future__ import annotations
@@ -25,32 +25,56 @@ from typing import cast
 import torch
 
 from omni_async.core.messages import DiffusionRequest
-from omni_async.integrations.diffusers.edge import Decoder, PipelineHandle, Stepper
+from omni_async.integrations.diffusers.decode import Decode
+from omni_async.integrations.diffusers.edge import PipelineHandle, Stepper
 from omni_async.worker.cancel import raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, streaming_requested
 
-__all__ = ["LatentDecoder", "StepHook", "decode_latents", "hooked_scheduler"]
+__all__ = ["DecodeLater", "LatentDecoder", "StepHook", "hooked_scheduler"]
 
 
 class LatentDecoder:
-    """The pipeline's VAE decode (``decode_latents``) behind one lock: the forward's thread
+    """The pipeline's own decode (``decode.DECODES``) behind one lock: the forward's thread
     decodes previews with it while the packer's thread decodes finished latents (a worker
     with ``decode="device"``), and a VAE may keep state while it decodes (Wan's keeps a
     feature cache), so two decodes never run at once."""
 
-    def __init__(self, handle: PipelineHandle) -> None:
+    def __init__(self, handle: PipelineHandle, decode: Decode) -> None:
         self._handle = handle
+        self._decode = decode
         self._lock = threading.Lock()
 
+    def __call__(self, latents: torch.Tensor, params: Mapping[str, object]) -> Mapping[str, torch.Tensor]:
+        with self._lock, torch.no_grad():
+            return self._decode(self._handle, latents, params)
+
+
+class DecodeLater:
+    """What a ``decode="device"`` output carries to its device stage (``pixels.device_stage``):
+    the decode of its latents with its request's parameters.  It holds the pipeline and a
+    lock, so it never leaves the worker's process; where no device stage runs (an executor
+    built without ``postprocess="diffusers"``) the output would travel with it, and pickling
+    it fails saying what to do."""
+
+    def __init__(self, decoder: LatentDecoder, params: Mapping[str, object]) -> None:
+        self._decoder = decoder
+        self._params = dict(params)
+
     def __call__(self, latents: torch.Tensor) -> Mapping[str, torch.Tensor]:
-        with self._lock:
-            return decode_latents(self._handle, latents)
+        return self._decoder(latents, self._params)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError(
+            "a decode='device' output left its latents for the device stage of postprocess='diffusers', and this "
+            "executor runs none: build it with the spec's post-process, e.g. "
+            "InProcessExecutor(spec.build, postprocess=spec.postprocess, ...)"
+        )
 
 
 class StepHook:
     """Runs after every denoising step of one pipeline call over ``requests``."""
 
-    def __init__(self, decoder: LatentDecoder, requests: Sequence[DiffusionRequest], steps: int) -> None:
+    def __init__(self, decoder: LatentDecoder | None, requests: Sequence[DiffusionRequest], steps: int) -> None:
         self._decode = decoder
         self._requests = requests
         self._steps = steps
@@ -60,6 +84,8 @@ class StepHook:
             for i, r in enumerate(requests)
             if r.params.get("preview_every") is not None and streaming_requested(r.request_id)
         }
+        # Validated: a request asks for previews only of a pipeline whose decode is known.
+        assert decoder is not None or not self._previews
 
     def after_step(self, latents: torch.Tensor) -> None:
         self.done += 1
@@ -67,11 +93,12 @@ class StepHook:
         if self.done >= self._steps:
             return
         for i, every in self._previews.items():
-            if self.done % every == 0:
-                rid = self._requests[i].request_id
+            if self.done % every == 0 and self._decode is not None:
+                request = self._requests[i]
+                rid = request.request_id
                 # Row i of the batch (a scheduler hooked under classifier-free guidance sees the
                 # conditional rows first): a fresh decode, which the forward never writes again.
-                preview = dict(self._decode(latents[i : i + 1]))
+                preview = dict(self._decode(latents[i : i + 1], request.params))
                 emit_chunk(rid, {**preview, "step": self.done})
 
     def callback(
@@ -112,33 +139,3 @@ def hooked_scheduler(handle: PipelineHandle, hook: StepHook) -> Iterator[None]:
             scheduler.step = original
         else:
             del scheduler.step
-
-
-def decode_latents(handle: PipelineHandle, latents: torch.Tensor) -> Mapping[str, torch.Tensor]:
-    """Latents to the pixels the pipeline's ``output_type="pt"`` gives: ``{"frames": [B, F, 3,
-    H, W]}`` for a video VAE with per-channel statistics (Wan), ``{"images": [B, 3, H, W]}``
-    for an image VAE with a scaling factor (DiT); ``{"latents": ...}`` (a copy) when the
-    pipeline has neither."""
-    vae = handle.module("vae")
-    config = handle.config("vae")
-    with torch.no_grad():
-        if vae is not None and "latents_mean" in config and latents.dim() == 5:
-            z = latents.to(dtype=next(vae.parameters()).dtype)
-            channels = z.shape[1]
-            mean = torch.tensor(config["latents_mean"]).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
-            inv_std = 1.0 / torch.tensor(config["latents_std"]).view(1, channels, 1, 1, 1).to(z.device, z.dtype)
-            video = _decode(vae, z / inv_std + mean)
-            processor = handle.attribute("video_processor")
-            post = getattr(processor, "postprocess_video", None)
-            if callable(post):
-                return {"frames": post(video, output_type="pt")}
-            return {"frames": (video / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)}
-        factor = config.get("scaling_factor")
-        if vae is not None and isinstance(factor, float) and latents.dim() == 4:
-            samples = _decode(vae, latents / factor)
-            return {"images": (samples / 2 + 0.5).clamp(0, 1)}
-    return {"latents": latents.clone()}
-
-
-def _decode(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
-    return cast("Decoder", vae).decode(z, return_dict=False)[0]

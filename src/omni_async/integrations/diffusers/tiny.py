@@ -1,4 +1,4 @@
-"""Tiny ``DiTPipeline`` and ``WanPipeline`` with random weights: tests, docs, a first try.
+"""Tiny pipelines of ten diffusers families with random weights: tests, docs, a first try.
 
 Built from configs under a fixed seed (``random_pipeline``): nothing is downloaded, and
 each takes a fraction of a second on the CPU.  Their shapes are those of the real
@@ -10,18 +10,38 @@ pipelines at toy scale:
   ``UniPCMultistepScheduler``, no text encoder: requests send ``prompt_embeds``
   (``tiny_prompt_embeds``); videos of ``4k + 1`` frames, sides multiples of 16.
 
-As builders: ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_dit")``.
+* ``tiny_family(name)``: the other families of ``FAMILIES`` -- ``"sd"`` (Stable
+  Diffusion), ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"pixart"`` (PixArt-Sigma), ``"ddim"``,
+  ``"cogvideox"``, ``"ltx"`` -- without text encoders (text dimension ``TEXT_DIM``,
+  pooled ``POOLED_DIM``): requests send embeddings.
+
+As builders: ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_dit")``,
+``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_family",
+builder_kwargs={"name": "flux"})``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 
 from omni_async.integrations.diffusers.source import ComponentConfig, random_pipeline
 
-__all__ = ["TINY_DIT", "TINY_WAN", "WAN_TEXT_DIM", "tiny_dit", "tiny_prompt_embeds", "tiny_wan"]
+__all__ = [
+    "FAMILIES",
+    "POOLED_DIM",
+    "TEXT_DIM",
+    "TINY_DIT",
+    "TINY_WAN",
+    "WAN_TEXT_DIM",
+    "tiny_dit",
+    "tiny_family",
+    "tiny_prompt_embeds",
+    "tiny_sd_with_text",
+    "tiny_wan",
+]
 
 TINY_DIT: Mapping[str, ComponentConfig] = {
     "transformer": (
@@ -91,6 +111,327 @@ TINY_WAN: Mapping[str, ComponentConfig] = {
         {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0},
     ),
 }
+
+
+_VAE_4 = {
+    "block_out_channels": [8, 16],
+    "down_block_types": ["DownEncoderBlock2D", "DownEncoderBlock2D"],
+    "up_block_types": ["UpDecoderBlock2D", "UpDecoderBlock2D"],
+    "latent_channels": 4,
+    "norm_num_groups": 8,
+    "layers_per_block": 1,
+}
+#: The text dimension of every tiny family below, and SDXL's (and SD3's, Flux's) pooled one.
+TEXT_DIM = 16
+POOLED_DIM = 8
+
+#: Tiny configs of the other families, built by ``tiny_family(name)`` (no text encoder:
+#: requests send embeddings).  Each entry: the pipeline class, its components, and
+#: keyword arguments of its ``__init__`` that are not components.
+FAMILIES: Mapping[str, tuple[str, Mapping[str, ComponentConfig], Mapping[str, object]]] = {
+    "sd": (
+        "StableDiffusionPipeline",
+        {
+            "vae": ("AutoencoderKL", _VAE_4),
+            "text_encoder": None,
+            "tokenizer": None,
+            "unet": (
+                "UNet2DConditionModel",
+                {
+                    "block_out_channels": [8, 16],
+                    "layers_per_block": 1,
+                    "sample_size": 8,
+                    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+                    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+                    "cross_attention_dim": TEXT_DIM,
+                    "norm_num_groups": 8,
+                    "attention_head_dim": 2,
+                },
+            ),
+            "scheduler": ("DDIMScheduler", {"clip_sample": False, "set_alpha_to_one": False}),
+            "safety_checker": None,
+            "feature_extractor": None,
+        },
+        {"requires_safety_checker": False},
+    ),
+    "sdxl": (
+        "StableDiffusionXLPipeline",
+        {
+            "vae": ("AutoencoderKL", _VAE_4),
+            "text_encoder": None,
+            "text_encoder_2": None,
+            "tokenizer": None,
+            "tokenizer_2": None,
+            "unet": (
+                "UNet2DConditionModel",
+                {
+                    "block_out_channels": [8, 16],
+                    "layers_per_block": 1,
+                    "sample_size": 8,
+                    "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+                    "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+                    "cross_attention_dim": TEXT_DIM,
+                    "norm_num_groups": 8,
+                    "attention_head_dim": 2,
+                    "addition_embed_type": "text_time",
+                    "addition_time_embed_dim": 4,
+                    "projection_class_embeddings_input_dim": POOLED_DIM + 6 * 4,
+                    "transformer_layers_per_block": 1,
+                },
+            ),
+            "scheduler": ("EulerDiscreteScheduler", {}),
+        },
+        {},
+    ),
+    "sd3": (
+        "StableDiffusion3Pipeline",
+        {
+            "transformer": (
+                "SD3Transformer2DModel",
+                {
+                    "sample_size": 8,
+                    "patch_size": 2,
+                    "in_channels": 4,
+                    "num_layers": 1,
+                    "attention_head_dim": 8,
+                    "num_attention_heads": 2,
+                    "joint_attention_dim": TEXT_DIM,
+                    "caption_projection_dim": 16,
+                    "pooled_projection_dim": POOLED_DIM,
+                    "out_channels": 4,
+                    "pos_embed_max_size": 16,
+                },
+            ),
+            "scheduler": ("FlowMatchEulerDiscreteScheduler", {}),
+            "vae": ("AutoencoderKL", {**_VAE_4, "shift_factor": 0.0609, "scaling_factor": 1.5035}),
+            "text_encoder": None,
+            "tokenizer": None,
+            "text_encoder_2": None,
+            "tokenizer_2": None,
+            "text_encoder_3": None,
+            "tokenizer_3": None,
+        },
+        {},
+    ),
+    "flux": (
+        "FluxPipeline",
+        {
+            "scheduler": ("FlowMatchEulerDiscreteScheduler", {}),
+            "vae": ("AutoencoderKL", {**_VAE_4, "shift_factor": 0.1159, "scaling_factor": 0.3611}),
+            "text_encoder": None,
+            "tokenizer": None,
+            "text_encoder_2": None,
+            "tokenizer_2": None,
+            "transformer": (
+                "FluxTransformer2DModel",
+                {
+                    "patch_size": 1,
+                    "in_channels": 16,
+                    "num_layers": 1,
+                    "num_single_layers": 1,
+                    "attention_head_dim": 16,
+                    "num_attention_heads": 2,
+                    "joint_attention_dim": TEXT_DIM,
+                    "pooled_projection_dim": POOLED_DIM,
+                    "axes_dims_rope": [4, 6, 6],
+                },
+            ),
+        },
+        {},
+    ),
+    "pixart": (
+        "PixArtSigmaPipeline",
+        {
+            "tokenizer": None,
+            "text_encoder": None,
+            "vae": (
+                "AutoencoderKL",
+                {
+                    **_VAE_4,
+                    "block_out_channels": [8, 8, 8, 8],
+                    "down_block_types": ["DownEncoderBlock2D"] * 4,
+                    "up_block_types": ["UpDecoderBlock2D"] * 4,
+                },
+            ),
+            "transformer": (
+                "PixArtTransformer2DModel",
+                {
+                    # 32: PixArt's resolution binning knows sample sizes 32 (256 px), 64, 128, 256 only.
+                    "sample_size": 32,
+                    "num_layers": 1,
+                    "patch_size": 2,
+                    # A hidden size (24) other than the text dimension (16): the check reads the right one.
+                    "attention_head_dim": 12,
+                    "num_attention_heads": 2,
+                    "caption_channels": TEXT_DIM,
+                    "in_channels": 4,
+                    "cross_attention_dim": 24,
+                    "out_channels": 8,
+                    "attention_bias": True,
+                    "activation_fn": "gelu-approximate",
+                    "num_embeds_ada_norm": 1000,
+                    "norm_type": "ada_norm_single",
+                    "norm_elementwise_affine": False,
+                    "norm_eps": 1e-6,
+                },
+            ),
+            "scheduler": ("DPMSolverMultistepScheduler", {}),
+        },
+        {},
+    ),
+    "ddim": (
+        "DDIMPipeline",
+        {
+            "unet": (
+                "UNet2DModel",
+                {
+                    "block_out_channels": [8, 16],
+                    "layers_per_block": 1,
+                    "sample_size": 8,
+                    "in_channels": 3,
+                    "out_channels": 3,
+                    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+                    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"],
+                    "norm_num_groups": 8,
+                    "attention_head_dim": 4,
+                },
+            ),
+            "scheduler": ("DDIMScheduler", {}),
+        },
+        {},
+    ),
+    "cogvideox": (
+        "CogVideoXPipeline",
+        {
+            "tokenizer": None,
+            "text_encoder": None,
+            "vae": (
+                "AutoencoderKLCogVideoX",
+                {
+                    "down_block_types": ["CogVideoXDownBlock3D"] * 4,
+                    "up_block_types": ["CogVideoXUpBlock3D"] * 4,
+                    "block_out_channels": [8, 8, 8, 8],
+                    "latent_channels": 4,
+                    "layers_per_block": 1,
+                    "norm_num_groups": 2,
+                    "temporal_compression_ratio": 4,
+                },
+            ),
+            "transformer": (
+                "CogVideoXTransformer3DModel",
+                {
+                    "num_attention_heads": 2,
+                    "attention_head_dim": 8,
+                    "in_channels": 4,
+                    "out_channels": 4,
+                    "time_embed_dim": 2,
+                    "text_embed_dim": TEXT_DIM,
+                    "num_layers": 1,
+                    "sample_width": 2,
+                    "sample_height": 2,
+                    "sample_frames": 9,
+                    "patch_size": 2,
+                    "temporal_compression_ratio": 4,
+                    "max_text_seq_length": 8,
+                },
+            ),
+            "scheduler": ("CogVideoXDDIMScheduler", {}),
+        },
+        {},
+    ),
+    "ltx": (
+        "LTXPipeline",
+        {
+            "scheduler": ("FlowMatchEulerDiscreteScheduler", {}),
+            "vae": (
+                "AutoencoderKLLTXVideo",
+                {
+                    "latent_channels": 8,
+                    "block_out_channels": [8, 8, 8, 8],
+                    "decoder_block_out_channels": [8, 8, 8, 8],
+                    "layers_per_block": [1, 1, 1, 1, 1],
+                    "decoder_layers_per_block": [1, 1, 1, 1, 1],
+                    "spatio_temporal_scaling": [True, True, False, False],
+                    "decoder_spatio_temporal_scaling": [True, True, False, False],
+                    "decoder_inject_noise": [False, False, False, False, False],
+                    "upsample_residual": [False, False, False, False],
+                    "upsample_factor": [1, 1, 1, 1],
+                    "timestep_conditioning": False,
+                    "patch_size": 1,
+                    "patch_size_t": 1,
+                    "encoder_causal": True,
+                    "decoder_causal": False,
+                },
+            ),
+            "text_encoder": None,
+            "tokenizer": None,
+            "transformer": (
+                "LTXVideoTransformer3DModel",
+                {
+                    "in_channels": 8,
+                    "out_channels": 8,
+                    "patch_size": 1,
+                    "patch_size_t": 1,
+                    "num_attention_heads": 2,
+                    "attention_head_dim": 8,
+                    "cross_attention_dim": 16,
+                    "num_layers": 1,
+                    "caption_channels": TEXT_DIM,
+                },
+            ),
+        },
+        {},
+    ),
+}
+
+
+def tiny_family(name: str, seed: int = 0) -> object:
+    """A tiny pipeline of family ``name`` (a key of ``FAMILIES``), random weights under ``seed``."""
+    pipeline, components, options = FAMILIES[name]
+    return random_pipeline(pipeline, components, seed=seed, options=options)
+
+
+#: The words ``tiny_sd_with_text``'s tokenizer knows (any other is ``<unk>``).
+TINY_WORDS = ("<pad>", "<unk>", "<s>", "</s>", "a", "red", "blue", "cat", "dog", "blurry", "photo", "of")
+
+
+def tiny_sd_with_text(seed: int = 0) -> object:
+    """``tiny_family("sd")`` with a text encoder and a tokenizer, made in memory (a word-level
+    tokenizer over ``TINY_WORDS`` and a one-layer ``CLIPTextModel`` of width ``TEXT_DIM``):
+    requests send a ``prompt``."""
+    import importlib
+
+    tokenizers = importlib.import_module("tokenizers")
+    transformers = importlib.import_module("transformers")
+    vocab = {word: i for i, word in enumerate(TINY_WORDS)}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        model_max_length=8,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    config = transformers.CLIPTextConfig(
+        vocab_size=len(TINY_WORDS),
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=8,
+        projection_dim=POOLED_DIM,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    pipe = tiny_family("sd", seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        encoder = transformers.CLIPTextModel(config).eval()
+    cast("Any", pipe).register_modules(text_encoder=encoder, tokenizer=tokenizer)
+    return pipe
 
 
 def tiny_dit(seed: int = 0) -> object:

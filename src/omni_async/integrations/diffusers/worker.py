@@ -10,19 +10,24 @@ Built in the worker from a picklable description (``PipelineSource``: a builder
   CPU by default, so a seed gives the same noise on every device).  Its output is the
   pipeline's own output object (``ImagePipelineOutput``, ``WanPipelineOutput``: dict
   subclasses the transport carries as they are), its tensors still on the device; with
-  ``output_type="latent"``, ``{"latents": tensor}``.
+  ``output_type="latent"``, ``{"latents": tensor}``.  A request with a ``format``
+  gets ``{"image": uint8 [H, W, 3]}`` or ``{"frames": uint8 [F, H, W, 3]}``, made on
+  the device, which the engine's encoder reads (``pixels.encodable``).
 * ``execute_model_batch(requests)``: requests with equal ``batch_key`` share one call,
-  batched along the pipeline's batch dimension (DiT's list of ``class_labels``, Wan's
-  stacked ``prompt_embeds``, a list of prompts) with one generator per member, and the
-  output is split back per request.  Each member then draws the noise of its own call;
-  whether its pixels are bit-identical to its own call depends on the kernels (see
-  docs/diffusers.md: on the CPU, DiT's are -- the VAE decodes a batch one member at a time here --
-  and Wan's are not, to the last bit).  A pipeline that cannot take a list of
-  generators (a scheduler that draws noise in its step with them, under guidance) fails
-  its first batched step: the worker then runs that batch, and later ones, one call per
-  member, and logs it once.
+  batched along the pipeline's batch dimension (lists of ``class_labels`` and prompts,
+  stacked embeddings, pooled embeddings and masks; ``batch_size`` for an unconditional
+  pipeline, DDIM's) with one generator per member, and the output is split back per
+  request.  Each member then draws the noise of its own call; whether its pixels are
+  bit-identical to its own call depends on the kernels (see docs/diffusers.md: on the CPU,
+  DiT's are -- the VAE decodes a batch one member at a time here -- and Wan's are not,
+  to the last bit); they are bit-identical to the same batch called directly.  A
+  pipeline that refuses a list of generators (its error says so) fails its first
+  batched step: the worker then runs that batch, and later ones, one call per member,
+  and logs it once.  Any other failure before the first step ends runs that batch one
+  call per member, so the member that fails fails alone, and later batches still batch.
 
-Cancellation and previews run between denoising steps (``omni_async.integrations.diffusers.steps``).
+Cancellation and previews run between denoising steps (``omni_async.integrations.diffusers.steps``);
+previews and ``decode="device"`` decode with the family's own decode (``decode``).
 
 The executor checks requests before they reach a worker with ``request_validator(**kwargs)``
 (built from the pipeline's config, without its weights), and groups them with the
@@ -37,7 +42,6 @@ import logging
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import ClassVar
 
-import attrs
 import torch
 
 from omni_async.core.errors import UsageError
@@ -46,16 +50,21 @@ from omni_async.core.messages import (
     DiffusionOutput,
     DiffusionRequest,
 )
-from omni_async.integrations.diffusers.pixels import DECODE_LATER, PIPELINE
+from omni_async.integrations.diffusers.decode import DECODES, decode_of
+from omni_async.integrations.diffusers.edge import no_process_lock_for_progress_bars
+from omni_async.integrations.diffusers.pixels import DECODE_LATER, ENCODE_LATER, PIPELINE, encodable
 from omni_async.integrations.diffusers.profile import (
+    OWN_PARAMETERS,
     PipelineProfile,
     batch_key,
-    embeds_2d,
+    is_per_member,
+    per_request,
     profile_of,
+    stack_dims,
     validate_request,
 )
 from omni_async.integrations.diffusers.source import PipelineSource
-from omni_async.integrations.diffusers.steps import LatentDecoder, StepHook, hooked_scheduler
+from omni_async.integrations.diffusers.steps import DecodeLater, LatentDecoder, StepHook, hooked_scheduler
 from omni_async.worker.cancel import cancel_requested
 from omni_async.worker.host import WorkerSpec
 
@@ -63,7 +72,6 @@ __all__ = ["DiffusersPipelineWorker"]
 
 log = logging.getLogger(__name__)
 
-_SHARED = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 _SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
 
 
@@ -116,6 +124,7 @@ class DiffusersPipelineWorker:
         decode: str = "forward",
     ) -> None:
         _check_decode(decode)
+        no_process_lock_for_progress_bars()
         self.source = _source(
             {
                 "builder": builder,
@@ -130,11 +139,12 @@ class DiffusersPipelineWorker:
         self.generator_device = torch.device(generator_device)
         self.handle = self.source.load(self.device)
         self.profile: PipelineProfile = profile_of(self.handle)
-        # The VAE decode, for previews and (``decode="device"``) the device stage.
-        self.decoder = LatentDecoder(self.handle)
-        self.decode_in_device_stage = decode == "device" and self.profile.latent_output
-        if decode == "device" and not self.profile.latent_output:
-            log.warning("%s cannot return latents: decode='device' decodes in the forward", self.profile.pipeline)
+        # The family's own decode, for previews and (``decode="device"``) the device stage.
+        found = decode_of(self.handle)
+        self.decoder = None if found is None else LatentDecoder(self.handle, found)
+        if decode == "device":
+            _check_device_decode(self.profile)
+        self.decode_in_device_stage = decode == "device"
         self.sliced_vae = slice_vae and self.handle.slice_vae()
         # False once the pipeline refused a list of generators: batches run member by member.
         self.generator_lists = True
@@ -161,6 +171,12 @@ class DiffusersPipelineWorker:
         profile = profile_of(_source(kwargs).load_config_only())
         return functools.partial(validate_request, profile)
 
+    @classmethod
+    def parameter_schema(cls, **kwargs: object) -> dict[str, object]:
+        """The request parameters of the pipeline a worker built with ``kwargs`` takes, their
+        types and defaults, as JSON-able data (``PipelineProfile.schema``): what a server publishes."""
+        return profile_of(_source(kwargs).load_config_only()).schema()
+
     @staticmethod
     def batch_key(request: DiffusionRequest) -> Hashable | None:
         """Requests with equal keys share one pipeline call (``profile.batch_key``)."""
@@ -170,7 +186,7 @@ class DiffusersPipelineWorker:
     def spec(cls, *, postprocess: str | None = None, **kwargs: object) -> WorkerSpec:
         """The ``WorkerSpec`` of a worker built with ``kwargs`` (the constructor's);
         ``postprocess="diffusers"`` converts the pixels to uint8 on the device, before the copy."""
-        _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
+        source = _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
         decode = kwargs.get("decode", "forward")
         _check_decode(decode)
         if decode == "device" and postprocess != PIPELINE:
@@ -178,6 +194,11 @@ class DiffusersPipelineWorker:
                 f"DiffusersPipelineWorker.spec: decode='device' decodes in the device stage of "
                 f"postprocess={PIPELINE!r}; got postprocess={postprocess!r}"
             )
+        # What can be checked without the weights, now rather than at the worker's start: the
+        # builder imports, the pipeline class exists, the folder's config reads, the options fit.
+        profile = profile_of(source.load_config_only())
+        if decode == "device":
+            _check_device_decode(profile)
         return WorkerSpec(f"{cls.__module__}:{cls.__qualname__}", kwargs=kwargs, postprocess=postprocess)
 
     # -- the model interface ------------------------------------------------------------------
@@ -208,6 +229,8 @@ class DiffusersPipelineWorker:
     def _run(self, requests: Sequence[DiffusionRequest]) -> list[DiffusionOutput]:
         if len(requests) > 1 and not self.generator_lists:
             return [out for r in requests for out in self._run([r])]
+        if any(r.format is not None for r in requests) and len({r.format is None for r in requests}) > 1:
+            return [out for r in requests for out in self._run([r])]  # an encoded member's output differs
         steps = requests[0].params.get("num_inference_steps", self.profile.default_steps)
         hook = StepHook(self.decoder, requests, int(steps) if isinstance(steps, int) else 0)
         kwargs = self._call_kwargs(requests, hook)
@@ -220,26 +243,34 @@ class DiffusersPipelineWorker:
         except Exception as exc:
             if len(requests) == 1 or hook.done > 0 or cancel_requested():
                 raise
-            # Before its first step ended: the pipeline (its scheduler, under guidance) may not
-            # take a list of generators.  One call per member from now on.
-            log.warning(
-                "%s refused a batch of %d with one generator per request (%s: %s); running batches one request "
-                "at a time from now on",
-                self.profile.pipeline,
-                len(requests),
-                type(exc).__name__,
-                exc,
-            )
-            self.generator_lists = False
+            if _refuses_generator_lists(exc):
+                # The refusal this fallback is for: the pipeline takes one generator, not one per
+                # member.  It will refuse every later batch the same way.
+                log.warning(
+                    "%s refused a batch of %d with one generator per request (%s: %s); running batches one "
+                    "request at a time from now on",
+                    self.profile.pipeline,
+                    len(requests),
+                    type(exc).__name__,
+                    exc,
+                )
+                self.generator_lists = False
+            # Otherwise a member's own failure: this batch runs one call per member (the failing
+            # one fails alone), and later batches still batch.
             return [out for r in requests for out in self._run([r])]
-        outputs = [
-            DiffusionOutput(r.request_id, _member(result, i, len(requests), latent=later or asked == "latent"))
-            for i, r in enumerate(requests)
-        ]
-        if later:
-            # The device stage decodes them (pixels.device_stage), in the worker's process:
-            # the decoder never travels.
-            outputs = [attrs.evolve(o, output={**o.output, DECODE_LATER: self.decoder}) for o in outputs]
+        outputs = []
+        for i, r in enumerate(requests):
+            member = _member(result, i, len(requests), latent=later or asked == "latent")
+            if later:
+                # The device stage decodes them (pixels.device_stage), in the worker's process:
+                # the decoder never travels.
+                assert isinstance(member, Mapping) and self.decoder is not None
+                member = {**member, DECODE_LATER: DecodeLater(self.decoder, r.params)}
+                if r.format is not None:
+                    member[ENCODE_LATER] = True
+            elif r.format is not None and asked != "latent":
+                member = encodable(member, r.request_id)
+            outputs.append(DiffusionOutput(r.request_id, member))
         return outputs
 
     def _call(self, kwargs: dict[str, object], hook: StepHook) -> object:
@@ -251,19 +282,30 @@ class DiffusersPipelineWorker:
             return self.handle(**kwargs)
 
     def _call_kwargs(self, requests: Sequence[DiffusionRequest], hook: StepHook) -> dict[str, object]:
+        """The pipeline's arguments for ``requests`` (equal ``batch_key``): the shared ones
+        as the first request has them, the per-member ones as lists or stacked tensors."""
         first = requests[0].params
-        kwargs: dict[str, object] = {name: first[name] for name in _SHARED if name in first}
-        if "class_labels" in first:
-            kwargs["class_labels"] = [int(r.params["class_labels"]) for r in requests]
-        if "prompt" in first:
-            kwargs["prompt"] = [str(r.params["prompt"]) for r in requests]
-            if any("negative_prompt" in r.params for r in requests):
-                kwargs["negative_prompt"] = [str(r.params.get("negative_prompt", "")) for r in requests]
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            if name in first:
+        kwargs: dict[str, object] = {}
+        for name, value in first.items():
+            if name in OWN_PARAMETERS:
+                continue
+            if name == "class_labels":
+                kwargs[name] = [int(r.params[name]) for r in requests]
+            elif not is_per_member(name):
+                kwargs[name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+            elif (dims := stack_dims(name)) is not None:
                 tensors = [r.params[name] for r in requests]
                 assert all(isinstance(t, torch.Tensor) for t in tensors)  # validated
-                kwargs[name] = torch.cat([embeds_2d(t) for t in tensors if isinstance(t, torch.Tensor)]).to(self.device)
+                stacked = [per_request(t, dims) for t in tensors if isinstance(t, torch.Tensor)]
+                kwargs[name] = torch.cat(stacked).to(self.device)
+            else:
+                kwargs[name] = [str(r.params[name]) for r in requests]
+        neg_default = self.handle.call_default("negative_prompt")
+        if "negative_prompt_embeds" in first and "negative_prompt" not in first and neg_default is not None:
+            # PixArt's default negative_prompt is "", which its check refuses beside embeddings.
+            kwargs["negative_prompt"] = None
+        if self.profile.unconditional and len(requests) > 1:
+            kwargs["batch_size"] = len(requests)  # DDIM/DDPM: the batch is its batch_size
         generators = [self._generator(r) for r in requests]
         kwargs["generator"] = generators[0] if len(generators) == 1 else generators
         kwargs["output_type"] = first.get("output_type", "pt")
@@ -278,6 +320,27 @@ class DiffusersPipelineWorker:
         else:
             gen.seed()  # no seed asked for: a fresh one, still one generator per request
         return gen
+
+
+def _refuses_generator_lists(exc: Exception) -> bool:
+    """Whether ``exc`` is a pipeline's refusal of a list of generators -- diffusers says
+    "list of generators" where it refuses one, and a scheduler that takes one generator
+    fails on the list's missing attributes -- not a member's own failure."""
+    text = str(exc).lower()
+    return "list of generators" in text or (isinstance(exc, AttributeError) and "'list' object" in text)
+
+
+def _check_device_decode(profile: PipelineProfile) -> None:
+    if not profile.latent_output:
+        raise UsageError(
+            f"DiffusersPipelineWorker: decode='device' needs a pipeline that can stop at its latents "
+            f"(output_type='latent'); {profile.pipeline} cannot: use decode='forward'"
+        )
+    if not profile.decode_known:
+        raise UsageError(
+            f"DiffusersPipelineWorker: decode='device' runs the pipeline's own decode, and that of "
+            f"{profile.pipeline} is not known here (known: {sorted(DECODES)}): use decode='forward'"
+        )
 
 
 def _check_decode(decode: object) -> None:

@@ -1,0 +1,365 @@
+"""The family matrix: a tiny random pipeline of each diffusers family (Stable Diffusion,
+SDXL, SD3, Flux, PixArt-Sigma, DiT, DDIM, Wan, CogVideoX, LTX), served by
+``DiffusersPipelineWorker`` with precomputed embeddings (and the pooled embeddings and
+masks its pipeline requires), and each output compared bit for bit with the pipeline
+called directly: one request, a batch (against the same batch called directly), the
+family's own decode (``decode="device"``, previews) against the pipeline's own pixels,
+and an encoded request.  The fast tier runs the worker in this process; the slow tier
+serves each family through ``AsyncDiffusionEngine`` over worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.diffusers_direct import (
+    direct_family_call,
+    family_params,
+    family_pipeline,
+    family_spec_kwargs,
+    pixels_of,
+)
+from omni_async.core.config import Deadlines
+from omni_async.core.errors import InvalidRequest, UsageError
+from omni_async.core.messages import DiffusionRequest
+from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.metrics import GenerationChunk, GenerationResult
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor
+from omni_async.integrations.diffusers import DiffusersPipelineWorker
+from omni_async.integrations.diffusers.decode import decode_of
+from omni_async.integrations.diffusers.edge import PipelineHandle
+from omni_async.integrations.diffusers.pixels import device_stage, to_uint8
+
+IMAGES = ["sd", "sdxl", "sd3", "flux", "pixart", "dit", "ddim"]
+VIDEOS = ["wan", "cogvideox", "ltx"]
+FAMILIES = IMAGES + VIDEOS
+#: Families whose pipeline returns latents (output_type="latent"): decode="device" serves them.
+LATENT = {"sd", "sdxl", "sd3", "flux", "pixart", "wan", "cogvideox", "ltx"}
+DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
+
+
+def _worker(name: str, **kwargs: object) -> DiffusersPipelineWorker:
+    return DiffusersPipelineWorker(**family_spec_kwargs(name), **kwargs)  # type: ignore[arg-type]
+
+
+def _served(output: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The uint8 pixels a client got (``images`` or ``frames``)."""
+    value = output["images"] if "images" in output else output["frames"]
+    assert isinstance(value, np.ndarray) and value.dtype == np.uint8
+    return value
+
+
+def _u8(pixels: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return to_uint8(pixels).numpy()
+
+
+#: The fast tier's families (the lightest on the CPU); the others run in the slow tier.
+FAST = {"sd3", "flux", "ddim"}
+
+
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+def test_family_in_process_bit_exact(name: str) -> None:
+    """One worker per family: a request, a batch of two, the family's own decode of the
+    pipeline's latents, decode="device" and an encoded request's pixels, each bit for bit."""
+    pipe = family_pipeline(name)
+    worker = _worker(name)
+    params = family_params(name, seed=1)
+    want = pixels_of(direct_family_call(pipe, [params]))
+    out = worker.execute_model(DiffusionRequest("one", params)).output
+    assert torch.equal(pixels_of(out), want), name
+
+    # A batch: one pipeline call, each member the same batch called directly (VAE slicing).
+    batch = [family_params(name, seed=2), family_params(name, seed=3)]
+    calls = worker.pipeline_calls
+    got = worker.execute_model_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(batch)]).outputs
+    assert worker.pipeline_calls == calls + 1, name
+    if hasattr(pipe, "vae") and pipe.vae is not None and hasattr(pipe.vae, "enable_slicing"):
+        pipe.vae.enable_slicing()
+    stacked = pixels_of(direct_family_call(pipe, batch))
+    for i, o in enumerate(got):
+        assert torch.equal(pixels_of(o.output), stacked[i : i + 1]), (name, i)
+
+    # An encoded request: the encoder's uint8 pixels, channel-last, one image or one video.
+    enc = worker.execute_model(DiffusionRequest("enc", params, format="mp4" if name in VIDEOS else "png")).output
+    key = "frames" if name in VIDEOS else "image"
+    assert list(enc) == [key] and np.array_equal(enc[key].numpy(), _u8(want[0])), name
+
+    handle = PipelineHandle(pipe)
+    decode = decode_of(handle)
+    assert decode is not None, name
+    if name not in LATENT:
+        with pytest.raises(UsageError, match="can stop at its latents"):
+            _worker(name, decode="device")
+        return
+    # The family's decode of the pipeline's own latents: the pipeline's own pixels.
+    latents = direct_family_call(pipe, [params], output_type="latent")
+    latents = latents.images if "images" in latents else latents.frames
+    with torch.no_grad():
+        assert torch.equal(pixels_of(decode(handle, latents, params)), want), name
+    staged = device_stage(_worker(name, decode="device").execute_model(DiffusionRequest("dev", params))).output
+    assert np.array_equal(pixels_of(staged).numpy(), _u8(want)), name
+
+
+def test_parameters_come_from_the_pipelines_call_and_checks_from_its_config() -> None:
+    """Any argument of __call__ goes through (Flux's true_cfg_scale, SDXL's original_size);
+    others are refused naming them and the class; tensors are checked against the field
+    each family's pipeline reads (PixArt's caption_channels, not its hidden size;
+    CogVideoX's text_embed_dim); a pipeline's required companions are asked for; Flux's
+    guidance_scale is not classifier-free guidance.  The schema is data."""
+    from omni_async.integrations.diffusers.tiny import TEXT_DIM
+
+    def check(name: str) -> Any:
+        return DiffusersPipelineWorker.request_validator(**family_spec_kwargs(name))
+
+    pixart, cog, flux, sdxl = check("pixart"), check("cogvideox"), check("flux"), check("sdxl")
+    pixart(DiffusionRequest("ok", family_params("pixart", 1)))  # [8, 16]: caption_channels 16, hidden size 24
+    with pytest.raises(InvalidRequest, match=r"transformer.config.caption_channels of PixArtSigmaPipeline is 16"):
+        pixart(DiffusionRequest("bad", {**family_params("pixart", 1), "prompt_embeds": torch.zeros(8, 24)}))
+    with pytest.raises(InvalidRequest, match=r"'prompt_attention_mask' is required with prompt_embeds by PixArt"):
+        pixart(
+            DiffusionRequest(
+                "bad", {k: v for k, v in family_params("pixart", 1).items() if k != "prompt_attention_mask"}
+            )
+        )
+    with pytest.raises(InvalidRequest, match=r"text_embed_dim of CogVideoXPipeline is 16.*got \[8, 7\]"):
+        cog(DiffusionRequest("bad", {**family_params("cogvideox", 1), "prompt_embeds": torch.zeros(8, 7)}))
+    # Flux: guidance_scale is distilled guidance, no negative embeddings demanded; true_cfg_scale passes.
+    flux(DiffusionRequest("ok", {**family_params("flux", 1), "guidance_scale": 3.5, "true_cfg_scale": 1.0}))
+    with pytest.raises(InvalidRequest, match=r"'pooled_prompt_embeds' is required with prompt_embeds by FluxPipeline"):
+        flux(DiffusionRequest("bad", {"prompt_embeds": torch.zeros(8, TEXT_DIM), "seed": 1}))
+    with pytest.raises(InvalidRequest, match=r"'pooled_prompt_embeds' must have shape \[8\]"):
+        sdxl(DiffusionRequest("bad", {**family_params("sdxl", 1), "pooled_prompt_embeds": torch.zeros(9)}))
+    sdxl(DiffusionRequest("ok", {**family_params("sdxl", 1), "original_size": (16, 16), "guidance_rescale": 0.5}))
+    with pytest.raises(InvalidRequest, match=r"'bogus, generator' are not accepted by FluxPipeline.__call__") as err:
+        flux(DiffusionRequest("bad", {**family_params("flux", 1), "bogus": 1, "generator": None}))
+    assert "set by the integration" in str(err.value)
+    schema = DiffusersPipelineWorker.parameter_schema(**family_spec_kwargs("flux"))
+    params = schema["parameters"]
+    assert schema["pipeline"] == "FluxPipeline" and isinstance(params, dict)
+    assert params["true_cfg_scale"]["default"] == "1.0" and "float" in params["true_cfg_scale"]["type"]
+    assert "generator" not in params and params["seed"]["type"] == "int"
+    import json
+
+    json.dumps(schema)  # publishable as it is
+
+
+def test_what_the_pipeline_itself_refuses_reaches_the_caller_with_its_message() -> None:
+    """No check is known for DDIM's eta: the request goes through, and the pipeline's own error comes back."""
+    worker = _worker("ddim")
+    with pytest.raises(TypeError, match="'<=' not supported between instances of 'float' and 'str'"):
+        worker.execute_model(DiffusionRequest("odd", {**family_params("ddim", 1), "eta": "x"}))
+
+
+def test_a_members_own_failure_does_not_turn_batching_off() -> None:
+    """A DiT batch where one member makes the transformer raise: that batch runs member
+    by member (the failing one fails), and the next batch is still one call."""
+    worker = _worker("dit")
+    pipe: Any = worker.pipeline
+
+    def refuse(module: object, args: tuple[object, ...], kwargs: dict[str, Any]) -> None:
+        labels = kwargs.get("class_labels")
+        if isinstance(labels, torch.Tensor) and bool((labels == 666).any()):
+            raise RuntimeError("label 666 is cursed")
+
+    hook = pipe.transformer.register_forward_pre_hook(refuse, with_kwargs=True)
+    try:
+        bad = [DiffusionRequest(f"x{i}", family_params("dit", 10 + i)) for i in range(3)]
+        bad.append(DiffusionRequest("cursed", {**family_params("dit", 20), "class_labels": 666}))
+        with pytest.raises(RuntimeError, match="cursed"):
+            worker.execute_model_batch(bad)
+    finally:
+        hook.remove()
+    assert worker.generator_lists
+    calls = worker.pipeline_calls
+    worker.execute_model_batch([DiffusionRequest(f"y{i}", family_params("dit", 30 + i)) for i in range(3)])
+    assert worker.pipeline_calls == calls + 1
+
+
+def test_ddim_batches_with_batch_size() -> None:
+    worker = _worker("ddim")
+    calls = worker.pipeline_calls
+    worker.execute_model_batch([DiffusionRequest(f"d{i}", family_params("ddim", i)) for i in range(3)])
+    assert worker.pipeline_calls == calls + 1 and worker.generator_lists
+
+
+def test_spec_checks_at_once() -> None:
+    with pytest.raises(UsageError, match="cannot be found"):
+        DiffusersPipelineWorker.spec(builder="omni_async.integrations.diffusers.tiny:nope")
+    with pytest.raises(UsageError, match="cannot read the pipeline config"):
+        DiffusersPipelineWorker.spec(pretrained="/nonexistent/model")
+    with pytest.raises(UsageError, match="DDIMPipeline cannot"):
+        DiffusersPipelineWorker.spec(**family_spec_kwargs("ddim"), decode="device", postprocess="diffusers")
+
+
+# -- slow: through the engine over worker processes ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_through_the_engine_over_worker_processes(name: str) -> None:
+    """Each family served through AsyncDiffusionEngine over a worker process, with
+    decode="device" where the pipeline returns latents: a request, a streamed request's
+    previews (the family's decode of the latents of that step) and final output, and an
+    encoded request (PNG decoded back, or an MP4 of the right frames), each against the
+    pipeline called directly."""
+    pipe = family_pipeline(name)
+    steps = 3
+    params = family_params(name, seed=5, steps=steps)
+    streamed = {**params, "preview_every": 2}
+    seen: dict[int, torch.Tensor] = {}
+    step_hook: dict[str, object] = {}
+    if "callback_on_step_end" in pipe.__call__.__code__.co_varnames:
+
+        def record(p: Any, i: int, t: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            seen[i + 1] = tensors["latents"].clone()
+            return {}
+
+        step_hook = {"callback_on_step_end": record}
+    want = pixels_of(direct_family_call(pipe, [params], **step_hook))
+    kwargs = family_spec_kwargs(name)
+    if name in LATENT:
+        kwargs["decode"] = "device"
+    spec = DiffusersPipelineWorker.spec(postprocess="diffusers", **kwargs)
+    fmt = "mp4" if name in VIDEOS else "png"
+
+    async def body() -> tuple[GenerationResult, list[GenerationChunk | GenerationResult], GenerationResult]:
+        engine = AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers"
+        )
+        async with engine:
+            plain = await engine.generate(DiffusionRequest("p", params))
+            items = [item async for item in engine.generate_stream(DiffusionRequest("s", streamed))]
+            encoded = await engine.generate(DiffusionRequest("e", params, format=fmt))
+        return plain, items, encoded
+
+    plain, items, encoded = asyncio.run(body())
+    assert np.array_equal(_served(plain.output), _u8(want)), name
+    *chunks, final = items
+    assert isinstance(final, GenerationResult) and np.array_equal(_served(final.output), _u8(want)), name
+    assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 2, name
+    if seen:  # the preview is the family's own decode of that step's latents
+        handle = PipelineHandle(pipe)
+        decode = decode_of(handle)
+        assert decode is not None
+        with torch.no_grad():
+            preview = _u8(pixels_of(decode(handle, seen[2], params)))
+        assert np.array_equal(_served(chunks[0].output), preview), name
+    data = encoded.output.data
+    if fmt == "png":
+        from PIL import Image
+
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), _u8(want[0])), name
+    else:
+        assert encoded.output.frames == want.shape[1] and data[4:8] == b"ftyp", name
+
+
+@pytest.mark.slow
+def test_a_worker_leaves_no_semaphore_behind() -> None:
+    """tqdm's cross-process lock is a named semaphore; a worker leaves by os._exit, so the
+    resource tracker used to warn "leaked semaphore objects" at every worker's end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    script = (
+        f"import sys, multiprocessing as mp\nsys.path.insert(0, {str(tests)!r})\n"
+        "from helpers.diffusers_direct import leave_like_a_worker\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('spawn').Process(target=leave_like_a_worker)\n"
+        "    p.start(); p.join(); assert p.exitcode == 0, p.exitcode\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+def test_a_refusal_of_generator_lists_runs_batches_member_by_member() -> None:
+    """A pipeline that refuses a list of generators (diffusers' own words for it, raised
+    here by the transformer of a batched call: none of the tiny families refuses one) runs
+    that batch and later ones one call per member, each its own call's pixels."""
+    worker = _worker("dit")
+    pipe: Any = worker.pipeline
+
+    def refuse(module: object, args: tuple[object, ...], kwargs: dict[str, Any]) -> None:
+        labels = kwargs.get("class_labels")
+        if isinstance(labels, torch.Tensor) and len(labels) > 2:  # guided: a batch of 2 or more
+            raise ValueError(
+                "You have passed a list of generators of length 2, but requested an effective batch size of 4"
+            )
+
+    hook = pipe.transformer.register_forward_pre_hook(refuse, with_kwargs=True)
+    try:
+        params = [family_params("dit", 40 + i) for i in range(2)]
+        got = worker.execute_model_batch([DiffusionRequest(f"g{i}", p) for i, p in enumerate(params)]).outputs
+        assert not worker.generator_lists and worker.pipeline_calls == 3  # the refused call, then one each
+        worker.execute_model_batch([DiffusionRequest(f"h{i}", p) for i, p in enumerate(params)])
+        assert worker.pipeline_calls == 5  # later batches too, without trying again
+        for out, p in zip(got, params, strict=True):
+            alone = worker.execute_model(DiffusionRequest("alone", p)).output
+            assert torch.equal(pixels_of(out.output), pixels_of(alone)), out.request_id
+    finally:
+        hook.remove()
+
+
+def test_a_prompt_through_the_pipelines_own_text_encoder() -> None:
+    """Stable Diffusion with a (tiny, in-memory) tokenizer and text encoder: a request with
+    a prompt and a negative prompt, and a batch of two prompts, bit for bit against the
+    pipeline called directly with the same prompts."""
+    from omni_async.integrations.diffusers.tiny import tiny_sd_with_text
+
+    pipe: Any = tiny_sd_with_text()
+    pipe.set_progress_bar_config(disable=True)
+    worker = DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_sd_with_text")
+    one = {"prompt": "a red cat", "negative_prompt": "blurry", "num_inference_steps": 2, "seed": 3}
+    want = pipe(
+        prompt="a red cat",
+        negative_prompt="blurry",
+        num_inference_steps=2,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(3),
+    ).images
+    assert torch.equal(worker.execute_model(DiffusionRequest("p", one)).output.images, want)
+    two = [{**one, "prompt": "a blue dog", "seed": 4}, {**one, "prompt": "photo of a cat", "seed": 5}]
+    calls = worker.pipeline_calls
+    got = worker.execute_model_batch([DiffusionRequest(f"b{i}", p) for i, p in enumerate(two)]).outputs
+    assert worker.pipeline_calls == calls + 1
+    pipe.vae.enable_slicing()
+    stacked = pipe(
+        prompt=["a blue dog", "photo of a cat"],
+        negative_prompt=["blurry"] * 2,
+        num_inference_steps=2,
+        output_type="pt",
+        generator=[torch.Generator().manual_seed(s) for s in (4, 5)],
+    ).images
+    for i, out in enumerate(got):
+        assert torch.equal(out.output.images, stacked[i : i + 1]), i
+    assert not torch.equal(stacked[0], stacked[1])
+
+
+def test_decode_on_the_device_without_its_post_process_says_what_to_do() -> None:
+    """The in-process pattern without the spec's post-process: a decode="device" output
+    cannot travel (its decoder holds the pipeline), and the error says how to build it."""
+    from omni_async.executor.inprocess import InProcessExecutor
+
+    spec = DiffusersPipelineWorker.spec(**family_spec_kwargs("flux"), decode="device", postprocess="diffusers")
+    params = family_params("flux", 1)
+    with InProcessExecutor(spec.build, deadlines=DEADLINES, validate_request=spec.request_validator()) as ex:
+        with pytest.raises(Exception, match=r"postprocess=spec.postprocess") as err:
+            ro = ex.execute_request(DiffusionRequest("d", params))
+            assert ro.async_output_id is not None
+            ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+    assert "cannot pickle '_thread.lock'" not in str(err.value)
+    with InProcessExecutor(
+        spec.build, deadlines=DEADLINES, validate_request=spec.request_validator(), postprocess=spec.postprocess
+    ) as ex:
+        ro = ex.execute_request(DiffusionRequest("d", params))
+        assert ro.async_output_id is not None
+        out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
+        assert out.output["images"].dtype == torch.uint8
+        ex.release_output(out)
