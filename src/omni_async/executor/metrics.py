@@ -12,10 +12,13 @@ exporters that iterate.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 
-from omni_async.core.dispatch import Dispatcher
-from omni_async.executor.pump import ResultPump
+if TYPE_CHECKING:  # annotations only: the engine's metrics import this, and the pump pulls in torch
+    from omni_async.core.dispatch import Dispatcher
+    from omni_async.executor.pump import ResultPump
 
 __all__ = ["ExecutorMetrics", "HeldOutputMetrics", "read_metrics"]
 
