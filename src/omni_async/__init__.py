@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 # the transport's packing and shared memory, the worker loop, the reference models, Ray)
 # is imported the first time one of its names is used (``__getattr__`` below, PEP 562),
 # so that ``import omni_async`` and ``omni-async --help`` do not pay for importing torch.
-from omni_async.core.config import Deadlines
+from omni_async.core.config import Deadlines, InvalidConfig
 from omni_async.core.encoding import InvalidEncoding
 from omni_async.core.engine_states import EngineState, StageState
 from omni_async.core.errors import (
@@ -96,6 +96,7 @@ from omni_async.engine.metrics import (
     RequestTimings,
 )
 from omni_async.engine.scheduler import SchedulerPhase
+from omni_async.executor.handle import RequestHandle
 from omni_async.executor.stream import OutputChunk, RequestStream
 from omni_async.transport.errors import (
     ChannelClosed,
@@ -124,7 +125,7 @@ if TYPE_CHECKING:
     from omni_async.engine.engine import AsyncDiffusionEngine
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
-    from omni_async.executor.config import ExecutorConfig, InvalidConfig, Prewarm, ProcessGroupConfig
+    from omni_async.executor.config import ExecutorConfig, Prewarm, ProcessGroupConfig
     from omni_async.executor.inprocess import InProcessExecutor
     from omni_async.executor.metrics import ExecutorMetrics
     from omni_async.executor.multiproc import MultiprocDiffusionExecutor
@@ -167,7 +168,6 @@ _LAZY: dict[str, str] = {
     "InProcessExecutor": "omni_async.executor.inprocess",
     "MultiprocDiffusionExecutor": "omni_async.executor.multiproc",
     "ExecutorConfig": "omni_async.executor.config",
-    "InvalidConfig": "omni_async.executor.config",
     "Prewarm": "omni_async.executor.config",
     "ProcessGroupConfig": "omni_async.executor.config",
     "ExecutorMetrics": "omni_async.executor.metrics",
@@ -254,6 +254,7 @@ __all__ = [
     "Prewarm",
     "ProcessGroupConfig",
     "RayDiffusionExecutor",
+    "RequestHandle",
     "RequestStream",
     "RequestTimings",
     "RunnerOutput",

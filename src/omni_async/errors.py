@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from omni_async.core.config import InvalidConfig
 from omni_async.core.encoding import InvalidEncoding
 from omni_async.core.errors import (
     ActorDied,
@@ -63,12 +64,10 @@ from omni_async.transport.errors import (
 )
 
 if TYPE_CHECKING:
-    from omni_async.executor.config import InvalidConfig
     from omni_async.worker.baselines import InvalidOutputPath
     from omni_async.worker.postprocess import UnknownPostProcess
 
 _LAZY: dict[str, str] = {
-    "InvalidConfig": "omni_async.executor.config",
     "InvalidOutputPath": "omni_async.worker.baselines",
     "UnknownPostProcess": "omni_async.worker.postprocess",
 }

@@ -21,7 +21,7 @@ forward on every rank (the model stops at its next cancellation check).  A rank 
 still has not answered ``cancel_grace`` seconds later is reported stuck by
 ``check_health`` (``WorkerStuck``).
 
-Per call: ``submit_request``/``submit_batch``/``execute_request``/``execute_batch``
+Per call: ``submit``/``submit_batch``/``execute_request``/``execute_batch``
 take ``deadlines=``; its ``compute_timeout`` and ``output_timeout`` replace the
 executor's for that call (``rpc_timeout`` and ``cancel_grace`` are the executor's).
 

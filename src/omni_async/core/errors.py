@@ -41,7 +41,7 @@ class InvalidRequest(MessageValidationError):
 class RequestNotSendable(UsageError):
     """A call whose arguments cannot travel to the worker processes: one does not pickle.
 
-    Raised at the call (``submit_request``, ``execute_request``, ``collective_rpc``...),
+    Raised at the call (``submit``, ``execute_request``, ``collective_rpc``...),
     before any rank got it and with nothing of the call left in the executor, which
     stays healthy.  Names the request and the parameter that fails (``request_id``,
     ``parameter``: a key of its ``params``), or for an RPC that carries no request

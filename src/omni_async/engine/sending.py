@@ -118,7 +118,7 @@ class Sender:
         if not members:
             return {}
         first = members[0]
-        # The one batch call site (``submit_batch``: ``submit_batch`` once renamed).
+        # The one batch call site.
         submit = functools.partial(
             self._executor.submit_batch,
             [r.request for r in members],

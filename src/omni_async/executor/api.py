@@ -21,8 +21,7 @@ claimed for it at COMPUTE_DONE, its chunks on ``handle.stream`` with ``stream=Tr
 ``submit_batch`` (one batched forward -> a ``RequestHandle`` per request),
 ``execute_request``/``execute_batch`` (the seed's blocking shape: ``RunnerOutput``s
 whose outputs ``wait_output_ready`` claims by id), ``collective_rpc`` (any method on
-every rank).  ``submit_request``, ``submit_stream`` and ``submit_handle`` are the older
-shapes, kept while their callers move to ``submit``.
+every rank).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """``RequestStream``: the executor's handle on one streaming request.
 
-``DiffusionExecutor.submit_stream(request)`` sends a forward that ships intermediate
-outputs (chunks, see ``omni_async.worker.stream``) and returns a ``RequestStream``:
+``DiffusionExecutor.submit(request, stream=True)`` sends a forward that ships
+intermediate outputs (chunks, see ``omni_async.worker.stream``); its handle's
+``stream`` is a ``RequestStream``:
 
 * ``next_chunk(timeout)`` blocks until the next chunk is announced and returns it as an
   ``OutputChunk`` (its place ``seq`` and a future of its output, claimed for you), or
@@ -9,8 +10,8 @@ outputs (chunks, see ``omni_async.worker.stream``) and returns a ``RequestStream
 * iterating the stream yields the chunks' outputs themselves, in order, waiting for
   each; a chunk that failed (its packing, its deadline, ...) closes the stream and
   raises its typed error, and a call that failed raises its error at the end;
-* ``result`` is the call's future, as ``submit_request`` returns it: the final output's
-  id at COMPUTE_DONE, which comes after every chunk;
+* ``result`` is the call's future, the handle's ``computed``: the final output's id
+  at COMPUTE_DONE, which comes after every chunk;
 * ``close()`` (also on leaving a ``with`` block) drops every chunk not taken and every
   chunk still to come (F11): each is released the moment it arrives, and a chunk still
   queued in the worker's packer is skipped (F15).  It does not stop the forward
@@ -71,7 +72,7 @@ CloseFn = Callable[[ChunkFeed], "Future[None]"]
 class RequestStream:
     """One streaming request's chunks, then its call (see the module docstring).
 
-    Made by ``DiffusionExecutor.submit_stream``, which gives it its executor's ways to
+    Made by the batch submitter (``submit(stream=True)``), which gives it its executor's ways to
     take from, look at and close the feed (under the pump's lock).
     """
 

@@ -173,7 +173,7 @@ class BatchSubmitter:
     @staticmethod
     def _link_cancel(call: Future[tuple[RunnerOutput, ...]], computed: Future[RunnerOutput]) -> None:
         """Cancelling a single request's ``computed`` before its call started cancels the
-        call, as ``submit_request``'s future does (a batch goes on for its other members)."""
+        call (a batch goes on for its other members)."""
         # Weakly, as map_future: the two futures must not hold each other until a
         # garbage collection (the engine's ceiling showed its pauses).
         ref = weakref.ref(call)

@@ -321,7 +321,7 @@ class DiTPipelineWorker:
 
     Between denoising steps the forward checks for cancellation
     (``raise_if_cancelled``): an aborted request stops at the next step.  A request with
-    ``preview_every=k`` run as a stream (``generate_stream``, ``submit_stream``) gets a
+    ``preview_every=k`` run as a stream (``generate_stream``, ``submit(..., stream=True)``) gets a
     preview chunk after every k-th step but the last: its latents so far, decoded, in
     the output's own layout (``image`` or ``frames``, with ``info["step"]`` and
     ``info["preview"] = True``), post-processed like the final output.

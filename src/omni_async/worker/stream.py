@@ -1,6 +1,6 @@
 """Streaming from inside a forward: what the model calls to ship an intermediate output.
 
-A request asked for as a stream (``DiffusionExecutor.submit_stream``,
+A request asked for as a stream (``DiffusionExecutor.submit(request, stream=True)``,
 ``AsyncDiffusionEngine.generate_stream``) gets, besides its final output, the
 intermediate outputs its model emits while the forward runs -- a preview every k
 denoising steps, the chunks of a video as they are decoded.  The model's side is one
