@@ -115,7 +115,8 @@ def resolve_output_path(value: object) -> OutputPath | None:
     except Exception as exc:  # noqa: BLE001  # any failure to import (a typo, a bad name, the module's own error)
         raise InvalidOutputPath(value, f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
     obj = getattr(module, attr, None)
-    if not isinstance(obj, OutputPath):
+    # A class has the methods too: the path is an instance of one.
+    if isinstance(obj, type) or not isinstance(obj, OutputPath):
         raise InvalidOutputPath(
             value,
             f"{target} is {given(obj)}, not an OutputPath (step_mode, pack, owns, receive, discard: "
