@@ -144,12 +144,12 @@ if TYPE_CHECKING:
     )
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
     from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
-    from omni_async.worker.baselines import InvalidOutputPath
     from omni_async.worker.dist import DistContext
     from omni_async.worker.encode import DeviceEncoded
     from omni_async.worker.finalize import FusedPointwise
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.worker.loop import DiffusionWorkerModel, WorkerInfo, WorkerLoop
+    from omni_async.worker.output_path import InvalidOutputPath
     from omni_async.worker.packer import Packer, PackerMetrics
     from omni_async.worker.postprocess import (
         PostProcess,
@@ -194,7 +194,7 @@ _LAZY: dict[str, str] = {
     "SegmentPool": "omni_async.transport.shm",
     "list_segments": "omni_async.transport.shm",
     "sweep_dead_executors": "omni_async.transport.shm",
-    "InvalidOutputPath": "omni_async.worker.baselines",
+    "InvalidOutputPath": "omni_async.worker.output_path",
     "DiffusionWorkerModel": "omni_async.worker.loop",
     "WorkerLoop": "omni_async.worker.loop",
     "WorkerInfo": "omni_async.worker.loop",

@@ -64,11 +64,11 @@ from omni_async.transport.errors import (
 )
 
 if TYPE_CHECKING:
-    from omni_async.worker.baselines import InvalidOutputPath
+    from omni_async.worker.output_path import InvalidOutputPath
     from omni_async.worker.postprocess import UnknownPostProcess
 
 _LAZY: dict[str, str] = {
-    "InvalidOutputPath": "omni_async.worker.baselines",
+    "InvalidOutputPath": "omni_async.worker.output_path",
     "UnknownPostProcess": "omni_async.worker.postprocess",
 }
 

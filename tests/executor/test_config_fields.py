@@ -40,10 +40,14 @@ from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 from omni_async.executor.ray_executor import RayDiffusionExecutor
 from omni_async.transport.channel import InProcessChannel
-from omni_async.worker.baselines import OUTPUT_PATHS
 from omni_async.worker.dist import BACKENDS
 from omni_async.worker.host import WorkerOptions, WorkerSpec
 from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.output_path import OUTPUT_PATH_NAMES, REGISTERED_OUTPUT_PATHS
+
+# WorkerOptions.output_path: a registered name, or the import path of an OutputPath.
+OUTPUT_PATHS = (*OUTPUT_PATH_NAMES, *REGISTERED_OUTPUT_PATHS.values())
+STEP_MODE_PATHS = ("sync", REGISTERED_OUTPUT_PATHS["sync"])
 
 SPEC = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker")
 
@@ -213,7 +217,7 @@ RULES: dict[Target, tuple[str, dict[str, Rule]]] = {
             "step_mode": Rule(_bool, st.booleans()),
             "deadlines": Rule(_or_none(_is(Deadlines)), st.none() | st.builds(Deadlines, compute_timeout=SECONDS)),
             "options": Rule(
-                _or_none(lambda v: isinstance(v, WorkerOptions) and v.output_path != "sync"),
+                _or_none(lambda v: isinstance(v, WorkerOptions) and v.output_path not in STEP_MODE_PATHS),
                 st.none() | st.builds(WorkerOptions, max_outputs_in_flight=st.integers(1, 8)),
             ),
             "max_held_outputs": Rule(_or_none(lambda v: _int(v, 1)), st.none() | POSITIVE),

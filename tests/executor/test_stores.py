@@ -1,5 +1,5 @@
 """The output stores, each on its own: ``InlineStore``, ``PoolStore`` over a real
-``SegmentPool`` (packed as a worker packs), ``FreshStore`` over the bench's sync path."""
+``SegmentPool`` (packed as a worker packs), ``PathStore`` over the bench's sync path."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from omni_async.bench.paths import SYNC, is_fresh, pack_sync_fresh
 from omni_async.core.errors import OutputUnpackFailed
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput
-from omni_async.executor.fresh_store import FreshStore
 from omni_async.executor.metrics import ExecutorMetrics
+from omni_async.executor.path_store import PathStore
 from omni_async.executor.pool_store import PoolStore
 from omni_async.executor.store import InlineStore
 from omni_async.transport.packing import pack_diffusion_output_shm, settle_releases
 from omni_async.transport.shm import SegmentPool
 from omni_async.transport.shm.files import entries
-from omni_async.worker.baselines import is_fresh, pack_sync_fresh
 
 BIG = 1 << 18  # float32 elements: 1 MiB, well above the inline threshold
 
@@ -116,7 +116,7 @@ def test_pool_store_metrics_and_close(pool: SegmentPool) -> None:
 def test_fresh_store_reads_and_unlinks_a_baseline_output_and_leaves_pooled_ones_to_the_pool(
     pool: SegmentPool,
 ) -> None:
-    store = FreshStore(pool, copy_outputs=False, lease_timeout=None, owner="Test")
+    store = PathStore(pool, SYNC, copy_outputs=False, lease_timeout=None, owner="Test")
     image = torch.arange(BIG, dtype=torch.float32)
     fresh = pack_sync_fresh(
         DiffusionOutput("f", {"image": image}, async_output_id="f"), None, None, prefix=pool.prefix, inline_threshold=64

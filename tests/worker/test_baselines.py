@@ -1,4 +1,4 @@
-"""The baseline output paths (``WorkerOptions.output_path``): real worker processes, real
+"""The bench's comparison paths (``WorkerOptions.output_path``, ``omni_async.bench.paths``): real worker processes, real
 fresh segments; every path delivers the model's bytes, and no fresh segment outlives its read."""
 
 from __future__ import annotations
@@ -11,20 +11,16 @@ import pytest
 import torch
 
 from omni_async import DiffusionOutput, DiffusionRequest, MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
+from omni_async.bench.paths import FreshPayload, pack_reference_fresh, pack_sync_fresh, receive_fresh_output
 from omni_async.core.config import Deadlines
 from omni_async.models.synthetic import DTYPES, synthetic_output
 from omni_async.models.tiny import image_digest
 from omni_async.transport.shm import SHM_DIR, SegmentPool
 from omni_async.transport.shm.files import entries
-from omni_async.worker.baselines import (
-    FreshPayload,
-    InvalidOutputPath,
-    OutputPath,
-    check_output_path,
-    pack_reference_fresh,
-    pack_sync_fresh,
-    receive_fresh_output,
-)
+from omni_async.worker.output_path import InvalidOutputPath, check_output_path
+
+# WorkerOptions.output_path's registered names.
+OutputPath = str
 
 SYNTH = WorkerSpec("omni_async.models.synthetic:SyntheticForwardWorker")
 TINY = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker")
@@ -119,14 +115,15 @@ def test_a_dropped_output_on_the_reference_path_unlinks_its_segment() -> None:
 
 def test_a_bad_output_path_raises_the_typed_error() -> None:
     with pytest.raises(InvalidOutputPath, match="must be one of"):
-        WorkerOptions(output_path="fast")  # type: ignore[arg-type]  # the mistake under test
+        WorkerOptions(output_path="fast")
     # Each baseline belongs to one mode; the executor refuses the other before spawning anything.
     with pytest.raises(InvalidOutputPath, match="step mode"):
         MultiprocDiffusionExecutor(SYNTH, options=WorkerOptions(output_path="sync"))
     with pytest.raises(InvalidOutputPath, match="request mode"):
         MultiprocDiffusionExecutor(SYNTH, step_mode=True, options=WorkerOptions(output_path="reference"))
-    assert check_output_path("omni", step_mode=True) == "omni"
-    assert check_output_path("omni", step_mode=False) == "omni"
+    # "omni" is the pool's own path: no OutputPath, either mode.
+    assert check_output_path("omni", step_mode=True) is None
+    assert check_output_path("omni", step_mode=False) is None
 
 
 @pytest.mark.parametrize("pack", [pack_sync_fresh, pack_reference_fresh])

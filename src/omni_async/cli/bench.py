@@ -8,7 +8,7 @@ per request), the worker shipping outputs one way (``WorkerOptions.output_path``
   thread, a fresh shared-memory segment per tensor, the answer carries the output;
 * ``reference``: the reference implementation's async path: side stream, bf16 upcast to
   fp32, a fresh pinned buffer and a synchronize per tensor, then a fresh segment and a
-  second copy (``omni_async.worker.baselines``);
+  second copy (both in ``omni_async.bench.paths``);
 * ``omni``: ours, the pooled pinned copy on a side stream;
 * ``omni-u8``: ours with the device-side post-process ``"bench-u8"`` (float to uint8 on
   the side stream before the copy).
@@ -83,7 +83,6 @@ from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.synthetic import to_client_bytes
 from omni_async.transport.shm.files import entries
-from omni_async.worker.baselines import OutputPath
 from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_RETURNED_AT, FORWARD_STARTED_AT
 
 __all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
@@ -219,7 +218,9 @@ class _GpuSampler:
 
 
 def _executor(mode: str, device: str, copies_in_flight: int = 2) -> MultiprocDiffusionExecutor:
-    path: OutputPath = "sync" if mode == "sync" else "reference" if mode == "reference" else "omni"
+    # "sync" and "reference": the names WorkerOptions registers for the comparison paths
+    # (omni_async.bench.paths); each worker resolves its own.
+    path = mode if mode in ("sync", "reference") else "omni"
     spec = WorkerSpec(_SPEC, {"device": device}, postprocess="bench-u8" if mode == "omni-u8" else None)
     return MultiprocDiffusionExecutor(
         spec,

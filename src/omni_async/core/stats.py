@@ -29,7 +29,7 @@ def _extra(values: Mapping[str, float]) -> dict[str, float]:
 class OutputStats(Mapping[str, float]):
     """One output's stats (None: not measured).  Times in seconds; ``*_at``: ``time.monotonic()``."""
 
-    # The packer (``transport.packing``; ``worker.baselines`` for the reference paths);
+    # The packer (``transport.packing``; ``bench.paths`` for the comparison paths);
     # the worker's ``pack_s`` is ``pack_ended_at - pack_started_at`` (``worker.stamps``).
     pack_s: float | None = None
     pack_shm_bytes: float | None = None

@@ -52,10 +52,10 @@ from omni_async.transport.budget import DEFAULT_MAX_HELD_OUTPUTS, OutputBudget
 from omni_async.transport.channel import InProcessChannel
 from omni_async.transport.packing import leaf_nbytes, segment_nbytes
 from omni_async.transport.shm import SegmentPool
-from omni_async.worker.baselines import check_output_path
 from omni_async.worker.dist import BACKENDS, Backend
 from omni_async.worker.host import WorkerOptions, WorkerSpec
 from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.output_path import check_output_path
 
 __all__ = [
     "RAY_TRANSPORTS",

@@ -4,7 +4,8 @@ The executor is a ``DiffusionExecutor`` (``omni_async.executor.api``) built with
 collaborators: ``ProcessRanks``, its rank link (``omni_async.executor.process_link``:
 the processes, their pipes, the monitor), and a ``PoolStore``, its output store
 (``omni_async.executor.pool_store``: the pool, its budget, what a dead rank held; a
-``FreshStore`` for the bench's comparison paths).  A death is reported to
+``PathStore`` when ``WorkerOptions.output_path`` names an output path of its own, such as
+the bench's comparison paths: ``omni_async.executor.path_store``).  A death is reported to
 ``RankEvents`` (``omni_async.executor.link``).  The worker process itself (its entry
 point, the watch of its executor) is ``omni_async.worker.process``, and what it builds
 is ``omni_async.worker.host``.
@@ -85,15 +86,16 @@ from omni_async.core.errors import UsageError
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.config import ExecutorConfig, ExecutorOptions, InvalidConfig, check_multiproc_arguments
 from omni_async.executor.dist import GroupRendezvous, check_process_group
-from omni_async.executor.fresh_store import FreshStore
 from omni_async.executor.link import RankEvents
 from omni_async.executor.metrics import HeldOutputMetrics
+from omni_async.executor.path_store import PathStore
 from omni_async.executor.pool_store import PoolStore, prewarm_pool
 from omni_async.executor.process_link import ProcessRanks
 from omni_async.transport.budget import OutputBudget
 from omni_async.transport.shm import SegmentPool
 from omni_async.transport.shm.files import remove_dead_executor_files
 from omni_async.worker.host import WorkerOptions, WorkerSpec, device_for_rank
+from omni_async.worker.output_path import resolve_output_path
 
 # WorkerSpec, WorkerOptions and device_for_rank live in the worker layer now; they are
 # named here too, where engine authors have always imported them from.
@@ -185,10 +187,14 @@ class MultiprocDiffusionExecutor(DiffusionExecutor):
         self.config = cfg
         self.pool = pool
         opts = cfg.worker_options
-        # The bench's comparison paths ship outputs in segments of their own: their store.
-        store_cls = PoolStore if opts.output_path == "omni" else FreshStore
-        self._pool_store = store_cls(
-            pool, copy_outputs=cfg.copy_outputs, lease_timeout=opts.lease_timeout, owner=type(self).__name__
+        # An output path of its own (the bench's comparison paths among them) ships
+        # outputs the path reads and frees: its store hands them to it.
+        path = resolve_output_path(opts.output_path)
+        owner = type(self).__name__
+        self._pool_store = (
+            PoolStore(pool, copy_outputs=cfg.copy_outputs, lease_timeout=opts.lease_timeout, owner=owner)
+            if path is None
+            else PathStore(pool, path, copy_outputs=cfg.copy_outputs, lease_timeout=opts.lease_timeout, owner=owner)
         )
         self.ranks = ProcessRanks(spec, opts, cfg.world_size, pool, group)
         super().__init__(

@@ -15,8 +15,9 @@ answer nobody takes carries (``discard_answer``).  Stores:
   ``SegmentPool``, its budget of held outputs, and what a dead rank held there.
 * ``ObjectStore`` (``executor/ray_store.py``): Ray's object store for the ranks on
   other nodes, beside a ``PoolStore`` for the ranks on the executor's.
-* ``FreshStore`` (``executor/fresh_store.py``): the bench's comparison paths
-  (``WorkerOptions.output_path``), whose outputs live in segments made for each.
+* ``PathStore`` (``executor/path_store.py``): an output path of the workers' own
+  (``WorkerOptions.output_path`` naming an ``OutputPath``: the bench's comparison
+  paths, whose outputs live in segments made for each), which reads and frees them.
 
 A store knows nothing of how the ranks are reached (the rank link, ``executor/link.py``),
 and the rank link nothing of where outputs live beyond what it is handed.

@@ -25,16 +25,9 @@ from omni_async.transport.packing import PackInFlight, release_packed_output, st
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.rpc import pickle_problem
 from omni_async.transport.shm import SegmentPool
-from omni_async.worker.baselines import (
-    OutputPath,
-    check_output_path,
-    discard_fresh_output,
-    is_fresh,
-    pack_reference_fresh,
-    pack_sync_fresh,
-)
 from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
+from omni_async.worker.output_path import OMNI, OutputPath, check_output_path, resolve_output_path
 from omni_async.worker.packer import Packer, PackFn, StartPackFn
 from omni_async.worker.postprocess import DeviceStage, get_postprocess
 from omni_async.worker.validation import check_model_hooks, model_batch_keyer, spec_validator
@@ -210,10 +203,10 @@ class WorkerOptions:
     # How long packing waits for room in the budget of held outputs before the output
     # fails with HeldOutputsFull (None: the pool's own lease timeout).
     lease_timeout: float | None = 30.0
-    # How outputs are shipped: ours ("omni"), or a baseline that ``omni-async bench``
-    # measures ours against ("sync": the seed's, step mode; "reference": the reference
-    # implementation's, request mode); see ``omni_async.worker.baselines``.
-    output_path: OutputPath = "omni"
+    # How outputs are shipped: ours ("omni", the pool's), or the name or import path of
+    # an ``OutputPath`` ("sync" and "reference": the paths ``omni-async bench`` measures
+    # ours against); see ``omni_async.worker.output_path``.
+    output_path: str = OMNI
     # The packer starts on a forward's outputs once the next forward has started (or the
     # worker has no request to run): its Python then never delays the next forward's
     # launch (``WorkerLoop.idle``).  False: as soon as COMPUTE_DONE is out.
@@ -233,12 +226,9 @@ class WorkerOptions:
         check_int("WorkerOptions.inline_threshold", self.inline_threshold, 0)
         # 0: an output that finds the budget full fails at once (HeldOutputsFull).
         check_seconds("WorkerOptions.lease_timeout", self.lease_timeout, optional=True, zero=True)
-        if not isinstance(self.output_path, str):
-            raise InvalidConfig(
-                "WorkerOptions.output_path",
-                f"must be one of 'omni', 'sync', 'reference', got {given(self.output_path)}",
-            )
-        check_output_path(self.output_path)  # InvalidOutputPath, which callers catch by name
+        # InvalidConfig for a value that is no string; InvalidOutputPath (which callers
+        # catch by name) for one that names no OutputPath.
+        check_output_path(self.output_path)
         check_bool("WorkerOptions.defer_packing", self.defer_packing)
         check_int("WorkerOptions.copies_in_flight", self.copies_in_flight, 1)
 
@@ -339,21 +329,17 @@ def build_worker(
 
     def release_pooled(packed: DiffusionOutput) -> None:
         assert pool is not None
-        if is_fresh(packed):
-            discard_fresh_output(packed)
-        else:
-            release_packed_output(packed, pool=pool)
+        release_packed_output(packed, pool=pool)
 
-    baseline = pack_sync_fresh if opts.output_path == "sync" else pack_reference_fresh
-
-    def pack_baseline(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
-        assert pool is not None
-        return baseline(output, stream, event, prefix=pool.prefix, inline_threshold=opts.inline_threshold)
-
-    # A baseline path replaces ours for both the packer and step mode's answers.
-    pack: PackFn = pack_omni if opts.output_path == "omni" else pack_baseline
-    start_pack: StartPackFn | None = start_omni if opts.output_path == "omni" else None
+    pack: PackFn = pack_omni
+    start_pack: StartPackFn | None = start_omni
     release: Callable[[DiffusionOutput], None] = release_pooled
+    if opts.output_path != OMNI and packing is None:
+        # An output path of its own replaces ours for both the packer and step mode's answers.
+        path = resolve_output_path(opts.output_path)
+        assert path is not None and pool is not None
+        pack, release = _path_packing(path, pool, opts.inline_threshold)
+        start_pack = None
     if packing is not None:
         pack, release = packing
         start_pack = None
@@ -392,12 +378,29 @@ def build_worker(
         device_stage=stage,
         clock=clock,
     )
-    if pool is not None and packing is None and opts.output_path == "omni" and rank == opts.reply_rank:
+    if pool is not None and packing is None and opts.output_path == OMNI and rank == opts.reply_rank:
         # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now
         # rather than in its first packs (SegmentPool.map_segments).
         mapped, pinned = pool.map_segments()
         loop.mapped_segments, loop.pinned_segments = mapped, pinned
     return packer, loop
+
+
+def _path_packing(
+    path: OutputPath, pool: SegmentPool, inline_threshold: int
+) -> tuple[PackFn, Callable[[DiffusionOutput], None]]:
+    """(pack, release) of a rank that ships on ``path``: what it packed goes back to it."""
+
+    def pack(output: DiffusionOutput, stream: CopyStream, event: DeviceEvent | None) -> DiffusionOutput:
+        return path.pack(output, stream, event, prefix=pool.prefix, inline_threshold=inline_threshold)
+
+    def release(packed: DiffusionOutput) -> None:
+        if path.owns(packed):
+            path.discard(packed)
+        else:
+            release_packed_output(packed, pool=pool)
+
+    return pack, release
 
 
 def budget_full(output: DiffusionOutput, exc: PoolExhausted, pool: SegmentPool) -> HeldOutputsFull:

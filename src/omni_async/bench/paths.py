@@ -1,26 +1,30 @@
-"""The baseline output paths that ``omni-async bench`` measures ours against.
+"""The comparison paths that ``omni-async bench`` measures our output path against.
 
-``WorkerOptions.output_path`` picks how a worker ships its outputs:
+``WorkerOptions.output_path`` picks how a worker ships its outputs: ``"omni"`` (the
+default) is ours, the runtime's own -- the packer copies each output on a side stream
+straight into a pooled shared-memory segment registered once as pinned memory
+(``omni_async.transport.packing``).  The two paths here reach the worker through the
+runtime's extension point (``omni_async.worker.output_path``): each is an
+``OutputPath``, registered there under its name as an import path, so that the runtime
+never imports this package.
 
-* ``"omni"`` (the default): ours -- the packer copies each output on a side stream
-  straight into a pooled shared-memory segment registered once as pinned memory
-  (``omni_async.transport.packing``).
-* ``"sync"``: the seed's original synchronous path (DESIGN.md section 4, first row),
-  ``pack_sync_fresh``.  On the worker's main thread, in step mode (the answer carries
-  the output, so the next forward starts only after it): every tensor of the output is
-  brought to the host with ``.cpu()`` (which waits for the forward on the default stream
-  and copies into pageable memory), then written into a shared-memory segment created
-  for it alone.
-* ``"reference"``: the reference implementation's asynchronous path (DESIGN.md
-  section 4, second row), ``pack_reference_fresh``.  On the packer thread, in request
-  mode: the side stream waits on the forward's event; per tensor, a bfloat16 tensor is
-  upcast to float32 on the side stream (numpy, which the reference's segments went
-  through, has no bfloat16), copied into a freshly allocated pinned host buffer
-  (``torch.empty(..., pin_memory=True)``: torch's caching host allocator, as plain
-  torch code gets it), and the side stream is synchronized -- once per tensor; then the
-  host buffer is written into a shared-memory segment created for that tensor alone
-  (a second host copy, into pages faulted in fresh).  On a CPU worker there is no
-  stream, no event and no pinned memory: the upcast and the fresh host buffer remain.
+* ``SYNC`` (``output_path="sync"``): the seed's original synchronous path (DESIGN.md
+  section 4, first row), ``pack_sync_fresh``.  On the worker's main thread, in step mode
+  (the answer carries the output, so the next forward starts only after it): every
+  tensor of the output is brought to the host with ``.cpu()`` (which waits for the
+  forward on the default stream and copies into pageable memory), then written into a
+  shared-memory segment created for it alone.
+* ``REFERENCE`` (``output_path="reference"``): the reference implementation's
+  asynchronous path (DESIGN.md section 4, second row), ``pack_reference_fresh``.  On the
+  packer thread, in request mode: the side stream waits on the forward's event; per
+  tensor, a bfloat16 tensor is upcast to float32 on the side stream (numpy, which the
+  reference's segments went through, has no bfloat16), copied into a freshly allocated
+  pinned host buffer (``torch.empty(..., pin_memory=True)``: torch's caching host
+  allocator, as plain torch code gets it), and the side stream is synchronized -- once
+  per tensor; then the host buffer is written into a shared-memory segment created for
+  that tensor alone (a second host copy, into pages faulted in fresh).  On a CPU worker
+  there is no stream, no event and no pinned memory: the upcast and the fresh host
+  buffer remain.
 
 Neither is slowed down on purpose: each does the work its original did, the way plain
 torch does it, and nothing more.  Small tensors (up to ``inline_threshold`` bytes, as
@@ -29,13 +33,13 @@ ours) travel inside the message.
 Fresh segments: named ``<pool prefix>fresh-<worker pid>-<n>``, so the executor's
 shutdown (which unlinks by the pool's prefix) and the sweep of dead executors find
 any that were never read.  The output travels as a ``FreshPayload`` naming its segments.
-The consumer (the executor's ``wait_output_ready`` or step-mode answer:
-``receive_fresh_output``) reads each segment into an owned tensor, as the seed's
-consumer did, and unlinks it; a dropped output's segments are unlinked unread
-(``discard_fresh_output``).  A tensor the reference path upcast is cast back to its
-dtype there (exact: every bfloat16 value is a float32 value), so every path hands the
-engine the tensors the model produced, bit for bit (NaN payloads aside on the
-reference path: the round trip through float32 canonicalises them).
+The consumer (``FreshPath.receive``, which the executor's store for an output path calls
+for a claimed output or step mode's answer: ``receive_fresh_output``) reads each segment
+into an owned tensor, as the seed's consumer did, and unlinks it; a dropped output's
+segments are unlinked unread (``discard_fresh_output``).  A tensor the reference path
+upcast is cast back to its dtype there (exact: every bfloat16 value is a float32 value),
+so every path hands the engine the tensors the model produced, bit for bit (NaN payloads
+aside on the reference path: the round trip through float32 canonicalises them).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Protocol
 
 import attrs
 import numpy as np
@@ -57,45 +61,17 @@ from omni_async.transport.platform import CopyStream, DeviceEvent, wait_device_e
 from omni_async.transport.shm import SHM_DIR
 
 __all__ = [
-    "OUTPUT_PATHS",
+    "REFERENCE",
+    "SYNC",
+    "FreshPath",
     "FreshPayload",
     "FreshTensor",
-    "InvalidOutputPath",
-    "OutputPath",
-    "check_output_path",
     "discard_fresh_output",
     "is_fresh",
     "pack_reference_fresh",
     "pack_sync_fresh",
     "receive_fresh_output",
 ]
-
-OutputPath: TypeAlias = Literal["omni", "sync", "reference"]
-OUTPUT_PATHS: Final[tuple[OutputPath, ...]] = get_args(OutputPath)
-# The executor mode each path belongs to: the seed answered synchronously (step mode),
-# the reference and ours answer at COMPUTE_DONE and copy in the background.
-_STEP_MODE: Final[dict[str, bool | None]] = {"omni": None, "sync": True, "reference": False}
-
-
-class InvalidOutputPath(UsageError, ValueError):
-    """``WorkerOptions.output_path`` is not one of ``OUTPUT_PATHS``, or does not fit the executor's mode."""
-
-    def __init__(self, value: object, problem: str) -> None:
-        super().__init__(f"WorkerOptions.output_path={value!r}: {problem}")
-        self.value = value
-
-
-def check_output_path(value: object, *, step_mode: bool | None = None) -> OutputPath:
-    """``value`` as an ``OutputPath``; ``InvalidOutputPath`` when it is none, or (with
-    ``step_mode`` given) when the path needs the other mode: ``"sync"`` is step mode's
-    (the worker answers with the output), ``"reference"`` request mode's."""
-    if not isinstance(value, str) or value not in OUTPUT_PATHS:
-        raise InvalidOutputPath(value, f"must be one of {list(OUTPUT_PATHS)}")
-    needs = _STEP_MODE[value]
-    if step_mode is not None and needs is not None and needs != step_mode:
-        mode = "step mode (step_mode=True)" if needs else "request mode (step_mode=False)"
-        raise InvalidOutputPath(value, f"this path ships outputs in {mode}; build the executor in that mode")
-    return value
 
 
 @attrs.frozen
@@ -321,3 +297,55 @@ def discard_fresh_output(packed: DiffusionOutput) -> int:
         return 0
     _unlink(payload.segments)
     return len(payload.segments)
+
+
+class PackFresh(Protocol):
+    """``pack_sync_fresh`` or ``pack_reference_fresh``: one output into fresh segments."""
+
+    def __call__(
+        self,
+        output: DiffusionOutput,
+        stream: CopyStream,
+        event: DeviceEvent | None,
+        *,
+        prefix: str,
+        inline_threshold: int,
+    ) -> DiffusionOutput: ...
+
+
+@attrs.frozen
+class FreshPath:
+    """A comparison path as the runtime's ``OutputPath``: ``packer`` packs each output
+    into fresh segments; every output it made is read and unlinked here."""
+
+    name: str
+    step_mode: bool | None
+    packer: PackFresh
+
+    def pack(
+        self,
+        output: DiffusionOutput,
+        stream: CopyStream,
+        event: DeviceEvent | None,
+        *,
+        prefix: str,
+        inline_threshold: int,
+    ) -> DiffusionOutput:
+        return self.packer(output, stream, event, prefix=prefix, inline_threshold=inline_threshold)
+
+    def owns(self, packed: DiffusionOutput) -> bool:
+        return is_fresh(packed)
+
+    def receive(self, packed: DiffusionOutput) -> DiffusionOutput:
+        return receive_fresh_output(packed)
+
+    def discard(self, packed: DiffusionOutput) -> int:
+        return discard_fresh_output(packed)
+
+
+# The objects ``WorkerOptions(output_path="sync")`` and ``"reference"`` resolve to
+# (``omni_async.worker.output_path.REGISTERED_OUTPUT_PATHS``): the seed answered
+# synchronously (step mode); the reference answered at COMPUTE_DONE and copied in the
+# background (request mode).
+SYNC: Final = FreshPath("sync", step_mode=True, packer=pack_sync_fresh)
+REFERENCE: Final = FreshPath("reference", step_mode=False, packer=pack_reference_fresh)
