@@ -81,9 +81,12 @@ def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     )
     try:
         assert proc.stdout is not None
-        # "<run>: executor ... up in ...": the first run's workers run (a header line comes first).
-        lines_seen = [proc.stdout.readline() for _ in range(2)]
-        assert "up in" in lines_seen[-1], lines_seen
+        # A header line, then "<run>: executor ... up in ..." for both runs (the demo starts
+        # and warms both executors before it times either), then each run's warm-up line:
+        # after those the first round is serving.
+        lines_seen = [proc.stdout.readline() for _ in range(5)]
+        assert [("up in" in line) for line in lines_seen[1:3]] == [True, True], lines_seen
+        assert all("warm-up" in line for line in lines_seen[3:]), lines_seen
         time.sleep(0.5)  # requests computed, outputs in segments, most not claimed yet
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
         out, err = proc.communicate(timeout=60)

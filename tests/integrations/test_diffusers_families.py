@@ -363,3 +363,10 @@ def test_decode_on_the_device_without_its_post_process_says_what_to_do() -> None
         out = ex.wait_output_ready(ro.async_output_id).result(timeout=120)
         assert out.output["images"].dtype == torch.uint8
         ex.release_output(out)
+    # The same, in one call: from_spec carries the spec's post-process and its request check.
+    with InProcessExecutor.from_spec(spec, deadlines=DEADLINES) as ex:
+        out = ex.submit(DiffusionRequest("d", params)).output.result(timeout=120)
+        assert out.output["images"].dtype == torch.uint8
+        ex.release_output(out)
+        with pytest.raises(InvalidRequest, match="no_such_argument"):
+            ex.submit(DiffusionRequest("bad", {**params, "no_such_argument": 1}))

@@ -425,11 +425,12 @@ def _in_process_run(rng: random.Random) -> list[TraceEvent]:
                 assert ro.async_output_id is not None
                 c = rng.random()
                 if c < 0.15:
-                    h.drop()
+                    ex.drop_output(ro.async_output_id)
                     continue
+                w = ex.wait_output_ready(ro.async_output_id)
                 if c < 0.3:
-                    h.output.cancel()
-                waits.append(h.output)
+                    w.cancel()
+                waits.append(w)
         for w in waits:
             if not w.cancelled():
                 try:

@@ -25,6 +25,7 @@ from omni_async.executor.config import check_in_process_arguments
 from omni_async.executor.link import RankEvents, RankLink, shut_down_error
 from omni_async.executor.store import InlineStore
 from omni_async.transport.channel import InProcessChannel, ResultSender
+from omni_async.worker.host import WorkerSpec
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.packer import Packer
 from omni_async.worker.postprocess import get_postprocess
@@ -117,6 +118,32 @@ class InProcessExecutor(DiffusionExecutor):
     The protocol is the real one end to end (the channel even pickles every
     message); only the process boundary is missing.
     """
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: WorkerSpec,
+        *,
+        world_size: int = 1,
+        deadlines: Deadlines | None = None,
+        max_outputs_in_flight: int = 4,
+        tracer: Tracer | None = None,
+    ) -> InProcessExecutor:
+        """The ranks of ``spec`` on threads, with everything the spec carries that worker
+        processes would get: its model (``spec.build``), its post-process's device stage
+        (``spec.postprocess``: without it a ``decode="device"`` output reaches the channel
+        undecoded) and its request check (``spec.request_validator()``)."""
+        if not isinstance(spec, WorkerSpec):
+            raise UsageError(f"InProcessExecutor.from_spec: spec must be a WorkerSpec, got {type(spec).__name__}")
+        return cls(
+            spec.build,
+            world_size=world_size,
+            deadlines=deadlines,
+            max_outputs_in_flight=max_outputs_in_flight,
+            tracer=tracer,
+            validate_request=spec.request_validator(),
+            postprocess=spec.postprocess,
+        )
 
     def __init__(
         self,

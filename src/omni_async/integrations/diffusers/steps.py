@@ -67,7 +67,7 @@ class DecodeLater:
         raise TypeError(
             "a decode='device' output left its latents for the device stage of postprocess='diffusers', and this "
             "executor runs none: build it with the spec's post-process, e.g. "
-            "InProcessExecutor(spec.build, postprocess=spec.postprocess, ...)"
+            "InProcessExecutor.from_spec(spec) (or InProcessExecutor(spec.build, postprocess=spec.postprocess, ...))"
         )
 
 
