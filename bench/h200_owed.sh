@@ -23,12 +23,14 @@
 #           omni-u8 on the video with two copies in flight, one, and two again
 #   part 9: with two copies in flight, the demo at its defaults, the idle at a 15 ms
 #           synchronizing forward and encoded images (a check that nothing regressed)
+#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine
+#           (bench/diffusers_serving.py --rounds 3: sync and async alternating)
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 9}"
+part="${1:?part 1 to 11}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -138,8 +140,17 @@ case "$part" in
         | tee "$out/encoded_images.log" | tail -6
     save
     ;;
+10 | 11)
+    # Issue 30: PixArt-Sigma-shaped (part 10) and CogVideoX-2B-shaped (part 11) pipelines
+    # through the engine against the direct loop, sync and async in alternating order,
+    # three rounds each, every output compared with the direct loop's bit for bit.
+    work=$([ "$part" = 10 ] && echo pixart || echo cogvideox)
+    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" --requests 6 --rounds 3 \
+        --json "$out/diffusers_serving_$work.json" 2>&1 | tee "$out/diffusers_serving_$work.log" | tail -14
+    save
+    ;;
 *)
-    echo "part must be 1 to 9" >&2
+    echo "part must be 1 to 11" >&2
     exit 2
     ;;
 esac
