@@ -455,6 +455,8 @@ class SegmentLeases:
                 f"request {request_id!r}: the engine closed before its segment could be lent", request_id=request_id
             )
         self._changed()
+        if self._sweeper is not None:
+            self._sweeper.poke()  # its expiry may be sooner than the sweeper's next
         return SegmentLease(lease_id, request_id, name, size, tuple(tensors), values, expires, lender=self)
 
     def release(self, lease_id: str) -> bool:
