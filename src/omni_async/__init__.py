@@ -70,7 +70,7 @@ from omni_async.core.messages import (
     RpcRequest,
     RunnerOutput,
 )
-from omni_async.core.sinks import Sink
+from omni_async.core.sinks import InvalidSink, Sink
 from omni_async.core.states import (
     LIFECYCLE_TABLE,
     REQUEST_TABLE,
@@ -87,7 +87,9 @@ from omni_async.engine.errors import (
     EngineError,
     EngineNotStarted,
     EngineOverloaded,
+    OutputFileGone,
     PostProcessFailed,
+    SinkUnavailable,
 )
 from omni_async.engine.metrics import (
     EngineMetrics,
