@@ -36,7 +36,7 @@ def test_a_ttl_needs_a_sink_that_keeps_something() -> None:
 
 
 def test_the_sinks_are_strings() -> None:
-    assert SINKS == ("value", "file", "segment") and Sink.FILE == "file"
+    assert SINKS == ("value", "file", "segment") and str(Sink.FILE) == "file" and Sink("file") is Sink.FILE
     req = DiffusionRequest("r4", sink="segment", sink_ttl_s=2)
     assert req.sink_kind is Sink.SEGMENT and req.sink_ttl_s == 2
     assert DiffusionRequest("r5").sink_kind is Sink.VALUE

@@ -184,9 +184,9 @@ def test_failed_encodes_and_writes_leave_no_file_and_close_removes_everything(
         # The close: a directory given is kept, emptied of the engine's files; every lease released.
         assert os.listdir(out) == [] and kept.released
         assert de.executor.metrics().as_dict()["held_outputs"] == 0
-        with pytest.raises(OutputFileGone) as err:
+        with pytest.raises(OutputFileGone) as gone:
             eng.files.get(ok.file_id)
-        assert err.value.why == "closed"
+        assert gone.value.why == "closed"
 
     out = tmp_path / "out"
     run(body())

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from omni_async.engine.errors import OutputFileGone
+
 if TYPE_CHECKING:
     from omni_async.engine.sinks import OutputFile, OutputFiles, SegmentLease, SegmentTensor
 
@@ -19,7 +21,7 @@ _LAZY: dict[str, str] = {
     "SegmentTensor": "omni_async.engine.sinks",
 }
 
-__all__ = ["OutputFile", "OutputFiles", "SegmentLease", "SegmentTensor"]
+__all__ = ["OutputFile", "OutputFileGone", "OutputFiles", "SegmentLease", "SegmentTensor"]
 
 
 def __getattr__(name: str) -> object:

@@ -14,13 +14,13 @@ A request the engine accepted is in one of three places:
   most ``max_running`` at once.  With ``max_running >= 2`` the next request is already
   in the worker's RPC pipe while a forward runs, so the worker starts it the moment
   it sends COMPUTE_DONE, without waiting for the round trip to the engine.
-* **lent** (not a request's phase): an output lent to its caller (``sink="segment"``)
-  after its request ended; it holds one output of the budget like a holding request,
-  until its lease is released or expires (``lent``, counted in ``in_flight``).
 * **holding**: COMPUTE_DONE arrived ("compute done, output pending" is finished for
   the scheduler: the running slot is free at once), and the output is being packed,
   transferred or post-processed.  It holds one output of the executor's budget of
   held outputs until the engine released it.
+* **lent** (not a request's phase): an output lent to its caller (``sink="segment"``)
+  after its request ended; it holds one output of the budget like a holding request,
+  until its lease is released or expires (``lent``, counted in ``in_flight``).
 
 The budget: every running or holding request will hold (or holds) one output in the
 executor's shared memory until the engine releases it, so admission keeps
