@@ -280,3 +280,14 @@ def test_sinks_a_request_cannot_use_are_refused_at_generate(de: DiffusionEngine)
         toy.shutdown()
     assert err.value.request_id == "inproc" and err.value.executor == "InProcessExecutor"
     assert "use MultiprocDiffusionExecutor" in str(err.value)
+
+
+def test_an_output_dir_that_cannot_be_made_fails_the_start_naming_it(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    toy = InProcessExecutor(make_toy, deadlines=RELAXED)
+    try:
+        with pytest.raises(OSError, match="EngineConfig.output_dir .*a-file/out"):
+            DiffusionEngine(toy, output_dir=str(blocker / "out"))
+    finally:
+        toy.shutdown()
