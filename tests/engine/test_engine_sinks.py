@@ -267,6 +267,14 @@ def test_an_expired_lease_is_released_once(de: DiffusionEngine) -> None:
     assert isinstance(again, SegmentLease) and again.release()
 
 
+def test_an_output_small_enough_to_travel_inline_is_lent_as_values_holding_nothing(de: DiffusionEngine) -> None:
+    plain = de.generate(DiffusionRequest("inline-v", SMALL)).output["image"]
+    lease = de.generate(DiffusionRequest("inline", SMALL, sink="segment")).output
+    assert isinstance(lease, SegmentLease) and lease.segment is None and lease.tensors == ()
+    assert np.array_equal(np.asarray(lease.values["image"]), np.asarray(plain))
+    assert held(de) == (0, 0.0) and lease.released and lease.release() is False
+
+
 def test_sinks_a_request_cannot_use_are_refused_at_generate(de: DiffusionEngine) -> None:
     with pytest.raises(InvalidSink, match="add format="):
         de.generate(DiffusionRequest("nofmt", SMALL, sink="file"))
