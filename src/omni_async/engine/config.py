@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_MAX_RUNNING_BATCHES",
     "DEFAULT_MAX_WAITING",
+    "DEFAULT_VIDEO_BYTES_IN_FLIGHT",
     "EngineConfig",
     "EngineOptions",
     "engine_config",
@@ -46,6 +47,10 @@ DEFAULT_MAX_WAITING = 4096
 # Without a budget reported by the executor (InProcessExecutor): how many requests may
 # be running or holding an output at once.
 DEFAULT_MAX_IN_FLIGHT = 64
+# Frames of a video handed to its encoder and not yet encoded: a few parts of a 720p
+# video (16 frames of 1280x720 RGB: 44 MB), so the encoder never waits for the next part,
+# while the rest wait in shared memory within the budget of held outputs.
+DEFAULT_VIDEO_BYTES_IN_FLIGHT = 256 * 2**20
 
 
 def _count(name: str, *, optional: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -123,6 +128,10 @@ class EngineConfig:
     ``encode_workers``: the processes that encode the requests that ask for a format
     (``DiffusionRequest(..., format="png")``; default ``os.cpu_count()``), started with
     the first such request and stopped by ``close`` (``omni_async.engine.encode_pool``).
+    ``video_bytes_in_flight`` (256 MiB): a video encoded while it decodes
+    (``generate_video``) hands the encoder at most this many bytes of frames not yet
+    encoded (one part larger than it goes alone); the parts behind wait in shared memory
+    (``omni_async.engine.video``).
     ``close_timeout`` (60 s): the default bound of ``close`` and of a stream's ``aclose``.
     ``tracer``: records every step of the engine's machines (``omni_async.core.engine_trace``).
     """
@@ -141,6 +150,9 @@ class EngineConfig:
     )
     batch_key: BatchKeyer | None = attrs.field(default=None, validator=_optional_callable)
     encode_workers: int | None = attrs.field(default=None, validator=_count("encode_workers", optional=True))
+    video_bytes_in_flight: int = attrs.field(
+        default=DEFAULT_VIDEO_BYTES_IN_FLIGHT, validator=_count("video_bytes_in_flight")
+    )
 
     def __attrs_post_init__(self) -> None:
         mr = self.max_running
@@ -177,6 +189,7 @@ class EngineOptions(TypedDict, total=False):
     batch_wait_s: float
     batch_key: BatchKeyer | None
     encode_workers: int | None
+    video_bytes_in_flight: int
 
 
 def engine_config(config: EngineConfig | None, options: Mapping[str, object], what: str) -> EngineConfig:
