@@ -31,7 +31,9 @@ from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EncodeFailed
 from omni_async.engine.metrics import GenerationResult
 from omni_async.engine.video import VideoBytes
+from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+from omni_async.models.video import FrameVideoWorker
 
 DEADLINES = Deadlines(compute_timeout=60, output_timeout=60, rpc_timeout=60)
 VIDEO = WorkerSpec("omni_async.models.video:FrameVideoWorker", {})
@@ -64,19 +66,45 @@ def boxes(data: bytes) -> list[str]:
 
 
 def test_the_encoder_reads_the_segment_and_writes_the_copy_paths_bytes(video: MultiprocDiffusionExecutor) -> None:
-    params = {"frames": 3, "height": 32, "width": 48, "seed": 4}
+    """PNGs of a video's frames: read from the output's segment over a worker process,
+    copied over ``InProcessExecutor`` (no segment): the same files, the same as encoding
+    the plain result's frames here.  A video in parts takes the copy path there too."""
+    params = {"frames": 3, "height": 96, "width": 128, "seed": 4}  # above the inline threshold: in shm
+    png = DiffusionRequest("x", {}, format="png").encoding
+    assert png is not None
 
-    async def body() -> None:
+    async def body() -> list[bytes]:
         async with AsyncDiffusionEngine(video, encode_workers=1) as engine:
             plain = await engine.generate(DiffusionRequest("plain", params))
-            frames = plain.output["frames"].numpy()  # an owned copy: the copy path's pixels
+            frames = plain.output["frames"].numpy()
             got = await engine.generate(DiffusionRequest("png", params, format="png"))
+            assert (engine._post.encoders.jobs_shared, engine._post.encoders.jobs_copied) == (1, 0)
             assert isinstance(got.output, tuple) and len(got.output) == 3
-            for enc, frame in zip(got.output, frames, strict=True):
-                assert enc.data == encode_image(frame, DiffusionRequest("x", {}, format="png").encoding)  # type: ignore[arg-type]
+            assert [enc.data for enc in got.output] == [encode_image(frame, png) for frame in frames]
             await assert_quiescent(engine)
+            return [enc.data for enc in got.output]
 
-    run(body())
+    async def inline() -> list[bytes]:
+        ex = InProcessExecutor(lambda rank: FrameVideoWorker(), deadlines=DEADLINES)
+        try:
+            async with AsyncDiffusionEngine(ex, encode_workers=1) as engine:
+                got = await engine.generate(DiffusionRequest("png", params, format="png"))
+                parts = [
+                    item
+                    async for item in engine.generate_video(
+                        DiffusionRequest("parts", dict(params, frames=6, chunk_frames=2), format="mp4")
+                    )
+                ]
+                assert (engine._post.encoders.jobs_shared, engine._post.encoders.jobs_copied) == (0, 4)
+                (result,) = parts
+                assert isinstance(result, GenerationResult) and isinstance(result.output, EncodedOutput)
+                assert len(decoded(result.output.data)) == 6
+                assert isinstance(got.output, tuple)
+                return [enc.data for enc in got.output]
+        finally:
+            ex.shutdown()
+
+    assert run(body()) == run(inline())
 
 
 def test_a_sigkilled_encoder_releases_the_held_output_once_and_fails_its_request(

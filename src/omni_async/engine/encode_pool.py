@@ -171,6 +171,16 @@ class EncoderPool:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._on_queued: Callable[[concurrent.futures.Future[EncodeResult]], None] | None = None
+        # Jobs and video parts queued whose pixels the process reads in shared memory, and
+        # those that carry a copy (no segment): how often the zero-copy path is taken.
+        self.jobs_shared = 0
+        self.jobs_copied = 0
+
+    def _count_locked(self, pixels: object) -> None:
+        if isinstance(pixels, SharedPixels):
+            self.jobs_shared += 1
+        elif pixels is not None:
+            self.jobs_copied += 1
 
     def submit(self, job: EncodeJob) -> concurrent.futures.Future[EncodeResult]:
         """Queue ``job``; the first call starts the processes (spawned: safe beside the
@@ -188,6 +198,7 @@ class EncoderPool:
                 )
             self._start_locked()
             self._waiting.append(task)
+            self._count_locked(job.pixels)
         self._wake()
         if self._on_queued is not None:
             self._on_queued(task.future)
@@ -209,6 +220,7 @@ class EncoderPool:
                 failed = "its video was already finished (a part after the last)"
             else:
                 session.ended = part.last
+                self._count_locked(part.frames)
                 if not session.started:
                     session.started = True
                     self._start_locked()
