@@ -26,11 +26,10 @@ from helpers.engine_harness import assert_quiescent, eventually, run
 from helpers.leaks import kept_for_the_module
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
-from omni_async.engine.encoders import EncodedOutput, encode_image
+from omni_async.engine.encoders import EncodedOutput, VideoBytes, encode_image
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EncodeFailed
 from omni_async.engine.metrics import GenerationResult
-from omni_async.engine.video import VideoBytes
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.video import FrameVideoWorker
@@ -49,7 +48,7 @@ def held(ex: MultiprocDiffusionExecutor) -> int:
 
 
 def decoded(data: bytes) -> np.ndarray:
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 

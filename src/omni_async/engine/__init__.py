@@ -1,3 +1,52 @@
 """The engine side: an asyncio engine over any executor (``AsyncDiffusionEngine``), its
-scheduler, post-processing off the event loop, metrics, and a synchronous facade
-(``DiffusionEngine``)."""
+scheduler, post-processing off the event loop, encoded outputs (images, and video encoded
+while it decodes: ``generate_video``, ``VideoBytes``), metrics, and a synchronous facade
+(``DiffusionEngine``).  The names below load on first use (PEP 562): ``import
+omni_async`` imports this package without torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_async.engine.config import EngineConfig
+    from omni_async.engine.encoders import EncodedOutput, VideoBytes
+    from omni_async.engine.engine import AsyncDiffusionEngine
+    from omni_async.engine.errors import EncodeFailed
+    from omni_async.engine.metrics import GenerationResult
+    from omni_async.engine.sync import DiffusionEngine
+
+_LAZY: dict[str, str] = {
+    "AsyncDiffusionEngine": "omni_async.engine.engine",
+    "DiffusionEngine": "omni_async.engine.sync",
+    "EngineConfig": "omni_async.engine.config",
+    "EncodedOutput": "omni_async.engine.encoders",
+    "VideoBytes": "omni_async.engine.encoders",
+    "EncodeFailed": "omni_async.engine.errors",
+    "GenerationResult": "omni_async.engine.metrics",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omni_async.engine' has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "AsyncDiffusionEngine",
+    "DiffusionEngine",
+    "EncodeFailed",
+    "EncodedOutput",
+    "EngineConfig",
+    "GenerationResult",
+    "VideoBytes",
+]

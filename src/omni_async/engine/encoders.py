@@ -55,6 +55,7 @@ __all__ = [
     "EncodeJob",
     "EncodedOutput",
     "SharedPixels",
+    "VideoBytes",
     "VideoPart",
     "VideoWriter",
     "encode",
@@ -85,6 +86,18 @@ class EncodedOutput:
     frames: int = 1
     encoded_on: Literal["host", "cuda"] = "host"
     note: str = ""
+
+
+@attrs.frozen
+class VideoBytes:
+    """Bytes of a request's fragmented MP4 as its encoder made them
+    (``generate_video(..., fragmented=True)``): ``data``, which starts at byte ``offset``
+    of the file, once ``frames`` frames had been encoded; the pieces in order are the file."""
+
+    request_id: str
+    data: bytes = attrs.field(repr=lambda d: f"<{len(d)} bytes>")
+    offset: int
+    frames: int
 
 
 @attrs.frozen

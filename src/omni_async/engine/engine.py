@@ -108,6 +108,7 @@ from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.admission import Admission
 from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
 from omni_async.engine.driver import RequestDriver
+from omni_async.engine.encoders import VideoBytes
 from omni_async.engine.ends import RequestEnds
 from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted
 from omni_async.engine.lifecycle import Lifecycle
@@ -119,7 +120,7 @@ from omni_async.engine.sending import Sender
 from omni_async.engine.snapshot import engine_snapshot
 from omni_async.engine.streaming import StreamReader
 from omni_async.engine.threads import EngineThreads
-from omni_async.engine.video import VideoBytes, VideoEncode
+from omni_async.engine.video import VideoEncode
 from omni_async.executor.api import DiffusionExecutor
 
 if TYPE_CHECKING:
@@ -480,10 +481,21 @@ class AsyncDiffusionEngine:
         rec = self._admit(request, deadlines, "generate_video", True)
         assert self._streams is not None and self._ends is not None
         streams, ends = self._streams, self._ends
+        post = self._post
         video = rec.video = VideoEncode(
-            rec, self._post.encoders, self._post, fragmented=fragmented, bound=self.config.video_bytes_in_flight
+            rec.request_id,
+            request.encoding,
+            post.encoders,
+            release=post.release_later,
+            release_now=post.release_quietly,
+            ended=lambda: rec.result.done() or rec.ended(),
+            fragmented=fragmented,
+            bound=self.config.video_bytes_in_flight,
         )
-        pump = asyncio.get_running_loop().create_task(video.pump(rec, streams), name=f"omni-video-{rec.request_id}")
+        rec.result.add_done_callback(lambda _: video.wake())
+        pump = asyncio.get_running_loop().create_task(
+            streams.feed_video(rec, video), name=f"omni-video-{rec.request_id}"
+        )
         done = False
         try:
             while (piece := await video.next_piece()) is not None:

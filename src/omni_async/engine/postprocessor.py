@@ -94,7 +94,10 @@ class PostProcessor:
         self.in_progress += 1
         try:
             if rec.video is not None and not chunk:
-                return await rec.video.finish(output)
+                # The last part of a video encoded while it decodes: the whole MP4.
+                started = time.monotonic()
+                encoded, video_s = await rec.video.finish(output)
+                return PostProcessed(encoded, started, video_s, video_s)
             metrics = dict(output.metrics)
             job = functools.partial(self._on_thread, rec, output, chunk)
             del output  # the thread releases it; nothing of it is kept here

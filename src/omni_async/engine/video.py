@@ -34,45 +34,44 @@ import asyncio
 import collections
 import concurrent.futures
 import time
+from collections.abc import Callable
 
-import attrs
-
+from omni_async.core.encoding import Encoding
 from omni_async.core.messages import DiffusionOutput
 from omni_async.engine.encode_pool import EncodeResult, EncoderPool, frames_of
-from omni_async.engine.encoders import EncodedOutput, SharedPixels, VideoPart
+from omni_async.engine.encoders import EncodedOutput, SharedPixels, VideoBytes, VideoPart
 from omni_async.engine.errors import EncodeFailed
-from omni_async.engine.postprocessor import PostProcessed, PostProcessor
-from omni_async.engine.record import RequestRecord
-from omni_async.engine.streaming import StreamReader
 from omni_async.worker.stream import VIDEO_PART
 
 __all__ = ["VideoBytes", "VideoEncode"]
 
 
-@attrs.frozen
-class VideoBytes:
-    """Bytes of a request's fragmented MP4 as its encoder made them
-    (``generate_video(..., fragmented=True)``): ``data``, which starts at byte ``offset``
-    of the file, once ``frames`` frames had been encoded; the pieces in order are the file."""
-
-    request_id: str
-    data: bytes = attrs.field(repr=lambda d: f"<{len(d)} bytes>")
-    offset: int
-    frames: int
+Release = Callable[[DiffusionOutput], None]
 
 
 class VideoEncode:
-    """One request's video, encoded part by part (see the module docstring)."""
+    """One request's video, encoded part by part (see the module docstring).  Handed its
+    collaborators: the encoder ``pool``, ``release`` (an output back to the executor, off
+    the loop), ``release_now`` (the same on the calling thread: a part's output, as its
+    encode ends) and ``ended`` (whether the request's end was decided)."""
 
     def __init__(
-        self, rec: RequestRecord, pool: EncoderPool, post: PostProcessor, *, fragmented: bool, bound: int
+        self,
+        request_id: str,
+        encoding: Encoding,
+        pool: EncoderPool,
+        *,
+        release: Release,
+        release_now: Release,
+        ended: Callable[[], bool],
+        fragmented: bool,
+        bound: int,
     ) -> None:
-        encoding = rec.request.encoding
-        assert encoding is not None and encoding.is_video
-        self._rec = rec
+        assert encoding.is_video
+        self.request_id = request_id
         self._encoding = encoding
-        self._session = pool.open_video(rec.request_id)
-        self._post = post
+        self._session = pool.open_video(request_id)
+        self._release, self._release_now, self._ended_early = release, release_now, ended
         self._loop = asyncio.get_running_loop()
         self.fragmented = fragmented
         self.bound = bound
@@ -93,33 +92,12 @@ class VideoEncode:
         # Set once every chunk of the stream was handed over (or the pump ended): the
         # final output goes last.
         self.chunks_fed = asyncio.Event()
-        rec.result.add_done_callback(lambda _: self._changed.set())
+
+    def wake(self) -> None:
+        """Something the waits here look at changed (the request's result, say)."""
+        self._changed.set()
 
     # ------------------------------------------------------------------ the parts
-
-    async def pump(self, rec: RequestRecord, streams: StreamReader) -> None:
-        """Hand the stream's frame parts to the encoder as they come (a task of ``generate_video``)."""
-        try:
-            while rec.stream is None and not rec.result.done() and not rec.ended():
-                rec.changed.clear()
-                if rec.stream is None and not rec.result.done() and not rec.ended():
-                    await rec.changed.wait()
-            while (chunk := await streams.next_chunk(rec)) is not None:
-                try:
-                    try:
-                        output = await asyncio.wrap_future(chunk.output)
-                    except asyncio.CancelledError:
-                        self._post.discard(chunk.output)
-                        raise
-                    await self.feed(output, last=False)
-                    del output
-                finally:
-                    rec.taking -= 1
-                    rec.poke.set()
-        except Exception as exc:  # the caller's iterator raises it (``failure``), which ends the request
-            self._fail(exc)
-        finally:
-            self.chunks_fed.set()
 
     @property
     def failure(self) -> BaseException | None:
@@ -129,10 +107,10 @@ class VideoEncode:
     async def feed(self, output: DiffusionOutput, *, last: bool) -> concurrent.futures.Future[EncodeResult] | None:
         """``output``'s frames (a part, or the final output: ``last``) to the encoder once
         there is room; the future of the bytes they made (None: a chunk that is no part)."""
-        rid = self._rec.request_id
+        rid = self.request_id
         mapping = output.output if isinstance(output.output, dict) else {}
         if not last and mapping.get(VIDEO_PART) is not True:
-            self._post.release_later(output)  # a preview, say: not the video's
+            self._release(output)  # a preview, say: not the video's
             return None
         fps = mapping.get("fps")
         if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0:
@@ -141,11 +119,11 @@ class VideoEncode:
             # Off the loop: without a segment the frames are copied.
             frames = await asyncio.to_thread(frames_of, output, rid, self._encoding)
         except BaseException:
-            self._post.release_later(output)
+            self._release(output)
             raise
         shared = isinstance(frames, SharedPixels)
         if not shared:
-            self._post.release_later(output)  # copied (or none): the output goes back now
+            self._release(output)  # copied (or none): the output goes back now
         nbytes = 0 if frames is None else int(frames.nbytes)
         try:
             if frames is not None:
@@ -153,16 +131,16 @@ class VideoEncode:
             await self._room(nbytes)
         except BaseException:
             if shared:
-                self._post.release_later(output)
+                self._release(output)
             raise
-        if self._rec.ended() and not last:  # aborted while it waited for room: nothing more to encode
+        if self._ended_early() and not last:  # aborted while it waited for room: nothing more to encode
             if shared:
-                self._post.release_later(output)
+                self._release(output)
             return None
         part = VideoPart(frames, self._encoding, self._fps, self.fragmented, last, rid)
         future = self._session.put(part)
         if shared:
-            future.add_done_callback(lambda _: self._post.release_quietly(output))
+            future.add_done_callback(lambda _: self._release_now(output))
         count = 0 if frames is None else int(frames.shape[0])
         self.frames += count
         self.in_flight += nbytes
@@ -174,9 +152,9 @@ class VideoEncode:
         frame = shape[1:]
         if len(shape) != 4 or (self._shape is not None and frame != self._shape):
             raise EncodeFailed(
-                f"request {self._rec.request_id!r}: a part of its video has frames {shape}, but a video's parts are "
+                f"request {self.request_id!r}: a part of its video has frames {shape}, but a video's parts are "
                 f"[T, H, W, C] of one size{'' if self._shape is None else f' ({self._shape})'}",
-                request_id=self._rec.request_id,
+                request_id=self.request_id,
                 format=self._encoding.format,
             )
         self._shape = frame
@@ -184,7 +162,7 @@ class VideoEncode:
     async def _room(self, nbytes: int) -> None:
         while (
             self._failure is None
-            and not self._rec.ended()
+            and not self._ended_early()
             and ((self.in_flight and self.in_flight + nbytes > self.bound) or self._unread > self.bound)
         ):
             self._changed.clear()
@@ -210,12 +188,13 @@ class VideoEncode:
         if not data:
             return
         if self.fragmented:
-            self._pieces.append(VideoBytes(self._rec.request_id, data, self._offset, self._encoded))
+            self._pieces.append(VideoBytes(self.request_id, data, self._offset, self._encoded))
             self._offset += len(data)
             self._unread += len(data)
         self._file.append(data)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """The video cannot be made (a part's frames, the stream): the waits here end with ``exc``."""
         if self._failure is None:
             self._failure = exc
         self._changed.set()
@@ -230,22 +209,22 @@ class VideoEncode:
                 self._unread -= len(piece.data)
                 self._changed.set()
                 return piece
-            if self._ended or self._failure is not None or self._rec.result.done() or self._rec.ended():
+            if self._ended or self._failure is not None or self._ended_early():
                 return None
             self._changed.clear()
             await self._changed.wait()
 
-    async def finish(self, output: DiffusionOutput) -> PostProcessed:
+    async def finish(self, output: DiffusionOutput) -> tuple[EncodedOutput, float]:
         """The final output (the driver's post-process): after every part, its frames as
-        the last part; the whole MP4 as the request's ``EncodedOutput``."""
-        started = time.monotonic()
+        the last part; the whole MP4 as the request's ``EncodedOutput``, and the seconds
+        from the final output to it."""
         t0 = time.perf_counter()
         try:
             await self.chunks_fed.wait()
             if self._failure is not None:
                 raise self._failure
         except BaseException:
-            self._post.release_later(output)
+            self._release(output)
             raise
         future = await self.feed(output, last=True)
         del output
@@ -256,8 +235,8 @@ class VideoEncode:
             raise
         except Exception as exc:
             raise EncodeFailed(
-                f"request {self._rec.request_id!r}: encoding its video failed: {type(exc).__name__}: {exc}",
-                request_id=self._rec.request_id,
+                f"request {self.request_id!r}: encoding its video failed: {type(exc).__name__}: {exc}",
+                request_id=self.request_id,
                 format=self._encoding.format,
             ) from exc
         while not self._ended and self._failure is None:  # its callback is on its way to the loop
@@ -268,11 +247,10 @@ class VideoEncode:
         assert self._shape is not None
         height, width = int(self._shape[0]), int(self._shape[1])
         value = EncodedOutput(b"".join(self._file), self._encoding.media_type, width, height, frames=self.frames)
-        seconds = time.perf_counter() - t0
-        return PostProcessed(value, started, seconds, seconds)
+        return value, time.perf_counter() - t0
 
     def abandon(self) -> None:
         """The request ended before its last part: the process drops the video."""
         if self._session.started and not self._session.ended:
-            part = VideoPart(None, self._encoding, self._fps, self.fragmented, True, self._rec.request_id)
+            part = VideoPart(None, self._encoding, self._fps, self.fragmented, True, self.request_id)
             self._session.put(part)
