@@ -210,3 +210,41 @@ def test_a_video_encoded_in_parts_matches_the_whole_video_encode_and_streams_fra
             await assert_quiescent(engine)
 
     run(body())
+
+
+def test_a_sigkilled_encoder_mid_video_fails_it_and_releases_every_part(video: MultiprocDiffusionExecutor) -> None:
+    """The process encoding a video's parts is SIGKILLed with parts in its pipe and behind
+    it: the request fails with ``EncodeFailed`` naming the signal, every part's output goes
+    back once (nothing held), and the next video is encoded by the process in its place."""
+    params = {"frames": 48, "height": 96, "width": 128, "chunk_frames": 8}
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(video, encode_workers=1) as engine:
+            await engine.generate(DiffusionRequest("warm", dict(params, frames=2), format="mp4"))
+            pool = engine._post.encoders
+            (pid,) = pool.pids()
+            os.kill(pid, signal.SIGSTOP)
+
+            async def consume() -> list[object]:
+                return [i async for i in engine.generate_video(DiffusionRequest("victim", params, format="mp4"))]
+
+            try:
+                task = asyncio.ensure_future(consume())
+                await eventually(lambda: pool.running() == {pid: "victim"}, what="a part in its process's pipe")
+                await eventually(lambda: held(video) >= 2, what="parts held behind it")
+                os.kill(pid, signal.SIGKILL)
+            finally:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            with pytest.raises(EncodeFailed, match="SIGKILL") as err:
+                await task
+            assert err.value.request_id == "victim"
+            # Every part's output went back, also those whose views the error's traceback saw.
+            await eventually(lambda: held(video) == 0, timeout=5.0, what="every part released")
+            items = [i async for i in engine.generate_video(DiffusionRequest("after", params, format="mp4"))]
+            assert isinstance(items[-1], GenerationResult) and len(decoded(items[-1].output.data)) == 48
+            await assert_quiescent(engine)
+
+    run(body())

@@ -104,12 +104,13 @@ class StreamReader:
             while (chunk := await self.next_chunk(rec)) is not None:
                 try:
                     try:
-                        output = await asyncio.wrap_future(chunk.output)
+                        part = [await asyncio.wrap_future(chunk.output)]
                     except asyncio.CancelledError:
                         self._post.discard(chunk.output)
                         raise
-                    await video.feed(output, last=False)
-                    del output
+                    # The part's only reference goes to the video: a failure's traceback keeps
+                    # this frame, which must not keep the output's views (they hold its segment).
+                    await video.feed(part.pop(), last=False)
                 finally:
                     rec.taking -= 1
                     rec.poke.set()

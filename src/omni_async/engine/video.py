@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import time
 from collections.abc import Callable
 
@@ -47,6 +48,10 @@ __all__ = ["VideoBytes", "VideoEncode"]
 
 
 Release = Callable[[DiffusionOutput], None]
+
+
+def _release_part(release: Release, output: DiffusionOutput, _: object) -> None:
+    release(output)  # a part's output, as its encode ends: on the thread that ends it
 
 
 class VideoEncode:
@@ -106,41 +111,46 @@ class VideoEncode:
 
     async def feed(self, output: DiffusionOutput, *, last: bool) -> concurrent.futures.Future[EncodeResult] | None:
         """``output``'s frames (a part, or the final output: ``last``) to the encoder once
-        there is room; the future of the bytes they made (None: a chunk that is no part)."""
+        there is room; the future of the bytes they made (None: a chunk that is no part).
+        ``output`` is the part's: released here, or when its encode ends."""
+        hold = [output]  # the one reference of this frame: dropped before an error leaves it
+        del output
+        try:
+            return await self._feed(hold, last)
+        except BaseException:
+            # The error's traceback keeps this frame: it must not keep the output's views
+            # (they would hold its segment as long as the caller keeps the error).
+            if hold:
+                self._release(hold.pop())
+            raise
+
+    async def _feed(self, hold: list[DiffusionOutput], last: bool) -> concurrent.futures.Future[EncodeResult] | None:
         rid = self.request_id
-        mapping = output.output if isinstance(output.output, dict) else {}
+        mapping = hold[0].output if isinstance(hold[0].output, dict) else {}
         if not last and mapping.get(VIDEO_PART) is not True:
-            self._release(output)  # a preview, say: not the video's
+            self._release(hold.pop())  # a preview, say: not the video's
             return None
         fps = mapping.get("fps")
+        del mapping
         if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0:
             self._fps = float(fps)
-        try:
-            # Off the loop: without a segment the frames are copied.
-            frames = await asyncio.to_thread(frames_of, output, rid, self._encoding)
-        except BaseException:
-            self._release(output)
-            raise
+        # Off the loop: without a segment the frames are copied.
+        frames = await asyncio.to_thread(frames_of, hold[0], rid, self._encoding)
         shared = isinstance(frames, SharedPixels)
         if not shared:
-            self._release(output)  # copied (or none): the output goes back now
+            self._release(hold.pop())  # copied (or none): the output goes back now
         nbytes = 0 if frames is None else int(frames.nbytes)
-        try:
-            if frames is not None:
-                self._check_shape(tuple(frames.shape))
-            await self._room(nbytes)
-        except BaseException:
-            if shared:
-                self._release(output)
-            raise
+        if frames is not None:
+            self._check_shape(tuple(frames.shape))
+        await self._room(nbytes)
         if self._ended_early() and not last:  # aborted while it waited for room: nothing more to encode
-            if shared:
-                self._release(output)
+            if hold:
+                self._release(hold.pop())
             return None
         part = VideoPart(frames, self._encoding, self._fps, self.fragmented, last, rid)
         future = self._session.put(part)
-        if shared:
-            future.add_done_callback(lambda _: self._release_now(output))
+        if hold:
+            future.add_done_callback(functools.partial(_release_part, self._release_now, hold.pop()))
         count = 0 if frames is None else int(frames.shape[0])
         self.frames += count
         self.in_flight += nbytes
@@ -219,15 +229,16 @@ class VideoEncode:
         the last part; the whole MP4 as the request's ``EncodedOutput``, and the seconds
         from the final output to it."""
         t0 = time.perf_counter()
+        hold = [output]
+        del output
         try:
             await self.chunks_fed.wait()
             if self._failure is not None:
                 raise self._failure
         except BaseException:
-            self._release(output)
+            self._release(hold.pop())
             raise
-        future = await self.feed(output, last=True)
-        del output
+        future = await self.feed(hold.pop(), last=True)
         assert future is not None
         try:
             await asyncio.wrap_future(future)
