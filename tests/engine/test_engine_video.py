@@ -248,3 +248,23 @@ def test_a_sigkilled_encoder_mid_video_fails_it_and_releases_every_part(video: M
             await assert_quiescent(engine)
 
     run(body())
+
+
+def test_what_is_not_a_video_is_refused_where_it_is_written(video: MultiprocDiffusionExecutor) -> None:
+    import torch
+
+    from omni_async.core.errors import UsageError
+    from omni_async.worker import emit_frames
+
+    with pytest.raises(UsageError, match=r"uint8 \[T, H, W, C\]"):
+        emit_frames("r", torch.zeros(2, 8, 8, 3))  # float frames: convert on the device
+    assert emit_frames("r", torch.zeros(2, 8, 8, 3, dtype=torch.uint8)) is None  # no stream: nothing shipped
+
+    async def body() -> None:
+        async with AsyncDiffusionEngine(video, encode_workers=1) as engine:
+            with pytest.raises(UsageError, match="format='mp4'"):
+                async for _ in engine.generate_video(DiffusionRequest("png", {}, format="png")):
+                    pass
+            assert len(engine) == 0
+
+    run(body())
