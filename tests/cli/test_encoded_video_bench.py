@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_tiny_preset_serves_every_mode_and_writes_its_rows(tmp_path: Path) -> None:
     out = tmp_path / "video.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
-    argv = ["--tiny", "--warmup", "1", "--encode-workers", "1", "--json", str(out)]
+    argv = ["--tiny", "--requests", "2", "--warmup", "0", "--encode-workers", "1", "--json", str(out)]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "encoded_video.py"), *argv],
         capture_output=True, text=True, timeout=240, env=env, cwd=ROOT,
