@@ -21,6 +21,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
 
 __all__ = [
+    "CLIENT_PATHS",
     "COMMANDS",
     "DRIVER_RSS_BOUND_MIB",
     "MODES",
@@ -260,6 +261,8 @@ def _check_soak(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ bench
 
 MODES: Final = ("sync", "reference", "omni", "omni-u8")
+# How the bench makes the client's bytes (bench.client_maker).
+CLIENT_PATHS: Final = ("pooled", "fresh")
 # name -> (shape, dtype): images are 3 x H x W, videos frames x 3 x H x W.
 SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
     "image-1k-fp32": ((3, 1024, 1024), "float32"),
@@ -378,6 +381,15 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "time each output to the client's bytes: uint8 pixels made on the host as an engine's host stage "
             "does, before the output is released (the 'client ms' column; its ideal is the forward alone); "
             "--no-client-bytes takes the output in hand only"
+        ),
+    )
+    d.add_argument(
+        "--client-path",
+        choices=CLIENT_PATHS,
+        default="pooled",
+        help=(
+            "how the client's bytes are made: pooled (converted in cache-sized slices into memory reused once "
+            "dropped) or fresh (the seed's: fresh memory for every pass, the figures before issue 31)"
         ),
     )
     d.add_argument(
