@@ -34,6 +34,9 @@ bytes, and ``client_efficiency`` the forward alone over it (the ideal: the forwa
 alone).  The printed table fits 100 columns (``bench_report``); on CPU a paragraph says
 what the figures do not show there.
 
+``--loop-stall`` (the default): the engine's event loop's longest stall (and p99) while
+``--loop-encodes`` PNG encodes run (``bench_loop``: target under 20 ms), one line.
+
 ``--pump``: a CPU micro-benchmark of the protocol: real worker processes, tiny outputs,
 no forward: the latency from the end of the worker's forward (right before it sends
 COMPUTE_DONE) to the wake-up of the thread blocked in ``execute_request``, and the
@@ -68,6 +71,7 @@ from rich.console import Console
 
 from omni_async.cli import bench_plot
 from omni_async.cli.bench_client import ClientBytes
+from omni_async.cli.bench_loop import loop_stall_line, run_loop_stall
 from omni_async.cli.bench_report import CPU_NOTE, TABLE_WIDTH, environment, table
 from omni_async.cli.bench_stats import (
     efficiency,
@@ -149,6 +153,7 @@ def _apply_tiny(args: argparse.Namespace) -> None:
     args.max_case_s = min(args.max_case_s, 10.0)
     args.pump = True
     args.pump_requests = min(args.pump_requests, 200)
+    args.loop_side = min(args.loop_side, 256)
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -513,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny:
         _apply_tiny(args)
     if args.pump_only:
-        args.pump, args.modes = True, []
+        args.pump, args.modes, args.loop_stall = True, [], False
     t0 = time.monotonic()
     argv = ["omni-async", *sys.argv[1:]] if sys.argv[1:2] == ["bench"] else ["omni-async", "bench"]
     sizes = {name: {**SIZES, **TINY_SIZES}[name] for name in args.sizes}
@@ -530,6 +535,7 @@ def run(args: argparse.Namespace) -> int:
         "json": str(args.json) if args.json else None,
         "cases": [],
         "pump": None,
+        "loop_stall": None,
     }
     if args.modes:
         console.print(
@@ -565,6 +571,9 @@ def run(args: argparse.Namespace) -> int:
             f"{p['compute_done_latency_us_p99']:.0f} us; {p['messages_per_s']:.0f} messages/s "
             f"({p['requests_per_s']:.0f} requests/s)"
         )
+    if args.loop_stall:
+        report["loop_stall"] = run_loop_stall(args.device, args.loop_encodes, args.loop_side)
+        console.print(loop_stall_line(report["loop_stall"]))
     report["wall_s"] = time.monotonic() - t0
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

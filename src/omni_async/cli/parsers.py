@@ -403,6 +403,21 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="CI preset: tiny sizes, a 20 ms forward, concurrency 1 and 2, 6 requests, and a short --pump",
     )
+    d.add_argument(
+        "--loop-stall",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "measure the engine's event loop's longest stall (and p99) while --loop-encodes PNG encodes run, "
+            "after the sweep (target under 20 ms); --no-loop-stall leaves it out"
+        ),
+    )
+    d.add_argument(
+        "--loop-encodes", type=options.positive_int, default=16, help="PNG requests at once in the --loop-stall run"
+    )
+    d.add_argument(
+        "--loop-side", type=options.positive_int, default=1024, help="their pictures' side in pixels (--tiny: 256)"
+    )
     d.add_argument("--pump", action="store_true", help="also run the CPU micro-benchmark of the protocol")
     d.add_argument("--pump-requests", type=options.positive_int, default=2000, help="requests of the --pump run")
     d.add_argument("--pump-only", action="store_true", help="run only the --pump micro-benchmark (no sweep)")
