@@ -24,8 +24,9 @@ Usage (repo root; the CPU machine's figures are in ``bench/results/host_path_cpu
 
 On the H200 (``bench/h200_owed.sh 10``)::
 
-    PYTHONPATH=src python3 bench/host_path.py --device cuda --rounds 3 --bench-sizes \\
-        image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16 --json host_path_h200.json
+    PYTHONPATH=src python3 bench/host_path.py --device cuda --rounds 3 --engine-sizes \\
+        image-2k-bf16,video-81x720p-bf16 --bench-runs \\
+        "omni,omni-u8@image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16" --json host_path_h200.json
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -60,6 +62,8 @@ from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOpti
 from omni_async.models.synthetic import DTYPES, synthetic_output, to_client_bytes
 
 Row = dict[str, Any]
+# A 112 MB video: the CPU worker makes the bench's 448 MB one in seconds per request.
+EXTRA_SIZES: dict[str, tuple[tuple[int, ...], str]] = {"video-81x360p-bf16": ((81, 3, 360, 640), "bfloat16")}
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -94,6 +98,46 @@ def _seed_passes(t: torch.Tensor) -> dict[str, float]:
     return {k: 1e3 * v for k, v in times.items()}
 
 
+def _compare(name: str, label: str, view: torch.Tensor, rounds: int) -> list[Row]:
+    """Before against after on ``view`` (a tensor in shared memory), in alternating order."""
+    nbytes = view.numel() * view.element_size()
+    output = DiffusionOutput("r", {"frames": view})
+    buffers = HostBuffers()
+    maker = ClientBytes(HostBuffers())
+    pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
+        "client_bytes": (lambda: to_client_bytes(output), lambda: maker(output)),
+        "owned_copy": (lambda: owned_copy(output.output), lambda: owned_copy(output.output, buffers)),
+    }
+    rows: list[Row] = []
+    for what, (before, after) in pairs.items():
+        after()  # the pool's first buffer: faulted in once, as a serving engine's first request
+        got: dict[str, list[float]] = {"before": [], "after": []}
+        for r in range(rounds):
+            order = (("before", before), ("after", after)) if r % 2 == 0 else (("after", after), ("before", before))
+            for which, fn in order * 2:
+                got[which].append(_ms(fn))
+        row: Row = {"part": "stages", "size": name, "stage": what, "dtype": label, "bytes": nbytes}
+        for which, xs in got.items():
+            row[f"{which}_ms_p50"] = statistics.median(xs)
+            row[f"{which}_ms_all"] = xs
+            row[f"{which}_GBps"] = nbytes / statistics.median(xs) / 1e6
+        row["speedup"] = row["before_ms_p50"] / row["after_ms_p50"]
+        rows.append(row)
+    if view.is_floating_point():
+        passes = [_seed_passes(view) for _ in range(max(3, rounds))]
+        rows.append(
+            {
+                "part": "stages",
+                "size": name,
+                "stage": "client_bytes seed, by pass",
+                "dtype": label,
+                "bytes": nbytes,
+                **{f"{k}_ms_p50": statistics.median(p[k] for p in passes) for k in passes[0]},
+            }
+        )
+    return rows
+
+
 def stages(name: str, shape: tuple[int, ...], dtype: str, rounds: int) -> list[Row]:
     """The host's stages on one output in a shared-memory segment, before and after."""
     src = synthetic_output(shape, DTYPES[dtype], seed=3, device="cpu")
@@ -105,40 +149,8 @@ def stages(name: str, shape: tuple[int, ...], dtype: str, rounds: int) -> list[R
         try:
             view = torch.frombuffer(seg.buf, dtype=value.dtype, count=value.numel()).view(value.shape)
             view.copy_(value)
-            output = DiffusionOutput("r", {"frames": view})
-            buffers = HostBuffers()
-            maker = ClientBytes(HostBuffers())
-            pairs: dict[str, tuple[Callable[[], object], Callable[[], object]]] = {
-                "client_bytes": (lambda: to_client_bytes(output), lambda: maker(output)),
-                "owned_copy": (lambda: owned_copy(output.output), lambda: owned_copy(output.output, buffers)),
-            }
-            for what, (before, after) in pairs.items():
-                after()  # the pool's first buffer: faulted in once, as a serving engine's first request
-                got: dict[str, list[float]] = {"before": [], "after": []}
-                for r in range(rounds):
-                    order = (("before", before), ("after", after)) if r % 2 == 0 else (("after", after), ("before", before))
-                    for which, fn in order * 2:
-                        got[which].append(_ms(fn))
-                row: Row = {"part": "stages", "size": name, "stage": what, "dtype": label, "bytes": nbytes}
-                for which, xs in got.items():
-                    row[f"{which}_ms_p50"] = statistics.median(xs)
-                    row[f"{which}_ms_all"] = xs
-                    row[f"{which}_GBps"] = nbytes / statistics.median(xs) / 1e6
-                row["speedup"] = row["before_ms_p50"] / row["after_ms_p50"]
-                rows.append(row)
-            if value.is_floating_point():
-                passes = [_seed_passes(view) for _ in range(max(3, rounds))]
-                rows.append(
-                    {
-                        "part": "stages",
-                        "size": name,
-                        "stage": "client_bytes seed, by pass",
-                        "dtype": label,
-                        "bytes": nbytes,
-                        **{f"{k}_ms_p50": statistics.median(p[k] for p in passes) for k in passes[0]},
-                    }
-                )
-            del view, output, pairs
+            rows += _compare(name, label, view, rounds)
+            del view
         finally:
             seg.close()
             seg.unlink()
@@ -181,16 +193,18 @@ def engine_part(name: str, shape: tuple[int, ...], dtype: str, device: str, roun
     return row
 
 
-def bench_part(sizes: str, modes: str, device: str, rounds: int, requests: int) -> list[Row]:
+def bench_part(specs: str, device: str, rounds: int, requests: int) -> list[Row]:
+    """``specs``: ``MODES@SIZES`` runs separated by ``;`` (each one ``omni-async bench``)."""
     got: dict[tuple[str, str, str], list[Row]] = {}
+    runs = [spec.split("@") for spec in specs.split(";")]
     for r in range(rounds):
-        for path in ("fresh", "pooled") if r % 2 == 0 else ("pooled", "fresh"):
+        for path, (modes, sizes) in itertools.product(("fresh", "pooled") if r % 2 == 0 else ("pooled", "fresh"), runs):
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "bench.json"
                 cmd = [sys.executable, "-m", "omni_async.cli", "bench", "--device", device, "--modes", modes,
                        "--sizes", sizes, "--forward-ms", "30", "--concurrency", "1", "--requests", str(requests),
                        "--warmup", "1", "--alone-min-s", "0.3", "--no-copy-bound", "--client-path", path,
-                       "--json", str(out)]  # fmt: skip
+                       "--no-loop-stall", "--json", str(out)]  # fmt: skip
                 subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
                 for case in json.loads(out.read_text())["cases"]:
                     got.setdefault((case["mode"], case["size"], path), []).append(case)
@@ -215,21 +229,24 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds (ABAB, then BABA, ...)")
     ap.add_argument("--stage-sizes", default="image-2k-bf16,video-81x720p-bf16")
-    ap.add_argument("--engine-sizes", default="image-2k-bf16,video-81x720p-bf16")
+    ap.add_argument("--engine-sizes", default="image-2k-bf16,video-81x360p-bf16")
     ap.add_argument("--engine-requests", type=int, default=6)
-    ap.add_argument("--bench-sizes", default="image-2k-bf16,video-81x720p-bf16")
-    ap.add_argument("--bench-modes", default="omni,omni-u8")
+    ap.add_argument(
+        "--bench-runs",
+        default="omni,omni-u8@image-2k-bf16;omni-u8@video-81x720p-bf16",
+        help="MODES@SIZES runs of omni-async bench, ';'-separated (omni on the 448 MB video takes 30 s a request on CPU)",
+    )
     ap.add_argument("--bench-requests", type=int, default=8)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     parts = args.parts.split(",")
-    catalog = {**SIZES, **TINY_SIZES}
+    catalog = {**SIZES, **TINY_SIZES, **EXTRA_SIZES}
     rows: list[Row] = []
     if "stages" in parts:
         for name in args.stage_sizes.split(","):
             shape, dtype = catalog[name]
             rows += stages(name, shape, dtype, args.rounds)
-            for row in rows[-3:]:
+            for row in rows[-5:]:
                 print(json.dumps({k: v for k, v in row.items() if not k.endswith("_all")}), flush=True)
     if "engine" in parts:
         for name in args.engine_sizes.split(","):
@@ -237,7 +254,7 @@ def main() -> None:
             rows.append(engine_part(name, shape, dtype, args.device, args.rounds, args.engine_requests))
             print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("_runs")}), flush=True)
     if "bench" in parts:
-        got = bench_part(args.bench_sizes, args.bench_modes, args.device, args.rounds, args.bench_requests)
+        got = bench_part(args.bench_runs, args.device, args.rounds, args.bench_requests)
         for row in got:
             print(json.dumps({k: v for k, v in row.items() if not k.endswith("_runs")}), flush=True)
         rows += got
