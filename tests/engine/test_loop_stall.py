@@ -40,18 +40,26 @@ def ex() -> Iterator[MultiprocDiffusionExecutor]:
     yield from kept_for_the_module(MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES))
 
 
-def test_the_monitor_sees_the_loop_blocked_and_how_long() -> None:
+def test_the_monitor_sees_the_loop_blocked_how_long_and_whether_it_ran() -> None:
     async def body() -> None:
-        async with LoopStallMonitor(period=0.001) as monitor:
+        async with LoopStallMonitor(period=0.001) as asleep:
             await asyncio.sleep(0.03)
-            time.sleep(0.08)  # the loop blocked, as an encode on it would block it
+            time.sleep(0.08)  # the loop's thread blocked, waiting (as on the GIL)
             await asyncio.sleep(0.03)
-        seen = monitor.stalls()
-        assert 75 <= seen.max_ms < 2000, seen
+        seen = asleep.stalls()
+        assert 75 <= seen.max_ms < 2000 and seen.max_cpu_ms < 40, seen
         assert seen.samples >= 10 and seen.p50_ms <= seen.p99_ms <= seen.max_ms and seen.period_ms == 1.0
-        assert monitor.stop() == seen  # stopped: nothing more is measured
+        assert asleep.stop() == seen  # stopped: nothing more is measured
         with pytest.raises(UsageError, match="already started"):
-            monitor.start()
+            asleep.start()
+        async with LoopStallMonitor(period=0.001) as busy:
+            await asyncio.sleep(0.01)
+            end = time.thread_time() + 0.1
+            while time.thread_time() < end:  # the loop running code: an encode on it
+                pass
+            await asyncio.sleep(0.01)
+        seen = busy.stalls()
+        assert 95 <= seen.max_ms < 2000 and seen.max_cpu_ms >= 90, seen
 
     run(body())
     with pytest.raises(UsageError, match="period"):
