@@ -81,8 +81,10 @@ class HostBuffers:
     when every array and tensor made of the loan has been freed (a finalizer on the
     object they all hold, ``_Loan``), so a result a caller keeps never changes under
     them; a later ``take`` reuses it, its pages already faulted in.  A buffer is reused
-    for a request at most a quarter (or a 2 MB huge page) smaller (outputs of one shape repeat); idle buffers
-    past ``max_idle_bytes``, or idle longer than ``idle_s``, are dropped.  Thread-safe:
+    for a request at most a quarter (or a 2 MB huge page) smaller than it (outputs of one
+    shape repeat); idle buffers past ``max_idle_bytes``, or idle longer than ``idle_s``,
+    are dropped.  A raw pointer taken out of an array (``ctypes``) is not a reference:
+    the pointer's holder must keep the array too.  Thread-safe:
     a finalizer may run on any thread, in a garbage collection inside ``take`` too, so
     it only appends to a deque that ``take`` drains."""
 
