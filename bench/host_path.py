@@ -9,7 +9,9 @@ order (ABAB in even rounds, BABA in odd ones: machines drift), ``--rounds`` roun
   pass (upcast, multiply, add and clamp, cast to uint8, ``tobytes``), against
   ``ClientBytes`` (into reused memory, in cache-sized slices); the engine's owned copy
   into fresh memory (``owned_copy(x)``, before) against ``HostBuffers`` (after); a uint8
-  output (``omni-u8``: the device stage converted it) the same.  Median ms and GB/s.
+  output (``omni-u8``: the device stage converted it) the same; where the host has the
+  cores for it (``DEFAULT_COPY_THREADS`` > 1), the owned copy into reused memory on one
+  thread against the default's threads.  Median ms and GB/s.
 * ``engine``: ``AsyncDiffusionEngine`` over ``SyntheticForwardWorker`` in a worker
   process, no host stage (the result is the owned copy): the engine's ``postprocess``
   time (the copy and the release) and the request's total, p50, with the engine's
@@ -57,7 +59,7 @@ from omni_async.cli.parsers import SIZES, TINY_SIZES
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
-from omni_async.engine.owned import HostBuffers, owned_copy
+from omni_async.engine.owned import DEFAULT_COPY_THREADS, HostBuffers, owned_copy
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions, WorkerSpec
 from omni_async.models.synthetic import DTYPES, synthetic_output, to_client_bytes
 
@@ -108,6 +110,13 @@ def _compare(name: str, label: str, view: torch.Tensor, rounds: int) -> list[Row
         "client_bytes": (lambda: to_client_bytes(output), lambda: maker(output)),
         "owned_copy": (lambda: owned_copy(output.output), lambda: owned_copy(output.output, buffers)),
     }
+    if DEFAULT_COPY_THREADS > 1:
+        # Reused memory both, one copy thread (before) against the default (after).
+        serial = HostBuffers(copy_threads=1)
+        pairs[f"owned_copy 1 vs {DEFAULT_COPY_THREADS} threads"] = (
+            lambda: owned_copy(output.output, serial),
+            lambda: owned_copy(output.output, buffers),
+        )
     rows: list[Row] = []
     for what, (before, after) in pairs.items():
         after()  # the pool's first buffer: faulted in once, as a serving engine's first request

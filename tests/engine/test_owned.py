@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.output_shapes import SHAPES, assert_same, make_shape
-from omni_async.engine.owned import POOLED_FROM_BYTES, HostBuffers, owned_copy
+from omni_async.engine.owned import POOLED_FROM_BYTES, HostBuffers, owned_copy, parallel_copy
 
 
 class Pair(NamedTuple):
@@ -118,6 +118,17 @@ def test_large_copies_reuse_a_buffer_only_once_nothing_made_of_it_is_left() -> N
     tight = HostBuffers(max_idle_bytes=0)
     tight.take(POOLED_FROM_BYTES)  # dropped at once: nothing idle may be kept
     assert tight.idle_bytes() == 0
+
+
+def test_a_large_copy_split_over_threads_is_the_whole_copy() -> None:
+    n = 3 * (32 << 20) + 12345  # three parts and a ragged end
+    src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+    dst = np.zeros(n, np.uint8)
+    parallel_copy(dst, src, threads=3)
+    assert np.array_equal(dst, src)
+    frames = torch.from_numpy(src[: n // 4 * 4].view(np.float32))
+    copied = owned_copy({"frames": frames}, HostBuffers(copy_threads=4))["frames"]
+    assert torch.equal(copied.view(torch.int32), frames.view(torch.int32))
 
 
 def _tensors(x: object, depth: int = 0) -> list[torch.Tensor]:

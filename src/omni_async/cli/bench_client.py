@@ -57,7 +57,7 @@ class ClientBytes:
         if not t.is_floating_point():
             raw = src.view(torch.uint8).numpy()
             out = self.buffers.take(raw.nbytes)
-            np.copyto(out, raw)
+            self.buffers.copy(out, raw)
             return out
         # numpy, one thread: torch's CPU thread pool stalls for tens of ms per parallel
         # region on a loaded machine (24 ms per slice on the 2-core one, against 2 ms).
