@@ -117,3 +117,39 @@ def test_cleanup_removes_the_named_semaphore_of_a_dead_executor(capsys: pytest.C
     finally:
         if proc.poll() is None:
             kill_group(proc)
+
+
+# A process that ends with its executor still running (never shut down): at exit the pool's
+# lock file closes before multiprocessing stops the workers, whose deaths are still reported;
+# reclaiming their segments then hit the closed file ("reclaiming the segments of dead worker
+# 0 failed ... Bad file descriptor", a traceback per worker).  The pool now reads as closed.
+_LEFT_RUNNING = """
+from omni_async.core.config import Deadlines
+from omni_async.core.messages import DiffusionRequest
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
+
+spec = WorkerSpec("omni_async.models.tiny:TinyDiffusionWorker", {"width": 64, "steps": 2})
+for i in range(3):  # several executors alive at exit: each one's lock file closed before its workers stop
+    ex = MultiprocDiffusionExecutor(spec, deadlines=Deadlines(compute_timeout=60, output_timeout=60))
+    handle = ex.submit(DiffusionRequest(f"r{i}", {"seed": i}))
+    handle.output.result(60)
+    del handle
+print("served", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_executor_left_running_at_exit_ends_quietly() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, "-c", _LEFT_RUNNING], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "served" in done.stdout
+    assert "reclaiming the segments" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -144,6 +144,11 @@ def _close_owner(prefix: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+
+def _close_lock_file(fd: int, closed: threading.Event) -> None:
+    closed.set()
+    os.close(fd)
+
 class SegmentPool:
     """A bounded pool of reusable shared-memory segments (see the module docstring).
 
@@ -208,12 +213,15 @@ class SegmentPool:
         # One descriptor per pool object: flock excludes across descriptors, also
         # within one process; the threading.Lock orders the threads sharing this one.
         path = os.path.join(files.SHM_DIR, self._prefix + files.LOCK_SUFFIX)
+        self._lock_file_closed = threading.Event()
         try:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         except FileNotFoundError:
             fd = -1  # the owner already closed the pool
         else:
-            weakref.finalize(self, os.close, fd)
+            # At interpreter exit this runs before multiprocessing stops the workers, whose
+            # deaths are then still reported: the pool must read as closed from here on.
+            weakref.finalize(self, _close_lock_file, fd, self._lock_file_closed)
         nbytes = table_nbytes(self._max_segments)
         table: _TableBuffer
         if self._raw is not None:
@@ -306,7 +314,7 @@ class SegmentPool:
 
     @property
     def closed(self) -> bool:
-        return self._local_closed or self._table.closed
+        return self._local_closed or self._table.closed or self._lock_file_closed.is_set()
 
     def class_of(self, nbytes: int) -> int:
         return size_class(nbytes, self._min_segment)
@@ -449,6 +457,8 @@ class SegmentPool:
         """Free the leases a (dead) process took and never handed off; returns how many."""
         if pid <= 0:
             raise UsageError(f"bad pid {pid}")
+        if self.closed:
+            return 0  # its segments are unlinked already: nothing to give back
         with self._locked():
             return self._table.reclaim(pid)
 
@@ -462,6 +472,8 @@ class SegmentPool:
         """
         if pid <= 0:
             raise UsageError(f"bad pid {pid}")
+        if self.closed:
+            return 0
         with self._locked():
             return self._table.reclaim(-pid)
 
