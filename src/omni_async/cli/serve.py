@@ -33,12 +33,10 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = config_of(args)
-    except UsageError as exc:
+        return serve(config_of(args), args.host, args.port)
+    except UsageError as exc:  # a model or engine setting refused (InvalidConfig names it)
         print(f"omni-async serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        return serve(config, args.host, args.port)
     except OSError as exc:  # the address is taken, or not ours to bind
         print(f"omni-async serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

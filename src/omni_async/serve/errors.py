@@ -3,7 +3,8 @@
 Every error a client gets is ``{"error": {"message", "type", "param", "code"}}`` (what the
 ``openai`` client parses into ``APIStatusError.body``), with the status the OpenAI API uses
 for it: 400 for a bad request (``param`` names the field), 404 for an unknown id, 429 with
-``Retry-After`` when the engine's queue is full, 503 when the engine cannot serve, 500
+``Retry-After`` when the engine's queue is full, 503 when the engine cannot serve (closed,
+or a worker died: the operator restarts it), 500
 otherwise (the message carries the request id, to find it in the server's log).
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from omni_async.core.errors import InvalidRequest, MessageValidationError, RequestAborted
+from omni_async.core.errors import ExecutorShutdown, InvalidRequest, MessageValidationError, RequestAborted, WorkerDied
 from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted, EngineOverloaded
 
 __all__ = ["ApiError", "RETRY_AFTER_S", "api_error", "bad_request", "not_found"]
@@ -71,7 +72,7 @@ def api_error(exc: BaseException, request_id: str, *, reserved: Mapping[str, str
                 code="engine_overloaded",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        case EngineClosed() | EngineNotStarted() | EngineDead():
+        case EngineClosed() | EngineNotStarted() | EngineDead() | WorkerDied() | ExecutorShutdown():
             return ApiError(503, f"the server cannot serve: {exc}", type="server_error", code="unavailable")
         case RequestAborted():
             return ApiError(500, f"request {request_id} was aborted: {exc}", type="server_error", code="aborted")

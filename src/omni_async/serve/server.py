@@ -62,10 +62,10 @@ def serve(
 ) -> int:
     """Serve until SIGTERM/SIGINT; ``announce(url)`` once the engine is up and the socket
     takes requests (default: a line on stdout).  Returns 0 after a clean stop."""
+    app = build_app(config)  # a bad setting fails here, before anything is bound
     sock = bind(host, port)
     url = _url(sock)
     say = announce if announce is not None else _print
-    app = build_app(config)
     server = _Server(
         uvicorn.Config(
             app,
