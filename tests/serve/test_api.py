@@ -74,7 +74,13 @@ def test_models_health_and_metrics(server: ServerProcess, client: openai.OpenAI)
 @pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
 def test_images_n2_in_each_format_as_one_batch(server: ServerProcess, client: openai.OpenAI, fmt: str) -> None:
     before = settled(server)
-    result = client.images.generate(prompt="a grey square", model="tiny", n=2, size="64x48", output_format=fmt)  # type: ignore[arg-type]
+    result = client.images.generate(
+        prompt="a grey square",
+        model="tiny",
+        n=2,
+        size="64x48",
+        output_format=fmt,  # type: ignore[call-overload]
+    )
     assert result.data is not None and len(result.data) == 2
     images = [Image.open(io.BytesIO(base64.b64decode(d.b64_json or ""))) for d in result.data]
     assert [(im.format, im.size) for im in images] == [({"jpeg": "JPEG"}.get(fmt, fmt.upper()), (64, 48))] * 2
@@ -103,7 +109,7 @@ def test_video_job_create_poll_download_delete(server: ServerProcess, client: op
     done = client.videos.poll(video.id)  # paced by openai-poll-after-ms
     assert (done.status, done.progress, done.error) == ("completed", 100, None)
     data = client.videos.download_content(video.id).read()
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         frames = list(container.decode(video=0))
     assert len(frames) == 16 and (frames[0].width, frames[0].height) == (64, 32)  # 4 s at 4 fps
     deleted = client.videos.delete(video.id)
@@ -134,7 +140,7 @@ def test_video_job_as_json(server: ServerProcess) -> None:
     assert httpx.delete(f"{server.url}/v1/videos/{r.json()['id']}").json()["deleted"] is True
 
 
-BAD_IMAGES = [
+BAD_IMAGES: list[tuple[dict[str, object], str]] = [
     ({"model": "dall-e-3"}, "model"),
     ({"prompt": ""}, "prompt"),
     ({"n": 0}, "n"),
@@ -156,7 +162,7 @@ BAD_IMAGES = [
     ({"steps": 0}, "steps"),
     ({"colour": "red"}, "colour"),
 ]
-BAD_VIDEOS = [
+BAD_VIDEOS: list[tuple[dict[str, object], str]] = [
     ({"model": "sora-2"}, "model"),
     ({"prompt": None}, "prompt"),
     ({"seconds": "0"}, "seconds"),

@@ -28,7 +28,9 @@ def _running(url: str) -> float:
 
 
 def test_full_queue_is_429_then_sigterm_lets_requests_in_flight_end() -> None:
-    server = ServerProcess("--model", "tiny", "--max-batch-size", "1", "--max-running", "1", "--max-waiting", "1", "--encode-workers", "1")
+    server = ServerProcess(
+        "--model", "tiny", "--max-batch-size", "1", "--max-running", "1", "--max-waiting", "1", "--encode-workers", "1"
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         with ThreadPoolExecutor(4) as pool:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
+from omni_async.core.config import InvalidConfig
 from omni_async.engine.config import DEFAULT_MAX_WAITING
 from omni_async.serve.models import ServedModel
 
 __all__ = ["ServeConfig"]
 
 
-def _positive(_inst: object, attr: attrs.Attribute[object], value: object) -> None:
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"ServeConfig.{attr.name} must be a positive number, got {value!r:.40}")
+        raise InvalidConfig(f"ServeConfig.{attr.name}", f"must be a positive number, got {value!r:.40}")
 
 
-def _optional_positive(inst: object, attr: attrs.Attribute[object], value: object) -> None:
+def _optional_positive(inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if value is not None:
         _positive(inst, attr, value)
 

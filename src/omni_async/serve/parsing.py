@@ -197,7 +197,7 @@ def parse_video_body(body: object, model: ServedModel) -> VideoCreation:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise bad_request("seed", f"seed must be an int in 0..2**63-1, got {seed!r:.40}")
-    params = {
+    params: dict[str, object] = {
         **_model_params(body, _VIDEO_FIELDS, model),
         **sized,
         "num_frames": frames,

@@ -115,10 +115,9 @@ class VideoJobs:
         # generate admits the request in its first step, before it awaits anything: one
         # pass of the loop and a refused request's task is already done with the refusal.
         await asyncio.sleep(0)
-        if task.done() and task.exception() is not None:
-            exc = task.exception()
-            assert exc is not None
-            raise api_error(exc, job_id, reserved=RESERVED) from exc
+        refusal = task.exception() if task.done() else None
+        if refusal is not None:
+            raise api_error(refusal, job_id, reserved=RESERVED) from refusal
         job.task = asyncio.create_task(self._follow(job, task), name=f"omni-serve-job-{job_id}")
         self._jobs[job_id] = job
         return job
