@@ -70,6 +70,7 @@ from omni_async.core.messages import (
     RpcRequest,
     RunnerOutput,
 )
+from omni_async.core.sinks import InvalidSink, Sink
 from omni_async.core.states import (
     LIFECYCLE_TABLE,
     REQUEST_TABLE,
@@ -86,7 +87,9 @@ from omni_async.engine.errors import (
     EngineError,
     EngineNotStarted,
     EngineOverloaded,
+    OutputFileGone,
     PostProcessFailed,
+    SinkUnavailable,
 )
 from omni_async.engine.metrics import (
     EngineMetrics,
@@ -123,6 +126,7 @@ if TYPE_CHECKING:
     from omni_async.core.encoding import Encoding
     from omni_async.engine.config import EngineConfig
     from omni_async.engine.engine import AsyncDiffusionEngine
+    from omni_async.engine.sinks import OutputFile, OutputFiles, SegmentLease, SegmentTensor
     from omni_async.engine.sync import DiffusionEngine
     from omni_async.executor.api import DiffusionExecutor
     from omni_async.executor.config import ExecutorConfig, Prewarm, ProcessGroupConfig
@@ -210,6 +214,10 @@ _LAZY: dict[str, str] = {
     "Encoding": "omni_async.core.encoding",
     "DeviceEncoded": "omni_async.worker.encode",
     "FusedPointwise": "omni_async.worker.finalize",
+    "OutputFile": "omni_async.engine.sinks",
+    "OutputFiles": "omni_async.engine.sinks",
+    "SegmentLease": "omni_async.engine.sinks",
+    "SegmentTensor": "omni_async.engine.sinks",
 }
 
 
@@ -250,6 +258,8 @@ __all__ = [
     "MultiprocDiffusionExecutor",
     "OutputBudget",
     "OutputChunk",
+    "OutputFile",
+    "OutputFiles",
     "PackerMetrics",
     "Prewarm",
     "ProcessGroupConfig",
@@ -259,6 +269,9 @@ __all__ = [
     "RequestTimings",
     "RunnerOutput",
     "SchedulerPhase",
+    "SegmentLease",
+    "SegmentTensor",
+    "Sink",
     "StageState",
     "WorkerInfo",
     "WorkerOptions",

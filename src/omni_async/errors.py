@@ -37,6 +37,7 @@ from omni_async.core.errors import (
     WorkerStartupFailed,
     WorkerStuck,
 )
+from omni_async.core.sinks import InvalidSink
 from omni_async.engine.errors import (
     EncodeFailed,
     EngineClosed,
@@ -44,7 +45,9 @@ from omni_async.engine.errors import (
     EngineError,
     EngineNotStarted,
     EngineOverloaded,
+    OutputFileGone,
     PostProcessFailed,
+    SinkUnavailable,
 )
 from omni_async.transport.errors import (
     ChannelClosed,
@@ -105,6 +108,7 @@ __all__ = [
     "InvalidEncoding",
     "InvalidOutputPath",
     "InvalidRequest",
+    "InvalidSink",
     "LeaseAlreadyReleased",
     "MessageTooLarge",
     "MessageValidationError",
@@ -112,6 +116,7 @@ __all__ = [
     "OutputAlreadyClaimed",
     "OutputDropped",
     "OutputError",
+    "OutputFileGone",
     "OutputOrphaned",
     "OutputStillViewed",
     "OutputTimeout",
@@ -125,6 +130,7 @@ __all__ = [
     "RequestNotSendable",
     "RpcFailed",
     "SegmentTooLarge",
+    "SinkUnavailable",
     "TransportError",
     "UnknownPostProcess",
     "UnknownSegment",

@@ -25,14 +25,15 @@ from omni_async.executor.inprocess import InProcessExecutor
 # name or None.
 COUNTS = ("max_waiting", "postprocess_workers", "max_batch_size")
 OPTIONAL_COUNTS = ("max_running", "max_in_flight", "encode_workers")
-SECONDS = {"close_timeout": False, "batch_wait_s": True}  # field -> zero allowed
+SECONDS = {"close_timeout": False, "batch_wait_s": True, "output_ttl_s": False}  # field -> zero allowed
 BOOLS = ("async_output",)
 CALLABLES = ("tracer", "batch_key")
 NAMES = ("pipeline",)
+DIRS = ("output_dir",)
 
 
 def test_the_property_test_covers_every_field() -> None:
-    covered = {*COUNTS, *OPTIONAL_COUNTS, *SECONDS, *BOOLS, *CALLABLES, *NAMES}
+    covered = {*COUNTS, *OPTIONAL_COUNTS, *SECONDS, *BOOLS, *CALLABLES, *NAMES, *DIRS}
     assert covered == set(attrs.fields_dict(EngineConfig))
 
 
@@ -72,6 +73,13 @@ def test_an_optional_count_takes_none_and_positive_ints(field: str, value: int |
 @given(field=st.sampled_from(sorted(SECONDS)), value=BAD_FLOATS | st.floats(max_value=-1e-9) | NOT_A_NUMBER)
 def test_seconds_refuse_nan_inf_negative_and_non_numbers(field: str, value: object) -> None:
     _refused(field, value)
+
+
+@given(value=st.sampled_from(["", 3, b"/tmp", ["/tmp"], True]))
+def test_output_dir_takes_a_path_or_none(value: object) -> None:
+    _refused("output_dir", value)
+    assert EngineConfig(output_dir="/some/where").output_dir == "/some/where"
+    assert EngineConfig().output_dir is None and EngineConfig().output_ttl_s == 600.0
 
 
 def test_zero_seconds_only_where_zero_means_something() -> None:

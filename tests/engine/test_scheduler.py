@@ -80,6 +80,21 @@ def test_the_budget_of_held_outputs_bounds_running_plus_holding() -> None:
     assert s.stats.budget_waits == 1 and s.stats.budget_wait_s == pytest.approx(3.0)
 
 
+def test_outputs_lent_to_callers_hold_the_budget_until_their_leases_end() -> None:
+    """A ``sink="segment"`` output outlives its request: it counts as in flight (``lent``)."""
+    s = Scheduler(max_waiting=10, max_running=2, budget=OutputBudget(max_outputs=2))
+    for rid in "abc":
+        s.add(rid)
+    assert s.schedule(1.0) == ["a", "b"]
+    for rid in "ab":
+        s.compute_done(rid)
+        s.remove(rid)  # finished, their outputs lent
+    s.lent = 2
+    assert s.in_flight == 2 and s.schedule(2.0) == [] and s.stats.budget_waits == 1
+    s.lent = 1  # one lease released
+    assert s.schedule(3.0) == ["c"]
+
+
 def test_the_byte_budget_counts_twice_the_size_class_of_the_largest_output() -> None:
     budget = OutputBudget(max_outputs=64, max_bytes=8 << 20)
     assert budget.size_class(1) == 1 << 16

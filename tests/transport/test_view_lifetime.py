@@ -36,6 +36,7 @@ from omni_async.transport.packing import (
     release_unpacked_output,
     settle_releases,
     unpack_diffusion_output_shm,
+    viewed_segment,
 )
 from omni_async.transport.shm import SegmentPool
 
@@ -333,3 +334,25 @@ def _keep_drop_release(segment_pool: SegmentPool, ops: list[tuple[str, Any]]) ->
     kept.clear()
     out = None
     assert outstanding(segment_pool) == 0
+
+
+def test_viewed_segment_names_the_segment_the_views_slice(segment_pool: SegmentPool) -> None:
+    """What the engine's ``sink="segment"`` lends: the segment's name and where each leaf lies."""
+    packed_out = packed(segment_pool, 2.5, "named")
+    lease = packed_lease(packed_out)
+    out = unpack_diffusion_output_shm(packed_out)
+    found = viewed_segment(out)
+    assert found is not None and lease is not None
+    name, size, address = found
+    assert (name, size) == (lease.name, lease.size)
+    image = out.output["image"]
+    offset = image.data_ptr() - address
+    assert 0 <= offset and offset + image.numel() * 4 <= size
+    with open(f"/dev/shm/{name}", "rb") as f:  # another reader, by name alone
+        f.seek(offset)
+        assert np.array_equal(np.frombuffer(f.read(image.numel() * 4), np.float32), image.numpy())
+    del image
+    assert release_unpacked_output(out) == 1
+    assert viewed_segment(out) is None  # released: nothing to name
+    copied = unpack_diffusion_output_shm(packed(segment_pool, 1.0, "copied"), copy=True)
+    assert viewed_segment(copied) is None

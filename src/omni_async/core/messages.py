@@ -37,6 +37,7 @@ import attrs
 from omni_async.core.encoding import Encoding, check_encoding
 from omni_async.core.errors import MessageValidationError
 from omni_async.core.failure import Failure
+from omni_async.core.sinks import Sink, check_sink, check_sink_ttl
 from omni_async.core.stats import OutputStats, as_stats
 
 __all__ = [
@@ -325,13 +326,22 @@ class DiffusionRequest:
     ``format`` (``"png"``, ``"jpeg"``, ``"webp"``, ``"mp4"``) and ``quality``: the result
     is the output's pixels encoded in that format (``omni_async.core.encoding``: what
     ``quality`` means for each) instead of the host stage's result; None: as before.
-    Checked here: ``InvalidEncoding`` names the request, the value and the choices."""
+    Checked here: ``InvalidEncoding`` names the request, the value and the choices.
+
+    ``sink`` (``"value"``, ``"file"``, ``"segment"``) and ``sink_ttl_s``: where the result
+    goes (``omni_async.core.sinks``: the result carries the value; the engine writes the
+    encoded file under its directory; the result is a lease on the output's shared-memory
+    segment) and how long a file or lease lives (None: the engine's ``output_ttl_s``).
+    Checked here (``InvalidSink``); what a sink needs of the rest of the request (a
+    ``format`` for ``file``) is checked when the engine takes it."""
 
     request_id: str
     params: Mapping[str, Any] = attrs.field(factory=dict)
     postprocess: str | None = attrs.field(default=None, kw_only=True)
     format: str | None = attrs.field(default=None, kw_only=True)
     quality: int | None = attrs.field(default=None, kw_only=True)
+    sink: str = attrs.field(default=Sink.VALUE.value, kw_only=True)
+    sink_ttl_s: float | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         _check_id("request_id", self.request_id)
@@ -351,6 +361,12 @@ class DiffusionRequest:
                 f"non-empty str) or None, got {self.postprocess!r:.80}"
             )
         check_encoding(self.request_id, self.format, self.quality)
+        check_sink_ttl(self.request_id, check_sink(self.request_id, self.sink), self.sink_ttl_s)
+
+    @property
+    def sink_kind(self) -> Sink:
+        """Where this request's result goes, as a ``Sink``."""
+        return Sink(self.sink)
 
     @property
     def encoding(self) -> Encoding | None:

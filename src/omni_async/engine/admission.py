@@ -172,6 +172,12 @@ class Admission:
         self.scheduler.compute_done(rec.request_id)
         self.wake.set()
 
+    def set_lent(self, count: int) -> None:
+        """The outputs lent to callers now (``sink="segment"``): they hold the budget."""
+        assert self.scheduler is not None
+        self.scheduler.lent = count
+        self.wake.set()
+
     def observe_output(self, nbytes: int) -> None:
         assert self.scheduler is not None
         self.scheduler.observe_output(nbytes)

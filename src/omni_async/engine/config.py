@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_MAX_RUNNING",
     "DEFAULT_MAX_RUNNING_BATCHES",
     "DEFAULT_MAX_WAITING",
+    "DEFAULT_OUTPUT_TTL_S",
     "EngineConfig",
     "EngineOptions",
     "engine_config",
@@ -46,6 +47,8 @@ DEFAULT_MAX_WAITING = 4096
 # Without a budget reported by the executor (InProcessExecutor): how many requests may
 # be running or holding an output at once.
 DEFAULT_MAX_IN_FLIGHT = 64
+# How long a file (sink="file") or a segment lease (sink="segment") lives by default.
+DEFAULT_OUTPUT_TTL_S = 600.0
 
 
 def _count(name: str, *, optional: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -89,6 +92,15 @@ def _optional_callable(_inst: object, attr: attrs.Attribute[Any], value: object)
         raise InvalidConfig(attr.name, f"must be a callable or None, got {value!r:.80}")
 
 
+def _optional_dir(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
+    # Only the type here: whether the directory exists or can be made is the engine's
+    # start to find out (file I/O, off the event loop), with the path in its error.
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidConfig(
+            attr.name, f"must be a directory path (a non-empty str) or None (a private one), got {value!r:.80}"
+        )
+
+
 def _float(value: object) -> object:
     # An int number of seconds is kept as a float; anything else is left for the validator.
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -123,6 +135,12 @@ class EngineConfig:
     ``encode_workers``: the processes that encode the requests that ask for a format
     (``DiffusionRequest(..., format="png")``; default ``os.cpu_count()``), started with
     the first such request and stopped by ``close`` (``omni_async.engine.encode_pool``).
+    ``output_dir``: where the requests with ``sink="file"`` have their files written (None:
+    a private directory the engine makes at start under ``tempfile.gettempdir()`` and
+    removes at close; a directory given is made if missing, and kept at close, only the
+    engine's files removed); ``output_ttl_s`` (600 s): how long such a file, or a
+    ``sink="segment"`` lease, lives when its request gives no ``sink_ttl_s``
+    (``omni_async.engine.sinks``).
     ``close_timeout`` (60 s): the default bound of ``close`` and of a stream's ``aclose``.
     ``tracer``: records every step of the engine's machines (``omni_async.core.engine_trace``).
     """
@@ -141,6 +159,10 @@ class EngineConfig:
     )
     batch_key: BatchKeyer | None = attrs.field(default=None, validator=_optional_callable)
     encode_workers: int | None = attrs.field(default=None, validator=_count("encode_workers", optional=True))
+    output_dir: str | None = attrs.field(default=None, validator=_optional_dir)
+    output_ttl_s: float = attrs.field(
+        default=DEFAULT_OUTPUT_TTL_S, converter=_float, validator=_seconds("output_ttl_s", zero=False)
+    )
 
     def __attrs_post_init__(self) -> None:
         mr = self.max_running
@@ -177,6 +199,8 @@ class EngineOptions(TypedDict, total=False):
     batch_wait_s: float
     batch_key: BatchKeyer | None
     encode_workers: int | None
+    output_dir: str | None
+    output_ttl_s: float
 
 
 def engine_config(config: EngineConfig | None, options: Mapping[str, object], what: str) -> EngineConfig:

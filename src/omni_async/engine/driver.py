@@ -241,6 +241,7 @@ class RequestDriver:
         if rec.drop is not None:  # an abort raced the output's arrival: its drop found nothing left
             await self._ends.await_drop(rec)
         if rec.ended() or rec.result.done():
+            self._post.discard_result(done.value)  # nobody takes it: no file or lease outlives the request
             return
         timings = self._timings(rec, metrics, done)
         # A plain request is FINISHED here; a stream's consumer still decides (RESOLVED).

@@ -86,6 +86,10 @@ each what it needs; none calls back up into the engine):
   (``ends``: aborts, cancels, closes and their clean-up) and ``StreamReader``
   (``streaming``: a stream's consumer);
 * ``PostProcessor`` (``postprocessor``): host stages and the encoder pool;
+* ``OutputFiles`` and ``SegmentLeases`` (``sinks``): the files written for requests with
+  ``sink="file"`` (``files``) and the outputs lent with ``sink="segment"``, both handed
+  to the post-processor; their sweepers delete and release what expires, and ``close``
+  removes every file and releases every lease;
 * ``EngineThreads`` (``threads``): the send, control and sync threads.
 """
 
@@ -116,6 +120,7 @@ from omni_async.engine.postprocessor import PostProcessor
 from omni_async.engine.record import RequestRecord
 from omni_async.engine.scheduler import SchedulerPhase
 from omni_async.engine.sending import Sender
+from omni_async.engine.sinks import OutputFiles, SegmentLeases, check_sink_served
 from omni_async.engine.snapshot import engine_snapshot
 from omni_async.engine.streaming import StreamReader
 from omni_async.engine.threads import EngineThreads
@@ -179,7 +184,9 @@ class AsyncDiffusionEngine:
         # With a tracer, every step of the machines is recorded (EngineFire, StageFire).
         trace_life, trace_stage = trace_observers(config.tracer)
         self._life = Lifecycle(f"engine-{id(self):x}", trace_life)
-        self._post = PostProcessor(config)  # checks the pipeline's name now
+        self._files = OutputFiles(config.output_dir, config.output_ttl_s)
+        self._leases = SegmentLeases(config.output_ttl_s)
+        self._post = PostProcessor(config, self._files, self._leases)  # checks the pipeline's name now
         self._admission = Admission(config, trace_stage)
         # Built at start, once the executor is known.
         self._threads: EngineThreads | None = None
@@ -199,6 +206,11 @@ class AsyncDiffusionEngine:
     @property
     def pipeline(self) -> str | None:
         return self.config.pipeline
+
+    @property
+    def files(self) -> OutputFiles:
+        """The files written for requests with ``sink="file"`` (``get``, ``delete``)."""
+        return self._files
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -251,6 +263,7 @@ class AsyncDiffusionEngine:
                     "baseline, async_output=False)"
                 )
             budget = ex.budget
+            await asyncio.to_thread(self._files.open)  # makes its directory: file I/O, off the loop
             self._life.check_start_wanted()
         except BaseException:
             # What the start built goes before the lifecycle says FAILED: a failed start
@@ -259,8 +272,15 @@ class AsyncDiffusionEngine:
                 await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
             raise
         loop = asyncio.get_running_loop()
-        self._admission.open(budget, validate=ex.validate_request, post_of=self._post.post_of, batch_key=ex.batch_key)
+        admission = self._admission
+        admission.open(budget, validate=check_sink_served(ex), post_of=self._post.post_of, batch_key=ex.batch_key)
         self._post.start(loop, ex.release_output)
+        leases = self._leases
+
+        def lent_changed() -> None:  # any thread: the scheduler counts the leases on the loop
+            loop.call_soon_threadsafe(lambda: admission.set_lent(leases.held))
+
+        leases.open(ex.release_output, lent_changed)
         self._threads = threads = EngineThreads(loop, sync_threads=0 if cfg.async_output else cfg.running_slots)
         self._ends = ends = RequestEnds(self._admission, threads, ex)
         self._streams = streams = StreamReader(loop, ends, self._post)
@@ -308,11 +328,14 @@ class AsyncDiffusionEngine:
 
     async def _shut_down(self, deadline: float, started: bool) -> None:
         try:
+            # The lent outputs go back first: the executor's shutdown must find them released.
+            await asyncio.to_thread(self._leases.close)
             if started and self._ends is not None:  # (a start a close stopped built nothing to release)
                 await self._release_everything(deadline)
         finally:
-            # Whatever ended the engine: no encoder process outlives it.
+            # Whatever ended the engine: no encoder process outlives it, no file it wrote.
             await self._post.close_encoders(max(0.1, deadline - time.monotonic()))
+            await asyncio.to_thread(self._files.close)
 
     async def _release_everything(self, deadline: float) -> None:
         assert self._ends is not None and self._threads is not None

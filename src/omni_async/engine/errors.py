@@ -8,7 +8,7 @@ caller of ``generate`` as it is.
 
 from __future__ import annotations
 
-from omni_async.core.errors import OmniAsyncError
+from omni_async.core.errors import InvalidRequest, OmniAsyncError
 
 
 class EngineError(OmniAsyncError):
@@ -67,6 +67,37 @@ class EncodeFailed(PostProcessFailed):
         self.format = format
 
 
+class OutputFileGone(EngineError):
+    """``engine.files.get(file_id)`` of a file that is no longer there: ``why`` is
+    ``"expired"`` (its ttl passed: the engine deleted it), ``"deleted"``
+    (``files.delete``), ``"closed"`` (the engine closed, which removes every file) or
+    ``"unknown"`` (never an id of this engine's, or gone too long ago to remember).
+    Names the id (``file_id``) and the request that made it when known (``request_id``)."""
+
+    def __init__(self, file_id: str, why: str, *, request_id: str | None = None) -> None:
+        whose = f" (request {request_id!r})" if request_id is not None else ""
+        hint = {
+            "expired": "its ttl passed and the engine deleted it; ask for a longer sink_ttl_s, or read it sooner",
+            "deleted": "it was deleted (files.delete)",
+            "closed": "the engine closed, which removes every file it wrote",
+        }.get(why, "no file of this engine has that id (or it went long ago)")
+        super().__init__(f"output file {file_id!r}{whose} is gone: {hint}", request_id=request_id)
+        self.file_id = file_id
+        self.why = why
+
+
+class SinkUnavailable(InvalidRequest):
+    """A request asked for a sink its engine cannot serve: ``sink="segment"`` over an
+    executor whose outputs are not in a shared-memory segment of this host that it can
+    lend (``InProcessExecutor`` holds none; ``RayDiffusionExecutor``'s may be on another
+    node; ``copy_outputs=True`` copies them out).  Refused at ``generate``, before it
+    queues.  Names the request (``request_id``) and the executor (``executor``)."""
+
+    def __init__(self, request_id: str, executor: str, why: str) -> None:
+        super().__init__(request_id, "sink", why)
+        self.executor = executor
+
+
 __all__ = [
     "EncodeFailed",
     "EngineClosed",
@@ -74,5 +105,7 @@ __all__ = [
     "EngineError",
     "EngineNotStarted",
     "EngineOverloaded",
+    "OutputFileGone",
     "PostProcessFailed",
+    "SinkUnavailable",
 ]

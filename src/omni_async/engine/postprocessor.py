@@ -11,6 +11,11 @@ in-place writes afterwards (``omni_async.worker.postprocess``).
 Whether a request still wants its value is decided on the thread, when the job starts,
 not when it was queued: a request aborted while its output waited for a busy thread
 only has its output released, its host stage never runs.
+
+The request's sink (``omni_async.engine.sinks``) takes the result where it is made: a
+``sink="segment"`` output is lent instead of copied and released (``SegmentLeases``,
+on the thread), a ``sink="file"`` request's encoded files are written on a thread
+(``OutputFiles``) once the encode is done; a stream's chunks are always values.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from concurrent.futures.process import BrokenProcessPool
 import attrs
 
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
+from omni_async.core.sinks import Sink
 from omni_async.engine.config import EngineConfig
 from omni_async.engine.encode_pool import EncoderPool, HostEncode, PendingEncode, encoded_value, take_for_encoding
+from omni_async.engine.encoders import EncodedOutput
 from omni_async.engine.errors import EncodeFailed, PostProcessFailed
 from omni_async.engine.owned import Guarded, guard_input, owned_copy, written
 from omni_async.engine.record import RequestRecord
+from omni_async.engine.sinks import OutputFiles, SegmentLeases
 from omni_async.transport.errors import OutputStillViewed
 from omni_async.worker.postprocess import PostProcess, get_postprocess
 
@@ -55,7 +63,12 @@ class PostProcessed:
 class PostProcessor:
     """Host stages and the encoder pool (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, files: OutputFiles | None = None, leases: SegmentLeases | None = None
+    ) -> None:
+        """``files``, ``leases``: the engine's sinks (None: ones of its own, made of ``config``)."""
+        self.files = files if files is not None else OutputFiles(config.output_dir, config.output_ttl_s)
+        self.leases = leases if leases is not None else SegmentLeases(config.output_ttl_s)
         # The engine's post-process: a request's own (DiffusionRequest.postprocess) wins.
         self._default = None if config.pipeline is None else get_postprocess(config.pipeline)
         self._workers = config.postprocess_workers
@@ -97,6 +110,8 @@ class PostProcessor:
             del job
             # A format asked for: the encoder pool's files, awaited here (never on a thread).
             value, encode_s = await self._encoded(rec, value, metrics)
+            if not chunk and rec.request.sink_kind is Sink.FILE and not rec.ended():
+                value = await self._write_files(rec, value)
         finally:
             self.in_progress -= 1
         return PostProcessed(value, started, seconds + (encode_s or 0.0) if chunk else seconds, encode_s)
@@ -109,6 +124,9 @@ class PostProcessor:
         with self._lock:
             self._running[rid] = self._running.get(rid, 0) + 1
         try:
+            if wanted and not chunk and rec.request.sink_kind is Sink.SEGMENT:
+                # Lent, not copied: the output stays held until the lease ends.
+                return self.leases.lend(rid, output, rec.request.sink_ttl_s), time.monotonic(), 0.0
             value, started, seconds = self._host_stage(rec, output, wanted)
             if isinstance(value, HostEncode):
                 # After the release: the job owns its pixels.  The event loop awaits it.
@@ -227,6 +245,28 @@ class PostProcessor:
                 format=fmt,
             ) from exc
         return encoded_value(value, files), time.perf_counter() - value.submitted_at
+
+    async def _write_files(self, rec: RequestRecord, value: object) -> object:
+        """A ``sink="file"`` request's encoded files written on a thread: its ``OutputFile``
+        (a tuple of them where the value was a tuple); deleted again if the request ended
+        meanwhile (an abort while they were written leaves none)."""
+        assert self._pool is not None and self._loop is not None
+        encoded = value if isinstance(value, tuple) else (value,)
+        if not all(isinstance(e, EncodedOutput) for e in encoded):
+            raise PostProcessFailed(
+                f"request {rec.request_id!r}: sink='file' got no encoded file", request_id=rec.request_id
+            )
+        write = functools.partial(self.files.write, rec.request_id, encoded, rec.request.sink_ttl_s)
+        files = await self._loop.run_in_executor(self._pool, write)
+        if rec.ended():
+            self.files.discard(files)
+        return files if isinstance(value, tuple) else files[0]
+
+    def discard_result(self, value: object) -> None:
+        """A result nobody takes (its request ended after it was made): its files are
+        deleted, its lease released."""
+        self.files.discard(value)
+        self.leases.discard(value)
 
     def release_quietly(self, output: DiffusionOutput) -> None:
         if self._release is None:

@@ -18,6 +18,9 @@ A request the engine accepted is in one of three places:
   the scheduler: the running slot is free at once), and the output is being packed,
   transferred or post-processed.  It holds one output of the executor's budget of
   held outputs until the engine released it.
+* **lent** (not a request's phase): an output lent to its caller (``sink="segment"``)
+  after its request ended; it holds one output of the budget like a holding request,
+  until its lease is released or expires (``lent``, counted in ``in_flight``).
 
 The budget: every running or holding request will hold (or holds) one output in the
 executor's shared memory until the engine releases it, so admission keeps
@@ -133,6 +136,9 @@ class Scheduler:
         self._held_until: float | None = None
         self._running: set[str] = set()
         self._holding: set[str] = set()
+        # Outputs lent to callers (sink="segment") after their requests ended: held in
+        # the budget like a holding request's until their leases end (``lent``).
+        self.lent = 0
         self._largest_output = 0
         self._budget_wait_since: float | None = None
         self.stats = SchedulerStats()
@@ -168,7 +174,8 @@ class Scheduler:
 
     @property
     def in_flight(self) -> int:
-        return len(self._running) + len(self._holding)
+        """Requests running or holding an output, and outputs lent (each holds one)."""
+        return len(self._running) + len(self._holding) + self.lent
 
     @property
     def largest_output(self) -> int:

@@ -303,6 +303,14 @@ class DiffusionExecutor:
         """The budget of held outputs in force (None: no bounded store); admission reads it."""
         return self._store.budget
 
+    @property
+    def lends_segments(self) -> bool:
+        """Whether a delivered output views a shared-memory segment of this host, held
+        until ``release_output`` (what the engine's ``sink="segment"`` lends).  False for
+        ``InProcessExecutor`` (no segment), Ray (outputs of other nodes) and
+        ``copy_outputs=True`` (copied out)."""
+        return self._store.lends_segments
+
     # ---------------------------------------------------------------- checks
 
     def validate_request(self, request: DiffusionRequest) -> None:

@@ -39,6 +39,11 @@ class PathStore(PoolStore):
         super().__init__(pool, copy_outputs=copy_outputs, lease_timeout=lease_timeout, owner=owner)
         self._path = path
 
+    @property
+    def lends_segments(self) -> bool:
+        """An output path's segments are its own (made for each output): none to lend."""
+        return False
+
     def receive(self, packed: DiffusionOutput) -> DiffusionOutput:
         if not self._path.owns(packed):
             return super().receive(packed)

@@ -82,6 +82,12 @@ class PoolStore(OutputStore):
         """The pool's budget of held outputs (its byte bound as decided)."""
         return self._budget
 
+    @property
+    def lends_segments(self) -> bool:
+        """Zero copy: a delivered output views its segment until ``release`` (not with
+        ``copy_outputs``, which gave the segment back before delivery)."""
+        return not self._copy
+
     # ------------------------------------------------------------------ outputs
 
     def receive(self, packed: DiffusionOutput) -> DiffusionOutput:

@@ -68,6 +68,12 @@ class OutputStore(abc.ABC):
         """The budget of held outputs in force (None: no bounded store)."""
         return None
 
+    @property
+    def lends_segments(self) -> bool:
+        """Whether a delivered output is a zero-copy view of a shared-memory segment of this
+        host that the store keeps until ``release`` (the engine's ``sink="segment"``)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 (nothing to close by default)
         """The ranks are stopped: give back everything (idempotent)."""
 

@@ -120,6 +120,7 @@ from omni_async.transport.unpacking import (
     settle_releases,
     unpack_diffusion_output_host,
     unpack_diffusion_output_shm,
+    viewed_segment,
 )
 
 __all__ = [
@@ -151,6 +152,7 @@ __all__ = [
     "settle_releases",
     "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
+    "viewed_segment",
 ]
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "settle_releases",
     "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
+    "viewed_segment",
 ]
 
 log = logging.getLogger(__name__)
@@ -354,6 +355,23 @@ def _still_viewed(views: _Views) -> bool:
     gc.collect()
     with _LOCK:
         return not views.gone
+
+
+def viewed_segment(output: DiffusionOutput) -> tuple[str, int, int] | None:
+    """The segment ``output``'s zero-copy views are slices of, as ``(name, size, address)``:
+    its POSIX shared-memory name (another process on the host attaches it by that name),
+    its size, and where it is mapped in this process (a leaf's offset in the segment is
+    its data pointer minus ``address``).  None: the output views no segment (copied,
+    inline only, released, or not unpacked here)."""
+    with _LOCK:
+        entry = _UNPACKED.get(id(output))
+        if entry is None or entry[0]() is not output:
+            return None
+        views = entry[1]
+        anchor = views.anchor()
+        if views.gone or anchor is None or views.lease is None:
+            return None
+        return views.lease.name, views.lease.size, int(anchor.ctypes.data)
 
 
 def release_unpacked_output(output: DiffusionOutput, *, pool: SegmentPool | None = None) -> int:
