@@ -23,9 +23,14 @@ from helpers.servers import ServerProcess, started_server
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the client marks its videos API so
 
 
+URL_TTL_S = 2
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    yield from started_server("--model", "tiny", "--poll-after-ms", "50", "--encode-workers", "1")
+    yield from started_server(
+        "--model", "tiny", "--poll-after-ms", "50", "--encode-workers", "1", "--output-ttl-s", str(URL_TTL_S)
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -197,10 +202,20 @@ def test_bad_input_is_a_400_naming_the_field_and_reaches_no_worker(server: Serve
     assert after == {**before, "rejected": before["rejected"] + model_refusals}
 
 
-def test_url_response_format_is_refused_until_the_file_sink(client: openai.OpenAI) -> None:
+def test_url_images_come_from_the_file_sink_until_their_ttl(server: ServerProcess, client: openai.OpenAI) -> None:
+    result = client.images.generate(prompt="p", n=2, size="64x40", response_format="url", output_format="webp")  # type: ignore[call-overload]
+    urls = [d.url for d in result.data or []]
+    assert len(urls) == 2 and all(u and u.startswith(f"{server.url}/v1/files/") for u in urls), urls
+    for url in urls:
+        got = httpx.get(str(url))
+        assert got.headers["content-type"] == "image/webp"
+        assert Image.open(io.BytesIO(got.content)).size == (64, 40)
+    time.sleep(URL_TTL_S + 0.2)
+    gone = httpx.get(str(urls[0]))
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "file_id", gone.text
     with pytest.raises(openai.BadRequestError) as err:
-        client.images.generate(prompt="p", response_format="url")
-    assert "response_format" in str(err.value)
+        client.images.generate(prompt="p", response_format="url", stream=True)
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "response_format"
 
 
 def test_unknown_video_and_route_are_404_in_openai_shape(server: ServerProcess) -> None:

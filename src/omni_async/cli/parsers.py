@@ -494,6 +494,18 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the openai-poll-after-ms a video job's status answers with (the openai client polls at that pace)",
     )
     d.add_argument(
+        "--output-ttl-s",
+        type=options.positive_int,
+        default=600,
+        help="how long an image asked for with response_format=url stays at its URL",
+    )
+    d.add_argument(
+        "--video-keep-s",
+        type=options.positive_int,
+        default=600,
+        help="how long a finished video job and its MP4 are kept",
+    )
+    d.add_argument(
         "--graceful-s",
         type=options.positive_int,
         default=30,

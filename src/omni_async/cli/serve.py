@@ -28,6 +28,8 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
         max_held_outputs=args.max_held_outputs,
         poll_after_ms=args.poll_after_ms,
         graceful_s=float(args.graceful_s),
+        output_ttl_s=float(args.output_ttl_s),
+        video_keep_s=float(args.video_keep_s),
     )
 
 

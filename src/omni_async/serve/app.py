@@ -4,7 +4,8 @@ The engine runs on the server's event loop: the app's lifespan starts it (its ex
 worker processes spawn off the loop) before the first request and, at shutdown, aborts the
 video jobs still running and closes it, so that when the server returns no worker process
 and no shared-memory segment of it is left.  ``engine_for`` builds the engine a
-``ServeConfig`` describes (worker processes over the model's ``WorkerSpec``).
+``ServeConfig`` describes (worker processes over the model's ``WorkerSpec``; its file sink
+in a private directory the engine removes at close).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def engine_for(config: ServeConfig) -> AsyncDiffusionEngine:
         max_batch_size=config.max_batch_size,
         max_running=config.max_running,
         encode_workers=config.encode_workers,
+        output_ttl_s=config.output_ttl_s,
     )
 
 

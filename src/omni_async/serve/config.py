@@ -34,6 +34,8 @@ class ServeConfig:
     ``max_held_outputs`` (None: its default); ``poll_after_ms``: the ``openai-poll-after-ms``
     a video job's status answers with (the openai client polls at that pace);
     ``video_keep_s``: how long a finished video job (and its MP4) is kept;
+    ``output_ttl_s``: how long an image asked for with ``response_format="url"`` stays
+    at its URL (the engine's file sink deletes it then);
     ``graceful_s``: how long a SIGTERM waits for the requests in flight to end before it
     closes the engine (which fails the rest)."""
 
@@ -46,4 +48,5 @@ class ServeConfig:
     max_held_outputs: int | None = attrs.field(default=None, validator=_optional_positive)
     poll_after_ms: int = attrs.field(default=1000, validator=_positive)
     video_keep_s: float = attrs.field(default=600.0, validator=_positive)
+    output_ttl_s: float = attrs.field(default=600.0, validator=_positive)
     graceful_s: float = attrs.field(default=30.0, validator=_positive)

@@ -6,6 +6,9 @@
 request and cancels the others (nothing of them is left).  Each image is encoded in the
 engine's encoder processes (the request's ``format``); the base64 and the JSON of the
 answer are made on a thread, never on the event loop (a 2k PNG's base64 is megabytes).
+With ``response_format="url"`` each image goes to the engine's file sink (written on a
+post-processing thread, deleted at its ttl) and the answer carries its URL
+(``/v1/files/{file_id}/content``).
 
 ``ImageService.stream`` runs one image with ``generate_stream``: the engine's previews
 (``preview_every``) become ``image_generation.partial_image`` events, the result the
@@ -28,6 +31,7 @@ from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.encoders import EncodedOutput
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.metrics import GenerationChunk, GenerationResult
+from omni_async.engine.sinks import OutputFile
 from omni_async.serve.errors import api_error
 from omni_async.serve.models import RESERVED as RESERVED_FIELDS
 from omni_async.serve.parsing import ImageGeneration
@@ -48,6 +52,12 @@ def _file_of(output: object, request_id: str) -> EncodedOutput:
     raise TypeError(f"request {request_id}: the engine returned {type(output).__name__}, not an encoded image")
 
 
+def _written(output: object, request_id: str) -> OutputFile:
+    if isinstance(output, OutputFile):
+        return output
+    raise TypeError(f"request {request_id}: the engine returned {type(output).__name__}, not a written file")
+
+
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
@@ -59,6 +69,9 @@ class ImageService:
         self._engine = engine
 
     def _requests(self, gen: ImageGeneration, request_id: str) -> list[DiffusionRequest]:
+        # response_format="url": the engine writes each image to its file sink (on a
+        # post-processing thread), and the answer names the route that serves it.
+        sink = "file" if gen.response_format == "url" else "value"
         try:
             return [
                 DiffusionRequest(
@@ -66,14 +79,16 @@ class ImageService:
                     params,
                     format=gen.output_format,
                     quality=gen.quality,
+                    sink=sink,
                 )
                 for i, params in enumerate(gen.params)
             ]
         except Exception as exc:
             raise api_error(exc, request_id, reserved=RESERVED_FIELDS) from exc
 
-    async def generate(self, gen: ImageGeneration, request_id: str) -> bytes:
-        """The JSON answer (an ``ImagesResponse``) of a non-streamed generation."""
+    async def generate(self, gen: ImageGeneration, request_id: str, files_url: str) -> bytes:
+        """The JSON answer (an ``ImagesResponse``) of a non-streamed generation;
+        ``files_url``: where the file route is (``.../v1/files``), for ``response_format="url"``."""
         requests = self._requests(gen, request_id)
         try:
             # A TaskGroup: one member's failure (or this task's cancellation: the client
@@ -83,14 +98,19 @@ class ImageService:
         except* Exception as grouped:
             first = grouped.exceptions[0]
             raise api_error(first, request_id, reserved=RESERVED_FIELDS) from first
-        files = [_file_of(t.result().output, r.request_id) for t, r in zip(tasks, requests, strict=True)]
-        return await asyncio.to_thread(self._render, gen, files)
+        outputs = [t.result().output for t in tasks]
+        if gen.response_format == "url":
+            data = [{"url": f"{files_url}/{_written(o, request_id).file_id}/content"} for o in outputs]
+            return self._render(gen, data)  # small: a few URLs
+        files = [_file_of(o, r.request_id) for o, r in zip(outputs, requests, strict=True)]
+        # The base64 of megabytes, and its JSON: on a thread.
+        return await asyncio.to_thread(lambda: self._render(gen, [{"b64_json": _b64(f.data)} for f in files]))
 
     @staticmethod
-    def _render(gen: ImageGeneration, files: list[EncodedOutput]) -> bytes:
+    def _render(gen: ImageGeneration, data: list[dict[str, str]]) -> bytes:
         body = {
             "created": int(time.time()),
-            "data": [{"b64_json": _b64(f.data)} for f in files],
+            "data": data,
             "output_format": gen.output_format,
             "size": gen.size,
             "background": "opaque",

@@ -151,6 +151,8 @@ def parse_image_body(body: object, model: ServedModel) -> ImageGeneration:
         raise bad_request("stream", f"stream must be a bool, got {stream!r:.40}")
     partial = _int(body, "partial_images", 0, MAX_PARTIAL_IMAGES, 0)
     assert partial is not None
+    if stream and response_format == "url":
+        raise bad_request("response_format", "a streamed generation sends its images in its events: use b64_json")
     if stream and n > 1:
         raise bad_request("n", "a streamed generation makes one image: send n=1 with stream=true")
     background = body.get("background")

@@ -2,7 +2,8 @@
 
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``POST /v1/images/generations``,
 ``POST /v1/videos``, ``GET /v1/videos/{video_id}``, ``GET /v1/videos/{video_id}/content``,
-``DELETE /v1/videos/{video_id}``.  Every request gets an id (``x-request-id`` on its
+``DELETE /v1/videos/{video_id}``, ``GET /v1/files/{file_id}/content`` (an image asked for
+with ``response_format="url"``, from the engine's file sink).  Every request gets an id (``x-request-id`` on its
 answer; a 500's message carries it).
 """
 
@@ -13,8 +14,9 @@ import json
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
+from omni_async.engine.errors import OutputFileGone
 from omni_async.serve.disconnect import ClientGone, until_disconnect
 from omni_async.serve.errors import ApiError, bad_request
 from omni_async.serve.httpmetrics import exposition
@@ -64,17 +66,11 @@ def router(state: ServerState) -> APIRouter:
         rid = f"img_{uuid.uuid4().hex}"
         headers = {"x-request-id": rid}
         try:
-            if gen.response_format == "url":
-                raise bad_request(
-                    "response_format",
-                    "response_format 'url' is not available on this server yet (it needs the engine's file sink); "
-                    "use 'b64_json'",
-                    code="unsupported_value",
-                )
             if gen.stream:
                 events = await until_disconnect(request, state.images.stream(gen, rid))
                 return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            body = await until_disconnect(request, state.images.generate(gen, rid))
+            files_url = str(request.url_for("file_content", file_id="ID")).removesuffix("/ID/content")
+            body = await until_disconnect(request, state.images.generate(gen, rid, files_url))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
         return Response(body, media_type="application/json", headers=headers)
@@ -102,14 +98,29 @@ def router(state: ServerState) -> APIRouter:
     async def video_content(video_id: str, variant: str = "video") -> Response:
         if variant != "video":
             raise bad_request("variant", f"variant must be 'video' (no thumbnails here), got {variant!r:.40}")
-        mp4 = state.videos.content(video_id)
-        return Response(mp4.data, media_type=mp4.media_type)
+        return _file_response(state, state.videos.content(video_id), f"{video_id}.mp4")
+
+    @r.get("/v1/files/{file_id}/content", name="file_content")
+    async def file_content(file_id: str) -> Response:
+        return _file_response(state, file_id, None)
 
     @r.delete("/v1/videos/{video_id}")
     async def delete_video(video_id: str) -> JSONResponse:
         return JSONResponse(await state.videos.delete(video_id))
 
     return r
+
+
+def _file_response(state: ServerState, file_id: str, filename: str | None) -> FileResponse:
+    """A file of the engine's file sink, read from disk on the server's threads (Starlette's
+    ``FileResponse``); 404 once it is gone (expired, deleted).  The file is opened as the
+    response starts: an expiry after that leaves this response whole (an unlinked file's
+    open descriptor still reads)."""
+    try:
+        written = state.engine.files.get(file_id)
+    except OutputFileGone as exc:
+        raise ApiError(404, f"file {file_id!r} is gone ({exc.why})", param="file_id", code="not_found") from exc
+    return FileResponse(written.path, media_type=written.media_type, filename=filename)
 
 
 def _poll(state: ServerState) -> dict[str, str]:

@@ -4,8 +4,9 @@ A job is one engine request asking for an MP4 (``format="mp4"``), run by a task 
 while the client polls.  Its ``status`` follows the request: ``queued`` while it waits in
 the engine, ``in_progress`` from its send until its MP4 is here, then ``completed`` or
 ``failed`` (with OpenAI's error object); ``progress`` is read from the request's stage.
-The MP4 is kept (in memory, as the encoder process handed it over) until the job is
-deleted or ``keep_s`` after it ended; ``DELETE`` at any stage aborts the request
+The MP4 goes to the engine's file sink (written on a post-processing thread, never on the
+event loop) and is kept until the job is deleted or ``keep_s`` after it ended (the file's
+ttl; the job is forgotten with it); ``DELETE`` at any stage aborts the request
 (``abort(..., wait=True)``: nothing of it is left on a worker or in shared memory) and
 forgets the job.  ``close`` (the server's shutdown) aborts every job still running.
 """
@@ -22,8 +23,8 @@ import attrs
 
 from omni_async.core.engine_states import StageState
 from omni_async.core.messages import DiffusionRequest
-from omni_async.engine.encoders import EncodedOutput
 from omni_async.engine.engine import AsyncDiffusionEngine
+from omni_async.engine.sinks import OutputFile
 from omni_async.serve.errors import ApiError, api_error, not_found
 from omni_async.serve.models import RESERVED, ServedModel
 from omni_async.serve.parsing import VideoCreation
@@ -60,7 +61,7 @@ class VideoJob:
     completed_at: int | None = None
     expires_at: int | None = None
     error: dict[str, object] | None = None
-    content: EncodedOutput | None = None
+    content: OutputFile | None = None
     task: asyncio.Task[None] | None = attrs.field(default=None, repr=False)
 
     def as_json(self) -> dict[str, object]:
@@ -100,7 +101,7 @@ class VideoJobs:
         self._sweep()
         job_id = f"video_{uuid.uuid4().hex}"
         try:
-            request = DiffusionRequest(job_id, creation.params, format="mp4")
+            request = DiffusionRequest(job_id, creation.params, format="mp4", sink="file", sink_ttl_s=self._keep_s)
         except Exception as exc:
             raise api_error(exc, job_id, reserved=RESERVED) from exc
         job = VideoJob(
@@ -134,13 +135,14 @@ class VideoJobs:
             job.status, job.error = "failed", {"code": err.code or "failed", "message": err.message}
         else:
             output = getattr(result, "output", None)
-            if isinstance(output, EncodedOutput):
+            if isinstance(output, OutputFile):
                 job.content, job.status, job.progress = output, "completed", 100
             else:
                 job.status = "failed"
-                job.error = {"code": "internal_error", "message": f"job {job.id}: the engine returned no MP4"}
+                job.error = {"code": "internal_error", "message": f"job {job.id}: the engine returned no MP4 file"}
         now = int(time.time())
-        job.completed_at, job.expires_at = now, now + int(self._keep_s)
+        job.completed_at = now
+        job.expires_at = int(job.content.expires_at) if job.content is not None else now + int(self._keep_s)
 
     def get(self, job_id: str) -> VideoJob:
         """The job, its status and progress brought up to date; 404 when unknown or gone."""
@@ -155,7 +157,8 @@ class VideoJobs:
                 job.progress = max(job.progress, _PROGRESS.get(stage, job.progress))
         return job
 
-    def content(self, job_id: str) -> EncodedOutput:
+    def content(self, job_id: str) -> str:
+        """The id of the job's MP4 in the engine's file sink (409 until it is completed)."""
         job = self.get(job_id)
         if job.content is None:
             raise ApiError(
@@ -164,7 +167,7 @@ class VideoJobs:
                 param="id",
                 code="video_not_ready",
             )
-        return job.content
+        return job.content.file_id
 
     async def delete(self, job_id: str) -> dict[str, object]:
         """Abort the job at whatever stage it is, wait until nothing of it is left, forget it."""
@@ -180,6 +183,8 @@ class VideoJobs:
                 await self._engine.abort(job.id, wait=True)
             job.task.cancel()
             await asyncio.gather(job.task, return_exceptions=True)
+        if job.content is not None and not self._engine.closed:
+            self._engine.files.delete(job.content.file_id)  # the unlink runs on the engine's sweeper
         job.content = None
 
     async def close(self) -> None:
