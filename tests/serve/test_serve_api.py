@@ -203,7 +203,7 @@ def test_bad_input_is_a_400_naming_the_field_and_reaches_no_worker(server: Serve
 
 
 def test_url_images_come_from_the_file_sink_until_their_ttl(server: ServerProcess, client: openai.OpenAI) -> None:
-    result = client.images.generate(prompt="p", n=2, size="64x40", response_format="url", output_format="webp")  # type: ignore[call-overload]
+    result = client.images.generate(prompt="p", n=2, size="64x40", response_format="url", output_format="webp")
     urls = [d.url for d in result.data or []]
     assert len(urls) == 2 and all(u and u.startswith(f"{server.url}/v1/files/") for u in urls), urls
     for url in urls:
