@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # a server and an engine start (~20 s each here); tests/serve/test_api.py covers the server
+@pytest.mark.slow  # a server and an engine start (~20 s each here); tests/serve/test_serve_api.py covers the server
 def test_the_load_bench_smoke_run_serves_every_request(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
