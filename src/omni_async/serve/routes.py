@@ -68,8 +68,10 @@ def router(state: ServerState) -> APIRouter:
         try:
             if gen.stream:
                 events = await until_disconnect(request, state.images.stream(gen, rid))
-                return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-            files_url = str(request.url_for("file_content", file_id="ID")).removesuffix("/ID/content")
+                # no-cache: a proxy must pass each event on as it comes, not hold the stream.
+                sse_headers = {**headers, "Cache-Control": "no-cache"}
+                return StreamingResponse(events, media_type="text/event-stream", headers=sse_headers)
+            files_url = f"{str(request.base_url).rstrip('/')}/v1/files"
             body = await until_disconnect(request, state.images.generate(gen, rid, files_url))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
@@ -100,7 +102,7 @@ def router(state: ServerState) -> APIRouter:
             raise bad_request("variant", f"variant must be 'video' (no thumbnails here), got {variant!r:.40}")
         return _file_response(state, state.videos.content(video_id), f"{video_id}.mp4")
 
-    @r.get("/v1/files/{file_id}/content", name="file_content")
+    @r.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
         return _file_response(state, file_id, None)
 
