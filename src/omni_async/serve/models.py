@@ -55,7 +55,9 @@ class ServedModel:
     video's frame rate (``seconds * fps`` frames); ``max_seconds``: the longest clip;
     ``parameters``: its own parameters, published by ``/v1/models`` (name -> type);
     ``previews``: it makes partial images; ``prompt_param``: the parameter the ``prompt``
-    field goes to (None: the model takes no text, and the prompt is only echoed)."""
+    field goes to (None: the model takes no text, and the prompt is only echoed);
+    ``sized``: it takes ``width``/``height`` (False: it makes one size, and ``size`` must be
+    left out or ``"auto"``); ``videos``: it takes ``num_frames`` (False: no video jobs)."""
 
     name: str
     spec: WorkerSpec
@@ -70,9 +72,15 @@ class ServedModel:
     parameters: Mapping[str, object] = attrs.field(factory=dict)
     previews: bool = True
     prompt_param: str | None = None
+    sized: bool = True
+    videos: bool = True
 
     def size_params(self, size: object, field: str = "size") -> dict[str, int]:
         """``width``/``height`` of a ``"WxH"`` size; a 400 naming ``field`` when it cannot be made."""
+        if not self.sized:
+            if size not in (None, "auto"):
+                raise bad_request(field, f"model {self.name!r} makes one size: leave size out or send 'auto'")
+            return {}
         if size is None or size == "auto":
             width, height = self.default_size
         else:
@@ -100,6 +108,8 @@ class ServedModel:
 
     def frames_for(self, seconds: object) -> int:
         """``num_frames`` of a clip of ``seconds`` (OpenAI sends a string: ``"4"``)."""
+        if not self.videos:
+            raise bad_request("model", f"model {self.name!r} makes images, not videos", code="model_not_found")
         text = str(seconds) if isinstance(seconds, (str, int)) and not isinstance(seconds, bool) else ""
         if not text.isdigit() or not 1 <= int(text) <= self.max_seconds:
             raise bad_request(
@@ -183,6 +193,8 @@ def _diffusers(builder: str, device: str) -> ServedModel:
         parameters=published,
         previews="preview_every" in published,
         prompt_param="prompt" if "prompt" in published else None,
+        sized="height" in published and "width" in published,
+        videos="num_frames" in published,
     )
 
 

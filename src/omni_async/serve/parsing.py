@@ -169,13 +169,17 @@ def parse_image_body(body: object, model: ServedModel) -> ImageGeneration:
     return ImageGeneration(
         prompt=prompt,
         params=per_image,
-        size=f"{sized['width']}x{sized['height']}",
+        size=_size_text(sized),
         response_format="url" if response_format == "url" else "b64_json",
         output_format=output_format,
         quality=quality_of(output_format, compression),
         stream=bool(stream),
         partial_images=partial if stream else 0,
     )
+
+
+def _size_text(sized: Mapping[str, int]) -> str:
+    return f"{sized['width']}x{sized['height']}" if sized else "auto"
 
 
 def form_value(text: str) -> object:
@@ -205,4 +209,4 @@ def parse_video_body(body: object, model: ServedModel) -> VideoCreation:
         "num_frames": frames,
         "seed": secrets.randbits(31) if seed is None else seed,
     }
-    return VideoCreation(prompt=prompt, seconds=str(seconds), size=f"{sized['width']}x{sized['height']}", params=params)
+    return VideoCreation(prompt=prompt, seconds=str(seconds), size=_size_text(sized), params=params)
