@@ -27,7 +27,7 @@ def test_a_diffusers_pipeline_served_with_its_own_parameters() -> None:
         result = client.images.generate(prompt="p", n=2, extra_body={"num_inference_steps": 2, "class_labels": 3})
         sizes = [Image.open(io.BytesIO(base64.b64decode(d.b64_json or ""))).size for d in result.data or []]
         assert sizes == [(16, 16), (16, 16)]  # tiny_dit's one size
-        refusals = [
+        refusals: list[tuple[dict[str, object], str]] = [
             ({"size": "64x64"}, "size"),  # DiTPipeline takes no height or width
             ({"num_inference_steps": "two"}, "num_inference_steps"),
             ({"prompt_embeds": [1.0]}, "prompt_embeds"),  # not a parameter of DiTPipeline
