@@ -6,7 +6,8 @@ Starts the real server (``python -m omni_async.cli serve --model MODEL --port 0`
 ``openai`` async client, each checked (its PNG decodes to the asked size).  Meanwhile a
 probe calls ``GET /health`` every 50 ms: its p99 says whether the event loop stays free
 while the engine works (the encodes run in its encoder processes, base64 and JSON on a
-thread).  Then (``--direct``, the default) the same requests go straight into an
+thread).  ``--videos N``: then N video jobs at once (create, poll, download, check the MP4's
+frames with PyAV, delete).  Then (``--direct``, the default) the same requests go straight into an
 ``AsyncDiffusionEngine`` built as the server builds its own (``omni_async.serve.engine_for``),
 in this process, at the same concurrency: ``http_over_direct`` is the server's requests/s
 over the engine's.  Bounded: at most ``--max-s`` seconds a run.
@@ -57,7 +58,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "omni_async.cli", "serve", "--model", args.model, "--port", "0",
-           "--device", args.device, "--max-batch-size", str(args.max_batch_size)]  # fmt: skip
+           "--device", args.device, "--max-batch-size", str(args.max_batch_size),
+           "--poll-after-ms", str(args.poll_after_ms)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
@@ -112,7 +114,7 @@ def check_png(b64: str | None, size: tuple[int, int]) -> None:
         raise AssertionError(f"got a {image.format} of {image.size}, asked for a PNG of {size}")
 
 
-async def http_run(url: str, args: argparse.Namespace, size: tuple[int, int]) -> dict[str, Any]:
+async def http_run(url: str, args: argparse.Namespace, size: tuple[int, int]) -> list[dict[str, Any]]:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.max_s)
     latencies: list[float] = []
     failures: list[str] = []
@@ -138,13 +140,52 @@ async def http_run(url: str, args: argparse.Namespace, size: tuple[int, int]) ->
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(args.warmup, args.warmup + args.requests)))
     wall = time.perf_counter() - t0
+    rows = [summary("http", latencies, wall, failures, [])]
+    if args.videos:
+        rows.append(await _http_videos(client, args))
     health, bad = await asyncio.to_thread(stop_probe, prober)
-    failures += [f"/health answered {code}" for code in bad]
+    rows[0]["first_failures"] += [f"/health answered {code}" for code in bad]
+    rows[0]["failures"] += len(bad)
+    rows[0].update(_health(health))
     await client.close()
-    return summary("http", latencies, wall, failures, health)
+    return rows
 
 
-async def direct_run(args: argparse.Namespace) -> dict[str, Any]:
+async def _http_videos(client: openai.AsyncOpenAI, args: argparse.Namespace) -> dict[str, Any]:
+    """``--videos`` jobs at once: create, poll (at the server's pace), download, check, delete."""
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    async def one(i: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            job = await client.videos.create(prompt=f"clip {i}", seconds=str(args.seconds), size=args.size,  # type: ignore[arg-type]
+                                             extra_body={"seed": i})  # fmt: skip
+            job = await client.videos.poll(job.id)
+            if job.status != "completed":
+                raise AssertionError(f"video job {job.id} {job.status}: {job.error}")
+            data = await (await client.videos.download_content(job.id)).aread()
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.to_thread(check_mp4, data, args.frames)
+            await client.videos.delete(job.id)
+        except Exception as exc:
+            failures.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(args.videos)))
+    return summary("http-mp4", latencies, time.perf_counter() - t0, failures, [])
+
+
+def check_mp4(data: bytes, frames: int) -> None:
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        got = sum(1 for _ in container.decode(video=0))
+    if got != frames:
+        raise AssertionError(f"the MP4 has {got} frames, asked for {frames}")
+
+
+async def direct_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = ServeConfig(model=served_model(args.model, device=args.device), device=args.device,
                          max_batch_size=args.max_batch_size)  # fmt: skip
     params = config.model.size_params(args.size)
@@ -169,7 +210,33 @@ async def direct_run(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(args.warmup, args.warmup + args.requests)))
         wall = time.perf_counter() - t0
-    return summary("direct", latencies, wall, failures, [])
+        rows = [summary("direct", latencies, wall, failures, [])]
+        if args.videos:
+            clip = {**params, "num_frames": args.frames}
+            vlat: list[float] = []
+            vfail: list[str] = []
+
+            async def video(i: int) -> None:
+                t0 = time.perf_counter()
+                try:
+                    result = await engine.generate(DiffusionRequest(f"v-{i}", {**clip, "seed": i}, format="mp4"))
+                    vlat.append(time.perf_counter() - t0)
+                    await asyncio.to_thread(check_mp4, result.data or b"", args.frames)
+                except Exception as exc:
+                    vfail.append(f"{type(exc).__name__}: {exc}"[:200])
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(video(i) for i in range(args.videos)))
+            rows.append(summary("direct-mp4", vlat, time.perf_counter() - t0, vfail, []))
+    return rows
+
+
+def _health(health: list[float]) -> dict[str, Any]:
+    return {
+        "health_probes": len(health),
+        "health_p50_ms": 1000 * percentile(health, 50),
+        "health_p99_ms": 1000 * percentile(health, 99),
+    }
 
 
 def summary(mode: str, latencies: list[float], wall: float, failures: list[str], health: list[float]) -> dict[str, Any]:
@@ -183,19 +250,17 @@ def summary(mode: str, latencies: list[float], wall: float, failures: list[str],
         "p50_ms": 1000 * percentile(latencies, 50),
         "p99_ms": 1000 * percentile(latencies, 99),
         "mean_ms": 1000 * statistics.fmean(latencies) if latencies else float("nan"),
-        "health_probes": len(health),
-        "health_p50_ms": 1000 * percentile(health, 50),
-        "health_p99_ms": 1000 * percentile(health, 99),
+        **_health(health),
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'mode':<8}{'requests':>9}{'failed':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'health p99 ms':>15}"
+    head = f"{'mode':<12}{'requests':>9}{'failed':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'health p99 ms':>15}"
     lines = [head, "-" * len(head)]
     for r in rows:
         hp = f"{r['health_p99_ms']:.1f}" if r["health_probes"] else "-"
         lines.append(
-            f"{r['mode']:<8}{r['requests']:>9}{r['failures']:>8}{r['req_per_s']:>9.1f}{r['p50_ms']:>9.1f}"
+            f"{r['mode']:<12}{r['requests']:>9}{r['failures']:>8}{r['req_per_s']:>9.1f}{r['p50_ms']:>9.1f}"
             f"{r['p99_ms']:>9.1f}{hp:>15}"
         )
     return "\n".join(lines)
@@ -213,27 +278,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-s", type=float, default=120.0, help="a run stops taking requests after this many seconds")
     ap.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the same requests straight through the engine (the rate HTTP is compared to)")  # fmt: skip
-    ap.add_argument("--tiny", action="store_true", help="CI smoke: 24 requests at concurrency 8, 4 warm-up")
+    ap.add_argument("--videos", type=int, default=0, help="also this many video jobs at once (MP4), after the images")
+    ap.add_argument("--seconds", type=int, default=1, help="each video job's length")
+    ap.add_argument("--poll-after-ms", type=int, default=100, help="the server's openai-poll-after-ms (video jobs)")
+    ap.add_argument("--tiny", action="store_true", help="CI smoke: 24 requests at concurrency 8, 4 warm-up, 2 videos")
     ap.add_argument("--json", default=None, help="default: bench/results/serve_load_<model>.json (not with --tiny)")
     args = ap.parse_args(argv)
     if args.tiny:
-        args.requests, args.concurrency, args.warmup, args.max_s = 24, 8, 4, 60.0
+        args.requests, args.concurrency, args.warmup, args.max_s, args.videos = 24, 8, 4, 60.0, 2
     model = served_model(args.model, device=args.device)
+    args.frames = args.seconds * model.fps
     args.size = args.size or model.size_text()
     width, height = (int(x) for x in args.size.split("x"))
     rows: list[dict[str, Any]] = []
     proc, url = start_server(args)
     try:
-        rows.append(asyncio.run(http_run(url, args, (width, height))))
+        rows += asyncio.run(http_run(url, args, (width, height)))
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
     if args.direct:
-        rows.append(asyncio.run(direct_run(args)))
+        rows += asyncio.run(direct_run(args))
     print(table(rows))
-    ratio = rows[0]["req_per_s"] / rows[1]["req_per_s"] if len(rows) == 2 else None
+    rate = {r["mode"]: r["req_per_s"] for r in rows}
+    ratio = rate["http"] / rate["direct"] if "direct" in rate else None
+    video_ratio = rate["http-mp4"] / rate["direct-mp4"] if "direct-mp4" in rate and "http-mp4" in rate else None
     if ratio is not None:
-        print(f"http_over_direct = {ratio:.3f}")
+        print(f"http_over_direct = {ratio:.3f}" + (f", mp4: {video_ratio:.3f}" if video_ratio is not None else ""))
     print(f"server exit status {code}")
     report = {
         "command": shlex.join(
@@ -246,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": vars(args),
         "runs": rows,
         "http_over_direct": ratio,
+        "mp4_http_over_direct": video_ratio,
         "server_exit": code,
     }
     path = args.json or (None if args.tiny else f"bench/results/serve_load_{args.model.split(':')[0]}.json")

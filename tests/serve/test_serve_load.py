@@ -27,7 +27,7 @@ def test_the_load_bench_smoke_run_serves_every_request(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
-    assert [r["mode"] for r in report["runs"]] == ["http", "direct"]
-    assert all(r["failures"] == 0 and r["requests"] == 24 for r in report["runs"]), report["runs"]
+    assert [r["mode"] for r in report["runs"]] == ["http", "http-mp4", "direct", "direct-mp4"]
+    assert [(r["requests"], r["failures"]) for r in report["runs"]] == [(24, 0), (2, 0)] * 2, report["runs"]
     assert report["server_exit"] == 0 and report["runs"][0]["health_probes"] > 0
     assert "http_over_direct =" in done.stdout and "--tiny" in report["command"]
