@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import openai
@@ -267,6 +268,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The openai client marks its videos API deprecated (OpenAI's own service); the API is ours here.
+    warnings.filterwarnings("ignore", message="The Sora API", category=DeprecationWarning)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny, dit or diffusers:MODULE:BUILDER (as omni-async serve)")
     ap.add_argument("--device", default="cpu")

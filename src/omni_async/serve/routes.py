@@ -56,7 +56,8 @@ def router(state: ServerState) -> APIRouter:
 
     @r.get("/metrics")
     async def metrics() -> Response:
-        # Off the loop: the engine's collector takes its snapshot on the loop (it asks for it).
+        # Rendered on a thread; the engine's collector asks the loop for its snapshot from
+        # there (engine.metrics() off the loop), so the loop only takes the snapshot.
         text = await asyncio.to_thread(exposition, [state.engine.prometheus_registry(), state.http.registry])
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
