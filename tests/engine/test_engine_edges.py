@@ -92,6 +92,8 @@ def test_close_returns_after_a_start_refused_a_step_mode_executor() -> None:
         finally:
             await asyncio.wait_for(engine.close(), 5.0)
         assert engine.state is EngineState.FAILED
+        made = engine.files.directory  # the output directory the start had made is gone with it
+        assert made is not None and not os.path.exists(made)
 
     try:
         run(body(), timeout=30)

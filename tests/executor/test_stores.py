@@ -53,6 +53,7 @@ def test_inline_store_delivers_as_it_came_and_hands_outputs_for_nobody_to_its_ho
     store = InlineStore(seen.append)
     out = DiffusionOutput("r", {"x": 1}, async_output_id="o")
     assert store.receive(out) is out and store.release(out) == 0 and store.budget is None
+    assert not store.lends_segments
     store.release_packed(out)
     assert seen == [out]
 
@@ -64,10 +65,12 @@ def test_pool_store_unpacks_views_and_gives_the_segment_back_on_release(pool: Se
     assert torch.equal(got.output["image"], torch.full((BIG,), 3.0))
     assert pool.stats().outstanding == 1
     assert store.release(got) == 1 and pool.stats().outstanding == 0
+    assert store.lends_segments  # its outputs view their segments until released: the engine may lend them
 
 
 def test_pool_store_copies_when_asked_and_the_segment_goes_back_at_once(pool: SegmentPool) -> None:
     store = PoolStore(pool, copy_outputs=True, lease_timeout=None, owner="Test")
+    assert not store.lends_segments  # copied out: no segment left to lend
     got = store.receive(_packed(pool, "c", 2.0))
     settle_releases()
     assert pool.stats().outstanding == 0 and float(got.output["image"][0]) == 2.0
@@ -117,6 +120,7 @@ def test_fresh_store_reads_and_unlinks_a_baseline_output_and_leaves_pooled_ones_
     pool: SegmentPool,
 ) -> None:
     store = PathStore(pool, SYNC, copy_outputs=False, lease_timeout=None, owner="Test")
+    assert not store.lends_segments  # its outputs' segments are made for each: none to lend
     image = torch.arange(BIG, dtype=torch.float32)
     fresh = pack_sync_fresh(
         DiffusionOutput("f", {"image": image}, async_output_id="f"), None, None, prefix=pool.prefix, inline_threshold=64

@@ -255,6 +255,7 @@ class AsyncDiffusionEngine:
                     raise UsageError(f"the executor factory returned {type(built).__name__}, not a DiffusionExecutor")
                 self._executor = built
             self._life.check_start_wanted()
+            await asyncio.to_thread(self._files.open)  # makes its directory: file I/O, off the loop
             ex = self._executor
             if ex.step_mode and cfg.async_output:
                 raise UsageError(
@@ -263,11 +264,11 @@ class AsyncDiffusionEngine:
                     "baseline, async_output=False)"
                 )
             budget = ex.budget
-            await asyncio.to_thread(self._files.open)  # makes its directory: file I/O, off the loop
             self._life.check_start_wanted()
         except BaseException:
             # What the start built goes before the lifecycle says FAILED: a failed start
-            # never leaves a live executor behind.
+            # never leaves a live executor behind, nor its output directory.
+            await asyncio.to_thread(self._files.close)
             if self._factory is not None and self._executor is not None:
                 await asyncio.to_thread(self._executor.shutdown, "the engine failed to start")
             raise

@@ -126,7 +126,9 @@ class PostProcessor:
         try:
             if wanted and not chunk and rec.request.sink_kind is Sink.SEGMENT:
                 # Lent, not copied: the output stays held until the lease ends.
-                return self.leases.lend(rid, output, rec.request.sink_ttl_s), time.monotonic(), 0.0
+                started, t0 = time.monotonic(), time.perf_counter()
+                lease = self.leases.lend(rid, output, rec.request.sink_ttl_s)
+                return lease, started, time.perf_counter() - t0
             value, started, seconds = self._host_stage(rec, output, wanted)
             if isinstance(value, HostEncode):
                 # After the release: the job owns its pixels.  The event loop awaits it.

@@ -366,7 +366,7 @@ class SegmentLease:
     """The result of a request with ``sink="segment"``: a lease on its output in shared
     memory, for a consumer on the same host.  ``segment``: the POSIX shared-memory name
     (``/dev/shm/<segment>``; None when nothing of the output was large enough to go to
-    shared memory: then everything is in ``values``), ``size`` its bytes, ``tensors``
+    shared memory: then everything is in ``values`` and nothing is held), ``size`` its bytes, ``tensors``
     where each tensor lies in it, ``values`` the output's other leaves (small tensors that
     travelled inline, plain values; owned copies), keyed like ``tensors``.  The segment
     is held until ``release()`` or ``expires_at`` (``time.time()`` seconds), whichever
@@ -430,21 +430,23 @@ class SegmentLeases:
         """A lease on ``output`` (unpacked, zero-copy views of its segment), which is held
         from now on.  On a post-processing thread: it walks the output once."""
         found = viewed_segment(output)
-        tensors: list[SegmentTensor] = []
-        values: dict[str, object] = {}
-        if found is None:
-            name, size = None, 0
-            values = {key: owned_copy(leaf) for key, leaf in _leaves(output.output, "")}
-        else:
-            name, size, address = found
-            for key, leaf in _leaves(output.output, ""):
-                spec = _in_segment(key, leaf, address, size)
-                if spec is None:
-                    values[key] = owned_copy(leaf)
-                else:
-                    tensors.append(spec)
         lease_id = uuid.uuid4().hex
         expires = time.time() + (self.ttl_s if ttl_s is None else ttl_s)
+        if found is None:
+            # Nothing of it in shared memory (every leaf small enough to travel inline):
+            # nothing to hold either; the lease carries the values and is over already.
+            values = {key: owned_copy(leaf) for key, leaf in _leaves(output.output, "")}
+            self._give_back(output)
+            return SegmentLease(lease_id, request_id, None, 0, (), values, expires, lender=self)
+        tensors: list[SegmentTensor] = []
+        values = {}
+        name, size, address = found
+        for key, leaf in _leaves(output.output, ""):
+            spec = _in_segment(key, leaf, address, size)
+            if spec is None:
+                values[key] = owned_copy(leaf)
+            else:
+                tensors.append(spec)
         with self._lock:
             closed = self._closed
             if not closed:

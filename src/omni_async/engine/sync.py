@@ -21,6 +21,7 @@ from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
+from omni_async.engine.sinks import OutputFiles
 from omni_async.executor.api import DiffusionExecutor
 
 if TYPE_CHECKING:
@@ -86,6 +87,11 @@ class DiffusionEngine:
     @property
     def executor(self) -> DiffusionExecutor:
         return self._engine.executor
+
+    @property
+    def files(self) -> OutputFiles:
+        """The files written for requests with ``sink="file"`` (thread-safe: any thread)."""
+        return self._engine.files
 
     def _run(self, coro: Coroutine[object, None, T], timeout: float | None = None) -> T:
         if self._closed:
