@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from helpers.servers import ServerProcess
 
@@ -100,4 +101,21 @@ def test_health_is_503_once_a_worker_dies_and_sigterm_still_exits_clean() -> Non
         assert code == 0, server.output()
     finally:
         server.stop(signal.SIGKILL) if server.proc.poll() is None else None
+    assert not server.left_behind(), server.left_behind()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_dit_pipeline_on_cuda_serves_images_and_a_clip() -> None:
+    server = ServerProcess("--model", "dit", "--device", "cuda")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        result = client.images.generate(prompt="p", n=2, size="256x256", extra_body={"steps": 4})
+        assert result.data is not None and len(result.data) == 2
+        r = httpx.post(f"{server.url}/v1/videos", json={"prompt": "p", "seconds": "1", "size": "128x128"})
+        assert r.status_code == 200, r.text
+        assert server.stop(signal.SIGTERM) == 0, server.output()
+    finally:
+        if server.proc.poll() is None:
+            server.stop(signal.SIGKILL)
     assert not server.left_behind(), server.left_behind()
