@@ -96,6 +96,7 @@ class ImageService:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._engine.generate(r)) for r in requests]
         except* Exception as grouped:
+            self._forget_files(tasks)  # of the members that finished: nobody will ask for them
             first = grouped.exceptions[0]
             raise api_error(first, request_id, reserved=RESERVED_FIELDS) from first
         outputs = [t.result().output for t in tasks]
@@ -105,6 +106,13 @@ class ImageService:
         files = [_file_of(o, r.request_id) for o, r in zip(outputs, requests, strict=True)]
         # The base64 of megabytes, and its JSON: on a thread.
         return await asyncio.to_thread(lambda: self._render(gen, [{"b64_json": _b64(f.data)} for f in files]))
+
+    def _forget_files(self, tasks: list[asyncio.Task[GenerationResult]]) -> None:
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                output = task.result().output
+                if isinstance(output, OutputFile):
+                    self._engine.files.delete(output.file_id)
 
     @staticmethod
     def _render(gen: ImageGeneration, data: list[dict[str, str]]) -> bytes:
