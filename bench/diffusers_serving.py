@@ -38,6 +38,7 @@ Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_se
 from __future__ import annotations
 
 import argparse
+import inspect
 import asyncio
 import itertools
 import json
@@ -48,6 +49,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from omni_async.core.config import Deadlines
@@ -60,7 +62,7 @@ from omni_async.integrations.diffusers import (
     to_uint8,
 )
 from omni_async.integrations.diffusers.source import ComponentConfig
-from omni_async.integrations.diffusers.tiny import TINY_DIT, TINY_WAN, WAN_TEXT_DIM
+from omni_async.integrations.diffusers.tiny import FAMILIES, TEXT_DIM, TINY_DIT, TINY_WAN, WAN_TEXT_DIM
 
 BUILDER = "omni_async.integrations.diffusers:random_pipeline"
 DEADLINES = Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600)
@@ -129,6 +131,72 @@ WAN_13B: Mapping[str, ComponentConfig] = {
     ),
 }
 
+
+# PixArt-Sigma-XL-2-512's shapes: 28 layers of 16 x 72, T5-XXL-shaped captions (4096 wide,
+# 300 tokens, with their attention mask), the SDXL VAE.
+PIXART_SIGMA_512: Mapping[str, ComponentConfig] = {
+    "tokenizer": None,
+    "text_encoder": None,
+    "transformer": (
+        "PixArtTransformer2DModel",
+        {
+            "sample_size": 64,
+            "num_layers": 28,
+            "patch_size": 2,
+            "attention_head_dim": 72,
+            "num_attention_heads": 16,
+            "in_channels": 4,
+            "out_channels": 8,
+            "cross_attention_dim": 1152,
+            "caption_channels": 4096,
+            "attention_bias": True,
+            "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": 1000,
+            "norm_type": "ada_norm_single",
+            "norm_elementwise_affine": False,
+            "norm_eps": 1e-6,
+        },
+    ),
+    "vae": ("AutoencoderKL", {**DIT_XL["vae"][1], "scaling_factor": 0.13025}),  # type: ignore[index]
+    "scheduler": ("DPMSolverMultistepScheduler", {}),
+}
+# CogVideoX-2B's shapes: 30 layers of 30 x 64, 226 T5 tokens 4096 wide, its 3D VAE (the
+# class's defaults are 2B's), its DDIM scheduler.
+COGVIDEOX_2B: Mapping[str, ComponentConfig] = {
+    "tokenizer": None,
+    "text_encoder": None,
+    "transformer": (
+        "CogVideoXTransformer3DModel",
+        {
+            "num_attention_heads": 30,
+            "attention_head_dim": 64,
+            "in_channels": 16,
+            "out_channels": 16,
+            "time_embed_dim": 512,
+            "text_embed_dim": 4096,
+            "num_layers": 30,
+            "sample_width": 90,
+            "sample_height": 60,
+            "sample_frames": 49,
+            "patch_size": 2,
+            "temporal_compression_ratio": 4,
+            "max_text_seq_length": 226,
+        },
+    ),
+    "vae": ("AutoencoderKLCogVideoX", {}),
+    "scheduler": (
+        "CogVideoXDDIMScheduler",
+        {
+            "timestep_spacing": "trailing",
+            "snr_shift_scale": 3.0,
+            "rescale_betas_zero_snr": True,
+            "prediction_type": "v_prediction",
+            "beta_end": 0.012,
+            "clip_sample": False,
+        },
+    ),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "device": "cpu",
@@ -148,6 +216,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "text_dim": WAN_TEXT_DIM,
                 "seq": 8,
                 "params": {"height": 16, "width": 16, "num_frames": 5, "num_inference_steps": 2, "guidance_scale": 5.0},
+            },
+            "pixart": {
+                "pipeline": FAMILIES["pixart"][0],
+                "components": FAMILIES["pixart"][1],
+                "dtype": None,
+                "text_dim": TEXT_DIM,
+                "seq": 8,
+                "mask": True,
+                "params": {"height": 64, "width": 64, "num_inference_steps": 2},
+            },
+            "cogvideox": {
+                "pipeline": FAMILIES["cogvideox"][0],
+                "components": FAMILIES["cogvideox"][1],
+                "dtype": None,
+                "text_dim": TEXT_DIM,
+                "seq": 8,
+                "params": {"height": 16, "width": 16, "num_frames": 9, "num_inference_steps": 2},
             },
         },
     },
@@ -176,6 +261,23 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "guidance_scale": 5.0,
                 },
             },
+            "pixart": {
+                "pipeline": "PixArtSigmaPipeline",
+                "components": PIXART_SIGMA_512,
+                "dtype": "bfloat16",
+                "text_dim": 4096,
+                "seq": 300,
+                "mask": True,
+                "params": {"height": 512, "width": 512, "num_inference_steps": 20},
+            },
+            "cogvideox": {
+                "pipeline": "CogVideoXPipeline",
+                "components": COGVIDEOX_2B,
+                "dtype": "bfloat16",
+                "text_dim": 4096,
+                "seq": 226,
+                "params": {"height": 480, "width": 720, "num_frames": 25, "num_inference_steps": 10},
+            },
         },
     },
 }
@@ -196,11 +298,14 @@ def requests(name: str, work: Mapping[str, Any], count: int, prefix: str) -> lis
             dtype = getattr(torch, work["dtype"] or "float32")
             params["prompt_embeds"] = torch.randn(1, work["seq"], work["text_dim"], generator=gen).to(dtype)
             params["negative_prompt_embeds"] = torch.randn(1, work["seq"], work["text_dim"], generator=gen).to(dtype)
+            if work.get("mask"):  # PixArt needs its captions' masks beside precomputed embeddings
+                params["prompt_attention_mask"] = torch.ones(1, work["seq"], dtype=torch.long)
+                params["negative_prompt_attention_mask"] = torch.ones(1, work["seq"], dtype=torch.long)
         out.append(DiffusionRequest(f"{prefix}{i}", params))
     return out
 
 
-def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> dict[str, Any]:
+def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> tuple[dict[str, Any], list[Any]]:
     """The client's loop: call, .cpu(), uint8; device time per forward from CUDA events."""
     with torch.device(device):
         pipe: Any = random_pipeline(work["pipeline"], work["components"], seed=0, dtype=work["dtype"])
@@ -209,12 +314,21 @@ def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> d
     if hasattr(pipe, "vae") and hasattr(pipe.vae, "enable_slicing"):
         pipe.vae.enable_slicing()
     cuda = device.startswith("cuda")
+    neg = inspect.signature(pipe.__call__).parameters.get("negative_prompt")
+    neg_default = None if neg is None else neg.default
 
     def call(r: DiffusionRequest) -> tuple[Any, float | None]:
         kwargs = {k: v for k, v in r.params.items() if k != "seed"}
         if "class_labels" in kwargs:
             kwargs["class_labels"] = [kwargs["class_labels"]]
-        for key in ("prompt_embeds", "negative_prompt_embeds"):
+        if "negative_prompt_embeds" in kwargs and neg_default is not None:
+            kwargs["negative_prompt"] = None  # PixArt's default "" is refused beside negative embeddings
+        for key in (
+            "prompt_embeds",
+            "negative_prompt_embeds",
+            "prompt_attention_mask",
+            "negative_prompt_attention_mask",
+        ):
             if key in kwargs:
                 kwargs[key] = kwargs[key].to(device)
         start = end = None
@@ -225,16 +339,27 @@ def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> d
         if cuda:
             end.record()
         pixels = out.images if "images" in out else out.frames
-        to_uint8(pixels.cpu())  # what a client does next (the .cpu() waits for the kernels)
-        return out, (start.elapsed_time(end) / 1e3 if cuda else None)
+        made = to_uint8(pixels.cpu())  # what a client does next (the .cpu() waits for the kernels)
+        return made.numpy(), (start.elapsed_time(end) / 1e3 if cuda else None)
 
     for warm in requests(name, work, 2, "warm"):  # the first calls pay for allocations and kernel choice
         call(warm)
     t0 = time.perf_counter()
-    device_times = [call(r)[1] for r in requests(name, work, count, "d")]
+    made = [call(r) for r in requests(name, work, count, "d")]
     wall = time.perf_counter() - t0
+    device_times = [t for _, t in made]
     forward = statistics.median([t for t in device_times if t is not None]) if cuda else None
-    return summary(name, "direct", count, wall, forward, None)
+    return summary(name, "direct", count, wall, forward, None), [px for px, _ in made]
+
+
+def pixels_of(output: Any) -> Any:
+    """The uint8 pixels of an engine result made by the ``diffusers`` post-process (its
+    ``images`` or ``frames``, as the pipeline's own output class or a mapping)."""
+    for key in ("images", "frames"):
+        value = output.get(key) if isinstance(output, Mapping) else getattr(output, key, None)
+        if value is not None:
+            return np.asarray(value)
+    raise TypeError(f"no images or frames in {type(output).__name__}")
 
 
 def summary(name: str, path: str, count: int, wall: float, forward: float | None, gap: float | None) -> dict[str, Any]:
@@ -273,6 +398,7 @@ def run_engine(
     async_output: bool,
     forward: float | None,
     decode: str = "forward",
+    expected: list[Any] | None = None,
 ) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
     spec = DiffusersPipelineWorker.spec(
@@ -304,6 +430,11 @@ def run_engine(
     row["device_idle_share"] = _idle_share(results)
     row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
     row["first_over_steady"] = round(first / steady, 3)
+    if expected is not None:
+        # The same seeds as the direct loop's requests, in order: every pixel equal.
+        row["bit_for_bit"] = all(
+            np.array_equal(pixels_of(r.output), want) for r, want in zip(results, expected, strict=True)
+        )
     return row
 
 
@@ -345,11 +476,32 @@ def run_batching(
     return rows
 
 
+def paths_table(rows: list[dict[str, Any]]) -> str:
+    """Per workload: the median requests/s of each engine path over its rounds, over the
+    direct loop's, and whether every output was equal to the direct loop's."""
+    lines = [f"{'workload':9} {'path':16} {'runs':>4} {'median req/s':>12} {'/ direct':>8} {'all equal':>9}"]
+    for name in dict.fromkeys(r["workload"] for r in rows):
+        mine = [r for r in rows if r["workload"] == name]
+        direct = next(r["requests_per_s"] for r in mine if r["path"] == "direct")
+        for path in ("engine-sync", "engine-async"):
+            runs = [r for r in mine if r["path"] == path]
+            if runs:
+                med = statistics.median(r["requests_per_s"] for r in runs)
+                equal = all(r.get("bit_for_bit") for r in runs)
+                lines.append(f"{name:9} {path:16} {len(runs):4} {med:12.3f} {med / direct:8.3f} {str(equal):>9}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--requests", type=int, default=None, help="requests per run (default: the preset's)")
-    parser.add_argument("--workloads", default="dit,wan", help="comma-separated: dit, wan")
+    parser.add_argument(
+        "--workloads", default="dit,wan,pixart,cogvideox", help="comma-separated: dit, wan, pixart, cogvideox"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="engine-sync and engine-async runs each, in alternating order"
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -357,22 +509,29 @@ def main(argv: list[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("the h200 preset needs a CUDA device")
     count = int(args.requests or preset["requests"])
+    rounds = int(args.rounds)
     rows: list[dict[str, Any]] = []
     for name in args.workloads.split(","):
         work = preset["workloads"][name]
-        direct = run_direct(name, work, device, count)
+        direct, expected = run_direct(name, work, device, count)
         rows.append(direct)
-        for async_output in (False, True):
-            rows.append(
-                run_engine(name, work, device, count, async_output=async_output, forward=direct["device_forward_s"])
-            )
+        # The two paths in alternating order, round after round: order effects (a warmer
+        # GPU, the allocator, the page cache) fall on both alike.
+        for r in range(rounds):
+            for async_output in (False, True) if r % 2 == 0 else (True, False):
+                row = run_engine(
+                    name, work, device, count, async_output=async_output, forward=direct["device_forward_s"],
+                    expected=expected,
+                )  # fmt: skip
+                row["round"] = r
+                rows.append(row)
         if name == "wan":
             rows.append(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
                                    decode="device"))  # fmt: skip
         if name == "dit":
             rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
     print(
-        f"{'workload':8} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10}"
+        f"{'workload':9} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10} {'bits':>5}"
     )
     for row in rows:
         cells = [row.get(k) for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
@@ -380,9 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         share = row.get("device_idle_share")
         idle = "-" if share is None else f"{100 * share:.1f}%"
         ratio = "-" if row.get("first_over_steady") is None else f"{row['first_over_steady']:.2f}"
+        bits = {True: "equal", False: "DIFF", None: "-"}[row.get("bit_for_bit")]
         print(
-            f"{row['workload']:8} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10}"
+            f"{row['workload']:9} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10} {bits:>5}"
         )
+    print(paths_table(rows))
     report = {
         "preset": args.preset,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",

@@ -23,12 +23,19 @@
 #           omni-u8 on the video with two copies in flight, one, and two again
 #   part 9: with two copies in flight, the demo at its defaults, the idle at a 15 ms
 #           synchronizing forward and encoded images (a check that nothing regressed)
+#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine
+#           (bench/diffusers_serving.py --rounds 3: sync and async alternating)
+#   part host: issue 31's host path (helper E): bench/host_path.py before (fresh memory per
+#           request) against after (HostBuffers, ClientBytes) in alternating order, the
+#           stages and the engine, then the loop's stall while 16 PNG encodes run (16 and 8
+#           encoder processes; target max stall < 20 ms); part host-bench: omni-async bench
+#           itself, --client-path fresh against pooled, and its event-loop line
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 9}"
+part="${1:?part 1 to 11, host or host-bench}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -138,8 +145,36 @@ case "$part" in
         | tee "$out/encoded_images.log" | tail -6
     save
     ;;
+10 | 11)
+    # Issue 30: PixArt-Sigma-shaped (part 10) and CogVideoX-2B-shaped (part 11) pipelines
+    # through the engine against the direct loop, sync and async in alternating order,
+    # three rounds each, every output compared with the direct loop's bit for bit.
+    work=$([ "$part" = 10 ] && echo pixart || echo cogvideox)
+    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" --requests 6 --rounds 3 \
+        --json "$out/diffusers_serving_$work.json" 2>&1 | tee "$out/diffusers_serving_$work.log" | tail -14
+    save
+    ;;
+host)
+    timeout 300 python3 bench/host_path.py --device cuda --rounds 3 --parts stages,engine \
+        --stage-sizes image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16 --engine-sizes image-2k-bf16,video-81x720p-bf16 \
+        --json "$out/host_path_h200.json" 2>&1 | tee "$out/host_path.log" | tail -16
+    save
+    timeout 90 python3 bench/loop_stall.py --device cuda --runs 2 --workers 16,8 --json "$out/loop_stall_h200.json" 2>&1 \
+        | tee "$out/loop_stall.log" | tail -4
+    save
+    ;;
+host-bench)
+    timeout 420 python3 bench/host_path.py --device cuda --rounds 2 --parts bench --bench-requests 12 \
+        --bench-runs "omni-u8@image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16" \
+        --json "$out/host_path_bench_h200.json" 2>&1 | tee "$out/host_path_bench.log" | tail -6
+    save
+    timeout 90 python3 -m omni_async.cli bench --device cuda --modes omni-u8 --sizes image-2k-bf16 --forward-ms 30 \
+        --concurrency 1 --requests 8 --no-copy-bound --json "$out/bench_loop_stall.json" 2>&1 \
+        | tee "$out/bench_loop_stall.log" | tail -4
+    save
+    ;;
 *)
-    echo "part must be 1 to 9" >&2
+    echo "part must be 1 to 11, host or host-bench" >&2
     exit 2
     ;;
 esac

@@ -79,7 +79,7 @@ from omni_async.core.states import (
     RequestEvent,
     RequestState,
 )
-from omni_async.engine.encoders import EncodedOutput
+from omni_async.engine.encoders import EncodedOutput, VideoBytes
 from omni_async.engine.errors import (
     EncodeFailed,
     EngineClosed,
@@ -118,7 +118,7 @@ from omni_async.transport.errors import (
     UnsupportedOutputType,
 )
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
-from omni_async.worker.stream import emit_chunk, streaming_requested
+from omni_async.worker.stream import emit_chunk, emit_frames, streaming_requested
 
 __version__ = "0.1.0"
 
@@ -273,6 +273,7 @@ __all__ = [
     "SegmentTensor",
     "Sink",
     "StageState",
+    "VideoBytes",
     "WorkerInfo",
     "WorkerOptions",
     "WorkerSpec",

@@ -90,6 +90,12 @@ def test_the_tiny_preset_reports_every_mode_and_field_with_plausible_values(
     # On CPU, the paragraph that says why omni is no better than sync and the copy-bound low.
     assert " ".join(CPU_NOTE.split()) in " ".join(done.stdout.split())
     assert "pump (CPU" in done.stdout and "messages/s" in done.stdout
+    # The engine's event loop while 16 PNG encodes ran (issue 31): measured and printed.
+    loop = report["loop_stall"]
+    assert loop["encodes"] == 16 and loop["format"] == "png" and loop["size"] == "256x256" and loop["samples"] > 0
+    assert 0 <= loop["stall_ms_p50"] <= loop["stall_ms_p99"] <= loop["stall_ms_max"] and loop["encode_on_loop_ms"] > 0
+    assert "event loop while 16 png encodes (256x256) ran: max stall" in done.stdout
+    assert report["config"]["client_path"] == "pooled"
 
 
 @pytest.mark.slow

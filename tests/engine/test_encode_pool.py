@@ -82,12 +82,8 @@ def test_a_job_done_before_submit_returns_does_not_deadlock_the_pool() -> None:
 def test_a_killed_encoder_process_fails_only_its_own_job() -> None:
     rng = np.random.default_rng(2)
     # Random pixels at zlib level 9: a few seconds of PNG per job, so all three are in flight at the kill.
-    jobs = {
-        f"r{i}": EncodeJob(
-            rng.integers(0, 256, (24, 512, 512, 3), np.uint8), Encoding("png", 9), True, request_id=f"r{i}"
-        )
-        for i in range(3)
-    }
+    pixels = {f"r{i}": rng.integers(0, 256, (24, 512, 512, 3), np.uint8) for i in range(3)}
+    jobs = {rid: EncodeJob(p, Encoding("png", 9), True, request_id=rid) for rid, p in pixels.items()}
     pool = EncoderPool(3)
     try:
         futures = {rid: pool.submit(job) for rid, job in jobs.items()}
@@ -106,15 +102,15 @@ def test_a_killed_encoder_process_fails_only_its_own_job() -> None:
                 continue
             files, _ = futures[rid].result(timeout=300)  # finished in its own process, which lived on
             assert len(files) == 24 and all(
-                np.array_equal(decode(f), image) for f, image in zip(files, jobs[rid].pixels, strict=True)
+                np.array_equal(decode(f), image) for f, image in zip(files, pixels[rid], strict=True)
             )
             assert pid_alive(pid) and pid in pool.pids()
         # A new process took the dead one's place, and encodes.
         wait_until(lambda: len(pool.pids()) == 3)
         assert victim_pid not in pool.pids()
-        small = EncodeJob(jobs["r0"].pixels[0, :8, :8], Encoding("webp"), False, request_id="after")
-        (data,), _ = pool.submit(small).result(timeout=120)
-        assert np.array_equal(decode(data), small.pixels)
+        corner = pixels["r0"][0, :8, :8]
+        (data,), _ = pool.submit(EncodeJob(corner, Encoding("webp"), False, request_id="after")).result(timeout=120)
+        assert np.array_equal(decode(data), corner)
     finally:
         pids = pool.pids()
         pool.shutdown(timeout=10.0)

@@ -23,7 +23,7 @@ from omni_async.executor.inprocess import InProcessExecutor
 # What each field is, for the property test: a positive count, an optional positive
 # count, seconds (> 0, or >= 0 where 0 means something), a bool, a callable or None, a
 # name or None.
-COUNTS = ("max_waiting", "postprocess_workers", "max_batch_size")
+COUNTS = ("max_waiting", "postprocess_workers", "max_batch_size", "video_bytes_in_flight")
 OPTIONAL_COUNTS = ("max_running", "max_in_flight", "encode_workers")
 SECONDS = {"close_timeout": False, "batch_wait_s": True, "output_ttl_s": False}  # field -> zero allowed
 BOOLS = ("async_output",)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers.output_shapes import SHAPES, assert_same, make_shape
-from omni_async.engine.owned import owned_copy
+from omni_async.engine.owned import POOLED_FROM_BYTES, HostBuffers, owned_copy, parallel_copy
 
 
 class Pair(NamedTuple):
@@ -84,6 +84,51 @@ def test_every_output_shape_the_transport_carries_is_copied_whole(shape: str) ->
         t.add_(1)  # the source changes; the copy does not
     with pytest.raises(AssertionError):
         assert_same(copied, source)
+
+
+def test_large_copies_reuse_a_buffer_only_once_nothing_made_of_it_is_left() -> None:
+    """Issue 31: the engine's owned copies go into buffers it reuses (a copy into fresh
+    memory faults in every page).  A buffer is reused only when every tensor and array
+    made of it is gone: a result the caller keeps, or any view of it, never changes
+    under them, whatever later requests copy."""
+    buffers = HostBuffers()
+    n = POOLED_FROM_BYTES // 4  # float32 elements: a pooled copy
+
+    def copied(a: float, b: float) -> dict[str, Any]:
+        return owned_copy({"image": torch.full((n,), a), "array": np.full(n, b, np.float32)}, buffers)
+
+    first = copied(1.0, 2.0)
+    kept_view = first["image"][7:].view(torch.int32)  # a view of a view: the loan is all that links it
+    kept_array = first["array"][3:].view(np.uint8)
+    image_ptr, array_ptr = first["image"].data_ptr(), first["array"].ctypes.data
+    del first
+    second = copied(5.0, 6.0)
+    assert (buffers.reused, buffers.fresh) == (0, 4)  # both first buffers are still viewed
+    assert torch.equal(kept_view.view(torch.float32), torch.full((n - 7,), 1.0))
+    assert np.array_equal(kept_array.view(np.float32), np.full(n - 3, 2.0, np.float32))
+    del kept_view, kept_array
+    third = copied(8.0, 9.0)
+    assert (buffers.reused, buffers.fresh) == (2, 4)  # the first two came back, and are taken again
+    assert {third["image"].data_ptr(), third["array"].ctypes.data} == {image_ptr, array_ptr}
+    assert float(second["image"].sum()) == 5.0 * n and float(third["image"].sum()) == 8.0 * n
+    assert third["array"].dtype == np.float32 and third["array"].shape == (n,) and third["array"].flags.writeable
+    del second, third
+    assert buffers.idle_bytes() >= 4 * 4 * n
+    assert HostBuffers(max_idle_bytes=0).take(POOLED_FROM_BYTES).nbytes == POOLED_FROM_BYTES
+    tight = HostBuffers(max_idle_bytes=0)
+    tight.take(POOLED_FROM_BYTES)  # dropped at once: nothing idle may be kept
+    assert tight.idle_bytes() == 0
+
+
+def test_a_large_copy_split_over_threads_is_the_whole_copy() -> None:
+    n = 3 * (32 << 20) + 12345  # three parts and a ragged end
+    src = np.resize(np.arange(251, dtype=np.uint8), n)  # a period prime to the parts: no part equals another
+    dst = np.zeros(n, np.uint8)
+    parallel_copy(dst, src, threads=3)
+    assert np.array_equal(dst, src)
+    frames = torch.from_numpy(src[: n // 4 * 4].view(np.float32))
+    copied = owned_copy({"frames": frames}, HostBuffers(copy_threads=4))["frames"]
+    assert torch.equal(copied.view(torch.int32), frames.view(torch.int32))
 
 
 def _tensors(x: object, depth: int = 0) -> list[torch.Tensor]:

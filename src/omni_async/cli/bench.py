@@ -26,12 +26,16 @@ latency (submit to output in hand), copy GB/s (the worker's pack), the device's 
 between forwards (worker-side forward timestamps), efficiency = throughput / ideal, and
 on CUDA the GPU's SM clock and power during the case.  To the client (``--client-bytes``,
 the default): each output in hand is turned into the client's bytes on the host, as an
-engine's host stage does (``models.synthetic.to_client_bytes``: uint8 pixels; the
-conversion on the host unless ``omni-u8``'s device stage did it), in the consumer
-threads, before it is released; ``client_ms_p50`` is the time from submit to those
+engine's host stage does (uint8 pixels; the conversion on the host unless ``omni-u8``'s
+device stage did it; ``--client-path``: ``pooled``, ``bench_client.ClientBytes``, into
+reused memory, or ``fresh``, the seed's ``models.synthetic.to_client_bytes``), in the
+consumer threads, before it is released; ``client_ms_p50`` is the time from submit to those
 bytes, and ``client_efficiency`` the forward alone over it (the ideal: the forward
 alone).  The printed table fits 100 columns (``bench_report``); on CPU a paragraph says
 what the figures do not show there.
+
+``--loop-stall`` (the default): the engine's event loop's longest stall (and p99) while
+``--loop-encodes`` PNG encodes run (``bench_loop``: target under 20 ms), one line.
 
 ``--pump``: a CPU micro-benchmark of the protocol: real worker processes, tiny outputs,
 no forward: the latency from the end of the worker's forward (right before it sends
@@ -57,7 +61,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -66,6 +70,8 @@ import torch
 from rich.console import Console
 
 from omni_async.cli import bench_plot
+from omni_async.cli.bench_client import ClientBytes
+from omni_async.cli.bench_loop import loop_stall_line, run_loop_stall
 from omni_async.cli.bench_report import CPU_NOTE, TABLE_WIDTH, environment, table
 from omni_async.cli.bench_stats import (
     efficiency,
@@ -76,7 +82,7 @@ from omni_async.cli.bench_stats import (
     percentile,
     steady_rate,
 )
-from omni_async.cli.parsers import MODES, SIZES, TINY_SIZES
+from omni_async.cli.parsers import CLIENT_PATHS, MODES, SIZES, TINY_SIZES
 from omni_async.cli.parsers import add_bench as add_parser
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionOutput, DiffusionRequest
@@ -85,7 +91,7 @@ from omni_async.models.synthetic import to_client_bytes
 from omni_async.transport.shm.files import entries
 from omni_async.worker.stamps import FORWARD_ENDED_AT, FORWARD_RETURNED_AT, FORWARD_STARTED_AT
 
-__all__ = ["MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "run"]
+__all__ = ["CLIENT_PATHS", "MODES", "SIZES", "TINY_SIZES", "Case", "add_parser", "build_cases", "client_maker", "run"]
 
 FORWARD_LABELS: Final = ("few-step", "long")
 COPY_BOUND: Final = "copy-bound"
@@ -147,6 +153,7 @@ def _apply_tiny(args: argparse.Namespace) -> None:
     args.max_case_s = min(args.max_case_s, 10.0)
     args.pump = True
     args.pump_requests = min(args.pump_requests, 200)
+    args.loop_side = min(args.loop_side, 256)
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -248,19 +255,25 @@ def _take(ex: MultiprocDiffusionExecutor, output_id: str) -> dict[str, float]:
     return metrics
 
 
+def client_maker(path: str) -> Callable[[DiffusionOutput], object]:
+    """The maker of the client's bytes that ``--client-path`` names (``CLIENT_PATHS``):
+    ``pooled`` (``ClientBytes``: into reused memory, in cache-sized slices) or ``fresh``
+    (the seed's ``to_client_bytes``: fresh memory for every pass, as before issue 31)."""
+    return ClientBytes() if path == "pooled" else to_client_bytes
+
+
 def _deliver(
-    ex: MultiprocDiffusionExecutor, out: DiffusionOutput, client: bool
+    ex: MultiprocDiffusionExecutor, out: DiffusionOutput, client: Callable[[DiffusionOutput], object] | None
 ) -> tuple[dict[str, float], float, float | None]:
     """An output in hand: (its metrics, now, when the client's bytes were made), then released.
 
     ``client``: the client's bytes are made first, on the host, as an engine's host stage
-    does (``models.synthetic.to_client_bytes``: uint8 pixels, converted here unless the
-    device stage did it)."""
+    does (uint8 pixels, converted here unless the device stage did it; ``client_maker``)."""
     done = time.monotonic()
     metrics = dict(out.metrics)
     made = None
-    if client:
-        payload = to_client_bytes(out)
+    if client is not None:
+        payload = client(out)
         made = time.monotonic()
         del payload
     ex.release_output(out)  # nothing of it is viewed here: the segment goes back at once
@@ -287,6 +300,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
     fwd_before, copy_before = _alone(ex, case, args.alone_reps, args.alone_min_s)
     params: dict[str, Any] = {"forward_ms": case.forward_ms, "shape": list(case.shape), "dtype": case.dtype}
     sampler = _GpuSampler(args.device) if args.device.startswith("cuda") else None
+    maker = client_maker(args.client_path) if args.client_bytes else None
 
     def closed_loop(phase: str, total: int, stop_at: float) -> list[_Record]:
         counter = itertools.count()
@@ -319,7 +333,7 @@ def run_case(ex: MultiprocDiffusionExecutor, mode: str, case: Case, args: argpar
                 i, t0, what = item
                 try:
                     out = what if isinstance(what, DiffusionOutput) else ex.wait_output_ready(what).result(timeout=600)
-                    metrics, done, made = _deliver(ex, out, args.client_bytes)
+                    metrics, done, made = _deliver(ex, out, maker)
                     del out
                 except BaseException as exc:  # noqa: BLE001  # re-raised by the caller's thread below
                     errors.append(exc)
@@ -504,7 +518,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tiny:
         _apply_tiny(args)
     if args.pump_only:
-        args.pump, args.modes = True, []
+        args.pump, args.modes, args.loop_stall = True, [], False
     t0 = time.monotonic()
     argv = ["omni-async", *sys.argv[1:]] if sys.argv[1:2] == ["bench"] else ["omni-async", "bench"]
     sizes = {name: {**SIZES, **TINY_SIZES}[name] for name in args.sizes}
@@ -521,6 +535,7 @@ def run(args: argparse.Namespace) -> int:
         "json": str(args.json) if args.json else None,
         "cases": [],
         "pump": None,
+        "loop_stall": None,
     }
     if args.modes:
         console.print(
@@ -556,6 +571,9 @@ def run(args: argparse.Namespace) -> int:
             f"{p['compute_done_latency_us_p99']:.0f} us; {p['messages_per_s']:.0f} messages/s "
             f"({p['requests_per_s']:.0f} requests/s)"
         )
+    if args.loop_stall:
+        report["loop_stall"] = run_loop_stall(args.device, args.loop_encodes, args.loop_side)
+        console.print(loop_stall_line(report["loop_stall"]))
     report["wall_s"] = time.monotonic() - t0
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
 
 __all__ = [
+    "CLIENT_PATHS",
     "COMMANDS",
     "DRIVER_RSS_BOUND_MIB",
     "MODES",
@@ -261,6 +262,8 @@ def _check_soak(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------ bench
 
 MODES: Final = ("sync", "reference", "omni", "omni-u8")
+# How the bench makes the client's bytes (bench.client_maker).
+CLIENT_PATHS: Final = ("pooled", "fresh")
 # name -> (shape, dtype): images are 3 x H x W, videos frames x 3 x H x W.
 SIZES: Final[dict[str, tuple[tuple[int, ...], str]]] = {
     "image-1k-fp32": ((3, 1024, 1024), "float32"),
@@ -382,6 +385,15 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     d.add_argument(
+        "--client-path",
+        choices=CLIENT_PATHS,
+        default="pooled",
+        help=(
+            "how the client's bytes are made: pooled (converted in cache-sized slices into memory reused once "
+            "dropped) or fresh (the seed's: fresh memory for every pass, the figures before issue 31)"
+        ),
+    )
+    d.add_argument(
         "--copies-in-flight",
         type=options.positive_int,
         default=2,
@@ -391,6 +403,21 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--tiny",
         action="store_true",
         help="CI preset: tiny sizes, a 20 ms forward, concurrency 1 and 2, 6 requests, and a short --pump",
+    )
+    d.add_argument(
+        "--loop-stall",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "measure the engine's event loop's longest stall (and p99) while --loop-encodes PNG encodes run, "
+            "after the sweep (target under 20 ms); --no-loop-stall leaves it out"
+        ),
+    )
+    d.add_argument(
+        "--loop-encodes", type=options.positive_int, default=16, help="PNG requests at once in the --loop-stall run"
+    )
+    d.add_argument(
+        "--loop-side", type=options.positive_int, default=1024, help="their pictures' side in pixels (--tiny: 256)"
     )
     d.add_argument("--pump", action="store_true", help="also run the CPU micro-benchmark of the protocol")
     d.add_argument("--pump-requests", type=options.positive_int, default=2000, help="requests of the --pump run")

@@ -1,6 +1,9 @@
 """The engine side: an asyncio engine over any executor (``AsyncDiffusionEngine``), its
-scheduler, post-processing off the event loop, metrics, and a synchronous facade
-(``DiffusionEngine``)."""
+scheduler, post-processing off the event loop, encoded outputs (images, and video encoded
+while it decodes: ``generate_video``, ``VideoBytes``), output sinks (``OutputFiles``,
+``SegmentLease``), metrics, and a synchronous facade (``DiffusionEngine``).  The names
+below load on first use (PEP 562): ``import omni_async`` imports this package without
+torch."""
 
 from __future__ import annotations
 
@@ -10,24 +13,53 @@ from typing import TYPE_CHECKING
 from omni_async.engine.errors import OutputFileGone
 
 if TYPE_CHECKING:
+    from omni_async.engine.config import EngineConfig
+    from omni_async.engine.encoders import EncodedOutput, VideoBytes
+    from omni_async.engine.engine import AsyncDiffusionEngine
+    from omni_async.engine.errors import EncodeFailed
+    from omni_async.engine.metrics import GenerationResult
     from omni_async.engine.sinks import OutputFile, OutputFiles, SegmentLease, SegmentTensor
+    from omni_async.engine.sync import DiffusionEngine
 
-# Loaded on first use (PEP 562): ``import omni_async`` reads ``omni_async.engine.encoders``
-# through this package, and must not import torch for it.
 _LAZY: dict[str, str] = {
+    "AsyncDiffusionEngine": "omni_async.engine.engine",
+    "DiffusionEngine": "omni_async.engine.sync",
+    "EngineConfig": "omni_async.engine.config",
+    "EncodedOutput": "omni_async.engine.encoders",
+    "VideoBytes": "omni_async.engine.encoders",
+    "EncodeFailed": "omni_async.engine.errors",
+    "GenerationResult": "omni_async.engine.metrics",
     "OutputFile": "omni_async.engine.sinks",
     "OutputFiles": "omni_async.engine.sinks",
     "SegmentLease": "omni_async.engine.sinks",
     "SegmentTensor": "omni_async.engine.sinks",
 }
 
-__all__ = ["OutputFile", "OutputFileGone", "OutputFiles", "SegmentLease", "SegmentTensor"]
-
 
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'omni_async.engine' has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value: object = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+__all__ = [
+    "AsyncDiffusionEngine",
+    "DiffusionEngine",
+    "EncodeFailed",
+    "EncodedOutput",
+    "EngineConfig",
+    "GenerationResult",
+    "OutputFile",
+    "OutputFileGone",
+    "OutputFiles",
+    "SegmentLease",
+    "SegmentTensor",
+    "VideoBytes",
+]

@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_MAX_RUNNING_BATCHES",
     "DEFAULT_MAX_WAITING",
     "DEFAULT_OUTPUT_TTL_S",
+    "DEFAULT_VIDEO_BYTES_IN_FLIGHT",
     "EngineConfig",
     "EngineOptions",
     "engine_config",
@@ -49,6 +50,10 @@ DEFAULT_MAX_WAITING = 4096
 DEFAULT_MAX_IN_FLIGHT = 64
 # How long a file (sink="file") or a segment lease (sink="segment") lives by default.
 DEFAULT_OUTPUT_TTL_S = 600.0
+# Frames of a video handed to its encoder and not yet encoded: a few parts of a 720p
+# video (16 frames of 1280x720 RGB: 44 MB), so the encoder never waits for the next part,
+# while the rest wait in shared memory within the budget of held outputs.
+DEFAULT_VIDEO_BYTES_IN_FLIGHT = 256 * 2**20
 
 
 def _count(name: str, *, optional: bool = False) -> Callable[[object, attrs.Attribute[Any], object], None]:
@@ -141,6 +146,10 @@ class EngineConfig:
     engine's files removed); ``output_ttl_s`` (600 s): how long such a file, or a
     ``sink="segment"`` lease, lives when its request gives no ``sink_ttl_s``
     (``omni_async.engine.sinks``).
+    ``video_bytes_in_flight`` (256 MiB): a video encoded while it decodes
+    (``generate_video``) hands the encoder at most this many bytes of frames not yet
+    encoded (one part larger than it goes alone); the parts behind wait in shared memory
+    (``omni_async.engine.video``).
     ``close_timeout`` (60 s): the default bound of ``close`` and of a stream's ``aclose``.
     ``tracer``: records every step of the engine's machines (``omni_async.core.engine_trace``).
     """
@@ -162,6 +171,9 @@ class EngineConfig:
     output_dir: str | None = attrs.field(default=None, validator=_optional_dir)
     output_ttl_s: float = attrs.field(
         default=DEFAULT_OUTPUT_TTL_S, converter=_float, validator=_seconds("output_ttl_s", zero=False)
+    )
+    video_bytes_in_flight: int = attrs.field(
+        default=DEFAULT_VIDEO_BYTES_IN_FLIGHT, validator=_count("video_bytes_in_flight")
     )
 
     def __attrs_post_init__(self) -> None:
@@ -201,6 +213,7 @@ class EngineOptions(TypedDict, total=False):
     encode_workers: int | None
     output_dir: str | None
     output_ttl_s: float
+    video_bytes_in_flight: int
 
 
 def engine_config(config: EngineConfig | None, options: Mapping[str, object], what: str) -> EngineConfig:

@@ -7,9 +7,15 @@ host stage.  On its ``omni-postprocess`` thread ``take_for_encoding`` reads its 
 * pixels the worker's GPU encoded already (JPEG, ``omni_async.worker.encode``): their
   bytes are copied out of shared memory and are the result (``EncodedOutput`` with
   ``encoded_on="cuda"``);
-* otherwise the pixels (uint8, channel-last: ``"frames"``, else ``"image"``) are copied
-  out of shared memory into one uint8 numpy array, an ``EncodeJob``; the segment goes
-  back to the pool before anything is encoded.
+* otherwise the pixels (uint8, channel-last: ``"frames"``, else ``"image"``) become an
+  ``EncodeJob``.  Zero copy where they are a contiguous view of the output's
+  shared-memory segment (``omni_async.transport.unpacking.segment_span``): the job
+  carries the segment's name and where the pixels lie in it (``SharedPixels``), the
+  encoder process maps it and reads them in place, and the engine holds the output
+  (the segment stays leased) until the job's future is done, whatever ended it, then
+  releases it, once.  Without a segment (``InProcessExecutor``'s inline outputs,
+  ``copy_outputs``, a strided view) the pixels are copied into one uint8 numpy array,
+  pickled to the process, and the output goes back at once.
 
 The job goes to ``EncoderPool``: spawned encoder processes (``os.cpu_count()`` by
 default, ``AsyncDiffusionEngine(encode_workers=...)``), all started with the first job, so
@@ -20,7 +26,13 @@ other processes' jobs go on, and a new process takes its place.  The event loop 
 the job's future, which fails with ``EncodeFailed`` only (the request, the format, why);
 the encoding never holds the engine's GIL.  Only uint8 pixels travel to the pool (a
 float tensor is refused before: it would pickle 2-4x the bytes, and its scale is the
-pipeline's to know).  ``shutdown`` (the engine's close, whatever ended it) fails the jobs
+pipeline's to know).
+
+A video encoded in parts (``VideoSession``, ``omni_async.engine.video``) takes one
+process for its whole length: its first part waits for an idle process like a job, the
+process is then bound to the session, takes its later parts in order (no other job)
+and is free again after the last part, or when a part failed.  A process that dies
+fails the part it had and every part queued behind it.  ``shutdown`` (the engine's close, whatever ended it) fails the jobs
 not started, waits for the running ones up to its deadline, then terminates what is
 left: no encoder process outlives its engine.
 """
@@ -46,11 +58,23 @@ import torch
 
 from omni_async.core.encoding import Encoding
 from omni_async.core.errors import UsageError
-from omni_async.engine.encoders import EncodedOutput, EncodeJob, serve
+from omni_async.core.messages import DiffusionOutput
+from omni_async.engine.encoders import EncodedOutput, EncodeJob, SharedPixels, VideoPart, serve
 from omni_async.engine.errors import EncodeFailed
+from omni_async.transport.shm import SHM_DIR
+from omni_async.transport.unpacking import segment_span
 from omni_async.worker.encode import DeviceEncoded, pixel_key
 
-__all__ = ["EncodeResult", "EncoderPool", "HostEncode", "PendingEncode", "encoded_value", "take_for_encoding"]
+__all__ = [
+    "EncodeResult",
+    "EncoderPool",
+    "HostEncode",
+    "PendingEncode",
+    "VideoSession",
+    "encoded_value",
+    "frames_of",
+    "take_for_encoding",
+]
 
 log = logging.getLogger("omni_async.engine.engine")
 
@@ -68,6 +92,11 @@ class HostEncode:
     job: EncodeJob
     note: str = ""
 
+    @property
+    def shared(self) -> bool:
+        """The job reads the output's segment: the output is held until it ends."""
+        return isinstance(self.job.pixels, SharedPixels)
+
 
 class PendingEncode:
     """A request's pixels on their way through the encoder pool: the future of the files,
@@ -82,11 +111,17 @@ class PendingEncode:
         self.submitted_at = time.perf_counter()
 
 
-class _Task:
-    """A job and the future of its files."""
+def _shape(job: EncodeJob | VideoPart) -> tuple[int, ...]:
+    pixels = job.pixels if isinstance(job, EncodeJob) else job.frames
+    return () if pixels is None else tuple(pixels.shape)
 
-    def __init__(self, job: EncodeJob) -> None:
+
+class _Task:
+    """A job (or a video's part, of ``session``) and the future of its files."""
+
+    def __init__(self, job: EncodeJob | VideoPart, session: VideoSession | None = None) -> None:
         self.job = job
+        self.session = session
         self.future: concurrent.futures.Future[EncodeResult] = concurrent.futures.Future()
 
     def fail(self, why: str) -> None:
@@ -106,6 +141,7 @@ class _Encoder:
         self.pid: int = self.process.pid or 0
         child.close()  # the child's end lives in the child: its death is our end's EOF
         self.task: _Task | None = None
+        self.session: VideoSession | None = None  # the video it is bound to, between its first and last part
         self.stopping = False  # told to leave (the pool is shutting down)
         self.lost = False  # its pipe broke: it takes no more jobs
         self.sent = False  # its task's job is wholly in the pipe (a death now fails the task)
@@ -135,6 +171,16 @@ class EncoderPool:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._on_queued: Callable[[concurrent.futures.Future[EncodeResult]], None] | None = None
+        # Jobs and video parts queued whose pixels the process reads in shared memory, and
+        # those that carry a copy (no segment): how often the zero-copy path is taken.
+        self.jobs_shared = 0
+        self.jobs_copied = 0
+
+    def _count_locked(self, pixels: object) -> None:
+        if isinstance(pixels, SharedPixels):
+            self.jobs_shared += 1
+        elif pixels is not None:
+            self.jobs_copied += 1
 
     def submit(self, job: EncodeJob) -> concurrent.futures.Future[EncodeResult]:
         """Queue ``job``; the first call starts the processes (spawned: safe beside the
@@ -150,15 +196,49 @@ class EncoderPool:
                     request_id=job.request_id,
                     format=job.encoding.format,
                 )
-            if self._thread is None:
-                self._encoders = [_Encoder(self._ctx) for _ in range(self.workers)]
-                self._thread = threading.Thread(target=self._serve, name="omni-encoders", daemon=True)
-                self._thread.start()
+            self._start_locked()
             self._waiting.append(task)
+            self._count_locked(job.pixels)
         self._wake()
         if self._on_queued is not None:
             self._on_queued(task.future)
         return task.future
+
+    def open_video(self, request_id: str) -> VideoSession:
+        """A video of request ``request_id`` to encode in parts, in one process (module docstring)."""
+        return VideoSession(self, request_id)
+
+    def _submit_part(self, session: VideoSession, part: VideoPart) -> concurrent.futures.Future[EncodeResult]:
+        task = _Task(part, session)
+        failed = None
+        with self._lock:
+            if self._closed:
+                failed = "the engine's encoder pool is shut down (the engine is closing)"
+            elif session.failed is not None:
+                failed = session.failed
+            elif session.ended:
+                failed = "its video was already finished (a part after the last)"
+            else:
+                session.ended = part.last
+                self._count_locked(part.frames)
+                if not session.started:
+                    session.started = True
+                    self._start_locked()
+                    self._waiting.append(task)  # the first part binds the process that takes it
+                else:
+                    session.queue.append(task)
+        if failed is not None:
+            task.future.set_running_or_notify_cancel()
+            task.fail(failed)
+            return task.future
+        self._wake()
+        return task.future
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._encoders = [_Encoder(self._ctx) for _ in range(self.workers)]
+            self._thread = threading.Thread(target=self._serve, name="omni-encoders", daemon=True)
+            self._thread.start()
 
     def pids(self) -> list[int]:
         """The encoder processes' ids (none before the first encode, nor after ``shutdown``)."""
@@ -180,7 +260,7 @@ class EncoderPool:
         a later ``submit`` raises ``EncodeFailed``."""
         with self._lock:
             self._closed = True
-            waiting = list(self._waiting)
+            waiting = [*self._waiting, *self._queued_parts_locked(None)]
             self._waiting.clear()
             running = sum(e.task is not None for e in self._encoders)
             thread = self._thread
@@ -215,6 +295,16 @@ class EncoderPool:
         self._wake_r.close()
         self._wake_w.close()
 
+    def _queued_parts_locked(self, session: VideoSession | None) -> list[_Task]:
+        """The parts queued behind a bound session's (``session``; None: every session's), taken."""
+        sessions = [session] if session is not None else [e.session for e in self._encoders if e.session is not None]
+        parts: list[_Task] = []
+        for s in sessions:
+            if s is not None:
+                parts.extend(s.queue)
+                s.queue.clear()
+        return parts
+
     def _wake(self) -> None:
         try:
             self._wake_w.send_bytes(b"")
@@ -233,7 +323,11 @@ class EncoderPool:
             log.exception("engine: the encoder pool's thread failed; failing its encodes")
             with self._lock:
                 self._closed = True
-                tasks = [*self._waiting, *(e.task for e in self._encoders if e.task is not None)]
+                tasks = [
+                    *self._waiting,
+                    *(e.task for e in self._encoders if e.task is not None),
+                    *self._queued_parts_locked(None),
+                ]
                 self._waiting.clear()
                 procs = [e.process for e in self._encoders]
             for p in procs:
@@ -266,19 +360,34 @@ class EncoderPool:
         for e in encoders:
             while e.task is None and not e.stopping and not e.lost:
                 with self._lock:
-                    task = self._waiting.popleft() if self._waiting else None
+                    if e.session is not None:  # bound to a video: its next part, nothing else
+                        queue = e.session.queue
+                    else:
+                        queue = self._waiting
+                    task = queue.popleft() if queue else None
                     closed = self._closed
+                    if task is not None and task.session is not None:
+                        e.session = None if isinstance(task.job, VideoPart) and task.job.last else task.session
                 if task is None:
                     if closed:  # nothing more will come: leave
                         e.stopping = True
                         self._send(e, None)
                     break
                 if not task.future.running() and not task.future.set_running_or_notify_cancel():
+                    if task.session is not None:
+                        # A cancelled part of a video: the video is abandoned with it.
+                        # A cancelled part of a video: the video is abandoned with it, and its
+                        # process drops what it has of it (a close nobody awaits).
+                        self._end_session(e, task.session, "one of its parts was cancelled (its request ended)")
+                        if isinstance(task.job, VideoPart):
+                            self._send_close(e, task.job)
                     continue  # cancelled while it waited (its request ended)
                 try:
                     data = ForkingPickler.dumps(task.job)  # pickled here: a job that cannot be fails alone
                 except Exception as exc:  # noqa: BLE001  # the job's own failure
                     task.fail(f"its {task.job.encoding.format} job could not be pickled: {type(exc).__name__}: {exc}")
+                    if task.session is not None:
+                        self._end_session(e, task.session, "one of its parts could not be pickled")
                     continue
                 with self._lock:
                     e.task = task
@@ -301,6 +410,26 @@ class EncoderPool:
                 if task is not None:
                     self._waiting.appendleft(task)
 
+    def _send_close(self, e: _Encoder, part: VideoPart) -> None:
+        """Close an abandoned video in ``e``'s process: a last part nobody awaits."""
+        task = _Task(attrs.evolve(part, frames=None, last=True))
+        task.future.set_running_or_notify_cancel()
+        with self._lock:
+            e.task = task
+        self._send(e, ForkingPickler.dumps(task.job))
+
+    def _end_session(self, e: _Encoder | None, session: VideoSession, why: str) -> None:
+        """``session`` failed (``why``): its queued parts fail, its process is free."""
+        with self._lock:
+            if session.failed is None:
+                session.failed = why
+            parts = self._queued_parts_locked(session)
+            if e is not None and e.session is session:
+                e.session = None
+        for part in parts:
+            if part.future.running() or part.future.set_running_or_notify_cancel():
+                part.fail(f"its video failed before this part was encoded: {why}")
+
     def _take_reply(self, e: _Encoder) -> None:
         try:
             while e.conn.poll():
@@ -313,7 +442,10 @@ class EncoderPool:
                     task.future.set_result(payload)
                 else:
                     fmt = task.job.encoding.format
-                    task.fail(f"encoding its pixels {tuple(task.job.pixels.shape)} as {fmt} failed: {payload}")
+                    why = f"encoding its pixels {_shape(task.job)} as {fmt} failed: {payload}"
+                    task.fail(why)
+                    if task.session is not None:
+                        self._end_session(e, task.session, why)
         except (EOFError, OSError):
             pass
         if e.process.sentinel in mp_connection.wait([e.process.sentinel], 0):
@@ -332,11 +464,16 @@ class EncoderPool:
         with self._lock:
             self._encoders.remove(e)
             task, e.task = e.task, None
+            session, e.session = e.session, None
             closed = self._closed
             if not closed and not e.stopping:
                 self._encoders.append(_Encoder(self._ctx))
         if not e.stopping and not closed:
             log.warning("engine: encoder process %d died (%s); a new one takes its place", e.pid, how)
+        if task is not None and task.session is not None:
+            session = task.session
+        if session is not None:
+            self._end_session(None, session, f"encoder process {e.pid} encoding it died ({how})")
         if task is None:
             return
         fmt = task.job.encoding.format
@@ -347,6 +484,27 @@ class EncoderPool:
                 f"the encoder process (pid {e.pid}) encoding it as {fmt} died ({how}); the other encodes go "
                 "on and a new process takes its place: send the request again"
             )
+
+
+class VideoSession:
+    """A video encoded in parts in one of the pool's processes (module docstring).
+    ``put`` queues a part and returns the future of the bytes it made (``[bytes]``, and
+    the seconds): a fragmented MP4's bytes so far, and after the last part the file's
+    last bytes (fragmented) or the whole file.  A failed part fails every later one
+    (``EncodeFailed``, the request, the format, why)."""
+
+    def __init__(self, pool: EncoderPool, request_id: str) -> None:
+        self._pool = pool
+        self.request_id = request_id
+        # Under the pool's lock: the parts waiting for the bound process, whether the first
+        # was queued, the last was, and why the video failed.
+        self.queue: collections.deque[_Task] = collections.deque()
+        self.started = False
+        self.ended = False
+        self.failed: str | None = None
+
+    def put(self, part: VideoPart) -> concurrent.futures.Future[EncodeResult]:
+        return self._pool._submit_part(self, part)
 
 
 def _fail_not_run(tasks: list[_Task]) -> None:
@@ -375,9 +533,13 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def _owned_pixels(value: object, rid: str, encoding: Encoding, key: str) -> np.ndarray:
-    """The pixels as an owned, contiguous uint8 numpy array (a ``"frames"`` of grey
-    ``[T, H, W]`` as ``[T, H, W, 1]``), or ``EncodeFailed`` saying why not."""
+def _pixels(
+    value: object, rid: str, encoding: Encoding, key: str, output: DiffusionOutput | None
+) -> np.ndarray | SharedPixels:
+    """The pixels where ``output``'s segment holds them (``SharedPixels``), else as an owned,
+    contiguous uint8 numpy array (a ``"frames"`` of grey ``[T, H, W]`` as ``[T, H, W, 1]``),
+    or ``EncodeFailed`` saying why not."""
+    span = None if output is None else segment_span(output, value)
     if isinstance(value, torch.Tensor):
         if value.dtype != torch.uint8:
             raise _not_uint8(rid, encoding, key, str(value.dtype))
@@ -403,6 +565,9 @@ def _owned_pixels(value: object, rid: str, encoding: Encoding, key: str) -> np.n
             request_id=rid,
             format=encoding.format,
         )
+    if span is not None:
+        name, size, offset = span
+        return SharedPixels(os.path.join(SHM_DIR, name), size, offset, tuple(int(d) for d in array.shape))
     # A copy: the view's segment goes back to the pool before the job is pickled.
     return np.array(array, dtype=np.uint8, copy=True, order="C")
 
@@ -417,10 +582,12 @@ def _not_uint8(rid: str, encoding: Encoding, key: str, dtype: str) -> EncodeFail
     )
 
 
-def take_for_encoding(output: Mapping[str, object] | object, rid: str, encoding: Encoding) -> Encoded | HostEncode:
+def take_for_encoding(whole: DiffusionOutput, rid: str, encoding: Encoding) -> Encoded | HostEncode:
     """The result of a request that asked for ``encoding``, from its unpacked output: the
-    files its worker's GPU encoded, or the job for the encoder pool (pixels copied) and
-    why the GPU did not encode them (empty: it was not asked to)."""
+    files its worker's GPU encoded, or the job for the encoder pool (the pixels in the
+    output's segment, ``HostEncode.shared``, or copied) and why the GPU did not encode
+    them (empty: it was not asked to)."""
+    output = whole.output
     key = pixel_key(output)
     if key is None or not isinstance(output, Mapping):
         keys = f" with keys {sorted(map(str, output))[:8]}" if isinstance(output, Mapping) else ""
@@ -441,10 +608,21 @@ def take_for_encoding(output: Mapping[str, object] | object, rid: str, encoding:
             return files if value.batched or key == "frames" else files[0]
         note = value.reason
         value = value.pixels
-    pixels = _owned_pixels(value, rid, encoding, key)
+    pixels = _pixels(value, rid, encoding, key, whole)
+    del value
     fps = output.get("fps", 24.0)
     rate = float(fps) if isinstance(fps, (int, float)) else 24.0
-    return HostEncode(EncodeJob(pixels, encoding, sequence=pixels.ndim == 4, fps=rate, request_id=rid), note)
+    return HostEncode(EncodeJob(pixels, encoding, sequence=len(pixels.shape) == 4, fps=rate, request_id=rid), note)
+
+
+def frames_of(whole: DiffusionOutput, rid: str, encoding: Encoding) -> np.ndarray | SharedPixels | None:
+    """The ``"frames"`` of an output that is a part of a video (``emit_frames``, or the
+    final output of ``generate_video``'s request), in its segment or copied; None when it
+    has none (the model emitted every frame as parts)."""
+    output = whole.output
+    if not isinstance(output, Mapping) or "frames" not in output:
+        return None
+    return _pixels(output["frames"], rid, encoding, "frames", whole)
 
 
 def encoded_value(pending: PendingEncode, files: list[bytes]) -> Encoded:

@@ -112,6 +112,7 @@ from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.admission import Admission
 from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
 from omni_async.engine.driver import RequestDriver
+from omni_async.engine.encoders import VideoBytes
 from omni_async.engine.ends import RequestEnds
 from omni_async.engine.errors import EngineClosed, EngineDead, EngineNotStarted
 from omni_async.engine.lifecycle import Lifecycle
@@ -124,6 +125,7 @@ from omni_async.engine.sinks import OutputFiles, SegmentLeases, check_sink_serve
 from omni_async.engine.snapshot import engine_snapshot
 from omni_async.engine.streaming import StreamReader
 from omni_async.engine.threads import EngineThreads
+from omni_async.engine.video import VideoEncode
 from omni_async.executor.api import DiffusionExecutor
 
 if TYPE_CHECKING:
@@ -478,6 +480,78 @@ class AsyncDiffusionEngine:
             raise
         finally:
             streams.consumed(rec)
+
+    async def generate_video(
+        self, request: DiffusionRequest, *, fragmented: bool = False, deadlines: Deadlines | None = None
+    ) -> AsyncGenerator[VideoBytes | GenerationResult, None]:
+        """Run ``request`` (``format="mp4"``) with its video encoded while it decodes: the
+        frame parts its model emits (``omni_async.worker.emit_frames``) are encoded as they
+        arrive, in one encoder process, the final output's frames last
+        (``omni_async.engine.video``).  ``fragmented=True``: yields the fragmented MP4's
+        bytes as they are made (``VideoBytes``, in order: the pieces are the file), for
+        a client that takes them as they come; False: a plain MP4 (its index at the end,
+        for a file).  Then yields the ``GenerationResult``, whose output is the whole MP4
+        (``EncodedOutput``).  A model that emits no parts is encoded from its final output.
+        Raises as ``generate_stream`` does (``EncodeFailed`` when the video could not be
+        encoded, its encoder process killed included); closing the iterator early or
+        cancelling the consuming task aborts the request and releases everything of it."""
+        if not self.config.async_output:
+            raise UsageError("generate_video: a video encoded while it decodes takes the asynchronous output path")
+        if not isinstance(request, DiffusionRequest) or request.encoding is None or not request.encoding.is_video:
+            got = getattr(request, "format", request)
+            raise UsageError(f"generate_video: the request must ask for format='mp4', got {got!r:.80}")
+        if not isinstance(fragmented, bool):
+            raise UsageError(f"generate_video: fragmented must be a bool, got {fragmented!r:.80}")
+        rec = self._admit(request, deadlines, "generate_video", True)
+        assert self._streams is not None and self._ends is not None
+        streams, ends = self._streams, self._ends
+        post = self._post
+        video = rec.video = VideoEncode(
+            rec.request_id,
+            request.encoding,
+            post.encoders,
+            release=post.release_later,
+            release_now=post.release_quietly,
+            ended=lambda: rec.result.done() or rec.ended(),
+            fragmented=fragmented,
+            bound=self.config.video_bytes_in_flight,
+        )
+        rec.result.add_done_callback(lambda _: video.wake())
+        pump = asyncio.get_running_loop().create_task(
+            streams.feed_video(rec, video), name=f"omni-video-{rec.request_id}"
+        )
+        done = False
+        try:
+            while (piece := await video.next_piece()) is not None:
+                yield piece
+            if video.failure is not None and not rec.result.done():
+                raise video.failure
+            result = await asyncio.shield(rec.result)
+            if rec.error is not None:
+                raise rec.error
+            done = True
+            streams.consumed(rec)
+            yield result
+        except GeneratorExit:
+            streams.stop(rec)
+            try:
+                await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self.config.close_timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("engine: request %r still releasing after its video's iterator closed", rec.request_id)
+            raise
+        except asyncio.CancelledError:
+            streams.stop(rec)
+            raise
+        except BaseException as exc:
+            if not done:
+                ends.end_early(rec, SE.FAIL, error=exc)
+                streams.stop(rec)
+            raise
+        finally:
+            streams.consumed(rec)
+            if not pump.done():
+                pump.cancel()
+            video.abandon()
 
     async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are

@@ -4,7 +4,10 @@ On an ``omni-postprocess`` thread: the request's host stage (``PostProcess.host`
 an owned copy of the output's tensors, or the pixels taken for an encode; then the
 release of the output (the segment goes back to the pool before the result reaches the
 caller).  An encode runs in the encoder pool's processes (``EncoderPool``), awaited on
-the event loop.  The host stage never writes into shared memory: it gets an owned copy
+the event loop; where the pixels are a view of the output's segment the encoder process
+reads them there, and the output is released when the encode ends instead (``HostEncode.shared``).
+The final output of a video encoded in parts (``generate_video``) is its last part
+(``omni_async.engine.video``).  The host stage never writes into shared memory: it gets an owned copy
 (the segment goes back first), or, declared ``host_reads_only``, the views, checked for
 in-place writes afterwards (``omni_async.worker.postprocess``).
 
@@ -38,7 +41,7 @@ from omni_async.engine.config import EngineConfig
 from omni_async.engine.encode_pool import EncoderPool, HostEncode, PendingEncode, encoded_value, take_for_encoding
 from omni_async.engine.encoders import EncodedOutput
 from omni_async.engine.errors import EncodeFailed, PostProcessFailed
-from omni_async.engine.owned import Guarded, guard_input, owned_copy, written
+from omni_async.engine.owned import Guarded, HostBuffers, guard_input, owned_copy, written
 from omni_async.engine.record import RequestRecord
 from omni_async.engine.sinks import OutputFiles, SegmentLeases
 from omni_async.transport.errors import OutputStillViewed
@@ -74,6 +77,9 @@ class PostProcessor:
         self._workers = config.postprocess_workers
         # Requests that ask for a format are encoded in these processes (started on first use).
         self.encoders = EncoderPool(config.encode_workers)
+        # Owned copies go into memory reused once the caller drops a result: fresh memory
+        # faults in page by page, 3-18x slower than a copy into pages written before.
+        self.buffers = HostBuffers()
         self._pool: ThreadPoolExecutor | None = None
         self._release: Callable[[DiffusionOutput], object] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,6 +109,11 @@ class PostProcessor:
         assert self._pool is not None and self._loop is not None
         self.in_progress += 1
         try:
+            if rec.video is not None and not chunk:
+                # The last part of a video encoded while it decodes: the whole MP4.
+                started = time.monotonic()
+                encoded, video_s = await rec.video.finish(output)
+                return PostProcessed(encoded, started, video_s, video_s)
             metrics = dict(output.metrics)
             job = functools.partial(self._on_thread, rec, output, chunk)
             del output  # the thread releases it; nothing of it is kept here
@@ -131,8 +142,20 @@ class PostProcessor:
                 return lease, started, time.perf_counter() - t0
             value, started, seconds = self._host_stage(rec, output, wanted)
             if isinstance(value, HostEncode):
-                # After the release: the job owns its pixels.  The event loop awaits it.
-                value = PendingEncode(self.encoders.submit(value.job), value)
+                # The event loop awaits it.  Copied: the output went back already; shared:
+                # the encoder process reads its segment, given back once the job is done
+                # (files, failure, a killed process, a cancel: the future's one end).
+                try:
+                    future = self.encoders.submit(value.job)
+                except BaseException:
+                    if value.shared:
+                        self.release_quietly(output)
+                    raise
+                if value.shared:
+                    # On the thread that ends the job, before the event loop hears of it:
+                    # the caller never sees a result whose output is still held.
+                    future.add_done_callback(lambda _: self.release_quietly(output))
+                value = PendingEncode(future, value)
             return value, started, seconds
         finally:
             with self._lock:
@@ -151,14 +174,16 @@ class PostProcessor:
         try:
             if encoding is not None:
                 # A format asked for: the pixels are encoded instead of the host stage.
-                value = take_for_encoding(output.output, rid, encoding)
+                value = take_for_encoding(output, rid, encoding)
+                if isinstance(value, HostEncode) and value.shared:
+                    return value, started, time.perf_counter() - t0  # held until its encode ends
             elif wanted and (post is None or post.host is None):
-                value = owned_copy(output.output)
+                value = owned_copy(output.output, self.buffers)
             elif post is not None and post.host_reads_only:
                 guarded = guard_input(output.output)
                 value = post.run_host(output, rec.request)
             elif post is not None:
-                owned = attrs.evolve(output, output=owned_copy(output.output))
+                owned = attrs.evolve(output, output=owned_copy(output.output, self.buffers))
                 self.release_quietly(output)  # the stage holds no view of it: back to the pool now
                 value = post.run_host(owned, rec.request)
                 return value, started, time.perf_counter() - t0

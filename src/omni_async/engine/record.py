@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
@@ -17,6 +17,9 @@ from omni_async.engine.metrics import GenerationResult
 from omni_async.executor.handle import RequestHandle
 from omni_async.executor.stream import RequestStream
 from omni_async.worker.postprocess import PostProcess
+
+if TYPE_CHECKING:
+    from omni_async.engine.video import VideoEncode
 
 __all__ = ["BatchGroup", "MemberSend", "RequestRecord", "retrieve"]
 
@@ -88,6 +91,8 @@ class RequestRecord:
     taking: int = 0
     poke: asyncio.Event = attrs.field(factory=asyncio.Event)
     close: asyncio.Future[Future[None]] | None = None
+    # generate_video: its video, encoded part by part (the final output is its last part).
+    video: VideoEncode | None = None
 
     @property
     def request_id(self) -> str:

@@ -16,6 +16,7 @@ from omni_async.engine.ends import RequestEnds
 from omni_async.engine.metrics import GenerationChunk
 from omni_async.engine.postprocessor import PostProcessor
 from omni_async.engine.record import RequestRecord
+from omni_async.engine.video import VideoEncode
 from omni_async.executor.stream import OutputChunk, RequestStream
 
 __all__ = ["StreamReader"]
@@ -90,6 +91,33 @@ class StreamReader:
             rec.poke.set()
         self.chunks += 1
         return GenerationChunk(rec.request_id, chunk.seq, done.value, metrics, rec.pipeline, arrived, done.seconds)
+
+    async def feed_video(self, rec: RequestRecord, video: VideoEncode) -> None:
+        """``generate_video``'s task: the stream's chunks to ``video`` as they come (its
+        frame parts to the encoder, anything else released), until the stream ends; a
+        failure is the video's (``video.failure``: the caller's iterator raises it)."""
+        try:
+            while rec.stream is None and not rec.result.done() and not rec.ended():
+                rec.changed.clear()
+                if rec.stream is None and not rec.result.done() and not rec.ended():
+                    await rec.changed.wait()
+            while (chunk := await self.next_chunk(rec)) is not None:
+                try:
+                    try:
+                        part = [await asyncio.wrap_future(chunk.output)]
+                    except asyncio.CancelledError:
+                        self._post.discard(chunk.output)
+                        raise
+                    # The part's only reference goes to the video: a failure's traceback keeps
+                    # this frame, which must not keep the output's views (they hold its segment).
+                    await video.feed(part.pop(), last=False)
+                finally:
+                    rec.taking -= 1
+                    rec.poke.set()
+        except Exception as exc:
+            video.fail(exc)
+        finally:
+            video.chunks_fed.set()
 
     async def finish(self, rec: RequestRecord) -> None:
         """Before the driver forgets a streaming request: its consumer is done with the

@@ -21,6 +21,7 @@ from typing import NoReturn, TypeAlias
 import attrs
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
@@ -38,6 +39,7 @@ __all__ = [
     "ReleasedOutput",
     "release_packed_output",
     "release_unpacked_output",
+    "segment_span",
     "settle_releases",
     "unpack_diffusion_output_host",
     "unpack_diffusion_output_shm",
@@ -405,6 +407,36 @@ def release_unpacked_output(output: DiffusionOutput, *, pool: SegmentPool | None
     if _DEFERRED.qsize():
         settle_releases()  # the collection above deferred it: it is done when we return
     return 1
+
+
+def segment_span(output: DiffusionOutput, leaf: object) -> tuple[str, int, int] | None:
+    """Where ``leaf`` (a tensor or array of ``output``, as ``unpack_diffusion_output_shm``
+    made it, zero copy) lies in its segment: ``(segment name, segment size, byte
+    offset)``, for another process of this host to map and read by name while the
+    output is held (not released).  None where it is not a contiguous view of a segment
+    of ``output``'s (copied, inline, stored buffer, a strided slice): the caller copies."""
+    with _LOCK:
+        entry = _UNPACKED.get(id(output))
+        if entry is None or entry[0]() is not output or entry[1].lease is None or entry[1].gone:
+            return None
+        views = entry[1]
+        anchor = views.anchor()
+    lease = views.lease
+    if anchor is None or lease is None:
+        return None
+    base = anchor.__array_interface__["data"][0]
+    if isinstance(leaf, np.ndarray):
+        if not leaf.flags.c_contiguous:
+            return None
+        start, nbytes = int(leaf.__array_interface__["data"][0]), int(leaf.nbytes)
+    else:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type != "cpu" or not leaf.is_contiguous():
+            return None
+        start, nbytes = int(leaf.data_ptr()), leaf.numel() * leaf.element_size()
+    offset = start - int(base)
+    if offset < 0 or offset + nbytes > min(int(anchor.nbytes), lease.size):
+        return None
+    return lease.name, lease.size, offset
 
 
 def release_packed_output(output: DiffusionOutput, *, pool: SegmentPool | None = None) -> int:

@@ -6,7 +6,7 @@ processes build it (``WorkerSpec``, ``WorkerOptions``), what a model split acros
 ranks is told of its world (``DistContext``), its post-processing
 (``PostProcess`` and its registry), cooperative cancellation between denoising steps
 (``cancel_requested``, ``raise_if_cancelled``) and intermediate outputs of a streaming
-request (``emit_chunk``, ``streaming_requested``).  The names that need torch load on
+request (``emit_chunk``, ``streaming_requested``; ``emit_frames`` for a video's parts).  The names that need torch load on
 first use (PEP 562), so ``import omni_async.worker`` stays light.
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
-from omni_async.worker.stream import emit_chunk, streaming_requested
+from omni_async.worker.stream import emit_chunk, emit_frames, streaming_requested
 
 if TYPE_CHECKING:
     from omni_async.worker.dist import DistContext
@@ -66,6 +66,7 @@ __all__ = [
     "WorkerSpec",
     "cancel_requested",
     "emit_chunk",
+    "emit_frames",
     "get_postprocess",
     "raise_if_cancelled",
     "register_postprocess",

@@ -38,6 +38,22 @@ of the chunk remains.
 request): a model can skip computing previews nobody asked for.  It is True on every
 rank of a streaming call, so that ranks that exchange tensors to make a preview keep
 doing it in step.
+
+A video model that decodes its frames in chunks ships each as a part of the final video
+with ``emit_frames(request_id, frames)`` (uint8 ``[T, H, W, C]``, channel-last, the
+frames that follow the last part's); a request served by
+``AsyncDiffusionEngine.generate_video`` is encoded part by part as they arrive, and its
+final output then carries only the frames not emitted yet (``{"frames": rest}``, or
+none).  A call that asked for no stream ships nothing: the model then returns every
+frame in its final output, as without parts::
+
+    parts = streaming_requested(request.request_id)
+    kept = []
+    for frames in decode_in_chunks(latents):      # uint8 [t, H, W, 3] each
+        if parts and emit_frames(request.request_id, frames) is not None:
+            continue
+        kept.append(frames)
+    return DiffusionOutput(request.request_id, {"frames": torch.cat(kept)} if kept else {})
 """
 
 from __future__ import annotations
@@ -52,7 +68,10 @@ import attrs
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
 
-__all__ = ["ChunkScope", "emit_chunk", "streaming_requested"]
+__all__ = ["VIDEO_PART", "ChunkScope", "emit_chunk", "emit_frames", "streaming_requested"]
+
+#: The key that marks a chunk as a part of the final video (``emit_frames``).
+VIDEO_PART = "video_part"
 
 # (request id, output) -> its seq, or None when not shipped.
 EmitFn = Callable[[str, DiffusionOutput], "int | None"]
@@ -123,3 +142,26 @@ def emit_chunk(request_id: str, output: DiffusionOutput | Mapping[str, Any]) -> 
     if scope is None:
         return None
     return scope.emit(request_id, chunk)
+
+
+def emit_frames(request_id: str, frames: Any, *, fps: float | None = None) -> int | None:
+    """Ship ``frames`` (uint8 ``[T, H, W, C]`` or grey ``[T, H, W]``, a tensor or array
+    the forward does not write again) as the next part of ``request_id``'s final video
+    (see the module docstring); ``fps``: the video's frame rate.  Returns the chunk's
+    ``seq``, or None when nothing was shipped (then the frames belong in the final
+    output).  ``UsageError`` for frames that are not uint8 frames."""
+    dtype = str(getattr(frames, "dtype", ""))
+    shape = tuple(getattr(frames, "shape", ()))
+    if (
+        dtype not in ("uint8", "torch.uint8")
+        or len(shape) not in (3, 4)
+        or (len(shape) == 4 and shape[-1] not in (1, 3, 4))
+    ):
+        raise UsageError(
+            f"emit_frames({request_id!r}): frames must be uint8 [T, H, W, C] (C 1, 3 or 4) or [T, H, W], got "
+            f"{dtype or type(frames).__name__} {shape}; convert on the device first (the copy is 2-4x smaller)"
+        )
+    part: dict[str, Any] = {"frames": frames, VIDEO_PART: True}
+    if fps is not None:
+        part["fps"] = float(fps)
+    return emit_chunk(request_id, part)
