@@ -18,7 +18,7 @@ import omni_async
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 #: The pages, in the order a reader meets them (and their run blocks run).
-PAGES = ("engine.md", "models.md", "diffusers.md", "operators.md", "verification.md", "names.md")
+PAGES = ("engine.md", "models.md", "diffusers.md", "operators.md", "serve.md", "verification.md", "names.md")
 #: The contents page, and what is left where the single guide was (a map to the pages).
 CONTENTS = "README.md"
 MOVED = "guide.md"

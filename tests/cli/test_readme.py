@@ -117,6 +117,11 @@ _DEV_IMPORTS = {
     "transformers": "transformers",
     "av": "av",
     "ruff": "ruff",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+    "python-multipart": "python_multipart",
+    "openai": "openai",
+    "httpx": "httpx",
 }
 
 # Runs README's demo with every dev-only package made unimportable, as on a machine that

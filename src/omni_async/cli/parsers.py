@@ -31,6 +31,7 @@ __all__ = [
     "add_bench",
     "add_cleanup",
     "add_demo",
+    "add_serve",
     "add_soak",
     "deadlines",
 ]
@@ -438,6 +439,108 @@ def add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d.set_defaults(run=_runner("bench"))
 
 
+# ------------------------------------------------------------------------------ serve
+
+
+def _model_name(text: str) -> str:
+    if text in ("tiny", "dit") or (text.startswith("diffusers:") and text.count(":") == 2):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown model {text!r}; choose tiny, dit or diffusers:MODULE:BUILDER")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: pick a free one), got {value}")
+    return value
+
+
+def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``omni-async serve``."""
+    d = sub.add_parser(
+        "serve",
+        help="serve a model over HTTP with an OpenAI-compatible API (images and video jobs)",
+        description=(
+            "Serve --model through an AsyncDiffusionEngine over worker processes, behind an OpenAI-compatible HTTP "
+            "API: POST /v1/images/generations (n as one batch, png/jpeg/webp, streamed partial images), the video "
+            "job API (POST /v1/videos, GET /v1/videos/{id}, GET /v1/videos/{id}/content, DELETE /v1/videos/{id}), "
+            "GET /v1/models, GET /health and GET /metrics.  Prints the URL once the engine is up; SIGTERM or "
+            "Ctrl-C stops it cleanly (requests in flight end, the engine closes, its workers and shared memory go) "
+            "and it exits 0."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument(
+        "--model",
+        type=_model_name,
+        default="dit",
+        help=(
+            "tiny: the library's tiny reference model (grey images 64 pixels wide, short clips; fast on CPU); "
+            "dit: the demo's DiT pipeline; diffusers:MODULE:BUILDER: any diffusers pipeline through the integration"
+        ),
+    )
+    d.add_argument("--host", default="127.0.0.1", help="the address to bind (127.0.0.1: this machine only)")
+    d.add_argument("--port", type=_port, default=8000, help="the port to bind (0: a free one, printed)")
+    d.add_argument(
+        "--device", type=options.device, default="cpu", help="where the workers compute: cpu, cuda or cuda:<index>"
+    )
+    d.add_argument(
+        "--max-batch-size",
+        type=options.positive_int,
+        default=4,
+        help="the engine's max_batch_size: a request's n images (and concurrent requests) batch up to this many",
+    )
+    d.add_argument(
+        "--max-waiting",
+        type=options.positive_int,
+        default=4096,
+        help="the engine's queue: beyond it a request is refused with 429 and Retry-After",
+    )
+    d.add_argument(
+        "--max-running", type=options.positive_int, default=None, help="the engine's max_running (default: its own)"
+    )
+    d.add_argument(
+        "--encode-workers",
+        type=options.positive_int,
+        default=None,
+        help="the engine's encoder processes (PNG/JPEG/WebP/MP4; default: one per core)",
+    )
+    d.add_argument(
+        "--max-held-outputs",
+        type=options.positive_int,
+        default=None,
+        help="the executor's budget of outputs held in shared memory (default: 64)",
+    )
+    d.add_argument(
+        "--poll-after-ms",
+        type=options.positive_int,
+        default=1000,
+        help="the openai-poll-after-ms a video job's status answers with (the openai client polls at that pace)",
+    )
+    d.add_argument(
+        "--output-ttl-s",
+        type=options.positive_int,
+        default=600,
+        help="how long an image asked for with response_format=url stays at its URL",
+    )
+    d.add_argument(
+        "--video-keep-s",
+        type=options.positive_int,
+        default=600,
+        help="how long a finished video job and its MP4 are kept",
+    )
+    d.add_argument(
+        "--graceful-s",
+        type=options.positive_int,
+        default=30,
+        help="on SIGTERM, how long the requests in flight get to end before the engine closes",
+    )
+    d.set_defaults(run=_runner("serve"))
+
+
 # ------------------------------------------------------------------------------ cleanup
 
 
@@ -457,5 +560,6 @@ COMMANDS: Final[tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentPars
     add_demo,
     add_soak,
     add_bench,
+    add_serve,
     add_cleanup,
 )

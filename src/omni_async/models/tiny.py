@@ -52,6 +52,7 @@ _PARAMS: dict[str, tuple[type, int | None]] = {
     "preview_every": (int, 1),
     "unpackable_preview": (bool, None),
     "raise_at_step": (int, 1),
+    "num_frames": (int, 1),
 }
 
 
@@ -92,7 +93,9 @@ class TinyDiffusionWorker:
         denoising step (a slow step without burning CPU); ``ignore_cancel``: bool, the
         forward skips its cancellation checks (a model that does not honour them);
         ``preview_every``: int >= 1, a preview chunk after every k-th step when the call
-        streams; ``unpackable_preview``: bool, the previews carry a value no packer can
+        streams; ``num_frames``: int >= 1, a "video": ``frames`` of that many
+        ``[height, width]`` frames instead of ``image`` (a short clip for the HTTP server's
+        video jobs); ``unpackable_preview``: bool, the previews carry a value no packer can
         ship (each chunk fails); ``raise_at_step``: int >= 1, the forward raises after
         that many steps (and their previews); nothing else (a misspelt name fails too).  Static, so
         the executor runs it in the caller's thread before sending (see ``WorkerSpec``);
@@ -117,7 +120,7 @@ class TinyDiffusionWorker:
         ``max_batch_size > 1`` sends them in one ``execute_model_batch``).  The batch runs
         each request's own seeded forward, so a member gets the bits it gets alone."""
         p = request.params
-        return ("tiny", p.get("height", 32), p.get("width"), p.get("steps"))
+        return ("tiny", p.get("height", 32), p.get("width"), p.get("steps"), p.get("num_frames"))
 
     def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
         return self._forward(request)
@@ -153,8 +156,11 @@ class TinyDiffusionWorker:
             raise RuntimeError(f"forward of {request.request_id} failed on purpose")
         if width != self.width:
             raise InvalidRequest(request.request_id, "width", f"must be this model's width {self.width}, got {width}")
+        frames = p.get("num_frames")
+        key = "image" if frames is None else "frames"
+        shape = (height, width) if frames is None else (int(frames), height, width)
         gen = torch.Generator().manual_seed(int(p.get("seed", 0)))
-        latent = torch.randn(height, width, generator=gen).to(self.device, self.dtype)
+        latent = torch.randn(*shape, generator=gen).to(self.device, self.dtype)
         trajectory: list[torch.Tensor] = []
         step_s = int(p.get("step_ms", 0)) / 1000.0
         honour_cancel = not p.get("ignore_cancel")
@@ -175,7 +181,7 @@ class TinyDiffusionWorker:
                 # while the next steps run.
                 preview = ((latent + 1) * 127.5).clamp(0, 255)
                 chunk: dict[str, object] = {
-                    "image": preview,
+                    key: preview,
                     "digest": image_digest(preview),
                     "latents": [],
                     "info": {"step": step, "steps": steps, "preview": True},
@@ -187,7 +193,7 @@ class TinyDiffusionWorker:
                 raise RuntimeError(f"forward of {request.request_id} failed on purpose at step {step}")
         image = ((latent + 1) * 127.5).clamp(0, 255)
         output: dict[str, object] = {
-            "image": image,
+            key: image,
             "digest": image_digest(image),
             "latents": trajectory,
             "info": {"steps": steps, "shape": (height, width), "dtype": str(self.dtype)},
@@ -295,8 +301,9 @@ def tiny_to_uint8(output: DiffusionOutput) -> DiffusionOutput:
     the copy -- four times fewer bytes than float32; the trajectory is not shipped.  The
     ``digest`` is taken again, of the uint8 bytes, so the engine can still check them."""
     out = dict(output.output)
-    image = out["image"].round().clamp(0, 255).to(torch.uint8)
-    out.update(image=image, digest=image_digest(image), latents=[])
+    key = "frames" if "frames" in out else "image"
+    image = out[key].round().clamp(0, 255).to(torch.uint8)
+    out.update({key: image, "digest": image_digest(image), "latents": []})
     return attrs.evolve(output, output=out)
 
 
