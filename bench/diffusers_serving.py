@@ -38,8 +38,8 @@ Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_se
 from __future__ import annotations
 
 import argparse
-import inspect
 import asyncio
+import inspect
 import itertools
 import json
 import platform

@@ -144,10 +144,10 @@ def _close_owner(prefix: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-
 def _close_lock_file(fd: int, closed: threading.Event) -> None:
     closed.set()
     os.close(fd)
+
 
 class SegmentPool:
     """A bounded pool of reusable shared-memory segments (see the module docstring).
