@@ -375,6 +375,38 @@ def test_a_worker_leaves_no_semaphore_behind() -> None:
     assert "leaked semaphore" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
+def test_reading_a_config_first_leaves_the_models_built_later_initialised() -> None:
+    """spec() and the request check read the pipeline's config under diffusers'
+    no_init_weights, which swaps torch.nn.init's functions for no-ops process-wide.  In a
+    fresh interpreter whose first use of diffusers is spec(), transformers used to be first
+    imported under that swap and keep the no-ops: every text encoder built there afterwards
+    had other weights than anywhere else, so a prompt's pixels in that process (an
+    in-process executor, or the suite's direct call) were not the worker's."""
+    import subprocess
+    import sys
+
+    def weights(pipe: Any) -> float:
+        return sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values())
+
+    script = (
+        "import torch\n"
+        "from omni_async.integrations.diffusers import DiffusersPipelineWorker\n"
+        "from omni_async.integrations.diffusers.tiny import tiny_family\n"
+        "DiffusersPipelineWorker.spec(builder='omni_async.integrations.diffusers.tiny:tiny_family',"
+        " builder_kwargs={'name': 'ddim'})\n"
+        "from transformers.initialization import TORCH_INIT_FUNCTIONS\n"
+        "pipe = tiny_family('sd', text=True)\n"
+        "print(TORCH_INIT_FUNCTIONS['normal_'] is torch.nn.init.normal_,"
+        " sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    kept, there = done.stdout.split()[-2:]
+    assert kept == "True", "transformers kept diffusers' no-op init functions"
+    assert float(there) == weights(family_pipeline("sd", text=True))
+
+
 def test_a_refusal_of_generator_lists_runs_batches_member_by_member() -> None:
     """A pipeline that refuses a list of generators (diffusers' own words for it, raised
     here by the transformer of a batched call: none of the tiny families refuses one) runs
