@@ -238,7 +238,6 @@ def test_spec_checks_at_once() -> None:
 class Served:
     """What one family's engine gave back, by case."""
 
-    plain: GenerationResult
     stream: list[GenerationChunk | GenerationResult]
     batch: list[GenerationResult]
     batched: int
@@ -248,31 +247,33 @@ class Served:
 
 def _serve(
     spec: WorkerSpec,
-    params: dict[str, object],
     streamed: dict[str, object],
-    batch: list[dict[str, object]],
+    batch: list[tuple[dict[str, object], str | None]],
     formats: list[str],
     prompt: dict[str, object] | None,
 ) -> Served:
-    """Every case of one family through one engine over one worker process."""
+    """Every case of one family through one engine over one worker process: a streamed
+    request, a batch (its members' params and formats), ``streamed``'s params once per
+    format of ``formats``, and a prompt."""
+    params = {k: v for k, v in streamed.items() if k != "preview_every"}
 
     async def body() -> Served:
         engine = AsyncDiffusionEngine.from_factory(
             lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES),
             pipeline="diffusers",
-            max_batch_size=2,
+            max_batch_size=len(batch),
             batch_wait_s=0.05,
             encode_workers=1,
         )
         async with engine:
-            plain = await engine.generate(DiffusionRequest("p", params))
             items = [item async for item in engine.generate_stream(DiffusionRequest("s", streamed))]
             # Queued in one tick: the engine sends them together, one execute_model_batch.
-            pair = await asyncio.gather(*(engine.generate(DiffusionRequest(f"b{i}", b)) for i, b in enumerate(batch)))
+            members = [DiffusionRequest(f"b{i}", p, format=f) for i, (p, f) in enumerate(batch)]
+            pair = await asyncio.gather(*(engine.generate(m) for m in members))
             batched = engine.metrics().batched
             encoded = {fmt: await engine.generate(DiffusionRequest(fmt, params, format=fmt)) for fmt in formats}
             prompted = None if prompt is None else await engine.generate(DiffusionRequest("t", prompt))
-        return Served(plain, items, list(pair), batched, encoded, prompted)
+        return Served(items, list(pair), batched, encoded, prompted)
 
     return asyncio.run(body())
 
@@ -282,20 +283,20 @@ def _serve(
 def test_family_served_through_the_engine_over_worker_processes(name: str) -> None:
     """Each family served through one AsyncDiffusionEngine over a worker process, with
     decode="device" where the pipeline returns latents, every case against the pipeline
-    called directly: a request with embeddings (a class, or nothing, for DiT and DDIM),
-    a prompt through the pipeline's own text encoders, a streamed request's previews (the
-    family's decode of the latents of that step) and final output, a batch of two (one
-    pipeline call, each member the same batch called directly), and encoded files of the
-    worker's uint8 pixels (PNG, JPEG, WebP; MP4 for videos), byte for byte what the
-    engine's encoders make of the direct call's pixels."""
+    called directly: a streamed request with embeddings (a class, or nothing, for DiT and
+    DDIM), its preview (the family's decode of the latents of that step) and final
+    output; a batch (one pipeline call, each member the same batch called directly); a
+    prompt through the pipeline's own text encoders; encoded files of the worker's uint8
+    pixels, byte for byte what the engine's encoders make of the direct call's pixels
+    (an image family's batch asks for PNG, JPEG and WebP, one member each; a video
+    family's MP4 is a request of its own)."""
     from omni_async.core.encoding import Encoding
     from omni_async.engine.encoders import encode_image, encode_video
 
-    text = name in TEXT
+    text, video = name in TEXT, name in VIDEOS
     pipe = family_pipeline(name, text=text)
-    steps = 3
-    params = family_params(name, seed=5, steps=steps)
-    streamed = {**params, "preview_every": 2}
+    params = family_params(name, seed=5)
+    streamed = {**params, "preview_every": 1}
     seen: dict[int, torch.Tensor] = {}
     step_hook: dict[str, object] = {}
     if "callback_on_step_end" in pipe.__call__.__code__.co_varnames:
@@ -308,10 +309,11 @@ def test_family_served_through_the_engine_over_worker_processes(name: str) -> No
     want = pixels_of(direct_family_call(pipe, [params], **step_hook))
     prompt = text_params(name, seed=6) if text else None
     want_prompt = None if prompt is None else pixels_of(direct_family_call(pipe, [prompt]))
-    batch = [family_params(name, seed=7), family_params(name, seed=8)]
+    batch_formats: list[str | None] = [None, None] if video else ["png", "jpeg", "webp"]
+    batch = [(family_params(name, seed=7 + i), f) for i, f in enumerate(batch_formats)]
     if getattr(pipe, "vae", None) is not None and hasattr(pipe.vae, "enable_slicing"):
         pipe.vae.enable_slicing()  # as the worker does: a batch decodes member by member
-    want_batch = pixels_of(direct_family_call(pipe, batch))
+    want_batch = pixels_of(direct_family_call(pipe, [p for p, _ in batch]))
     kwargs = family_spec_kwargs(name, text=text)
     if name in LATENT:
         kwargs["decode"] = "device"
@@ -319,39 +321,37 @@ def test_family_served_through_the_engine_over_worker_processes(name: str) -> No
         with pytest.raises(UsageError, match="can stop at its latents"):
             DiffusersPipelineWorker.spec(postprocess="diffusers", decode="device", **kwargs)
     spec = DiffusersPipelineWorker.spec(postprocess="diffusers", **kwargs)
-    formats = ["mp4"] if name in VIDEOS else ["png", "jpeg", "webp"]
 
-    served = _serve(spec, params, streamed, batch, formats, prompt)
-    assert np.array_equal(_served(served.plain.output), _u8(want)), name
+    served = _serve(spec, streamed, batch, ["mp4"] if video else [], prompt)
     *chunks, final = served.stream
     assert isinstance(final, GenerationResult) and np.array_equal(_served(final.output), _u8(want)), name
-    assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 2, name
+    assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 1, name
     if seen:  # the preview is the family's own decode of that step's latents
         handle = PipelineHandle(pipe)
         decode = decode_of(handle)
         assert decode is not None
         with torch.no_grad():
-            preview = _u8(pixels_of(decode(handle, seen[2], params)))
+            preview = _u8(pixels_of(decode(handle, seen[1], params)))
         assert np.array_equal(_served(chunks[0].output), preview), name
     assert served.batched == 1, name
-    for i, got in enumerate(served.batch):
-        assert np.array_equal(_served(got.output), _u8(want_batch[i : i + 1])), (name, i)
+    for i, (got, fmt) in enumerate(zip(served.batch, batch_formats, strict=True)):
+        member = _u8(want_batch[i : i + 1])
+        if fmt is None:
+            assert np.array_equal(_served(got.output), member), (name, i)
+            continue
+        file = got.output.data
+        assert file == encode_image(member[0], Encoding(fmt)), (name, fmt)
+        from PIL import Image
+
+        if fmt != "jpeg":  # PNG and (default) WebP are lossless: the very pixels
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(file)).convert("RGB")), member[0]), (name, fmt)
+    for fmt, result in served.encoded.items():
+        assert result.output.frames == want.shape[1], name
+        assert result.output.data == encode_video(_u8(want[0]), Encoding(fmt)), (name, fmt)
     if want_prompt is not None:
         assert served.prompted is not None
         assert np.array_equal(_served(served.prompted.output), _u8(want_prompt)), name
         assert not np.array_equal(_u8(want_prompt), _u8(want)), name  # the prompt, not the embeddings
-    pixels = _u8(want[0])
-    for fmt, result in served.encoded.items():
-        file = result.output.data
-        if fmt == "mp4":
-            assert result.output.frames == want.shape[1] and file == encode_video(pixels, Encoding(fmt)), name
-            continue
-        assert file == encode_image(pixels, Encoding(fmt)), (name, fmt)
-        from PIL import Image
-
-        decoded = np.asarray(Image.open(io.BytesIO(file)).convert("RGB"))
-        if fmt != "jpeg":  # PNG and (default) WebP are lossless
-            assert np.array_equal(decoded, pixels), (name, fmt)
 
 
 @pytest.mark.slow
