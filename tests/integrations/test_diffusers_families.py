@@ -2,11 +2,13 @@
 SDXL, SD3, Flux, PixArt-Sigma, Sana, DiT, DDIM, Wan, CogVideoX, LTX), served by
 ``DiffusersPipelineWorker`` and each output compared bit for bit with the pipeline called
 directly.  The slow tier serves each family through one ``AsyncDiffusionEngine`` over a
-worker process (one engine per family serves all of its cases: a request with
-precomputed embeddings and the pooled embeddings and masks its pipeline requires, a
-prompt through its own tiny text encoders, a streamed request's previews, a batch of
-two, and encoded PNG/JPEG/WebP or MP4 files; ``decode="device"`` wherever the pipeline
-can stop at its latents).  The fast tier runs the lightest families' worker in this process."""
+worker process, which serves all of that family's cases (one process start per family:
+that start, not the tiny forwards, is most of a case's cost): a streamed request with
+precomputed embeddings and the pooled embeddings and masks its pipeline requires, and its
+preview; a batch (an image family's asks for PNG, JPEG and WebP files); an MP4 file for a
+video family; a prompt through the pipeline's own tiny text encoders; ``decode="device"``
+wherever the pipeline can stop at its latents.  The fast tier runs the lightest families'
+worker in this process."""
 
 from __future__ import annotations
 
