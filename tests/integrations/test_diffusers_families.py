@@ -357,42 +357,28 @@ def test_family_served_through_the_engine_over_worker_processes(name: str) -> No
 
 
 @pytest.mark.slow
-def test_a_worker_leaves_no_semaphore_behind() -> None:
-    """tqdm's cross-process lock is a named semaphore; a worker leaves by os._exit, so the
-    resource tracker used to warn "leaked semaphore objects" at every worker's end."""
+def test_a_fresh_process_reads_a_config_builds_and_leaves_clean() -> None:
+    """Two defects of a fresh interpreter, checked in one (its start, torch and diffusers
+    imported, is most of the cost):
+
+    * spec() and the request check read the pipeline's config under diffusers'
+      no_init_weights, which swaps torch.nn.init's functions for no-ops process-wide.  In
+      a process whose first use of diffusers is spec(), transformers used to be first
+      imported under that swap and keep the no-ops: every text encoder built there
+      afterwards had other weights than anywhere else, so a prompt's pixels in that
+      process (an in-process executor, or the suite's direct call) were not the worker's.
+    * tqdm's cross-process lock is a named semaphore in a process whose start method is
+      spawn (a worker's); a worker leaves by os._exit, so the resource tracker used to
+      warn "leaked semaphore objects" at every worker's end."""
     import subprocess
     import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parents[1]
-    # One process that lives as a spawned worker does: its start method is spawn, so a
-    # multiprocessing lock is a named semaphore registered with the resource tracker, which
-    # warns when the process leaves by os._exit without unregistering it.
     script = (
-        f"import multiprocessing, sys\nmultiprocessing.set_start_method('spawn')\nsys.path.insert(0, {str(tests)!r})\n"
-        "from helpers.diffusers_direct import leave_like_a_worker\nleave_like_a_worker()\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    assert "leaked semaphore" not in done.stderr, done.stderr
-
-
-@pytest.mark.slow
-def test_reading_a_config_first_leaves_the_models_built_later_initialised() -> None:
-    """spec() and the request check read the pipeline's config under diffusers'
-    no_init_weights, which swaps torch.nn.init's functions for no-ops process-wide.  In a
-    fresh interpreter whose first use of diffusers is spec(), transformers used to be first
-    imported under that swap and keep the no-ops: every text encoder built there afterwards
-    had other weights than anywhere else, so a prompt's pixels in that process (an
-    in-process executor, or the suite's direct call) were not the worker's."""
-    import subprocess
-    import sys
-
-    def weights(pipe: Any) -> float:
-        return sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values())
-
-    script = (
-        "import torch\n"
+        "import multiprocessing, sys, torch\n"
+        "multiprocessing.set_start_method('spawn')\n"
+        f"sys.path.insert(0, {str(tests)!r})\n"
         "from omni_async.integrations.diffusers import DiffusersPipelineWorker\n"
         "from omni_async.integrations.diffusers.tiny import tiny_family\n"
         "DiffusersPipelineWorker.spec(builder='omni_async.integrations.diffusers.tiny:tiny_family',"
@@ -400,13 +386,17 @@ def test_reading_a_config_first_leaves_the_models_built_later_initialised() -> N
         "from transformers.initialization import TORCH_INIT_FUNCTIONS\n"
         "pipe = tiny_family('sd', text=True)\n"
         "print(TORCH_INIT_FUNCTIONS['normal_'] is torch.nn.init.normal_,"
-        " sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values()))\n"
+        " sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values()), flush=True)\n"
+        "from helpers.diffusers_direct import leave_like_a_worker\n"
+        "leave_like_a_worker()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     kept, there = done.stdout.split()[-2:]
     assert kept == "True", "transformers kept diffusers' no-op init functions"
-    assert float(there) == weights(family_pipeline("sd", text=True))
+    here = family_pipeline("sd", text=True).text_encoder.state_dict().values()
+    assert float(there) == sum(float(v.double().sum()) for v in here)
+    assert "leaked semaphore" not in done.stderr, done.stderr
 
 
 def test_a_refusal_of_generator_lists_runs_batches_member_by_member() -> None:
