@@ -37,14 +37,19 @@ __all__ = [
     "FAMILIES",
     "POOLED_DIM",
     "TEXT_DIM",
+    "TEXT_ENCODERS",
     "TINY_DIT",
     "TINY_WAN",
+    "TINY_WORDS",
+    "TOKENS",
     "WAN_TEXT_DIM",
     "tiny_dit",
     "tiny_family",
     "tiny_prompt_embeds",
     "tiny_sd_with_text",
+    "tiny_tokenizer",
     "tiny_wan",
+    "with_text_encoders",
 ]
 
 TINY_DIT: Mapping[str, ComponentConfig] = {
