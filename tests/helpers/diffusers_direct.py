@@ -122,6 +122,8 @@ def family_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
             "width": 16,
         },
         "pixart": {**embeds, **masks, "height": 64, "width": 64},
+        # Sana's resolution binning would run the loop at 512x512 (its smallest bin); PixArt's covers that tail.
+        "sana": {**embeds, **masks, "height": 32, "width": 32, "use_resolution_binning": False},
         "ddim": {},
         "cogvideox": {**embeds, "height": 16, "width": 16, "num_frames": 9},
         "ltx": {**embeds, **masks, "height": 32, "width": 32, "num_frames": 9},
@@ -130,20 +132,44 @@ def family_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
     return {**extra, "num_inference_steps": steps, "seed": seed}
 
 
-def family_pipeline(name: str) -> Any:
-    """The tiny pipeline of family ``name``, built as a client would, to call directly."""
+def text_params(name: str, seed: int, steps: int = 2) -> dict[str, object]:
+    """A prompt request for family ``name`` built with its text encoders
+    (``tiny_family(name, text=True)``): ``family_params``' size and steps, a prompt and a
+    negative prompt in place of the embeddings, and the pipeline's text options at toy
+    scale (``max_sequence_length``: the tiny tokenizer's length)."""
+    import importlib
+    import inspect
+
+    from omni_async.integrations.diffusers.tiny import FAMILIES, TOKENS
+
+    base = family_params(name, seed, steps)
+    params = {k: v for k, v in base.items() if not isinstance(v, torch.Tensor)}
+    pipeline = FAMILIES[name][0] if name in FAMILIES else "WanPipeline"
+    takes = set(inspect.signature(getattr(importlib.import_module("diffusers"), pipeline).__call__).parameters)
+    params["prompt"] = "a red cat"
+    if "negative_prompt" in takes:
+        params["negative_prompt"] = "blurry photo"
+    if "max_sequence_length" in takes:
+        params["max_sequence_length"] = TOKENS
+    if "clean_caption" in takes:
+        params["clean_caption"] = False  # its True needs BeautifulSoup and ftfy, and only cleans the text
+    return params
+
+
+def family_pipeline(name: str, text: bool = False) -> Any:
+    """The tiny pipeline of family ``name`` (with text encoders: ``text``), built as a client would, to call directly."""
     from omni_async.integrations.diffusers.tiny import tiny_family
 
-    pipe: Any = direct_pipeline(name) if name in BUILDERS else tiny_family(name)
+    pipe: Any = direct_pipeline(name) if name in BUILDERS and not text else tiny_family(name, text=text)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def family_spec_kwargs(name: str) -> dict[str, object]:
-    """``DiffusersPipelineWorker`` keyword arguments that build family ``name``."""
-    if name in BUILDERS:
+def family_spec_kwargs(name: str, text: bool = False) -> dict[str, object]:
+    """``DiffusersPipelineWorker`` keyword arguments that build family ``name`` (with text encoders: ``text``)."""
+    if name in BUILDERS and not text:
         return {"builder": BUILDERS[name][0]}
-    return {"builder": FAMILY, "builder_kwargs": {"name": name}}
+    return {"builder": FAMILY, "builder_kwargs": {"name": name, "text": True} if text else {"name": name}}
 
 
 def direct_family_call(pipe: Any, params: Sequence[Mapping[str, object]], **extra: object) -> Any:

@@ -1,18 +1,23 @@
 """The family matrix: a tiny random pipeline of each diffusers family (Stable Diffusion,
-SDXL, SD3, Flux, PixArt-Sigma, DiT, DDIM, Wan, CogVideoX, LTX), served by
-``DiffusersPipelineWorker`` with precomputed embeddings (and the pooled embeddings and
-masks its pipeline requires), and each output compared bit for bit with the pipeline
-called directly: one request, a batch (against the same batch called directly), the
-family's own decode (``decode="device"``, previews) against the pipeline's own pixels,
-and an encoded request.  The fast tier runs the worker in this process; the slow tier
-serves each family through ``AsyncDiffusionEngine`` over worker processes."""
+SDXL, SD3, Flux, PixArt-Sigma, Sana, DiT, DDIM, Wan, CogVideoX, LTX), served by
+``DiffusersPipelineWorker`` and each output compared bit for bit with the pipeline called
+directly.  The slow tier serves each family through one ``AsyncDiffusionEngine`` over a
+worker process, which serves all of that family's cases (one process start per family:
+that start, not the tiny forwards, is most of a case's cost): a streamed request with
+precomputed embeddings and the pooled embeddings and masks its pipeline requires, and its
+preview; a batch (an image family's asks for PNG, JPEG and WebP files); an MP4 file for a
+video family; a prompt through the pipeline's own tiny text encoders; ``decode="device"``
+wherever the pipeline can stop at its latents.  The fast tier runs the lightest families'
+worker in this process."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -23,6 +28,7 @@ from helpers.diffusers_direct import (
     family_pipeline,
     family_spec_kwargs,
     pixels_of,
+    text_params,
 )
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import InvalidRequest, UsageError
@@ -34,13 +40,35 @@ from omni_async.integrations.diffusers import DiffusersPipelineWorker
 from omni_async.integrations.diffusers.decode import decode_of
 from omni_async.integrations.diffusers.edge import PipelineHandle
 from omni_async.integrations.diffusers.pixels import device_stage, to_uint8
+from omni_async.integrations.diffusers.tiny import TEXT_ENCODERS
+from omni_async.worker.host import WorkerSpec
 
-IMAGES = ["sd", "sdxl", "sd3", "flux", "pixart", "dit", "ddim"]
+IMAGES = ["sd", "sdxl", "sd3", "flux", "pixart", "sana", "dit", "ddim"]
 VIDEOS = ["wan", "cogvideox", "ltx"]
 FAMILIES = IMAGES + VIDEOS
 #: Families whose pipeline returns latents (output_type="latent"): decode="device" serves them.
-LATENT = {"sd", "sdxl", "sd3", "flux", "pixart", "wan", "cogvideox", "ltx"}
+LATENT = {"sd", "sdxl", "sd3", "flux", "pixart", "sana", "wan", "cogvideox", "ltx"}
+#: Families with a text encoder (all but DiT, class-conditional, and DDIM, unconditional):
+#: served with their tiny text encoders, so one engine takes prompts and embeddings.
+TEXT = set(TEXT_ENCODERS)
 DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread() -> Iterator[None]:
+    """Tiny models on a busy CPU: torch's intra-op threads wait on each other at every op
+    when the cores are taken (CI's two cores run two test processes and their workers), so
+    a tiny forward took 0.9 s on two threads and 0.01 s on one.  One thread here and in the
+    workers (OMP_NUM_THREADS, read by torch as a spawned worker imports it): the same count
+    on both sides, so the reductions, and the pixels, are the same too."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
 
 def _worker(name: str, **kwargs: object) -> DiffusersPipelineWorker:
@@ -62,10 +90,12 @@ def _u8(pixels: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
 FAST = {"sd3", "flux", "ddim"}
 
 
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in FAMILIES])
+@pytest.mark.parametrize("name", sorted(FAST))
 def test_family_in_process_bit_exact(name: str) -> None:
-    """One worker per family: a request, a batch of two, the family's own decode of the
-    pipeline's latents, decode="device" and an encoded request's pixels, each bit for bit."""
+    """The fast tier's matrix (the slow tier serves every family through the engine): one
+    worker in this process, a request, a batch of two (one pipeline call), the family's
+    own decode of the pipeline's latents, decode="device" and an encoded request's
+    pixels, each bit for bit."""
     pipe = family_pipeline(name)
     worker = _worker(name)
     params = family_params(name, seed=1)
@@ -105,6 +135,28 @@ def test_family_in_process_bit_exact(name: str) -> None:
     assert np.array_equal(pixels_of(staged).numpy(), _u8(want)), name
 
 
+def test_the_guide_shows_the_matrix_the_suite_runs() -> None:
+    """docs/diffusers.md's family matrix: a row for each family served here, "works" for
+    a prompt where the suite serves one and for decode="device" where it serves that,
+    the pipeline class the family's builder makes, the formats encoded."""
+    from pathlib import Path
+
+    from omni_async.integrations.diffusers.tiny import FAMILIES as TINY
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "diffusers.md").read_text(encoding="utf-8")
+    table = guide.split("<!-- family matrix -->")[1].split("<!-- end family matrix -->")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table.strip().splitlines()[2:]]
+    assert [row[0] for row in rows] == FAMILIES
+    classes = {**{name: spec[0] for name, spec in TINY.items()}, "dit": "DiTPipeline", "wan": "WanPipeline"}
+    for name, pipeline, prompt, embeds, previews, device, batch, encode in rows:
+        assert pipeline == f"`{classes[name]}`", name
+        assert prompt.startswith("works") == (name in TEXT), name
+        assert embeds.startswith("works") == (name in TEXT), name
+        assert device.startswith("works") == (name in LATENT), name
+        assert previews.startswith("works") and batch.startswith("works"), name
+        assert encode == "works: " + ("mp4" if name in VIDEOS else "png, jpeg, webp"), name
+
+
 def test_parameters_come_from_the_pipelines_call_and_checks_from_its_config() -> None:
     """Any argument of __call__ goes through (Flux's true_cfg_scale, SDXL's original_size);
     others are refused naming them and the class; tensors are checked against the field
@@ -116,7 +168,10 @@ def test_parameters_come_from_the_pipelines_call_and_checks_from_its_config() ->
     def check(name: str) -> Any:
         return DiffusersPipelineWorker.request_validator(**family_spec_kwargs(name))
 
-    pixart, cog, flux, sdxl = check("pixart"), check("cogvideox"), check("flux"), check("sdxl")
+    pixart, cog, flux, sdxl, sana = check("pixart"), check("cogvideox"), check("flux"), check("sdxl"), check("sana")
+    sana(DiffusionRequest("ok", family_params("sana", 1)))
+    with pytest.raises(InvalidRequest, match=r"transformer.config.caption_channels of SanaPipeline is 16"):
+        sana(DiffusionRequest("bad", {**family_params("sana", 1), "prompt_embeds": torch.zeros(8, 8)}))
     pixart(DiffusionRequest("ok", family_params("pixart", 1)))  # [8, 16]: caption_channels 16, hidden size 24
     with pytest.raises(InvalidRequest, match=r"transformer.config.caption_channels of PixArtSigmaPipeline is 16"):
         pixart(DiffusionRequest("bad", {**family_params("pixart", 1), "prompt_embeds": torch.zeros(8, 24)}))
@@ -199,18 +254,69 @@ def test_spec_checks_at_once() -> None:
 # -- slow: through the engine over worker processes ------------------------------------------
 
 
+@attrs.frozen
+class Served:
+    """What one family's engine gave back, by case."""
+
+    stream: list[GenerationChunk | GenerationResult]
+    batch: list[GenerationResult]
+    batched: int
+    encoded: dict[str, GenerationResult]
+    prompted: GenerationResult | None
+
+
+def _serve(
+    spec: WorkerSpec,
+    streamed: dict[str, object],
+    batch: list[tuple[dict[str, object], str | None]],
+    formats: list[str],
+    prompt: dict[str, object] | None,
+) -> Served:
+    """Every case of one family through one engine over one worker process: a streamed
+    request, a batch (its members' params and formats), ``streamed``'s params once per
+    format of ``formats``, and a prompt."""
+    params = {k: v for k, v in streamed.items() if k != "preview_every"}
+
+    async def body() -> Served:
+        engine = AsyncDiffusionEngine.from_factory(
+            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES),
+            pipeline="diffusers",
+            max_batch_size=len(batch),
+            batch_wait_s=0.05,
+            encode_workers=1,
+        )
+        async with engine:
+            items = [item async for item in engine.generate_stream(DiffusionRequest("s", streamed))]
+            # Queued in one tick: the engine sends them together, one execute_model_batch.
+            members = [DiffusionRequest(f"b{i}", p, format=f) for i, (p, f) in enumerate(batch)]
+            pair = await asyncio.gather(*(engine.generate(m) for m in members))
+            batched = engine.metrics().batched
+            encoded = {fmt: await engine.generate(DiffusionRequest(fmt, params, format=fmt)) for fmt in formats}
+            prompted = None if prompt is None else await engine.generate(DiffusionRequest("t", prompt))
+        return Served(items, list(pair), batched, encoded, prompted)
+
+    return asyncio.run(body())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_through_the_engine_over_worker_processes(name: str) -> None:
-    """Each family served through AsyncDiffusionEngine over a worker process, with
-    decode="device" where the pipeline returns latents: a request, a streamed request's
-    previews (the family's decode of the latents of that step) and final output, and an
-    encoded request (PNG decoded back, or an MP4 of the right frames), each against the
-    pipeline called directly."""
-    pipe = family_pipeline(name)
-    steps = 3
-    params = family_params(name, seed=5, steps=steps)
-    streamed = {**params, "preview_every": 2}
+def test_family_served_through_the_engine_over_worker_processes(name: str) -> None:
+    """Each family served through one AsyncDiffusionEngine over a worker process, with
+    decode="device" where the pipeline returns latents, every case against the pipeline
+    called directly: a streamed request with embeddings (a class, or nothing, for DiT and
+    DDIM), its preview (the family's decode of the latents of that step) and final
+    output; a batch (one pipeline call, each member the same batch called directly); a
+    prompt through the pipeline's own text encoders; encoded files of the worker's uint8
+    pixels, byte for byte what the engine's encoders make of the direct call's pixels
+    (an image family's batch asks for PNG, JPEG and WebP, one member each; a video
+    family's MP4 is a request of its own)."""
+    from omni_async.core.encoding import Encoding
+    from omni_async.engine.encoders import encode_image, encode_video
+
+    text, video = name in TEXT, name in VIDEOS
+    pipe = family_pipeline(name, text=text)
+    params = family_params(name, seed=5)
+    streamed = {**params, "preview_every": 1}
     seen: dict[int, torch.Tensor] = {}
     step_hook: dict[str, object] = {}
     if "callback_on_step_end" in pipe.__call__.__code__.co_varnames:
@@ -221,61 +327,93 @@ def test_family_through_the_engine_over_worker_processes(name: str) -> None:
 
         step_hook = {"callback_on_step_end": record}
     want = pixels_of(direct_family_call(pipe, [params], **step_hook))
-    kwargs = family_spec_kwargs(name)
+    prompt = text_params(name, seed=6) if text else None
+    want_prompt = None if prompt is None else pixels_of(direct_family_call(pipe, [prompt]))
+    batch_formats: list[str | None] = [None, None] if video else ["png", "jpeg", "webp"]
+    batch = [(family_params(name, seed=7 + i), f) for i, f in enumerate(batch_formats)]
+    if getattr(pipe, "vae", None) is not None and hasattr(pipe.vae, "enable_slicing"):
+        pipe.vae.enable_slicing()  # as the worker does: a batch decodes member by member
+    want_batch = pixels_of(direct_family_call(pipe, [p for p, _ in batch]))
+    kwargs = family_spec_kwargs(name, text=text)
     if name in LATENT:
         kwargs["decode"] = "device"
+    else:
+        with pytest.raises(UsageError, match="can stop at its latents"):
+            DiffusersPipelineWorker.spec(postprocess="diffusers", decode="device", **kwargs)
     spec = DiffusersPipelineWorker.spec(postprocess="diffusers", **kwargs)
-    fmt = "mp4" if name in VIDEOS else "png"
 
-    async def body() -> tuple[GenerationResult, list[GenerationChunk | GenerationResult], GenerationResult]:
-        engine = AsyncDiffusionEngine.from_factory(
-            lambda: MultiprocDiffusionExecutor(spec, deadlines=DEADLINES), pipeline="diffusers"
-        )
-        async with engine:
-            plain = await engine.generate(DiffusionRequest("p", params))
-            items = [item async for item in engine.generate_stream(DiffusionRequest("s", streamed))]
-            encoded = await engine.generate(DiffusionRequest("e", params, format=fmt))
-        return plain, items, encoded
-
-    plain, items, encoded = asyncio.run(body())
-    assert np.array_equal(_served(plain.output), _u8(want)), name
-    *chunks, final = items
+    served = _serve(spec, streamed, batch, ["mp4"] if video else [], prompt)
+    *chunks, final = served.stream
     assert isinstance(final, GenerationResult) and np.array_equal(_served(final.output), _u8(want)), name
-    assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 2, name
+    assert [type(c) for c in chunks] == [GenerationChunk] and chunks[0].output["step"] == 1, name
     if seen:  # the preview is the family's own decode of that step's latents
         handle = PipelineHandle(pipe)
         decode = decode_of(handle)
         assert decode is not None
         with torch.no_grad():
-            preview = _u8(pixels_of(decode(handle, seen[2], params)))
+            preview = _u8(pixels_of(decode(handle, seen[1], params)))
         assert np.array_equal(_served(chunks[0].output), preview), name
-    data = encoded.output.data
-    if fmt == "png":
+    assert served.batched == 1, name
+    for i, (got, fmt) in enumerate(zip(served.batch, batch_formats, strict=True)):
+        member = _u8(want_batch[i : i + 1])
+        if fmt is None:
+            assert np.array_equal(_served(got.output), member), (name, i)
+            continue
+        file = got.output.data
+        assert file == encode_image(member[0], Encoding(fmt)), (name, fmt)
         from PIL import Image
 
-        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), _u8(want[0])), name
-    else:
-        assert encoded.output.frames == want.shape[1] and data[4:8] == b"ftyp", name
+        if fmt != "jpeg":  # PNG and (default) WebP are lossless: the very pixels
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(file)).convert("RGB")), member[0]), (name, fmt)
+    for fmt, result in served.encoded.items():
+        assert result.output.frames == want.shape[1], name
+        assert result.output.data == encode_video(_u8(want[0]), Encoding(fmt)), (name, fmt)
+    if want_prompt is not None:
+        assert served.prompted is not None
+        assert np.array_equal(_served(served.prompted.output), _u8(want_prompt)), name
+        assert not np.array_equal(_u8(want_prompt), _u8(want)), name  # the prompt, not the embeddings
 
 
 @pytest.mark.slow
-def test_a_worker_leaves_no_semaphore_behind() -> None:
-    """tqdm's cross-process lock is a named semaphore; a worker leaves by os._exit, so the
-    resource tracker used to warn "leaked semaphore objects" at every worker's end."""
+def test_a_fresh_process_reads_a_config_builds_and_leaves_clean() -> None:
+    """Two defects of a fresh interpreter, checked in one (its start, torch and diffusers
+    imported, is most of the cost):
+
+    * spec() and the request check read the pipeline's config under diffusers'
+      no_init_weights, which swaps torch.nn.init's functions for no-ops process-wide.  In
+      a process whose first use of diffusers is spec(), transformers used to be first
+      imported under that swap and keep the no-ops: every text encoder built there
+      afterwards had other weights than anywhere else, so a prompt's pixels in that
+      process (an in-process executor, or the suite's direct call) were not the worker's.
+    * tqdm's cross-process lock is a named semaphore in a process whose start method is
+      spawn (a worker's); a worker leaves by os._exit, so the resource tracker used to
+      warn "leaked semaphore objects" at every worker's end."""
     import subprocess
     import sys
     from pathlib import Path
 
     tests = Path(__file__).resolve().parents[1]
     script = (
-        f"import sys, multiprocessing as mp\nsys.path.insert(0, {str(tests)!r})\n"
+        "import multiprocessing, sys, torch\n"
+        "multiprocessing.set_start_method('spawn')\n"
+        f"sys.path.insert(0, {str(tests)!r})\n"
+        "from omni_async.integrations.diffusers import DiffusersPipelineWorker\n"
+        "from omni_async.integrations.diffusers.tiny import tiny_family\n"
+        "DiffusersPipelineWorker.spec(builder='omni_async.integrations.diffusers.tiny:tiny_family',"
+        " builder_kwargs={'name': 'ddim'})\n"
+        "from transformers.initialization import TORCH_INIT_FUNCTIONS\n"
+        "pipe = tiny_family('sd', text=True)\n"
+        "print(TORCH_INIT_FUNCTIONS['normal_'] is torch.nn.init.normal_,"
+        " sum(float(v.double().sum()) for v in pipe.text_encoder.state_dict().values()), flush=True)\n"
         "from helpers.diffusers_direct import leave_like_a_worker\n"
-        "if __name__ == '__main__':\n"
-        "    p = mp.get_context('spawn').Process(target=leave_like_a_worker)\n"
-        "    p.start(); p.join(); assert p.exitcode == 0, p.exitcode\n"
+        "leave_like_a_worker()\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
+    kept, there = done.stdout.split()[-2:]
+    assert kept == "True", "transformers kept diffusers' no-op init functions"
+    here = family_pipeline("sd", text=True).text_encoder.state_dict().values()
+    assert float(there) == sum(float(v.double().sum()) for v in here)
     assert "leaked semaphore" not in done.stderr, done.stderr
 
 

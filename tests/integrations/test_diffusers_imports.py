@@ -45,3 +45,23 @@ def test_the_integration_imports_diffusers_only_when_a_pipeline_is_read() -> Non
     )
     loaded = _loaded_after(code)
     assert "diffusers" in loaded and "omni_async.integrations" in loaded, loaded
+
+
+def test_without_diffusers_the_error_and_the_guide_say_how_to_install_the_extra_from_a_checkout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """omni_async is on no package index: ``pip install 'omni_async[diffusers]'`` finds
+    nothing in a fresh venv.  The error (diffusers missing: ``import diffusers`` fails, as
+    it does there) and the guide name the installs that work, from a checkout."""
+    from pathlib import Path
+
+    from omni_async.core.errors import UsageError
+    from omni_async.integrations.diffusers.edge import load_diffusers
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # `import diffusers` raises ImportError
+    with pytest.raises(UsageError, match="needs diffusers") as err:
+        load_diffusers()
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "diffusers.md").read_text()
+    for text in (str(err.value), guide):
+        assert "pip install -e '.[diffusers]'" in text and "pip install '/path/to/omni_async[diffusers]'" in text
+        assert "pip install 'omni_async[diffusers]'" not in text  # on no index: it finds nothing

@@ -16,7 +16,7 @@ The names (docs/diffusers.md shows them at work):
 * ``PipelineProfile``, ``batch_key``: what it takes, read from its ``__call__`` and its
   config (``profile``); ``DiffusersPipelineWorker.parameter_schema(...)`` as data.
 * ``decode_of``: each family's own decode, for previews and ``decode="device"`` (``decode``).
-* ``tiny_family``: tiny random pipelines of ten families (``tiny``).
+* ``tiny_family``: tiny random pipelines of eleven families, with tiny text encoders on request (``tiny``).
 * ``PIPELINE``, ``host_stage``, ``device_stage``, ``to_uint8``: its post-process to uint8
   pixels, registered as ``"diffusers"`` (``pixels``).
 

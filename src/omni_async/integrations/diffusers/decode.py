@@ -91,6 +91,15 @@ def _pixart(pipe: Any, latents: torch.Tensor, params: Mapping[str, object]) -> d
     return {"images": pipe.image_processor.postprocess(image, output_type="pt")}
 
 
+def _sana(pipe: Any, latents: torch.Tensor, params: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    # SanaPipeline: PixArt's tail, its size defaulting to __call__'s (1024), not the transformer's.
+    height, width = _param(pipe, params, "height", 1024), _param(pipe, params, "width", 1024)
+    image = pipe.vae.decode(latents.to(pipe.vae.dtype) / pipe.vae.config.scaling_factor, return_dict=False)[0]
+    if _param(pipe, params, "use_resolution_binning", True):
+        image = pipe.image_processor.resize_and_crop_tensor(image, width, height)
+    return {"images": pipe.image_processor.postprocess(image, output_type="pt")}
+
+
 def _cogvideox(pipe: Any, latents: torch.Tensor, params: Mapping[str, object]) -> dict[str, torch.Tensor]:
     patch_size_t = pipe.transformer.config.patch_size_t
     if patch_size_t is not None:
@@ -148,6 +157,7 @@ DECODES: Mapping[str, _Raw] = {
     "FluxPipeline": _flux,
     "PixArtSigmaPipeline": _pixart,
     "PixArtAlphaPipeline": _pixart,
+    "SanaPipeline": _sana,
     "CogVideoXPipeline": _cogvideox,
     "LTXPipeline": _ltx,
     "WanPipeline": _wan,

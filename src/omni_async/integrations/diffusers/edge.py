@@ -19,9 +19,16 @@ import torch
 
 from omni_async.core.errors import UsageError
 
-__all__ = ["PipelineHandle", "load_diffusers"]
+__all__ = ["INSTALL", "PipelineHandle", "load_diffusers"]
 
-_INSTALL = "install it with: python3 -m pip install 'omni_async[diffusers]' (diffusers==0.42.1 and transformers)"
+#: How to get the ``diffusers`` extra (diffusers==0.42.1 and transformers).  omni_async is on no
+#: package index, so ``pip install 'omni_async[diffusers]'`` finds nothing: the extra is
+#: installed from a checkout, by path.
+INSTALL = (
+    "install the diffusers extra from a checkout of omni_async (it is on no package index): "
+    "python3 -m pip install -e '.[diffusers]' in the repository's root, or "
+    "python3 -m pip install '/path/to/omni_async[diffusers]' from elsewhere (diffusers==0.42.1 and transformers)"
+)
 
 
 def load_diffusers() -> ModuleType:
@@ -29,7 +36,7 @@ def load_diffusers() -> ModuleType:
     try:
         return importlib.import_module("diffusers")
     except ImportError as exc:
-        raise UsageError(f"omni_async.integrations.diffusers needs diffusers ({exc}); {_INSTALL}") from exc
+        raise UsageError(f"omni_async.integrations.diffusers needs diffusers ({exc}); {INSTALL}") from exc
 
 
 def no_process_lock_for_progress_bars() -> None:

@@ -156,12 +156,27 @@ class PipelineSource:
         its config says (for the executor's checks), at a fraction of a build's cost."""
         modeling = importlib.import_module("diffusers.models.modeling_utils")
         no_init = cast("Callable[[], contextlib.AbstractContextManager[None]]", modeling.no_init_weights)
+        # no_init_weights swaps torch.nn.init's functions for no-ops in the whole process, and
+        # transformers keeps those functions as it finds them when it is first imported: first
+        # imported under the swap, every transformers model this process builds afterwards --
+        # outside it too -- kept the no-ops (a text encoder of uninitialised weights, whose
+        # prompts then gave other pixels than the worker's).  So it, and the builder's own
+        # imports, are imported before the swap.
+        _import_if_installed("transformers.initialization")
+        builder = self.resolve_builder() if self.builder is not None else None
         with _NO_INIT, no_init(), torch.device("cpu"):
-            if self.builder is not None:
-                pipe = self.resolve_builder()(**self.builder_kwargs)
+            if builder is not None:
+                pipe = builder(**self.builder_kwargs)
             else:
                 pipe = _pipeline_from_configs(str(self.pretrained))
         return _checked(pipe, self)
+
+
+def _import_if_installed(name: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 
 
 def _checked(pipe: object, source: PipelineSource) -> PipelineHandle:

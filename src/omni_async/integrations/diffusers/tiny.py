@@ -11,9 +11,12 @@ pipelines at toy scale:
   (``tiny_prompt_embeds``); videos of ``4k + 1`` frames, sides multiples of 16.
 
 * ``tiny_family(name)``: the other families of ``FAMILIES`` -- ``"sd"`` (Stable
-  Diffusion), ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"pixart"`` (PixArt-Sigma), ``"ddim"``,
-  ``"cogvideox"``, ``"ltx"`` -- without text encoders (text dimension ``TEXT_DIM``,
-  pooled ``POOLED_DIM``): requests send embeddings.
+  Diffusion), ``"sdxl"``, ``"sd3"``, ``"flux"``, ``"pixart"`` (PixArt-Sigma), ``"sana"``,
+  ``"ddim"``, ``"cogvideox"``, ``"ltx"`` -- without text encoders (text dimension
+  ``TEXT_DIM``, pooled ``POOLED_DIM``): requests send embeddings.  With ``text=True``
+  (every family that has a text encoder, Wan too) the pipeline gets tiny random text
+  encoders and a word-level tokenizer made in memory (``TEXT_ENCODERS``): requests may
+  send a ``prompt``.
 
 As builders: ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_dit")``,
 ``DiffusersPipelineWorker(builder="omni_async.integrations.diffusers.tiny:tiny_family",
@@ -22,6 +25,7 @@ builder_kwargs={"name": "flux"})``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -33,14 +37,19 @@ __all__ = [
     "FAMILIES",
     "POOLED_DIM",
     "TEXT_DIM",
+    "TEXT_ENCODERS",
     "TINY_DIT",
     "TINY_WAN",
+    "TINY_WORDS",
+    "TOKENS",
     "WAN_TEXT_DIM",
     "tiny_dit",
     "tiny_family",
     "tiny_prompt_embeds",
     "tiny_sd_with_text",
+    "tiny_tokenizer",
     "tiny_wan",
+    "with_text_encoders",
 ]
 
 TINY_DIT: Mapping[str, ComponentConfig] = {
@@ -279,6 +288,54 @@ FAMILIES: Mapping[str, tuple[str, Mapping[str, ComponentConfig], Mapping[str, ob
         },
         {},
     ),
+    "sana": (
+        "SanaPipeline",
+        {
+            "tokenizer": None,
+            "text_encoder": None,
+            # A deep-compression VAE of two blocks (scale factor 2), as diffusers' own tests build it.
+            "vae": (
+                "AutoencoderDC",
+                {
+                    "in_channels": 3,
+                    "latent_channels": 4,
+                    "attention_head_dim": 2,
+                    "encoder_block_types": ["ResBlock", "EfficientViTBlock"],
+                    "decoder_block_types": ["ResBlock", "EfficientViTBlock"],
+                    "encoder_block_out_channels": [8, 8],
+                    "decoder_block_out_channels": [8, 8],
+                    "encoder_qkv_multiscales": [[], [5]],
+                    "decoder_qkv_multiscales": [[], [5]],
+                    "encoder_layers_per_block": [1, 1],
+                    "decoder_layers_per_block": [1, 1],
+                    "downsample_block_type": "conv",
+                    "upsample_block_type": "interpolate",
+                    "decoder_norm_types": "rms_norm",
+                    "decoder_act_fns": "silu",
+                    "scaling_factor": 0.41407,
+                },
+            ),
+            "transformer": (
+                "SanaTransformer2DModel",
+                {
+                    # 16: Sana's resolution binning knows sample sizes 16 (512 px), 32, 64, 128 only.
+                    "sample_size": 16,
+                    "patch_size": 1,
+                    "in_channels": 4,
+                    "out_channels": 4,
+                    "num_layers": 1,
+                    "num_attention_heads": 2,
+                    "attention_head_dim": 4,
+                    "num_cross_attention_heads": 2,
+                    "cross_attention_head_dim": 4,
+                    "cross_attention_dim": 8,
+                    "caption_channels": TEXT_DIM,
+                },
+            ),
+            "scheduler": ("DPMSolverMultistepScheduler", {}),
+        },
+        {},
+    ),
     "ddim": (
         "DDIMPipeline",
         {
@@ -385,53 +442,120 @@ FAMILIES: Mapping[str, tuple[str, Mapping[str, ComponentConfig], Mapping[str, ob
 }
 
 
-def tiny_family(name: str, seed: int = 0) -> object:
-    """A tiny pipeline of family ``name`` (a key of ``FAMILIES``), random weights under ``seed``."""
-    pipeline, components, options = FAMILIES[name]
-    return random_pipeline(pipeline, components, seed=seed, options=options)
-
-
-#: The words ``tiny_sd_with_text``'s tokenizer knows (any other is ``<unk>``).
+#: The words the tiny tokenizer knows (any other is ``<unk>``).
 TINY_WORDS = ("<pad>", "<unk>", "<s>", "</s>", "a", "red", "blue", "cat", "dog", "blurry", "photo", "of")
+#: The tokenizer's length: the CLIP encoders' positions, and the sequence every T5/Gemma
+#: encoder is asked for (requests send ``max_sequence_length=TOKENS``: ``text_params``).
+TOKENS = 8
+
+#: Per family: the text encoders ``tiny_family(name, text=True)`` adds, as (encoder's
+#: component, tokenizer's component, transformers class, its config).  Their widths add
+#: up to the denoiser's text dimension as the pipeline's own encode_prompt combines them
+#: (SDXL and SD3 concatenate two CLIPs' hidden states and their pooled projections).
+_CLIP = {"intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": TOKENS}
+_T5 = {"d_kv": 8, "d_ff": 32, "num_layers": 1, "num_heads": 2, "relative_attention_num_buckets": 8}
+TEXT_ENCODERS: Mapping[str, tuple[tuple[str, str, str, Mapping[str, object]], ...]] = {
+    "sd": (("text_encoder", "tokenizer", "CLIPTextModel", {**_CLIP, "hidden_size": TEXT_DIM}),),
+    "sdxl": (
+        ("text_encoder", "tokenizer", "CLIPTextModel", {**_CLIP, "hidden_size": TEXT_DIM // 2}),
+        (
+            "text_encoder_2",
+            "tokenizer_2",
+            "CLIPTextModelWithProjection",
+            {**_CLIP, "hidden_size": TEXT_DIM // 2, "projection_dim": POOLED_DIM},
+        ),
+    ),
+    "sd3": (
+        (
+            "text_encoder",
+            "tokenizer",
+            "CLIPTextModelWithProjection",
+            {**_CLIP, "hidden_size": TEXT_DIM // 2, "projection_dim": POOLED_DIM // 2},
+        ),
+        (
+            "text_encoder_2",
+            "tokenizer_2",
+            "CLIPTextModelWithProjection",
+            {**_CLIP, "hidden_size": TEXT_DIM // 2, "projection_dim": POOLED_DIM // 2},
+        ),
+        ("text_encoder_3", "tokenizer_3", "T5EncoderModel", {**_T5, "d_model": TEXT_DIM}),
+    ),
+    "flux": (
+        ("text_encoder", "tokenizer", "CLIPTextModel", {**_CLIP, "hidden_size": POOLED_DIM}),
+        ("text_encoder_2", "tokenizer_2", "T5EncoderModel", {**_T5, "d_model": TEXT_DIM}),
+    ),
+    "pixart": (("text_encoder", "tokenizer", "T5EncoderModel", {**_T5, "d_model": TEXT_DIM}),),
+    "sana": (
+        (
+            "text_encoder",
+            "tokenizer",
+            "Gemma2Model",
+            {
+                "hidden_size": TEXT_DIM,
+                "head_dim": 8,
+                "intermediate_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+            },
+        ),
+    ),
+    "cogvideox": (("text_encoder", "tokenizer", "T5EncoderModel", {**_T5, "d_model": TEXT_DIM}),),
+    "ltx": (("text_encoder", "tokenizer", "T5EncoderModel", {**_T5, "d_model": TEXT_DIM}),),
+    "wan": (("text_encoder", "tokenizer", "UMT5EncoderModel", {**_T5, "d_model": WAN_TEXT_DIM}),),
+}
 
 
-def tiny_sd_with_text(seed: int = 0) -> object:
-    """``tiny_family("sd")`` with a text encoder and a tokenizer, made in memory (a word-level
-    tokenizer over ``TINY_WORDS`` and a one-layer ``CLIPTextModel`` of width ``TEXT_DIM``):
-    requests send a ``prompt``."""
-    import importlib
-
+def tiny_tokenizer() -> object:
+    """A word-level tokenizer over ``TINY_WORDS``, made in memory (nothing downloaded)."""
     tokenizers = importlib.import_module("tokenizers")
     transformers = importlib.import_module("transformers")
     vocab = {word: i for i, word in enumerate(TINY_WORDS)}
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=words,
-        model_max_length=8,
+        model_max_length=TOKENS,
         pad_token="<pad>",
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
     )
-    config = transformers.CLIPTextConfig(
-        vocab_size=len(TINY_WORDS),
-        hidden_size=TEXT_DIM,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=8,
-        projection_dim=POOLED_DIM,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
-    pipe = tiny_family("sd", seed=seed)
+
+
+def with_text_encoders(pipe: object, name: str, seed: int = 0) -> object:
+    """``pipe`` (family ``name``) made again with tiny random text encoders and in-memory
+    tokenizers (``TEXT_ENCODERS``): requests may then send a ``prompt``.  Made again
+    rather than given the modules afterwards: a pipeline's ``__init__`` reads its
+    tokenizers' lengths (Flux's and SD3's ``tokenizer_max_length``)."""
+    transformers = importlib.import_module("transformers")
+    parts: dict[str, object] = dict(cast("Any", pipe).components)
+    ids = {"vocab_size": len(TINY_WORDS), "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)
-        encoder = transformers.CLIPTextModel(config).eval()
-    cast("Any", pipe).register_modules(text_encoder=encoder, tokenizer=tokenizer)
-    return pipe
+        for encoder, tokenizer, class_name, config in TEXT_ENCODERS[name]:
+            model_class = getattr(transformers, class_name)
+            made = model_class(model_class.config_class(**ids, **config)).eval()
+            parts[encoder], parts[tokenizer] = made, tiny_tokenizer()
+    options = dict(FAMILIES[name][2]) if name in FAMILIES else {}
+    return type(pipe)(**parts, **options)
+
+
+def tiny_family(name: str, seed: int = 0, text: bool = False) -> object:
+    """A tiny pipeline of family ``name`` (a key of ``FAMILIES``, or ``"wan"``), random
+    weights under ``seed``; ``text``: with text encoders (``with_text_encoders``)."""
+    if name == "wan":
+        pipe = tiny_wan(seed)
+    else:
+        pipeline, components, options = FAMILIES[name]
+        pipe = random_pipeline(pipeline, components, seed=seed, options=options)
+    return with_text_encoders(pipe, name, seed) if text else pipe
+
+
+def tiny_sd_with_text(seed: int = 0) -> object:
+    """``tiny_family("sd", text=True)``: requests send a ``prompt``."""
+    return tiny_family("sd", seed, text=True)
 
 
 def tiny_dit(seed: int = 0) -> object:
