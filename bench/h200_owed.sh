@@ -23,6 +23,8 @@
 #           omni-u8 on the video with two copies in flight, one, and two again
 #   part 9: with two copies in flight, the demo at its defaults, the idle at a 15 ms
 #           synchronizing forward and encoded images (a check that nothing regressed)
+#   part video: issue 31's encoded-video bench (480p, 720p); part serve: issue 32's HTTP
+#           load against the engine's own rate (DiT, then video jobs)
 #   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine
 #           (bench/diffusers_serving.py --rounds 3: sync and async alternating)
 #   part host: issue 31's host path (helper E): bench/host_path.py before (fresh memory per
@@ -35,7 +37,7 @@
 # Run from the repo root with the wheels in .whl/ (transitions, attrs, diffusers,
 # importlib_metadata, zipp, regex):  bash bench/h200_owed.sh 1   (then 2)
 set -uo pipefail
-part="${1:?part 1 to 11, host or host-bench}"
+part="${1:?part 1 to 11, host, host-bench, video or serve}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -154,6 +156,25 @@ case "$part" in
         --json "$out/diffusers_serving_$work.json" 2>&1 | tee "$out/diffusers_serving_$work.log" | tail -14
     save
     ;;
+video)
+    # Issue 31: MP4 through the engine, the seed's path against whole-video and chunked
+    # encodes, 81x480x832 (2 s forward) then 121x720x1280 (4 s forward).
+    for preset in 480p 720p; do
+        timeout 270 python3 bench/encoded_video.py --device cuda --preset $preset \
+            --json "$out/encoded_video_$preset.json" 2>&1 | tee "$out/encoded_video_$preset.log" | tail -6
+        save
+    done
+    ;;
+serve)
+    # Issue 32: requests/s through HTTP against the engine's own rate, /health p99 under
+    # load: the DiT pipeline, then a video model (the tiny model's clips at 720p sizes).
+    timeout 330 python3 bench/serve_load.py --model dit --device cuda --size 512x512 --requests 320 \
+        --json "$out/serve_load_dit.json" 2>&1 | tee "$out/serve_load_dit.log" | tail -8
+    save
+    timeout 200 python3 bench/serve_load.py --model tiny --device cuda --requests 64 --videos 16 --seconds 4 \
+        --json "$out/serve_load_video.json" 2>&1 | tee "$out/serve_load_video.log" | tail -8
+    save
+    ;;
 host)
     timeout 300 python3 bench/host_path.py --device cuda --rounds 3 --parts stages,engine \
         --stage-sizes image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16 --engine-sizes image-2k-bf16,video-81x720p-bf16 \
@@ -174,7 +195,7 @@ host-bench)
     save
     ;;
 *)
-    echo "part must be 1 to 11, host or host-bench" >&2
+    echo "part must be 1 to 11, host, host-bench, video or serve" >&2
     exit 2
     ;;
 esac
