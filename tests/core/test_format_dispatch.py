@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow  # mypy over a copy of the library: tens of second
 # Each function that dispatches on a format, by the file it lives in.
 DISPATCHES = {
     "omni_async/core/encoding.py": ["format_spec"],
-    "omni_async/engine/encoders.py": ["encode_image", "encode"],
+    "omni_async/engine/encoders.py": ["encode_image", "_encode"],
     "omni_async/worker/encode.py": ["encodes_on_device"],
 }
 
