@@ -82,15 +82,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (item.name == _LAST, item.path.name not in _FIRST_FILES))  # stable
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker per core, and half as many again (3 on 2 cores).  Many
-    tests wait rather than compute -- a worker process starting, a deadline passing, a
-    server answering -- and with one worker per core such a wait leaves its core idle:
-    the full run on the 2-core machine kept its cores busy only 70 % of its time."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores + cores // 2)
-
-
 def deselects_slow(markexpr: str) -> bool:
     """Whether a ``-m`` expression is the fast tier's: it deselects the ``slow`` tests."""
     return re.search(r"\bnot\s+slow\b", markexpr) is not None
