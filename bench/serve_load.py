@@ -27,6 +27,7 @@ import asyncio
 import base64
 import io
 import json
+import math
 import os
 import platform
 import re
@@ -255,6 +256,17 @@ def summary(mode: str, latencies: list[float], wall: float, failures: list[str],
     }
 
 
+def _strict(value: Any) -> Any:
+    """``value`` with every NaN (a figure nothing was measured for) as null: strict JSON."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = f"{'mode':<12}{'requests':>9}{'failed':>8}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'health p99 ms':>15}"
     lines = [head, "-" * len(head)]
@@ -327,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(_strict(report), f, indent=2, allow_nan=False)
         print(f"wrote {path}")
     bad = sum(r["failures"] for r in rows)
     return 0 if bad == 0 and code == 0 else 1

@@ -26,7 +26,8 @@ def test_the_load_bench_smoke_run_serves_every_request(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    report = json.loads(out.read_text())
+    # Strict JSON: a figure nothing was measured for is null, never NaN.
+    report = json.loads(out.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the report"))
     assert [r["mode"] for r in report["runs"]] == ["http", "http-mp4", "direct", "direct-mp4"]
     assert [(r["requests"], r["failures"]) for r in report["runs"]] == [(24, 0), (2, 0)] * 2, report["runs"]
     assert report["server_exit"] == 0 and report["runs"][0]["health_probes"] > 0
