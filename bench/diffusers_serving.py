@@ -305,23 +305,30 @@ def requests(name: str, work: Mapping[str, Any], count: int, prefix: str) -> lis
     return out
 
 
-def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> tuple[dict[str, Any], list[Any]]:
-    """The client's loop: call, .cpu(), uint8; device time per forward from CUDA events."""
-    with torch.device(device):
-        pipe: Any = random_pipeline(work["pipeline"], work["components"], seed=0, dtype=work["dtype"])
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    if hasattr(pipe, "vae") and hasattr(pipe.vae, "enable_slicing"):
-        pipe.vae.enable_slicing()
-    cuda = device.startswith("cuda")
-    neg = inspect.signature(pipe.__call__).parameters.get("negative_prompt")
-    neg_default = None if neg is None else neg.default
+class DirectLoop:
+    """The client's loop: call, .cpu(), uint8; device time per forward from CUDA events.
+    The pipeline is built (and warmed) once, in this process, and measured once a round,
+    so its runs alternate with the engine's like theirs do with each other."""
 
-    def call(r: DiffusionRequest) -> tuple[Any, float | None]:
+    def __init__(self, name: str, work: Mapping[str, Any], device: str) -> None:
+        self.name, self.work, self.device = name, work, device
+        with torch.device(device):
+            pipe: Any = random_pipeline(work["pipeline"], work["components"], seed=0, dtype=work["dtype"])
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=True)
+        if hasattr(pipe, "vae") and hasattr(pipe.vae, "enable_slicing"):
+            pipe.vae.enable_slicing()
+        self.pipe = pipe
+        neg = inspect.signature(pipe.__call__).parameters.get("negative_prompt")
+        self.neg_default = None if neg is None else neg.default
+        for warm in requests(name, work, 2, "warm"):  # the first calls pay for allocations and kernel choice
+            self.call(warm)
+
+    def call(self, r: DiffusionRequest) -> tuple[Any, float | None]:
         kwargs = {k: v for k, v in r.params.items() if k != "seed"}
         if "class_labels" in kwargs:
             kwargs["class_labels"] = [kwargs["class_labels"]]
-        if "negative_prompt_embeds" in kwargs and neg_default is not None:
+        if "negative_prompt_embeds" in kwargs and self.neg_default is not None:
             kwargs["negative_prompt"] = None  # PixArt's default "" is refused beside negative embeddings
         for key in (
             "prompt_embeds",
@@ -330,26 +337,27 @@ def run_direct(name: str, work: Mapping[str, Any], device: str, count: int) -> t
             "negative_prompt_attention_mask",
         ):
             if key in kwargs:
-                kwargs[key] = kwargs[key].to(device)
+                kwargs[key] = kwargs[key].to(self.device)
+        cuda = self.device.startswith("cuda")
         start = end = None
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        out = pipe(**kwargs, generator=torch.Generator().manual_seed(int(r.params["seed"])), output_type="pt")
+        out = self.pipe(**kwargs, generator=torch.Generator().manual_seed(int(r.params["seed"])), output_type="pt")
         if cuda:
             end.record()
         pixels = out.images if "images" in out else out.frames
         made = to_uint8(pixels.cpu())  # what a client does next (the .cpu() waits for the kernels)
         return made.numpy(), (start.elapsed_time(end) / 1e3 if cuda else None)
 
-    for warm in requests(name, work, 2, "warm"):  # the first calls pay for allocations and kernel choice
-        call(warm)
-    t0 = time.perf_counter()
-    made = [call(r) for r in requests(name, work, count, "d")]
-    wall = time.perf_counter() - t0
-    device_times = [t for _, t in made]
-    forward = statistics.median([t for t in device_times if t is not None]) if cuda else None
-    return summary(name, "direct", count, wall, forward, None), [px for px, _ in made]
+    def run(self, count: int) -> tuple[dict[str, Any], list[Any]]:
+        """One measured run of ``count`` requests: its row and each output's pixels."""
+        t0 = time.perf_counter()
+        made = [self.call(r) for r in requests(self.name, self.work, count, "d")]
+        wall = time.perf_counter() - t0
+        device_times = [t for _, t in made if t is not None]
+        forward = statistics.median(device_times) if device_times else None
+        return summary(self.name, "direct", count, wall, forward, None), [px for px, _ in made]
 
 
 def pixels_of(output: Any) -> Any:
@@ -418,18 +426,25 @@ def run_engine(
         engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=async_output)
         async with engine:
             first = await one(engine, requests(name, work, 1, "first")[0])  # the first after start
-            t0 = time.perf_counter()
+            # time.monotonic(): the clock of the worker's forward stamps (worker/stamps.py).
+            t0 = time.monotonic()
             results = await asyncio.gather(*(engine.generate(r) for r in requests(name, work, count, "e")))
-            wall = time.perf_counter() - t0
+            t1 = time.monotonic()
             steady = await one(engine, requests(name, work, 1, "steady")[0])  # alone again, warm
-            return wall, list(results), first, steady
+            return t1 - t0, list(results), first, steady, (t0, t1)
 
-    wall, results, first, steady = asyncio.run(body())
+    wall, results, first, steady, (t0, t1) = asyncio.run(body())
     path = "engine-decode" if decode == "device" else "engine-async" if async_output else "engine-sync"
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
     row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
     row["first_over_steady"] = round(first / steady, 3)
+    # Where the wall time went: the engine's own forwards (their median, against the direct
+    # loop's), the time before the first forward began and after the last one ended.
+    spans = _spans(results)
+    if spans:
+        row["engine_forward_s"] = round(statistics.median(e - s for s, e in spans), 4)
+        row["lead_s"], row["tail_s"] = round(spans[0][0] - t0, 4), round(t1 - spans[-1][1], 4)
     if expected is not None:
         # The same seeds as the direct loop's requests, in order: every pixel equal.
         row["bit_for_bit"] = all(
@@ -477,18 +492,27 @@ def run_batching(
 
 
 def paths_table(rows: list[dict[str, Any]]) -> str:
-    """Per workload: the median requests/s of each engine path over its rounds, over the
-    direct loop's, and whether every output was equal to the direct loop's."""
-    lines = [f"{'workload':9} {'path':16} {'runs':>4} {'median req/s':>12} {'/ direct':>8} {'all equal':>9}"]
+    """Per workload and path: the median requests/s over its runs, over the direct loop's
+    median, the median forward (the direct loop's by CUDA events around the call, the
+    engine's from its worker's device stamps), and whether every output was equal to the
+    direct loop's."""
+    head = f"{'workload':9} {'path':16} {'runs':>4} {'median req/s':>12} {'/ direct':>8} {'fwd s':>6} {'all equal':>9}"
+    lines = [head]
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == name]
-        direct = next(r["requests_per_s"] for r in mine if r["path"] == "direct")
-        for path in ("engine-sync", "engine-async"):
+        direct = statistics.median(r["requests_per_s"] for r in mine if r["path"] == "direct")
+        for path, key in (
+            ("direct", "device_forward_s"),
+            ("engine-sync", "engine_forward_s"),
+            ("engine-async", "engine_forward_s"),
+        ):
             runs = [r for r in mine if r["path"] == path]
             if runs:
                 med = statistics.median(r["requests_per_s"] for r in runs)
-                equal = all(r.get("bit_for_bit") for r in runs)
-                lines.append(f"{name:9} {path:16} {len(runs):4} {med:12.3f} {med / direct:8.3f} {str(equal):>9}")
+                fwds = [r[key] for r in runs if r.get(key) is not None]
+                fwd = f"{statistics.median(fwds):6.3f}" if fwds else f"{'-':>6}"
+                equal = "-" if path == "direct" else str(all(r.get("bit_for_bit") for r in runs))
+                lines.append(f"{name:9} {path:16} {len(runs):4} {med:12.3f} {med / direct:8.3f} {fwd} {equal:>9}")
     return "\n".join(lines)
 
 
@@ -500,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default="dit,wan,pixart,cogvideox", help="comma-separated: dit, wan, pixart, cogvideox"
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="engine-sync and engine-async runs each, in alternating order"
+        "--rounds", type=int, default=1, help="direct, engine-sync and engine-async runs each, in alternating order"
     )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
@@ -513,18 +537,27 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.workloads.split(","):
         work = preset["workloads"][name]
-        direct, expected = run_direct(name, work, device, count)
+        loop = DirectLoop(name, work, device)
+        direct, expected = loop.run(count)
+        direct["round"] = 0
         rows.append(direct)
-        # The two paths in alternating order, round after round: order effects (a warmer
-        # GPU, the allocator, the page cache) fall on both alike.
+        # The direct loop and the two engine paths in turn, round after round, the order
+        # reversed every other round (direct, sync, async; async, sync, direct; ...): order
+        # effects (a warmer GPU, the allocator, the page cache) fall on all of them alike.
         for r in range(rounds):
-            for async_output in (False, True) if r % 2 == 0 else (True, False):
-                row = run_engine(
-                    name, work, device, count, async_output=async_output, forward=direct["device_forward_s"],
-                    expected=expected,
-                )  # fmt: skip
+            for path in ("direct", "sync", "async") if r % 2 == 0 else ("async", "sync", "direct"):
+                if path == "direct":
+                    if r == 0:
+                        continue  # measured above, first: its pixels are the reference
+                    row, _ = loop.run(count)
+                else:
+                    row = run_engine(
+                        name, work, device, count, async_output=path == "async", forward=direct["device_forward_s"],
+                        expected=expected,
+                    )  # fmt: skip
                 row["round"] = r
                 rows.append(row)
+        del loop
         if name == "wan":
             rows.append(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
                                    decode="device"))  # fmt: skip
@@ -532,9 +565,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
     print(
         f"{'workload':9} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10} {'bits':>5}"
+        f" {'eng fwd s':>9} {'lead s':>6} {'tail s':>6}"
     )
     for row in rows:
-        cells = [row.get(k) for k in ("device_forward_s", "device_idle_s", "forward_gap_s")]
+        keys = ("device_forward_s", "device_idle_s", "forward_gap_s", "engine_forward_s", "lead_s", "tail_s")
+        cells = [row.get(k) for k in keys]
         shown = ["-" if c is None else f"{c:.3f}" for c in cells]
         share = row.get("device_idle_share")
         idle = "-" if share is None else f"{100 * share:.1f}%"
@@ -542,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         bits = {True: "equal", False: "DIFF", None: "-"}[row.get("bit_for_bit")]
         print(
             f"{row['workload']:9} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10} {bits:>5}"
+            f" {shown[3]:>9} {shown[4]:>6} {shown[5]:>6}"
         )
     print(paths_table(rows))
     report = {

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import openai
@@ -58,20 +59,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
+def server_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment: the caller's, with the checkout's ``src`` first on its
+    ``PYTHONPATH`` and the caller's entries kept after it (packages installed with
+    ``pip install --target``, as on the device machine)."""
+    path = os.pathsep.join(p for p in (os.path.abspath(SRC), environ.get("PYTHONPATH", "")) if p)
+    return dict(environ, PYTHONPATH=path)
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "omni_async.cli", "serve", "--model", args.model, "--port", "0",
            "--device", args.device, "--max-batch-size", str(args.max_batch_size),
            "--poll-after-ms", str(args.poll_after_ms)]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env(os.environ)
+    )
     assert proc.stdout is not None
+    seen: list[str] = []
     for line in proc.stdout:
+        seen.append(line)
         m = re.search(r"ready at (http://\S+)", line)
         if m:
             # Its later output is drained (and echoed to stderr): a full pipe would block its writes.
             threading.Thread(target=_drain, args=(proc.stdout,), name="server-output", daemon=True).start()
             return proc, m.group(1)
-    raise RuntimeError(f"the server did not start (exit {proc.wait()})")
+    tail = "".join(seen[-20:])
+    raise RuntimeError(f"the server did not start (exit {proc.wait()}); its last output:\n{tail}")
 
 
 def _drain(stream: Any) -> None:

@@ -46,14 +46,23 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
     runs = report["runs"]
     paths = {(row["workload"], row["path"]) for row in runs}
     assert paths == {("cogvideox", p) for p in ("direct", "engine-sync", "engine-async")}
-    # Two rounds, the order alternating: sync first, then async first.
-    order = [row["path"] for row in runs if "round" in row]
-    assert order == ["engine-sync", "engine-async", "engine-async", "engine-sync"], order
+    # Two rounds, the order reversed in the second: direct, sync, async; async, sync, direct.
+    order = [(row["round"], row["path"]) for row in runs]
+    assert order == [
+        (0, "direct"),
+        (0, "engine-sync"),
+        (0, "engine-async"),
+        (1, "engine-async"),
+        (1, "engine-sync"),
+        (1, "direct"),
+    ], order
     assert all(row["requests_per_s"] > 0 for row in runs)
     for row in runs:
         if row["path"] in ("engine-sync", "engine-async"):
             assert row["first_request_s"] > 0 and row["steady_request_s"] > 0, row
             assert 0 <= row["device_idle_share"] < 1, row
             assert row["bit_for_bit"] is True, row  # every output equal to the direct loop's
+            # Where the wall time went: the forwards and the time around them.
+            assert row["engine_forward_s"] > 0 and row["lead_s"] >= 0 and row["tail_s"] >= 0, row
     assert "median req/s" in done.stdout
     assert "req/s" in done.stdout

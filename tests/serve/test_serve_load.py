@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,3 +33,16 @@ def test_the_load_bench_smoke_run_serves_every_request(tmp_path: Path) -> None:
     assert [(r["requests"], r["failures"]) for r in report["runs"]] == [(24, 0), (2, 0)] * 2, report["runs"]
     assert report["server_exit"] == 0 and report["runs"][0]["health_probes"] > 0
     assert "http_over_direct =" in done.stdout and "--tiny" in report["command"]
+
+
+def test_the_server_keeps_the_callers_python_path() -> None:
+    # On the device machine the serve extra is installed with `pip install --target DIR`
+    # and found through PYTHONPATH: a server started with src alone failed to import fastapi.
+    spec = importlib.util.spec_from_file_location("serve_load", ROOT / "bench" / "serve_load.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    env = module.server_env({"PYTHONPATH": "/opt/site-a:/opt/site-b", "HOME": "/root"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT / "src"), "/opt/site-a", "/opt/site-b"]
+    assert env["HOME"] == "/root"
+    assert module.server_env({})["PYTHONPATH"] == str(ROOT / "src")
