@@ -67,6 +67,17 @@ def server_env(environ: Mapping[str, str]) -> dict[str, str]:
     return dict(environ, PYTHONPATH=path)
 
 
+def model_params(text: str) -> dict[str, Any]:
+    """``--params``: a JSON object of model parameters."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of parameters, got {text!r}")
+    return value
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "omni_async.cli", "serve", "--model", args.model, "--port", "0",
            "--device", args.device, "--max-batch-size", str(args.max_batch_size),
@@ -142,7 +153,9 @@ async def http_run(url: str, args: argparse.Namespace, size: tuple[int, int]) ->
                 return
             t0 = time.perf_counter()
             try:
-                r = await client.images.generate(prompt=f"image {i}", size=args.size, extra_body={"seed": i})
+                r = await client.images.generate(
+                    prompt=f"image {i}", size=args.size, extra_body={**args.params, "seed": i}
+                )
                 assert r.data is not None and len(r.data) == 1
                 await asyncio.to_thread(check_png, r.data[0].b64_json, size)
                 latencies.append(time.perf_counter() - t0)
@@ -175,7 +188,7 @@ async def _http_videos(client: openai.AsyncOpenAI, args: argparse.Namespace) -> 
         t0 = time.perf_counter()
         try:
             job = await client.videos.create(prompt=f"clip {i}", seconds=str(args.seconds), size=args.size,  # type: ignore[arg-type]
-                                             extra_body={"seed": i})  # fmt: skip
+                                             extra_body={**args.params, "seed": i})  # fmt: skip
             job = await client.videos.poll(job.id)
             if job.status != "completed":
                 raise AssertionError(f"video job {job.id} {job.status}: {job.error}")
@@ -203,7 +216,7 @@ def check_mp4(data: bytes, frames: int) -> None:
 async def direct_run(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = ServeConfig(model=served_model(args.model, device=args.device), device=args.device,
                          max_batch_size=args.max_batch_size)  # fmt: skip
-    params = config.model.size_params(args.size)
+    params = {**config.model.size_params(args.size), **args.params}
     latencies: list[float] = []
     failures: list[str] = []
     gate = asyncio.Semaphore(args.concurrency)
@@ -309,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--videos", type=int, default=0, help="also this many video jobs at once (MP4), after the images")
     ap.add_argument("--seconds", type=int, default=1, help="each video job's length")
     ap.add_argument("--poll-after-ms", type=int, default=100, help="the server's openai-poll-after-ms (video jobs)")
+    ap.add_argument("--params", type=model_params, default={},
+                    help='JSON object: more model parameters for every request, e.g. \'{"step_ms": 250}\' (tiny: a '
+                         "pause per step, for a forward of a realistic length)")  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="CI smoke: 24 requests at concurrency 8, 4 warm-up, 2 videos")
     ap.add_argument("--json", default=None, help="default: bench/results/serve_load_<model>.json (not with --tiny)")
     args = ap.parse_args(argv)
