@@ -138,6 +138,46 @@ def test_video_deleted_mid_flight_is_aborted(server: ServerProcess, client: open
     assert after["finished"] == before["finished"]
 
 
+def test_video_content_streams_before_the_job_is_completed(server: ServerProcess, client: openai.OpenAI) -> None:
+    video = client.videos.create(prompt="slow", seconds="4", size="64x32", extra_body={"steps": 8, "step_ms": 100})  # type: ignore[arg-type]
+    # Asked for at once: the answer starts while the job runs (it no longer waits, or says 409),
+    # and its body is the MP4, whole, as the encoder made it.
+    with httpx.stream("GET", f"{server.url}/v1/videos/{video.id}/content", timeout=30) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+        assert r.headers["content-disposition"] == f'attachment; filename="{video.id}.mp4"'
+        while_streaming = client.videos.retrieve(video.id).status
+        streamed = b"".join(r.iter_bytes())
+    assert while_streaming in ("queued", "in_progress")
+    with av.open(io.BytesIO(streamed), mode="r") as container:
+        assert len(list(container.decode(video=0))) == 16
+    done = client.videos.poll(video.id)
+    assert (done.status, done.progress) == ("completed", 100)
+    # Once completed, the content comes from the file sink: the same bytes.
+    assert client.videos.download_content(video.id).read() == streamed
+    assert client.videos.delete(video.id).deleted
+
+
+def test_a_stream_of_a_deleted_video_breaks_off(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = settled(server)
+    video = client.videos.create(prompt="slow", seconds="4", extra_body={"steps": 50, "step_ms": 100})
+    with httpx.stream("GET", f"{server.url}/v1/videos/{video.id}/content", timeout=30) as r:
+        assert r.status_code == 200
+        assert client.videos.delete(video.id).deleted
+        # Short of its end, never a clean end that would pass for a whole file.
+        with pytest.raises(httpx.RemoteProtocolError):
+            b"".join(r.iter_bytes())
+    after = settled(server, timeout=2.0)
+    assert after["aborted"] - before["aborted"] == 1 and after["finished"] == before["finished"]
+    # The server says so once, in a line, with no traceback (neither its own nor uvicorn's).
+    deadline = time.monotonic() + 5
+    while f"video {video.id}: its content's stream broke off: its job was deleted" not in server.output():
+        assert time.monotonic() < deadline, server.output()
+        time.sleep(0.05)
+    told = [line for line in server.output().splitlines() if video.id in line]
+    assert len(told) == 1, told
+    assert "Traceback" not in server.output()
+
+
 def test_video_job_as_json(server: ServerProcess) -> None:
     r = httpx.post(f"{server.url}/v1/videos", json={"prompt": "x", "seconds": "1", "size": "64x64"})
     assert r.status_code == 200, r.text

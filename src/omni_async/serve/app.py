@@ -26,6 +26,7 @@ from omni_async.serve.errors import ApiError
 from omni_async.serve.httpmetrics import MetricsMiddleware
 from omni_async.serve.routes import router
 from omni_async.serve.state import ServerState
+from omni_async.serve.videos import VideoStreamBroken
 
 __all__ = ["build_app", "engine_for"]
 
@@ -81,7 +82,8 @@ def build_app(config: ServeConfig, engine: AsyncDiffusionEngine | None = None) -
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         rid = f"req_{uuid.uuid4().hex}"
-        log.exception("%s %s failed (%s)", request.method, request.url.path, rid, exc_info=exc)
+        if not isinstance(exc, VideoStreamBroken):  # that one is told where it breaks off
+            log.exception("%s %s failed (%s)", request.method, request.url.path, rid, exc_info=exc)
         err = ApiError(500, f"internal error ({rid}): {type(exc).__name__}: {exc}", type="server_error")
         return JSONResponse(err.body(), status_code=500)
 

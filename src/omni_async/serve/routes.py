@@ -22,6 +22,7 @@ from omni_async.serve.errors import ApiError, bad_request
 from omni_async.serve.httpmetrics import exposition
 from omni_async.serve.parsing import form_value, parse_image_body, parse_video_body
 from omni_async.serve.state import ServerState
+from omni_async.serve.videos import VideoSpool
 
 __all__ = ["router"]
 
@@ -101,7 +102,12 @@ def router(state: ServerState) -> APIRouter:
     async def video_content(video_id: str, variant: str = "video") -> Response:
         if variant != "video":
             raise bad_request("variant", f"variant must be 'video' (no thumbnails here), got {variant!r:.40}")
-        return _file_response(state, state.videos.content(video_id), f"{video_id}.mp4")
+        found = state.videos.content(video_id)
+        if isinstance(found, VideoSpool):
+            # Not completed yet: the MP4's bytes as they are encoded (a fragmented MP4, whole
+            # at the end; the transfer breaks off if the job fails or is deleted meanwhile).
+            return StreamingResponse(found.follow(), media_type="video/mp4", headers=_attachment(f"{video_id}.mp4"))
+        return _file_response(state, found, f"{video_id}.mp4")
 
     @r.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> Response:
@@ -124,6 +130,11 @@ def _file_response(state: ServerState, file_id: str, filename: str | None) -> Fi
     except OutputFileGone as exc:
         raise ApiError(404, f"file {file_id!r} is gone ({exc.why})", param="file_id", code="not_found") from exc
     return FileResponse(written.path, media_type=written.media_type, filename=filename)
+
+
+def _attachment(filename: str) -> dict[str, str]:
+    """The ``content-disposition`` header ``FileResponse`` sends for ``filename`` (a job id's)."""
+    return {"content-disposition": f'attachment; filename="{filename}"'}
 
 
 def _poll(state: ServerState) -> dict[str, str]:

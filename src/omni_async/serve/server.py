@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -22,6 +23,7 @@ import uvicorn
 
 from omni_async.serve.app import build_app
 from omni_async.serve.config import ServeConfig
+from omni_async.serve.videos import QuietBrokenStreams
 
 __all__ = ["bind", "serve"]
 
@@ -75,6 +77,8 @@ def serve(
             lifespan="on",
         )
     )
+    # (After uvicorn.Config, which sets up uvicorn's loggers.)
+    logging.getLogger("uvicorn.error").addFilter(QuietBrokenStreams())
 
     async def main() -> None:
         running = asyncio.create_task(server.serve(sockets=[sock]))
