@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from helpers.engine_harness import run
 from helpers.executor_harness import RELAXED, make_toy
@@ -124,9 +125,12 @@ def test_an_expired_file_is_deleted_and_get_says_so(de: DiffusionEngine) -> None
 
 
 def test_delete_removes_the_file_once(de: DiffusionEngine) -> None:
+    before = de.metrics().files_held
     f = de.generate(DiffusionRequest("del", SMALL, format="webp", sink="file")).output
     files = de.files
+    assert de.metrics().files_held == before + 1
     assert files.delete(f.file_id) is True
+    assert de.metrics().files_held == before
     with pytest.raises(OutputFileGone) as err:
         files.get(f.file_id)
     assert err.value.why == "deleted"
@@ -243,6 +247,8 @@ def test_a_second_process_reads_the_lent_segment_and_release_frees_the_budget(de
     (t,) = lease.tensors
     assert (t.key, t.shape, t.dtype, t.nbytes) == ("image", (256, 256, 3), "uint8", 256 * 256 * 3)
     assert held(de) == (1, 1.0)  # held in the engine's budget and the executor's
+    assert de.metrics().leases_held == 1 and de.metrics().as_dict()["leases_held"] == 1.0
+    assert "omni_async_engine_leases_held 1.0" in generate_latest(de.prometheus_registry()).decode()
     out = subprocess.run(
         [sys.executable, "-c", READER, lease.segment, str(t.offset), str(t.nbytes)],
         capture_output=True,
@@ -254,6 +260,7 @@ def test_a_second_process_reads_the_lent_segment_and_release_frees_the_budget(de
     assert out.stdout.strip() == hashlib.sha256(expected).hexdigest()
     assert lease.release() is True and lease.released
     until(lambda: held(de) == (0, 0.0), "the release")
+    assert de.metrics().leases_held == 0
     assert lease.release() is False  # a second release is harmless
     assert held(de) == (0, 0.0)
 

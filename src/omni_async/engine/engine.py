@@ -619,8 +619,9 @@ class AsyncDiffusionEngine:
 
     def _snapshot(self) -> EngineMetrics:
         return engine_snapshot(
-            self._admission, self._post, self._driver, self._streams, self._executor, self._loop_task
-        )
+            self._admission, self._post, self._driver, self._streams, self._executor, self._loop_task,
+            self._files, self._leases,
+        )  # fmt: skip
 
     def prometheus_registry(self) -> CollectorRegistry:
         """A ``prometheus_client.CollectorRegistry`` of this engine alone (not the global

@@ -232,7 +232,10 @@ class EngineMetrics:
     groups of requests admitted to go to the workers together (a request alone is a
     group of one), ``batched``: those of two or more members, ``batch_size_mean`` /
     ``batch_size_max``: their members on average (admitted requests / ``batches``; 0
-    before the first) and at most.
+    before the first) and at most.  Output sinks: ``files_held``, the files of
+    ``sink="file"`` requests on disk now (until their expiry or ``files.delete``);
+    ``leases_held``, the outputs lent with ``sink="segment"`` and not yet released
+    (each also counted in ``holding``).
     """
 
     requests: Mapping[str, int]
@@ -256,6 +259,8 @@ class EngineMetrics:
     batched: int = 0
     batch_size_mean: float = 0.0
     batch_size_max: int = 0
+    files_held: int = 0
+    leases_held: int = 0
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers: ``requests_<outcome>``, the depths and counters, and
@@ -280,6 +285,8 @@ class EngineMetrics:
             batched=float(self.batched),
             batch_size_mean=self.batch_size_mean,
             batch_size_max=float(self.batch_size_max),
+            files_held=float(self.files_held),
+            leases_held=float(self.leases_held),
         )
         if self.executor is not None:
             out.update({f"executor_{k}": v for k, v in self.executor.as_dict().items()})

@@ -25,6 +25,8 @@ Families (all prefixed ``omni_async_``):
 * ``engine_batches_total`` / ``engine_batched_total`` / ``engine_batch_size_mean`` /
   ``engine_batch_size_max``: batching (``max_batch_size``): groups admitted, those of
   two or more, their mean and largest size;
+* ``engine_files_held`` / ``engine_leases_held``: the output sinks' files on disk and
+  segments lent now (``sink="file"``, ``sink="segment"``);
 * ``engine_loop_up``, ``pump_up``, ``workers_up``: liveness (1 or 0).
 """
 
@@ -109,6 +111,12 @@ class EngineCollector(Collector):
             f"{_P}engine_batch_size_mean", "Requests per admitted group, on average", value=m.batch_size_mean
         )
         yield GaugeMetricFamily(f"{_P}engine_batch_size_max", "The largest admitted group", value=m.batch_size_max)
+        yield GaugeMetricFamily(
+            f"{_P}engine_files_held", "Files of sink='file' requests on disk now", value=m.files_held
+        )
+        yield GaugeMetricFamily(
+            f"{_P}engine_leases_held", "Outputs lent with sink='segment' and not released", value=m.leases_held
+        )
         ex = m.executor
         if ex is not None:
             gauges: list[tuple[str, float, str]] = []

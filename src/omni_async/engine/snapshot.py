@@ -12,6 +12,7 @@ from omni_async.engine.admission import Admission
 from omni_async.engine.driver import RequestDriver
 from omni_async.engine.metrics import STAGES, EngineMetrics, LatencyHistogram
 from omni_async.engine.postprocessor import PostProcessor
+from omni_async.engine.sinks import OutputFiles, SegmentLeases
 from omni_async.engine.streaming import StreamReader
 from omni_async.executor.api import DiffusionExecutor
 from omni_async.executor.metrics import ExecutorMetrics
@@ -28,6 +29,8 @@ def engine_snapshot(
     streams: StreamReader | None,
     executor: DiffusionExecutor | None,
     loop_task: asyncio.Task[None] | None,
+    files: OutputFiles,
+    leases: SegmentLeases,
 ) -> EngineMetrics:
     """The snapshot, on the engine's event loop (the collaborators are read unlocked).
     ``driver``, ``streams``, ``executor``, ``loop_task``: None before the start built them."""
@@ -71,4 +74,6 @@ def engine_snapshot(
         batched=0 if s is None else s.stats.batched,
         batch_size_mean=0.0 if s is None or not s.stats.batches else s.stats.admitted / s.stats.batches,
         batch_size_max=0 if s is None else s.stats.max_batch,
+        files_held=len(files),
+        leases_held=leases.held,
     )
