@@ -25,11 +25,13 @@ import pytest
 from helpers.engine_harness import assert_quiescent, eventually, run
 from helpers.leaks import kept_for_the_module
 from omni_async.core.config import Deadlines
+from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.encoders import EncodedOutput, VideoBytes, encode_image
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EncodeFailed
 from omni_async.engine.metrics import GenerationResult
+from omni_async.engine.sync import DiffusionEngine
 from omni_async.executor.inprocess import InProcessExecutor
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 from omni_async.models.video import FrameVideoWorker
@@ -210,6 +212,24 @@ def test_a_video_encoded_in_parts_matches_the_whole_video_encode_and_streams_fra
             await assert_quiescent(engine)
 
     run(body())
+
+
+def test_the_blocking_engine_streams_a_video_and_an_early_close_aborts_it(video: MultiprocDiffusionExecutor) -> None:
+    params = {"frames": 16, "height": 32, "width": 48, "chunk_frames": 4, "forward_ms": 50}
+    with DiffusionEngine(video, encode_workers=1) as engine:
+        *pieces, result = engine.generate_video(DiffusionRequest("sync", params, format="mp4"), fragmented=True)
+        assert pieces and all(isinstance(p, VideoBytes) for p in pieces)
+        assert isinstance(result, GenerationResult) and isinstance(result.output, EncodedOutput)
+        assert b"".join(p.data for p in pieces if isinstance(p, VideoBytes)) == result.output.data
+        assert decoded(result.output.data).shape == (16, 32, 48, 3)
+        slow = dict(params, forward_ms=2000)
+        items = engine.generate_video(DiffusionRequest("left", slow, format="mp4"), fragmented=True)
+        first = next(items)  # the fragmented MP4's head, before the forward ends
+        assert isinstance(first, VideoBytes) and first.offset == 0
+        items.close()  # returns once nothing of the request is left
+        assert engine.metrics().requests["cancelled"] == 1 and held(video) == 0  # the caller ended it
+        with pytest.raises(UsageError, match="format='mp4'"):
+            next(engine.generate_video(DiffusionRequest("png", params, format="png")))
 
 
 def test_a_sigkilled_encoder_mid_video_fails_it_and_releases_every_part(video: MultiprocDiffusionExecutor) -> None:

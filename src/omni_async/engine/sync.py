@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Self, TypeVar, Unpack
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.config import EngineConfig, EngineOptions, engine_config
+from omni_async.engine.encoders import VideoBytes
 from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.engine.errors import EngineClosed
 from omni_async.engine.metrics import EngineMetrics, GenerationChunk, GenerationResult
@@ -158,13 +159,25 @@ class DiffusionEngine:
         """
         return self._iterate(request, self._engine.generate_stream(request, deadlines=deadlines), timeout)
 
-    def _iterate(
+    def generate_video(
         self,
         request: DiffusionRequest,
-        agen: AsyncGenerator[GenerationChunk | GenerationResult, None],
-        timeout: float | None,
-    ) -> Generator[GenerationChunk | GenerationResult, None, None]:
-        async def step() -> GenerationChunk | GenerationResult:
+        *,
+        fragmented: bool = False,
+        deadlines: Deadlines | None = None,
+        timeout: float | None = None,
+    ) -> Generator[VideoBytes | GenerationResult, None, None]:
+        """Run ``request`` (``format="mp4"``) with its video encoded while it decodes (see
+        ``AsyncDiffusionEngine.generate_video``): with ``fragmented=True`` an iterator of
+        its ``VideoBytes`` as they are made, then its ``GenerationResult`` (the whole MP4).
+        Closing the iterator early and ``timeout`` behave as in ``generate_stream``."""
+        agen = self._engine.generate_video(request, fragmented=fragmented, deadlines=deadlines)
+        return self._iterate(request, agen, timeout)
+
+    def _iterate(
+        self, request: DiffusionRequest, agen: AsyncGenerator[T, None], timeout: float | None
+    ) -> Generator[T, None, None]:
+        async def step() -> T:
             return await agen.__anext__()
 
         ended = False
