@@ -34,7 +34,8 @@
 #           itself, --client-path fresh against pooled, and its event-loop line
 #   part serve-video: part serve's video model alone; part dit-rounds: DiT-XL/2 direct, sync
 #           and async in alternating order (issue 31); part client-c1: omni-async bench with
-#           the client's bytes at one request in flight (issue 31's latency target)
+#           the client's bytes at one request in flight (issue 31's latency target), then
+#           encoded images behind a 30 ms forward
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default). Still owed: 10 again (the bench's new
 # breakdown of the engine's forward), dit-rounds, client-c1, serve-video, host, host-bench.
@@ -213,6 +214,10 @@ client-c1)
     timeout 150 python3 -m omni_async.cli bench --device cuda --modes omni-u8 \
         --sizes image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16 --forward-ms 30 --concurrency 1 --requests 12 \
         --json "$out/bench_client_bytes_c1.json" 2>&1 | grep -v "budget of held" | tee "$out/bench_client_bytes_c1.log" | tail -14
+    save
+    # Encoded images behind a 30 ms forward (>= 0.95), since the encoders read the segment.
+    timeout 100 python3 bench/encoded_images.py --device cuda --requests 150 --json "$out/encoded_images.json" 2>&1 \
+        | tee "$out/encoded_images.log" | tail -6
     save
     ;;
 host-bench)
