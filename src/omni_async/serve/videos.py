@@ -201,7 +201,7 @@ class VideoJobs:
     ) -> None:
         spool = job.spool
         assert spool is not None
-        failure = "the server stopped"
+        failure: str | None = "the server stopped"  # unless it ends below
         try:
             async with contextlib.aclosing(pieces):
                 piece = await first
@@ -220,7 +220,7 @@ class VideoJobs:
                 write.add_done_callback(self._discard_written)
                 raise
             job.status, job.progress = "completed", 100
-            failure = ""
+            failure = None
         except asyncio.CancelledError:
             first.cancel()
             raise
@@ -231,7 +231,7 @@ class VideoJobs:
             job.status, job.error = "failed", {"code": err.code or "failed", "message": err.message}
             failure = f"it failed ({err.message})"
         finally:
-            spool.end(failure or None)
+            spool.end(failure)
             job.spool = None  # its bytes live on only in the streams still reading them
         now = int(time.time())
         job.completed_at = now
