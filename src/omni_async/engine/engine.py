@@ -96,13 +96,14 @@ each what it needs; none calls back up into the engine):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Self, Unpack
+from typing import TYPE_CHECKING, Self, TypeVar, Unpack
 
 from omni_async.core.config import Deadlines
 from omni_async.core.engine_states import EngineState, StageEvent, StageState
@@ -136,6 +137,9 @@ __all__ = ["AsyncDiffusionEngine"]
 # The engine's one logger, whichever of its modules logs: a user's logging set-up for
 # ``omni_async.engine.engine`` sees all of it.
 log = logging.getLogger("omni_async.engine.engine")
+
+#: An item of a request's iterator before its result: a stream's chunk, a video's bytes.
+_Item = TypeVar("_Item", GenerationChunk, VideoBytes)
 
 SS = StageState
 SE = StageEvent
@@ -444,42 +448,20 @@ class AsyncDiffusionEngine:
         if not self.config.async_output:
             raise UsageError("generate_stream: streaming takes the asynchronous output path (async_output=True)")
         rec = self._admit(request, deadlines, "generate_stream", True)
-        assert self._streams is not None and self._ends is not None
-        streams, ends = self._streams, self._ends
-        done = False
-        try:
-            while rec.stream is None and not rec.result.done() and not rec.ended():
-                rec.changed.clear()
-                if rec.stream is None and not rec.result.done() and not rec.ended():
-                    await rec.changed.wait()
-            while (chunk := await streams.next_chunk(rec)) is not None:
-                yield await streams.item(rec, chunk)
-            result = await asyncio.shield(rec.result)
-            if rec.error is not None:
-                raise rec.error  # ended (aborted, closed) after its result was set: that end counts
-            done = True
-            # The consumer has its result: the driver may forget the request (FINISHED).
-            streams.consumed(rec)
-            yield result
-        except GeneratorExit:
-            # aclose(): abort what is left, and return once nothing of it remains.
-            streams.stop(rec)
-            try:
-                await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self.config.close_timeout)
-            except (TimeoutError, asyncio.CancelledError):
-                log.warning("engine: request %r still releasing after its stream closed", rec.request_id)
-            raise
-        except asyncio.CancelledError:
-            streams.stop(rec)
-            raise
-        except BaseException as exc:
-            if not done:
-                # A chunk failed: the stream ends with its error, and the request with it.
-                ends.end_early(rec, SE.FAIL, error=exc)
-                streams.stop(rec)
-            raise
-        finally:
-            streams.consumed(rec)
+        async with contextlib.aclosing(self._deliver(rec, self._chunks(rec), "stream")) as items:
+            async for item in items:
+                yield item
+
+    async def _chunks(self, rec: RequestRecord) -> AsyncGenerator[GenerationChunk, None]:
+        """A stream's chunks, post-processed as the caller takes each (``generate_stream``)."""
+        assert self._streams is not None
+        streams = self._streams
+        while rec.stream is None and not rec.result.done() and not rec.ended():
+            rec.changed.clear()
+            if rec.stream is None and not rec.result.done() and not rec.ended():
+                await rec.changed.wait()
+        while (chunk := await streams.next_chunk(rec)) is not None:
+            yield await streams.item(rec, chunk)
 
     async def generate_video(
         self, request: DiffusionRequest, *, fragmented: bool = False, deadlines: Deadlines | None = None
@@ -503,9 +485,8 @@ class AsyncDiffusionEngine:
         if not isinstance(fragmented, bool):
             raise UsageError(f"generate_video: fragmented must be a bool, got {fragmented!r:.80}")
         rec = self._admit(request, deadlines, "generate_video", True)
-        assert self._streams is not None and self._ends is not None
-        streams, ends = self._streams, self._ends
-        post = self._post
+        assert self._streams is not None
+        streams, post = self._streams, self._post
         video = rec.video = VideoEncode(
             rec.request_id,
             request.encoding,
@@ -520,16 +501,42 @@ class AsyncDiffusionEngine:
         pump = asyncio.get_running_loop().create_task(
             streams.feed_video(rec, video), name=f"omni-video-{rec.request_id}"
         )
-        done = False
-        try:
+
+        async def pieces() -> AsyncGenerator[VideoBytes, None]:
             while (piece := await video.next_piece()) is not None:
                 yield piece
             if video.failure is not None and not rec.result.done():
                 raise video.failure
+
+        try:
+            async with contextlib.aclosing(self._deliver(rec, pieces(), "video's iterator")) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if not pump.done():
+                pump.cancel()
+            video.abandon()
+
+    async def _deliver(
+        self, rec: RequestRecord, items: AsyncGenerator[_Item, None], what: str
+    ) -> AsyncGenerator[_Item | GenerationResult, None]:
+        """What ``generate_stream`` and ``generate_video`` share: yield ``items`` (the
+        request's chunks, or its video's bytes), then its ``GenerationResult``, with one
+        ending for every way out.  Closed early (``aclose``): abort what is left of the
+        request and return once nothing of it remains (bounded by ``close_timeout``);
+        cancelled: abort it; an item failed: the request ends with that error."""
+        assert self._streams is not None and self._ends is not None
+        streams, ends = self._streams, self._ends
+        done = False
+        try:
+            async with contextlib.aclosing(items) as each:
+                async for item in each:
+                    yield item
             result = await asyncio.shield(rec.result)
             if rec.error is not None:
-                raise rec.error
+                raise rec.error  # ended (aborted, closed) after its result was set: that end counts
             done = True
+            # The consumer has its result: the driver may forget the request (FINISHED).
             streams.consumed(rec)
             yield result
         except GeneratorExit:
@@ -537,7 +544,7 @@ class AsyncDiffusionEngine:
             try:
                 await asyncio.wait_for(asyncio.shield(rec.gone.wait()), self.config.close_timeout)
             except (TimeoutError, asyncio.CancelledError):
-                log.warning("engine: request %r still releasing after its video's iterator closed", rec.request_id)
+                log.warning("engine: request %r still releasing after its %s closed", rec.request_id, what)
             raise
         except asyncio.CancelledError:
             streams.stop(rec)
@@ -549,9 +556,6 @@ class AsyncDiffusionEngine:
             raise
         finally:
             streams.consumed(rec)
-            if not pump.done():
-                pump.cancel()
-            video.abandon()
 
     async def abort(self, request_ids: str | Iterable[str], *, wait: bool = False) -> None:
         """Abort requests by id, at whatever stage they are (unknown or finished ids are
