@@ -24,7 +24,6 @@ the names that need them are loaded on first use (``__getattr__``, PEP 562).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 # What needs neither torch nor numpy is imported now; the rest (the engine, the executors,
@@ -58,6 +57,7 @@ from omni_async.core.errors import (
     WorkerStartupFailed,
     WorkerStuck,
 )
+from omni_async.core.lazy import lazy_exports
 from omni_async.core.messages import (
     AbortCause,
     AsyncDiffusionOutput,
@@ -221,17 +221,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'omni_async' has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # the next use finds it without coming here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 #: The engine author's names (docs/names.md).  Model authors import from

@@ -8,7 +8,6 @@ errors defined beside torch code are loaded on first use (PEP 562).
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from omni_async.core.config import InvalidConfig
@@ -37,6 +36,7 @@ from omni_async.core.errors import (
     WorkerStartupFailed,
     WorkerStuck,
 )
+from omni_async.core.lazy import lazy_exports
 from omni_async.core.sinks import InvalidSink
 from omni_async.engine.errors import (
     EncodeFailed,
@@ -76,17 +76,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'omni_async.errors' has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -7,9 +7,9 @@ torch."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from omni_async.core.lazy import lazy_exports
 from omni_async.engine.errors import OutputFileGone
 
 if TYPE_CHECKING:
@@ -36,17 +36,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [

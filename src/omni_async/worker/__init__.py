@@ -12,9 +12,9 @@ first use (PEP 562), so ``import omni_async.worker`` stays light.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from omni_async.core.lazy import lazy_exports
 from omni_async.core.messages import BatchDiffusionOutput, DiffusionOutput, DiffusionRequest
 from omni_async.worker.cancel import cancel_requested, raise_if_cancelled
 from omni_async.worker.stream import emit_chunk, emit_frames, streaming_requested
@@ -42,17 +42,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'omni_async.worker' has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [
