@@ -12,6 +12,7 @@ parse as they arrive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import signal
@@ -43,6 +44,18 @@ VIDEO = WorkerSpec("omni_async.models.video:FrameVideoWorker", {})
 @pytest.fixture(scope="module")
 def video() -> Iterator[MultiprocDiffusionExecutor]:
     yield from kept_for_the_module(MultiprocDiffusionExecutor(VIDEO, deadlines=DEADLINES))
+
+
+@contextlib.contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    """Process ``pid`` stopped (SIGSTOP) for the block, so a job waits in its pipe; resumed
+    after it, unless the block killed it."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def held(ex: MultiprocDiffusionExecutor) -> int:
@@ -122,17 +135,11 @@ def test_a_sigkilled_encoder_releases_the_held_output_once_and_fails_its_request
             await engine.generate(DiffusionRequest("warm", params, format="mp4"))  # starts the process
             pool = engine._post.encoders
             (pid,) = pool.pids()
-            os.kill(pid, signal.SIGSTOP)
-            try:
+            with stopped(pid):
                 task = asyncio.ensure_future(engine.generate(DiffusionRequest("victim", params, format="mp4")))
                 await eventually(lambda: pool.running() == {pid: "victim"}, what="the job in its process's pipe")
                 assert held(video) == 1  # the encoder reads the segment: the output stays held
                 os.kill(pid, signal.SIGKILL)
-            finally:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
             with pytest.raises(EncodeFailed, match="SIGKILL") as err:
                 await task
             assert err.value.request_id == "victim" and err.value.format == "mp4"
@@ -243,21 +250,15 @@ def test_a_sigkilled_encoder_mid_video_fails_it_and_releases_every_part(video: M
             await engine.generate(DiffusionRequest("warm", dict(params, frames=2), format="mp4"))
             pool = engine._post.encoders
             (pid,) = pool.pids()
-            os.kill(pid, signal.SIGSTOP)
 
             async def consume() -> list[object]:
                 return [i async for i in engine.generate_video(DiffusionRequest("victim", params, format="mp4"))]
 
-            try:
+            with stopped(pid):
                 task = asyncio.ensure_future(consume())
                 await eventually(lambda: pool.running() == {pid: "victim"}, what="a part in its process's pipe")
                 await eventually(lambda: held(video) >= 2, what="parts held behind it")
                 os.kill(pid, signal.SIGKILL)
-            finally:
-                try:
-                    os.kill(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
             with pytest.raises(EncodeFailed, match="SIGKILL") as err:
                 await task
             assert err.value.request_id == "victim"
