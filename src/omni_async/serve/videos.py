@@ -157,7 +157,6 @@ class VideoJobs:
         self._model = model
         self._keep_s = keep_s
         self._jobs: dict[str, VideoJob] = {}
-        self._closing = False
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -273,12 +272,12 @@ class VideoJobs:
         job = self._jobs.pop(job_id, None)
         if job is None:
             raise not_found("video", job_id)
-        await self._stop(job)
+        await self._stop(job, "its job was deleted")
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
-    async def _stop(self, job: VideoJob) -> None:
+    async def _stop(self, job: VideoJob, why: str) -> None:
         if job.spool is not None:
-            job.spool.end("its job was deleted" if not self._closing else "the server stopped")
+            job.spool.end(why)  # a stream of it breaks off, saying why
         if job.task is not None and not job.task.done():
             if not self._engine.closed:
                 await self._engine.abort(job.id, wait=True)
@@ -290,9 +289,8 @@ class VideoJobs:
 
     async def close(self) -> None:
         """Abort every job still running (the server stops)."""
-        self._closing = True
         jobs, self._jobs = list(self._jobs.values()), {}
-        await asyncio.gather(*(self._stop(j) for j in jobs), return_exceptions=True)
+        await asyncio.gather(*(self._stop(j, "the server stopped") for j in jobs), return_exceptions=True)
 
     def _sweep(self) -> None:
         now = time.time()
