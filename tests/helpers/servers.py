@@ -29,10 +29,13 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "..", "src")
 class ServerProcess:
     """A running ``omni-async serve``; its output is collected on a thread."""
 
-    def __init__(self, *options: str, start_timeout: float = 60.0) -> None:
+    def __init__(self, *options: str, start_timeout: float = 60.0, own_group: bool = False) -> None:
+        """``own_group``: the server leads a process group of its own (for ``stop(group=True)``)."""
         env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
         cmd = [sys.executable, "-m", "omni_async.cli", "serve", "--port", "0", *options]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=own_group
+        )
         self.prefix = f"{files.SHM_PREFIX_ROOT}{self.proc.pid}-"
         LONG_LIVED.add(self.prefix)
         self.lines: list[str] = []
@@ -57,10 +60,18 @@ class ServerProcess:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
-        """Send ``sig`` and wait for the exit; its status (SIGKILL after ``timeout``)."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0, *, group: bool = False) -> int:
+        """Send ``sig`` (``group``: to the server's whole process group, as systemd's stop and a
+        terminal's Ctrl-C do; the server must have ``own_group``) and wait for the exit; its
+        status (SIGKILL after ``timeout``)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+            if group:
+                assert os.getpgid(self.proc.pid) == self.proc.pid, (
+                    "stop(group=True) needs ServerProcess(own_group=True)"
+                )
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

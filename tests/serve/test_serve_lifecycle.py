@@ -66,6 +66,31 @@ def test_full_queue_is_429_then_sigterm_lets_requests_in_flight_end() -> None:
     assert not server.left_behind(), server.left_behind()
 
 
+def test_sigterm_to_the_whole_process_group_lets_requests_in_flight_end() -> None:
+    """A service manager's stop (systemd's default ``KillMode=control-group``) sends SIGTERM to
+    every process of the service at once.  The defect: the worker and encoder processes died
+    of it ("worker rank 0 died with exit code -15"; "encoder ... died (killed by SIGTERM)"),
+    so the requests the graceful stop waits for failed with 500.  They ignore it now, and
+    leave when the engine closes."""
+    server = ServerProcess("--model", "tiny", "--max-batch-size", "1", "--encode-workers", "1", own_group=True)
+    try:
+        _image(server.url)  # the encoder process is up (the first encode starts the pool)
+        with ThreadPoolExecutor(2) as pool:
+            in_flight = [pool.submit(_image, server.url) for _ in range(2)]
+            deadline = time.monotonic() + 10
+            while _running(server.url) < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            code = server.stop(signal.SIGTERM, group=True)
+            answers = [f.result() for f in in_flight]
+        assert code == 0, server.output()
+        assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+        assert all(len(r.json()["data"]) == 1 for r in answers)
+        assert "died" not in server.output(), server.output()
+    finally:
+        server.stop(signal.SIGKILL) if server.proc.poll() is None else None
+    assert not server.left_behind(), server.left_behind()
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The server's multiprocessing children that run a worker (not its resource tracker)."""
     found = []

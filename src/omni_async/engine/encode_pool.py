@@ -33,7 +33,7 @@ process for its whole length: its first part waits for an idle process like a jo
 process is then bound to the session, takes its later parts in order (no other job)
 and is free again after the last part, or when a part failed.  A process that dies
 fails the part it had and every part queued behind it.  ``shutdown`` (the engine's close, whatever ended it) fails the jobs
-not started, waits for the running ones up to its deadline, then terminates what is
+not started, waits for the running ones up to its deadline, then kills what is
 left: no encoder process outlives its engine.
 """
 
@@ -56,6 +56,7 @@ import attrs
 import numpy as np
 import torch
 
+from omni_async.core.children import stop_signals_blocked
 from omni_async.core.encoding import Encoding
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
@@ -137,7 +138,8 @@ class _Encoder:
     def __init__(self, ctx: SpawnContext) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child,), name="omni-encoder", daemon=True)
-        self.process.start()
+        with stop_signals_blocked():  # the child ignores them once started (``core.children``)
+            self.process.start()
         self.pid: int = self.process.pid or 0
         child.close()  # the child's end lives in the child: its death is our end's EOF
         self.task: _Task | None = None
@@ -252,7 +254,7 @@ class EncoderPool:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the encoder processes: jobs not started fail (``EncodeFailed``), running ones
-        get until ``timeout`` seconds, then their processes are terminated.  With no job
+        get until ``timeout`` seconds, then their processes are killed.  With no job
         running the processes get ``IDLE_EXIT_S`` to leave, whatever ``timeout`` says: an
         idle process that does not leave has nothing to lose (in 4 of 34 closes of
         ``bench/encoded_images.py``'s engines on a 2-core machine, one process of an idle
@@ -275,19 +277,16 @@ class EncoderPool:
                 busy = sum(e.task is not None for e in self._encoders)
             if busy:
                 log.warning(
-                    "engine close: %d encoder process(es) still encoding after %.1f s; terminating them", busy, timeout
+                    "engine close: %d encoder process(es) still encoding after %.1f s; killing them", busy, timeout
                 )
             else:
                 log.warning(
-                    "engine close: %d idle encoder process(es) did not leave within %.1f s; terminating them",
+                    "engine close: %d idle encoder process(es) did not leave within %.1f s; killing them",
                     len(left),
                     IDLE_EXIT_S,
                 )
             for p in left:
-                _stop(p, kill=False)
-            thread.join(2.0)
-            for p in left:
-                _stop(p, kill=True)  # a stopped process keeps SIGTERM pending; SIGKILL is not held
+                _stop(p)  # an encoder ignores SIGTERM (``core.children``)
             thread.join(5.0)
             if thread.is_alive():
                 log.warning("engine close: the encoder pool's thread did not end")
@@ -331,7 +330,7 @@ class EncoderPool:
                 self._waiting.clear()
                 procs = [e.process for e in self._encoders]
             for p in procs:
-                _stop(p, kill=True)
+                _stop(p)
             for task in tasks:
                 if task.future.running() or task.future.set_running_or_notify_cancel():
                     task.fail(f"the engine's encoder pool failed ({type(exc).__name__}: {exc}): send it again")
@@ -513,15 +512,11 @@ def _fail_not_run(tasks: list[_Task]) -> None:
             task.fail(f"the engine's encoder pool shut down before its {task.job.encoding.format} encode ran")
 
 
-def _stop(process: multiprocessing.process.BaseProcess, *, kill: bool) -> None:
-    """Terminate (or kill) ``process`` unless it has ended and the pool's thread closed it."""
+def _stop(process: multiprocessing.process.BaseProcess) -> None:
+    """Kill ``process`` unless it has ended and the pool's thread closed it."""
     try:
-        if process.exitcode is not None:
-            return
-        if kill:
+        if process.exitcode is None:
             process.kill()
-        else:
-            process.terminate()
     except ValueError:  # closed by the pool's thread once it ended: nothing to stop
         pass
 

@@ -30,7 +30,6 @@ import io
 import mmap
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +38,7 @@ from typing import TYPE_CHECKING, Literal, NoReturn, TypeAlias, assert_never
 
 import attrs
 
+from omni_async.core.children import ignore_stop_signals
 from omni_async.core.encoding import Encoding, Format
 
 if TYPE_CHECKING:
@@ -403,9 +403,9 @@ def _video_part(writer: VideoWriter | None, part: VideoPart) -> tuple[VideoWrite
 def serve(conn: Connection) -> NoReturn:
     """An encoder process's loop (``omni_async.engine.encode_pool``): a job in, ``("files",
     encode(job))`` or ``("failed", why)`` out, until ``None`` or the engine's end of the pipe closes."""
-    # Ctrl-C reaches the whole process group: the engine's close stops its encoders, so a
-    # terminal's SIGINT must not fail the encode under way first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a service manager's stop reach the whole process group: the engine's close
+    # stops its encoders, so neither may fail the encode under way first (``core.children``).
+    ignore_stop_signals()
     writer: VideoWriter | None = None  # the video whose parts this process encodes
     while True:
         try:

@@ -7,16 +7,14 @@ what and how a death is handled; the worker process itself is ``omni_async.worke
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import queue
-import signal
 import threading
 import time
-from collections.abc import Iterator
 
+from omni_async.core.children import stop_signals_blocked
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
@@ -86,23 +84,6 @@ class _CancelSender:
                         log.debug("cannot send %s to worker rank %d: %s", msg, rank, exc)
                         break
             self.sent += len(batch)
-
-
-@contextlib.contextmanager
-def _sigint_blocked() -> Iterator[None]:
-    """Block SIGINT in this thread while a worker is spawned.
-
-    The child inherits the mask through fork and exec, so a Ctrl-C during its start-up
-    (imports, unpickling) stays pending until it ignores SIGINT and then is discarded,
-    instead of printing a ``KeyboardInterrupt`` traceback.  Only this thread's mask
-    changes (any thread may call it); a SIGINT for this process meanwhile goes to
-    another thread or waits until the block ends.
-    """
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 _NO_REPORT = object()  # a worker that died without reporting how its start-up went
@@ -214,7 +195,7 @@ class ProcessRanks(RankLink):
                     name=f"omni-worker-{rank}",
                     daemon=True,
                 )
-                with _sigint_blocked():
+                with stop_signals_blocked():
                     proc.start()
                 # The child holds its own copies; closing ours lets EOF mean "worker gone".
                 sender.close()
@@ -369,9 +350,8 @@ class ProcessRanks(RankLink):
     # ------------------------------------------------------------------ shutdown
 
     def stop(self, deadline: float | None) -> None:
-        # Phases, every rank at once: ask (a None on its RPC pipe), then SIGTERM, then
-        # SIGKILL.  Without a deadline each phase has its old length (5 s, 2 s, 2 s);
-        # with one, half, three tenths and a fifth of what is left of it.
+        # Phases, every rank at once: ask (a None on its RPC pipe), then SIGKILL.  Without
+        # a deadline they last 5 s and 2 s; with one, half of what is left of it each.
         t0 = time.monotonic()
         span = None if deadline is None else max(0.0, deadline - t0)
 
@@ -403,13 +383,12 @@ class ProcessRanks(RankLink):
             finally:
                 self._rpc_lock.release()
         alive = _join_all(self.procs, asked)
-        for p in alive:
-            p.terminate()
-        terminated = phase_end(2.0, 0.3, asked if span is None else max(time.monotonic(), asked))
-        alive = _join_all(alive, terminated)
+        # A worker ignores SIGTERM (``core.children``: a service manager's stop reaches the
+        # whole group, and the requests in flight must end first), so the one that did not
+        # leave when asked is killed.
         for p in alive:
             p.kill()
-        alive = _join_all(alive, phase_end(2.0, 0.2, terminated) if deadline is None else deadline)
+        alive = _join_all(alive, phase_end(2.0, 0.5, asked) if deadline is None else deadline)
         if alive:
             log.warning(
                 "shutdown: worker process(es) %s still running after SIGKILL; not waited for",

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
-import signal
 import sys
 import threading
 import time
 from typing import NoReturn
 
+from omni_async.core.children import ignore_stop_signals
 from omni_async.core.messages import CancelMessage, Failure
 from omni_async.transport.channel import PipeSender
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
@@ -124,10 +124,10 @@ def worker_main(
 ) -> None:
     """Entry point of a worker process (module level: spawn pickles it by name);
     ``rendezvous``: the executor's process group, joined before the model is built."""
-    # Ctrl-C reaches the whole process group; the executor stops its workers in order.
-    # Spawned with SIGINT blocked (``_sigint_blocked``), so a pending one is discarded here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    # Ctrl-C (SIGINT) and a service manager's stop (SIGTERM) reach the whole process group;
+    # the executor stops its workers in order.  Spawned with both blocked, so a pending one
+    # is discarded here.
+    ignore_stop_signals()
     watch = ExecutorWatch(rank, pool, lifeline)
     watch.start()
     try:
