@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -77,17 +78,18 @@ def test_shutdown_after_a_rank_died_does_not_wait_for_the_survivors_forward() ->
 
 def test_a_worker_ignores_sigterm_and_sigint_and_its_forward_ends() -> None:
     """Ctrl-C and a service manager's stop signal the whole process group: a worker ignores
-    both (``core.children``), so the call in flight ends with its output and the executor
-    still stops the worker when it shuts down (asked; exit 0).  Before, SIGTERM killed the
-    worker mid-forward (``WorkerDied``, exit code -15)."""
+    both when they come from another process than its executor's (``core.children``; here
+    ``kill``), so the call in flight ends with its output and the executor still stops the
+    worker when it shuts down (asked; exit 0).  Before, SIGTERM killed the worker
+    mid-forward (``WorkerDied``, exit code -15)."""
     ex = MultiprocDiffusionExecutor(SPEC, deadlines=DEADLINES)
     try:
         fut = ex.submit(DiffusionRequest("r", {"sleep": 0.5})).computed
         time.sleep(0.2)  # in the forward now
         pid = ex.procs[0].pid
         assert pid is not None
-        os.kill(pid, signal.SIGTERM)
-        os.kill(pid, signal.SIGINT)
+        subprocess.run(["kill", "-TERM", str(pid)], check=True)
+        subprocess.run(["kill", "-INT", str(pid)], check=True)
         assert fut.result(timeout=10) is not None
         assert ex.procs[0].is_alive()
         ex.shutdown()

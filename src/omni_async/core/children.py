@@ -8,15 +8,23 @@ that died first would fail the requests in flight that the parent's graceful sto
 A child whose parent is gone leaves by itself (the worker's ``ExecutorWatch``, the encoder's
 pipe reaching EOF), so ignoring them leaves no orphan behind.
 
+A SIGTERM from the child's own parent still ends it, as by default: ``multiprocessing``
+terminates a process's daemonic children at its exit and then joins them, so a child that
+ignored that one would hang its parent's exit.  Telling the two apart needs the sender's
+pid, which only ``sigwaitinfo`` gives: SIGTERM stays blocked in every thread of the child
+and one thread waits for it.
+
 ``stop_signals_blocked()`` around the child's ``start()`` keeps a signal that arrives during
 its start-up (imports, unpickling) pending; ``ignore_stop_signals()``, first thing in the
-child, ignores both and so discards it.  A parent that must end a child sends SIGKILL.
+child, ignores SIGINT (a pending one is discarded) and starts the SIGTERM thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 from collections.abc import Iterator
 
 __all__ = ["STOP_SIGNALS", "ignore_stop_signals", "stop_signals_blocked"]
@@ -40,7 +48,21 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 def ignore_stop_signals() -> None:
-    """In a child: ignore SIGINT and SIGTERM (a pending one is discarded), then unblock them."""
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    """In a child: ignore SIGINT, and SIGTERM unless its parent sends it (see the module)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if not hasattr(signal, "sigwaitinfo"):  # not on macOS: SIGTERM ends the child, whoever sends it
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started from now on inherit it
+    parent = os.getppid()
+    threading.Thread(target=_end_on_parents_sigterm, args=(parent,), name="omni-sigterm", daemon=True).start()
+
+
+def _end_on_parents_sigterm(parent: int) -> None:
+    """Take SIGTERMs until one comes from ``parent``, then die of it (the default action)."""
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+        pass
+    # This thread alone lets it through now, and SIGTERM's disposition is the default.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    os.kill(os.getpid(), signal.SIGTERM)

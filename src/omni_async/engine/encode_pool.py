@@ -286,7 +286,7 @@ class EncoderPool:
                     IDLE_EXIT_S,
                 )
             for p in left:
-                _stop(p)  # an encoder ignores SIGTERM (``core.children``)
+                _stop(p)
             thread.join(5.0)
             if thread.is_alive():
                 log.warning("engine close: the encoder pool's thread did not end")

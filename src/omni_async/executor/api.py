@@ -401,7 +401,7 @@ class DiffusionExecutor:
         """Idempotent: fail every pending waiter (F16), stop the pump, stop the ranks, close
         the output store.  ``timeout`` bounds all of it (ranks asked, then killed, in parallel
         against one deadline); None: each step's default (a worker process gets 5 s to exit,
-        then 2 s after SIGKILL; a worker ignores SIGTERM and SIGINT, which reach the whole
+        then 2 s after SIGKILL; a worker ignores the SIGTERM and SIGINT that reach the whole
         process group; after a rank's death the others get 1 s: their calls failed with it)."""
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0

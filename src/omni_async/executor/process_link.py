@@ -383,9 +383,9 @@ class ProcessRanks(RankLink):
             finally:
                 self._rpc_lock.release()
         alive = _join_all(self.procs, asked)
-        # A worker ignores SIGTERM (``core.children``: a service manager's stop reaches the
-        # whole group, and the requests in flight must end first), so the one that did not
-        # leave when asked is killed.
+        # A worker ignores a SIGTERM not sent by this process (``core.children``: a service
+        # manager's stop reaches the whole group, and the requests in flight must end
+        # first); the one that did not leave when asked is killed.
         for p in alive:
             p.kill()
         alive = _join_all(alive, phase_end(2.0, 0.5, asked) if deadline is None else deadline)
