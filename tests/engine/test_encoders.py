@@ -333,3 +333,25 @@ def test_the_table_is_the_formats_a_request_names() -> None:
     assert Format("jpeg") is Format.JPEG and str(Format.JPEG) == "jpeg" and f"{Format.MP4}" == "mp4"
     assert DiffusionRequest("r", format="png").encoding == Encoding(Format.PNG)
     assert [fmt for fmt in Format if encodes_on_device(Encoding(fmt))] == [Format.JPEG]
+
+
+@pytest.mark.slow
+def test_an_encoder_whose_engine_is_gone_leaves_quietly() -> None:
+    """The engine's process gone while its encoder works (its end of the pipe closed): the
+    encoder's reply finds a broken pipe and it leaves, exit 0.  The defect: the
+    ``BrokenPipeError`` escaped, and every such exit printed "Process omni-encoder:" and a
+    traceback (seen on the H200 when a bench was killed mid-run)."""
+    import multiprocessing
+
+    from omni_async.engine.encoders import serve
+
+    big = np.random.default_rng(0).integers(0, 256, size=(8, 1024, 1024, 3), dtype=np.uint8)
+    ctx = multiprocessing.get_context("spawn")
+    mine, child = ctx.Pipe()
+    process = ctx.Process(target=serve, args=(child,), name="omni-encoder", daemon=True)
+    process.start()
+    child.close()
+    mine.send(EncodeJob(big, Encoding("png", 9), sequence=True, request_id="orphan"))  # about a second of work
+    mine.close()  # as the engine's death closes it
+    process.join(60)
+    assert process.exitcode == 0, process.exitcode

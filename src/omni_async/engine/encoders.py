@@ -423,7 +423,10 @@ def serve(conn: Connection) -> NoReturn:
         except Exception as exc:  # noqa: BLE001  # any encoder failure is the job's, told to the engine
             writer = None  # a failed video ends here: the engine sends no more of its parts
             reply = ("failed", f"{type(exc).__name__}: {exc}")
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:  # the engine's process is gone (a broken pipe): nobody to tell
+            break
     # Leave at once: every reply is written, and nothing else is ours to flush.  A normal
     # exit finalizes the interpreter (numpy, Pillow), which took an idle encoder over 2 s
     # on a loaded 2-core machine: longer than the close gives it (IDLE_EXIT_S).
