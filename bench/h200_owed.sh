@@ -36,15 +36,17 @@
 #           and async in alternating order (issue 31); part client-c1: omni-async bench with
 #           the client's bytes at one request in flight (issue 31's latency target), then
 #           encoded images behind a 30 ms forward
+#   part affinity: bench/probes/launch_affinity.py, PixArt's launch-bound forward in processes
+#           pinned to the GPU's local CPUs against the others (issue 30's engine < direct)
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
-# video run then used the tiny model's 64x64 default). Still owed: 10 again (the bench's new
-# breakdown of the engine's forward), dit-rounds, client-c1, serve-video, host, host-bench.
+# video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
+# 10 again, client-c1, serve-video, dit-rounds, host. Still owed: host-bench, affinity.
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, host, host-bench, video, serve, serve-video, dit-rounds or client-c1}"
+part="${1:?part 1 to 11, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -59,13 +61,14 @@ bench_u8_video() {
         save
     done
 }
-# Issue 32's video model: the DiT pipeline's clips (16 frames of 512x512 a job, each frame
-# the real DiT-XL/2-shaped forward), 16 MP4 jobs at once after 32 images, over HTTP and
-# straight through the engine.  (2026-12-05's first video run used the tiny model at its
-# 64x64 default, whose forwards take under a millisecond: not a video model's workload.)
+# Issue 32's video model: the DiT pipeline's clips (32 frames of 512x512 a job, each frame
+# the DiT-XL/2-shaped forward), 96 MP4 jobs at once after 192 images at concurrency 32, over
+# HTTP and straight through the engine.  (The first video run used the tiny model at its
+# 64x64 default, forwards under a millisecond; a second one, 32 images and 16 two-second
+# clips, ended within 3 s a mode: too short for a rate.  bench/results/h200_2026-12-05b/)
 serve_video() {
-    timeout 400 python3 bench/serve_load.py --model dit --device cuda --size 512x512 --requests 32 --warmup 8 \
-        --videos 16 --seconds 2 --max-s 150 --json "$out/serve_load_video.json" 2>&1 | tee "$out/serve_load_video.log" | tail -8
+    timeout 330 python3 bench/serve_load.py --model dit --device cuda --size 512x512 --requests 192 --warmup 16 \
+        --videos 96 --seconds 4 --max-s 120 --json "$out/serve_load_video.json" 2>&1 | tee "$out/serve_load_video.log" | tail -8
     save
 }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -222,6 +225,11 @@ client-c1)
         | tee "$out/encoded_images.log" | tail -6
     save
     ;;
+affinity)
+    timeout 300 python3 bench/probes/launch_affinity.py --rounds 3 --json "$out/launch_affinity.json" 2>&1 \
+        | grep -v -i "float32\|warn" | tee "$out/launch_affinity.log" | tail -16
+    save
+    ;;
 host-bench)
     timeout 420 python3 bench/host_path.py --device cuda --rounds 2 --parts bench --bench-requests 12 \
         --bench-runs "omni-u8@image-2k-bf16,video-81x720p-bf16,video-121x1080p-bf16" \
@@ -233,7 +241,7 @@ host-bench)
     save
     ;;
 *)
-    echo "part must be 1 to 11, host, host-bench, video, serve, serve-video, dit-rounds or client-c1" >&2
+    echo "part must be 1 to 11, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity" >&2
     exit 2
     ;;
 esac
