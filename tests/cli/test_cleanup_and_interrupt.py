@@ -104,3 +104,30 @@ def test_ctrl_c_during_demo_shuts_down_cleanly_with_one_line() -> None:
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not group_members(proc.pid), group_members(proc.pid)
+
+
+def test_ctrl_c_while_a_command_imports_is_one_line_not_a_traceback() -> None:
+    """Ctrl-C (SIGINT to the process group) while ``omni-async serve`` imports torch: one
+    line and exit status 130.  The defect: a ``KeyboardInterrupt``
+    traceback through torch's import machinery."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "omni_async.cli", "serve", "--model", "tiny", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    # Once torch's library is mapped, the command is importing torch (for a second or more).
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        with open(f"/proc/{proc.pid}/maps") as fh:
+            if "libtorch" in fh.read():
+                break
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and out.strip() == "omni-async: interrupted", out

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import sys
 from collections.abc import Sequence
 
 from omni_async.cli.parsers import COMMANDS
+
+#: The exit status after Ctrl-C (128 + SIGINT), as a shell reports it.
+EXIT_INTERRUPTED = 130
 
 __all__ = ["build_parser", "main", "version"]
 
@@ -44,8 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if hasattr(args, "check"):  # option checks that need more than argparse (the environment)
-        args.check(args)
-    code: int = args.run(args)
+    try:
+        args = build_parser().parse_args(argv)
+        if hasattr(args, "check"):  # option checks that need more than argparse (the environment)
+            args.check(args)
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command took it over (while torch and the model import, say):
+        # one line instead of the traceback of wherever the import was.
+        print("omni-async: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code

@@ -55,6 +55,7 @@ import attrs
 import numpy as np
 import torch
 
+from omni_async.cli import EXIT_INTERRUPTED
 from omni_async.cli.figures import ModeSummary, idle_gaps, percentile, speedup, throughput
 from omni_async.cli.parsers import add_demo as add_parser
 from omni_async.cli.parsers import deadlines as _deadlines
@@ -72,7 +73,6 @@ from omni_async.models.tiny import host_digest
 from omni_async.transport.shm import files
 
 # The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
-EXIT_INTERRUPTED = 130
 #: The two runs: the seed's path is the baseline.
 MODES: tuple[str, ...] = ("sync", "async")
 #: The runs are served in rounds, each round a share of the requests, in ``MODES``' order
