@@ -78,7 +78,7 @@ def test_shutdown_after_a_rank_died_does_not_wait_for_the_survivors_forward() ->
 
 def test_a_worker_ignores_sigterm_and_sigint_and_its_forward_ends() -> None:
     """Ctrl-C and a service manager's stop signal the whole process group: a worker ignores
-    both when they come from another process than its executor's (``core.children``; here
+    both when they come from another process than its executor's (``transport.children``; here
     ``kill``), so the call in flight ends with its output and the executor still stops the
     worker when it shuts down (asked; exit 0).  Before, SIGTERM killed the worker
     mid-forward (``WorkerDied``, exit code -15)."""

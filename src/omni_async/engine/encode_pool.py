@@ -56,12 +56,12 @@ import attrs
 import numpy as np
 import torch
 
-from omni_async.core.children import stop_signals_blocked
 from omni_async.core.encoding import Encoding
 from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionOutput
 from omni_async.engine.encoders import EncodedOutput, EncodeJob, SharedPixels, VideoPart, serve
 from omni_async.engine.errors import EncodeFailed
+from omni_async.transport.children import stop_signals_blocked
 from omni_async.transport.shm import SHM_DIR
 from omni_async.transport.unpacking import segment_span
 from omni_async.worker.encode import DeviceEncoded, pixel_key
@@ -138,7 +138,7 @@ class _Encoder:
     def __init__(self, ctx: SpawnContext) -> None:
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(target=serve, args=(child,), name="omni-encoder", daemon=True)
-        with stop_signals_blocked():  # the child ignores them once started (``core.children``)
+        with stop_signals_blocked():  # the child ignores them once started (``transport.children``)
             self.process.start()
         self.pid: int = self.process.pid or 0
         child.close()  # the child's end lives in the child: its death is our end's EOF

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Literal, NoReturn, TypeAlias, assert_never
 
 import attrs
 
-from omni_async.core.children import ignore_stop_signals
 from omni_async.core.encoding import Encoding, Format
+from omni_async.transport.children import ignore_stop_signals
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -404,7 +404,7 @@ def serve(conn: Connection) -> NoReturn:
     """An encoder process's loop (``omni_async.engine.encode_pool``): a job in, ``("files",
     encode(job))`` or ``("failed", why)`` out, until ``None`` or the engine's end of the pipe closes."""
     # Ctrl-C and a service manager's stop reach the whole process group: the engine's close
-    # stops its encoders, so neither may fail the encode under way first (``core.children``).
+    # stops its encoders, so neither may fail the encode under way first (``transport.children``).
     ignore_stop_signals()
     writer: VideoWriter | None = None  # the video whose parts this process encodes
     while True:

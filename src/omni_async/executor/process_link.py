@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 
-from omni_async.core.children import stop_signals_blocked
 from omni_async.core.errors import (
     ComputeTimeout,
     ExecutorShutdown,
@@ -28,6 +27,7 @@ from omni_async.executor.checks import stop_budget
 from omni_async.executor.dist import GroupRendezvous
 from omni_async.executor.link import RankEvents, RankLink, shut_down_error
 from omni_async.transport.channel import PipeChannel
+from omni_async.transport.children import stop_signals_blocked
 from omni_async.transport.packing import carried_leases
 from omni_async.transport.rpc import encode_rpc
 from omni_async.transport.shm import SegmentPool
@@ -383,7 +383,7 @@ class ProcessRanks(RankLink):
             finally:
                 self._rpc_lock.release()
         alive = _join_all(self.procs, asked)
-        # A worker ignores a SIGTERM not sent by this process (``core.children``: a service
+        # A worker ignores a SIGTERM not sent by this process (``transport.children``: a service
         # manager's stop reaches the whole group, and the requests in flight must end
         # first); the one that did not leave when asked is killed.
         for p in alive:

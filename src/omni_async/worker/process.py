@@ -19,9 +19,9 @@ import threading
 import time
 from typing import NoReturn
 
-from omni_async.core.children import ignore_stop_signals
 from omni_async.core.messages import CancelMessage, Failure
 from omni_async.transport.channel import PipeSender
+from omni_async.transport.children import ignore_stop_signals
 from omni_async.transport.shm import SegmentPool, unlink_all_with_prefix
 from omni_async.worker.dist import Rendezvous, leave_process_group
 from omni_async.worker.host import WorkerOptions, WorkerSpec, build_worker
