@@ -25,7 +25,7 @@
 #           synchronizing forward and encoded images (a check that nothing regressed)
 #   part video: issue 31's encoded-video bench (480p, 720p); part serve: issue 32's HTTP
 #           load against the engine's own rate (DiT, then video jobs)
-#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine
+#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine (8 requests, 4 rounds since 2026-12-05b)
 #           (bench/diffusers_serving.py --rounds 3: sync and async alternating)
 #   part host: issue 31's host path (helper E): bench/host_path.py before (fresh memory per
 #           request) against after (HostBuffers, ClientBytes) in alternating order, the
@@ -171,7 +171,7 @@ case "$part" in
     # through the engine against the direct loop, sync and async in alternating order,
     # three rounds each, every output compared with the direct loop's bit for bit.
     work=$([ "$part" = 10 ] && echo pixart || echo cogvideox)
-    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" --requests 6 --rounds 3 \
+    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" --requests 8 --rounds 4 \
         --json "$out/diffusers_serving_$work.json" 2>&1 | tee "$out/diffusers_serving_$work.log" | tail -14
     save
     ;;
