@@ -25,7 +25,7 @@
 #           synchronizing forward and encoded images (a check that nothing regressed)
 #   part video: issue 31's encoded-video bench (480p, 720p); part serve: issue 32's HTTP
 #           load against the engine's own rate (DiT, then video jobs)
-#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine (8 requests, 4 rounds since 2026-12-05b)
+#   part 10, 11: issue 30's PixArt-Sigma and CogVideoX-2B shapes through the engine
 #           (bench/diffusers_serving.py --rounds 3: sync and async alternating)
 #   part host: issue 31's host path (helper E): bench/host_path.py before (fresh memory per
 #           request) against after (HostBuffers, ClientBytes) in alternating order, the
@@ -169,9 +169,12 @@ case "$part" in
 10 | 11)
     # Issue 30: PixArt-Sigma-shaped (part 10) and CogVideoX-2B-shaped (part 11) pipelines
     # through the engine against the direct loop, sync and async in alternating order,
-    # three rounds each, every output compared with the direct loop's bit for bit.
+    # every output compared with the direct loop's bit for bit.  PixArt: 8 requests, four
+    # rounds (its runs spread more than its paths differ); CogVideoX (3.7 s forwards): 6, three.
     work=$([ "$part" = 10 ] && echo pixart || echo cogvideox)
-    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" --requests 8 --rounds 4 \
+    size=$([ "$part" = 10 ] && echo "--requests 8 --rounds 4" || echo "--requests 6 --rounds 3")
+    # shellcheck disable=SC2086  # $size is two options
+    timeout 560 python3 bench/diffusers_serving.py --preset h200 --workloads "$work" $size \
         --json "$out/diffusers_serving_$work.json" 2>&1 | tee "$out/diffusers_serving_$work.log" | tail -14
     save
     ;;
