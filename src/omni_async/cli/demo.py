@@ -72,7 +72,6 @@ from omni_async.models.dit import make_worker as make_dit_worker
 from omni_async.models.tiny import host_digest
 from omni_async.transport.shm import files
 
-# The exit status of a process that a SIGINT ended (128 + 2), as shells report it.
 #: The two runs: the seed's path is the baseline.
 MODES: tuple[str, ...] = ("sync", "async")
 #: The runs are served in rounds, each round a share of the requests, in ``MODES``' order
