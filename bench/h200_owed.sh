@@ -37,7 +37,8 @@
 #           the client's bytes at one request in flight (issue 31's latency target), then
 #           encoded images behind a 30 ms forward
 #   part affinity: bench/probes/launch_affinity.py, PixArt's launch-bound forward in processes
-#           pinned to the GPU's local CPUs against the others (issue 30's engine < direct)
+#           pinned to the GPU's local CPUs against the others, and beside a thread spin-waiting
+#           on CUDA events (issue 30's engine < direct: run it first next time)
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
 # 10 again, client-c1, serve-video, dit-rounds, host. Still owed: host-bench, affinity.

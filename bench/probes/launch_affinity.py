@@ -4,9 +4,12 @@ Issue 30's PixArt-Sigma-shaped forward (28 layers, 512x512, 20 steps, bf16) is b
 host's kernel launches, and through the engine (in a worker process) it ran 0.51-0.72 s a
 forward against 0.51-0.52 s in the bench's own process, from run to run.  One cause that
 fits: the CPU the launching thread runs on (its NUMA node against the GPU's, its clock).
-This prints the machine's NUMA layout and the GPU's local CPUs, then times the same forward
-in fresh processes pinned (``os.sched_setaffinity``) to the GPU's local CPUs and to the
-others, in alternating order, and unpinned: a median forward per run (CUDA events).
+Another: a thread of the same process spin-waiting on a CUDA event beside the launching one
+(a worker's finisher waits on its copy's event).  This prints the machine's NUMA layout and
+the GPU's local CPUs, then times the same forward in fresh processes pinned (``taskset``) to
+the GPU's local CPUs and to the others, unpinned, and unpinned with a thread spin-waiting
+on CUDA events (``spin_on_events``), in alternating order: a median forward per run (CUDA
+events).
 
     python3 bench/probes/launch_affinity.py --json out.json
 """
@@ -19,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -49,18 +53,38 @@ def gpu_local_cpus() -> tuple[str, list[int]]:
         return bus, []
 
 
-def child(requests: int, preset: str) -> None:
-    """One process: the PixArt pipeline of ``preset`` (h200: CUDA; tiny: a CPU smoke run), 2 warm-up calls, then ``requests`` timed."""
+def spin_on_events(stop: threading.Event) -> None:
+    """What a worker's finisher thread does beside the forward: wait on a CUDA event (with
+    CUDA's default schedule, a spin on a core when the process has fewer contexts than
+    cores), here over and over on a short kernel of a side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    while not stop.is_set():
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000)  # about 0.1 ms of one SM
+        done = torch.cuda.Event()
+        done.record(side)
+        done.synchronize()
+
+
+def child(requests: int, preset: str, spinner: bool) -> None:
+    """One process: the PixArt pipeline of ``preset`` (h200: CUDA; tiny: a CPU smoke run),
+    2 warm-up calls, then ``requests`` timed; ``spinner``: with ``spin_on_events`` beside them."""
     sys.path.insert(0, os.path.dirname(HERE))
     import diffusers_serving as ds  # bench/diffusers_serving.py
 
     work = ds.PRESETS[preset]["workloads"]["pixart"]
     loop = ds.DirectLoop("pixart", work, ds.PRESETS[preset]["device"])
+    stop = threading.Event()
+    if spinner:
+        threading.Thread(target=spin_on_events, args=(stop,), daemon=True).start()
     times = []
     for r in ds.requests("pixart", work, requests, "p"):
         t0 = time.perf_counter()
         _, device_s = loop.call(r)
         times.append((time.perf_counter() - t0, device_s))
+    stop.set()
     print(json.dumps({"host_s": [t for t, _ in times], "device_s": [d if d is not None else t for t, d in times]}))
 
 
@@ -71,9 +95,10 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--preset", default="h200", help="h200 (CUDA), or tiny: a smoke run on the CPU")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--spinner", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.requests, args.preset)
+        child(args.requests, args.preset, args.spinner)
         return 0
     allowed = sorted(os.sched_getaffinity(0))
     bus, local = gpu_local_cpus()
@@ -88,6 +113,8 @@ def main() -> int:
     print("\n".join(line for line in lscpu.splitlines() if "NUMA" in line or "MHz" in line or "Model name" in line))
     print(f"GPU {bus}: local CPUs {local or 'unknown'}; others allowed here {remote}")
     sets = {"unpinned": allowed}
+    if args.preset == "h200":
+        sets["unpinned+spinner"] = allowed  # a thread spin-waiting on CUDA events beside the forward
     if local:
         sets["gpu-local"] = local
     if remote:
@@ -105,6 +132,8 @@ def main() -> int:
                 "--preset",
                 args.preset,
             ]
+            if name.endswith("+spinner"):
+                cmd.append("--spinner")
             cmd = ["taskset", "-c", ",".join(map(str, sets[name])), *cmd]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
@@ -121,7 +150,7 @@ def main() -> int:
             }
             runs.append(row)
             print(
-                f"round {r} {name:10} forward median {row['forward_s_median']:.4f} s  call {row['call_s_median']:.4f} s"
+                f"round {r} {name:16} forward median {row['forward_s_median']:.4f} s  call {row['call_s_median']:.4f} s"
             )
     if args.json:
         with open(args.json, "w") as fh:
