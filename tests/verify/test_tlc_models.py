@@ -15,6 +15,8 @@ import pytest
 from helpers.tlc import require_tlc
 from omni_async.verify.locate import tla_dir
 from omni_async.verify.tlc import (
+    JAVA_OPTS,
+    QUICK_JAVA_OPTS,
     ModelRow,
     cfg_names,
     parse_output,
@@ -57,7 +59,9 @@ def test_model(row: ModelRow) -> None:
     # cores, AsyncOutputPipeline.cfg took 62 CPU-s with one worker against 77 with two (the
     # table's count, the fastest alone), so the suite ends sooner; the states are the same.
     workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else row.workers
-    res = run_tlc(tla_dir() / row.spec, tla_dir() / row.cfg, workers=workers, toolchain=tc, timeout=540)
+    res = run_tlc(
+        tla_dir() / row.spec, tla_dir() / row.cfg, workers=workers, toolchain=tc, timeout=540, java_opts=row.java_opts
+    )
     if row.expect == "ok":
         assert res.ok, "\n".join(res.errors) or res.output[-2000:]
         assert res.distinct_states == row.distinct_states, (
@@ -145,3 +149,14 @@ def test_missing_jar_skips_on_a_laptop_and_fails_in_ci(monkeypatch: pytest.Monke
     monkeypatch.setenv("CI", "1")
     with pytest.raises(pytest.fail.Exception, match="tla2tools.jar"):
         require_tlc()
+
+
+def test_short_runs_take_the_quick_jvm_and_long_ones_the_full_jit() -> None:
+    """A buggy variant (it stops at its first violation) and a small model start the JVM
+    with the JIT's first tier only (``QUICK_JAVA_OPTS``: a third less start-up); a large
+    model keeps the full JIT, which explores faster once warm."""
+    by_cfg = {r.cfg: r for r in ROWS}
+    assert by_cfg["buggy/F9_LateOutputCached.cfg"].java_opts == QUICK_JAVA_OPTS
+    assert by_cfg["AsyncOutputStreamOrder.cfg"].java_opts == QUICK_JAVA_OPTS  # 11,498 states
+    assert by_cfg["AsyncOutputStream.cfg"].java_opts == JAVA_OPTS  # 94,572 states
+    assert all(r.java_opts == JAVA_OPTS for r in ROWS if r.expect == "ok" and (r.distinct_states or 0) >= 20_000)

@@ -46,7 +46,7 @@ from omni_async.core.engine_states import (
 )
 from omni_async.core.trace import TraceEvent
 from omni_async.verify.locate import tla_dir
-from omni_async.verify.tlc import TlcResult, Toolchain, run_tlc
+from omni_async.verify.tlc import QUICK_JAVA_OPTS, TlcResult, Toolchain, run_tlc
 from omni_async.verify.tracecheck import TraceCheckResult, TraceFailure
 
 __all__ = [
@@ -257,7 +257,10 @@ def check_engine_traces(
         (work / "TraceEngineData.tla").write_text(enc.module, encoding="utf-8")
         cfg = work / "TraceEngine.cfg"
         cfg.write_text(_CFG, encoding="utf-8")
-        res = run_tlc(work / TRACE_SPEC, cfg, workers=1, deadlock=False, timeout=timeout, toolchain=toolchain)
+        res = run_tlc(
+            work / TRACE_SPEC, cfg, workers=1, deadlock=False, timeout=timeout, toolchain=toolchain,
+            java_opts=QUICK_JAVA_OPTS,
+        )  # fmt: skip
     seconds = time.monotonic() - t0
     if res.violated_invariant == "Unfinished":
         return EngineTraceResult(True, len(traces), events, seconds, res.distinct_states, None, res)

@@ -38,7 +38,7 @@ import attrs
 
 from omni_async.core.trace import FieldValue, TraceEvent
 from omni_async.verify.locate import tla_dir
-from omni_async.verify.tlc import TlcResult, Toolchain, run_tlc
+from omni_async.verify.tlc import QUICK_JAVA_OPTS, TlcResult, Toolchain, run_tlc
 
 __all__ = [
     "ACTIONS",
@@ -591,7 +591,10 @@ def check_traces(
         (work / "TraceData.tla").write_text(enc.module, encoding="utf-8")
         cfg = work / "TraceAsyncOutput.cfg"
         cfg.write_text(_CFG, encoding="utf-8")
-        res = run_tlc(work / TRACE_SPEC, cfg, workers=1, deadlock=True, timeout=timeout, toolchain=toolchain)
+        res = run_tlc(
+            work / TRACE_SPEC, cfg, workers=1, deadlock=True, timeout=timeout, toolchain=toolchain,
+            java_opts=QUICK_JAVA_OPTS,
+        )  # fmt: skip
     seconds = time.monotonic() - t0
     if res.ok:
         return TraceCheckResult(True, len(traces), events, seconds, res.distinct_states, None, res)
