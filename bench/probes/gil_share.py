@@ -40,24 +40,6 @@ from omni_async.integrations.diffusers import DiffusersPipelineWorker  # noqa: E
 from omni_async.worker.host import WorkerOptions  # noqa: E402
 
 
-def worker_pids() -> list[int]:
-    """This process's spawned children (the worker; not the resource tracker)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-        except OSError:
-            continue
-        if ppid == os.getpid() and b"spawn_main" in cmdline:
-            found.append(int(entry))
-    return found
-
-
 def shares(raw: str) -> dict[str, int]:
     """Samples per thread name from py-spy's ``--format raw --threads`` output."""
     counts: collections.Counter[str] = collections.Counter()
@@ -84,7 +66,9 @@ def run(path: str, work: dict[str, Any], device: str, count: int, seconds: float
         engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=path == "async")
         async with engine:
             await engine.generate(reqs[1])
-            (pid,) = worker_pids()
+            executor = engine.executor
+            assert isinstance(executor, MultiprocDiffusionExecutor)
+            (pid,) = [p.pid for p in executor.procs if p.pid is not None]
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "gil.txt")
                 spy = subprocess.Popen(
