@@ -63,6 +63,7 @@ from omni_async.integrations.diffusers import (
 )
 from omni_async.integrations.diffusers.source import ComponentConfig
 from omni_async.integrations.diffusers.tiny import FAMILIES, TEXT_DIM, TINY_DIT, TINY_WAN, WAN_TEXT_DIM
+from omni_async.worker.affinity import parse_cpulist
 
 BUILDER = "omni_async.integrations.diffusers:random_pipeline"
 DEADLINES = Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600)
@@ -319,6 +320,7 @@ class DirectLoop:
         if hasattr(pipe, "vae") and hasattr(pipe.vae, "enable_slicing"):
             pipe.vae.enable_slicing()
         self.pipe = pipe
+        self.host_calls: list[float] = []  # each call's return on the host, from its start
         neg = inspect.signature(pipe.__call__).parameters.get("negative_prompt")
         self.neg_default = None if neg is None else neg.default
         for warm in requests(name, work, 2, "warm"):  # the first calls pay for allocations and kernel choice
@@ -343,7 +345,9 @@ class DirectLoop:
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+        host_t0 = time.perf_counter()
         out = self.pipe(**kwargs, generator=torch.Generator().manual_seed(int(r.params["seed"])), output_type="pt")
+        self.host_calls.append(time.perf_counter() - host_t0)
         if cuda:
             end.record()
         pixels = out.images if "images" in out else out.frames
@@ -353,11 +357,17 @@ class DirectLoop:
     def run(self, count: int) -> tuple[dict[str, Any], list[Any]]:
         """One measured run of ``count`` requests: its row and each output's pixels."""
         t0 = time.perf_counter()
+        self.host_calls.clear()
         made = [self.call(r) for r in requests(self.name, self.work, count, "d")]
         wall = time.perf_counter() - t0
         device_times = [t for _, t in made if t is not None]
         forward = statistics.median(device_times) if device_times else None
-        return summary(self.name, "direct", count, wall, forward, None), [px for px, _ in made]
+        row = summary(self.name, "direct", count, wall, forward, None)
+        row["direct_forwards_s"] = [round(t, 4) for t in device_times]
+        # The call's return on the host against the device's forward: near equal, the
+        # host's launches bound the forward (as engine_device_behind_s near 0 says).
+        row["host_call_s"] = round(statistics.median(self.host_calls), 4)
+        return row, [px for px, _ in made]
 
 
 def pixels_of(output: Any) -> Any:
@@ -407,6 +417,7 @@ def run_engine(
     forward: float | None,
     decode: str = "forward",
     expected: list[Any] | None = None,
+    cpu_affinity: str | None = None,
 ) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
     spec = DiffusersPipelineWorker.spec(
@@ -415,14 +426,15 @@ def run_engine(
     )  # fmt: skip
 
     def factory() -> MultiprocDiffusionExecutor:
-        return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=WorkerOptions(device=device))
+        options = WorkerOptions(device=device, cpu_affinity=cpu_affinity)
+        return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=options)
 
-    async def one(engine: AsyncDiffusionEngine, r: DiffusionRequest) -> float:
+    async def one(engine: AsyncDiffusionEngine, r: DiffusionRequest) -> tuple[float, Any]:
         t0 = time.perf_counter()
-        await engine.generate(r)
-        return time.perf_counter() - t0
+        result = await engine.generate(r)
+        return time.perf_counter() - t0, result
 
-    async def body() -> tuple[float, list[Any], float, float]:
+    async def body() -> tuple[float, list[Any], tuple[float, Any], tuple[float, Any], tuple[float, float]]:
         engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=async_output)
         async with engine:
             first = await one(engine, requests(name, work, 1, "first")[0])  # the first after start
@@ -433,8 +445,10 @@ def run_engine(
             steady = await one(engine, requests(name, work, 1, "steady")[0])  # alone again, warm
             return t1 - t0, list(results), first, steady, (t0, t1)
 
-    wall, results, first, steady, (t0, t1) = asyncio.run(body())
+    wall, results, (first, _), (steady, alone), (t0, t1) = asyncio.run(body())
     path = "engine-decode" if decode == "device" else "engine-async" if async_output else "engine-sync"
+    if cpu_affinity is not None:
+        path += "-pinned"
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
     row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
@@ -444,7 +458,22 @@ def run_engine(
     spans = _spans(results)
     if spans:
         row["engine_forward_s"] = round(statistics.median(e - s for s, e in spans), 4)
+        row["engine_forwards_s"] = [round(e - s, 4) for s, e in spans]
         row["lead_s"], row["tail_s"] = round(spans[0][0] - t0, 4), round(t1 - spans[-1][1], 4)
+        # How far the device ran behind the host's return from each call: near 0, the
+        # host's launches bound the forward (it cannot run ahead of them).
+        behind = [float(r.metrics["forward_ended_at"]) - float(r.metrics["forward_returned_at"]) for r in results
+                  if "forward_returned_at" in r.metrics and "forward_ended_at" in r.metrics]  # fmt: skip
+        if behind:
+            row["engine_device_behind_s"] = round(statistics.median(behind), 4)
+    # The lone request after the run, in parts: its forward on the device and its pack;
+    # the rest of steady_request_s is the way there and back.
+    m = alone.metrics
+    if "forward_started_at" in m and "forward_ended_at" in m:
+        row["steady_forward_s"] = round(float(m["forward_ended_at"]) - float(m["forward_started_at"]), 4)
+    if "pack_started_at" in m and "pack_ended_at" in m:
+        row["steady_pack_s"] = round(float(m["pack_ended_at"]) - float(m["pack_started_at"]), 4)
+        row["steady_after_forward_s"] = round(float(m["pack_ended_at"]) - float(m["forward_ended_at"]), 4)
     if expected is not None:
         # The same seeds as the direct loop's requests, in order: every pixel equal.
         row["bit_for_bit"] = all(
@@ -505,6 +534,8 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             ("direct", "device_forward_s"),
             ("engine-sync", "engine_forward_s"),
             ("engine-async", "engine_forward_s"),
+            ("engine-sync-pinned", "engine_forward_s"),
+            ("engine-async-pinned", "engine_forward_s"),
         ):
             runs = [r for r in mine if r["path"] == path]
             if runs:
@@ -526,6 +557,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=1, help="direct, engine-sync and engine-async runs each, in alternating order"
     )
+    parser.add_argument(
+        "--cpu-affinity",
+        default=None,
+        help="also run both engine paths with their workers pinned so (WorkerOptions.cpu_affinity: gpu-local or "
+        "a CPU list such as 0-7), as paths engine-sync-pinned and engine-async-pinned, in the same rounds",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
@@ -534,35 +571,62 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the h200 preset needs a CUDA device")
     count = int(args.requests or preset["requests"])
     rounds = int(args.rounds)
+    affinity: Any = None
+    if args.cpu_affinity:
+        affinity = args.cpu_affinity if args.cpu_affinity == "gpu-local" else sorted(parse_cpulist(args.cpu_affinity))
     rows: list[dict[str, Any]] = []
+
+    def write(complete: bool) -> None:
+        """The figures so far (a device run cut short by its time limit keeps its rows)."""
+        if args.json:
+            report = {
+                "preset": args.preset,
+                "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+                "torch": torch.__version__,
+                "complete": complete,
+                "runs": rows,
+            }
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(report, fh, indent=2)
+
+    def keep(row: dict[str, Any]) -> None:
+        rows.append(row)
+        fwd = row.get("engine_forward_s", row.get("device_forward_s"))
+        print(f"  {row['workload']} {row['path']} round {row.get('round')}: {row['requests_per_s']} req/s, forward {fwd}",
+              flush=True)  # fmt: skip
+        write(complete=False)
+
     for name in args.workloads.split(","):
         work = preset["workloads"][name]
         loop = DirectLoop(name, work, device)
         direct, expected = loop.run(count)
         direct["round"] = 0
-        rows.append(direct)
+        keep(direct)
         # The direct loop and the two engine paths in turn, round after round, the order
         # reversed every other round (direct, sync, async; async, sync, direct; ...): order
         # effects (a warmer GPU, the allocator, the page cache) fall on all of them alike.
+        paths = ["direct", "sync", "async"] + (["sync-pinned", "async-pinned"] if args.cpu_affinity else [])
         for r in range(rounds):
-            for path in ("direct", "sync", "async") if r % 2 == 0 else ("async", "sync", "direct"):
+            for path in paths if r % 2 == 0 else paths[::-1]:
                 if path == "direct":
                     if r == 0:
                         continue  # measured above, first: its pixels are the reference
                     row, _ = loop.run(count)
                 else:
                     row = run_engine(
-                        name, work, device, count, async_output=path == "async", forward=direct["device_forward_s"],
-                        expected=expected,
+                        name, work, device, count, async_output=path.startswith("async"),
+                        forward=direct["device_forward_s"], expected=expected,
+                        cpu_affinity=affinity if path.endswith("-pinned") else None,
                     )  # fmt: skip
                 row["round"] = r
-                rows.append(row)
+                keep(row)
         del loop
         if name == "wan":
-            rows.append(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
-                                   decode="device"))  # fmt: skip
+            keep(run_engine(name, work, device, count, async_output=True, forward=direct["device_forward_s"],
+                            decode="device"))  # fmt: skip
         if name == "dit":
-            rows.extend(run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]))
+            for row in run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]):
+                keep(row)
     print(
         f"{'workload':9} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10} {'bits':>5}"
         f" {'eng fwd s':>9} {'lead s':>6} {'tail s':>6}"
@@ -580,15 +644,8 @@ def main(argv: list[str] | None = None) -> int:
             f" {shown[3]:>9} {shown[4]:>6} {shown[5]:>6}"
         )
     print(paths_table(rows))
-    report = {
-        "preset": args.preset,
-        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "runs": rows,
-    }
+    write(complete=True)
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
         print(f"wrote {args.json}")
     return 0
 

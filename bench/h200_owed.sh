@@ -38,16 +38,19 @@
 #           encoded images behind a 30 ms forward
 #   part affinity: bench/probes/launch_affinity.py, PixArt's launch-bound forward in processes
 #           pinned to the GPU's local CPUs against the others, and beside a thread spin-waiting
-#           on CUDA events (issue 30's engine < direct: run it first next time)
+#           on CUDA events (issue 30's engine < direct: run it first next time), then the CUDA
+#           tests of WorkerOptions.cpu_affinity; part 10-pinned: part 10 with the engine's
+#           workers also pinned to the GPU's CPUs (cpu_affinity="gpu-local"), in the same rounds
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
-# 10 again, client-c1, serve-video, dit-rounds, host. Still owed: host-bench, affinity.
+# 10 again, client-c1, serve-video, dit-rounds, host. Still owed: affinity, 10-pinned, host-bench
+# (the next device session: in that order).
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
+part="${1:?part 1 to 11, 10-pinned, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -232,6 +235,19 @@ client-c1)
 affinity)
     timeout 300 python3 bench/probes/launch_affinity.py --rounds 3 --json "$out/launch_affinity.json" 2>&1 \
         | grep -v -i "float32\|warn" | tee "$out/launch_affinity.log" | tail -16
+    save
+    # The CUDA tests of WorkerOptions.cpu_affinity (a gpu-local worker's threads on its GPU's CPUs).
+    timeout 120 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests/worker/test_affinity.py 2>&1 \
+        | tee "$out/affinity_tests.log" | tail -4
+    save
+    ;;
+10-pinned)
+    # Issue 30's PixArt rounds with two more paths: both engine paths with their worker
+    # pinned to its GPU's CPUs (WorkerOptions.cpu_affinity="gpu-local"), in the same
+    # alternating rounds; rows are written as they are made (a cut-short run keeps them).
+    timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
+        --cpu-affinity gpu-local --json "$out/diffusers_serving_pixart_pinned.json" 2>&1 \
+        | tee "$out/diffusers_serving_pixart_pinned.log" | tail -16
     save
     ;;
 host-bench)

@@ -104,6 +104,13 @@ def expected_image(params: Mapping[str, object]) -> torch.Tensor:
     return torch.randint(-100, 100, (n,), generator=gen).to(dtype)
 
 
+class TorchThreadsWorker:
+    """Answers with the number of torch intra-op threads of its process."""
+
+    def execute_model(self, request: DiffusionRequest) -> DiffusionOutput:
+        return DiffusionOutput(request.request_id, {"threads": torch.get_num_threads()})
+
+
 class BrokenWorker:
     """A model whose construction fails on ``fail_rank`` (all ranks when None): a start-up failure."""
 

@@ -32,6 +32,9 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
             "cogvideox",
             "--rounds",
             "2",
+            # And both engine paths again with their worker pinned to one CPU.
+            "--cpu-affinity",
+            str(min(os.sched_getaffinity(0))),
             "--json",
             str(out),
         ],
@@ -44,25 +47,29 @@ def test_the_diffusers_benchmark_runs_its_tiny_preset(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text(encoding="utf-8"))
     runs = report["runs"]
+    assert report["complete"] is True
+    engine_paths = ("engine-sync", "engine-async", "engine-sync-pinned", "engine-async-pinned")
     paths = {(row["workload"], row["path"]) for row in runs}
-    assert paths == {("cogvideox", p) for p in ("direct", "engine-sync", "engine-async")}
-    # Two rounds, the order reversed in the second: direct, sync, async; async, sync, direct.
+    assert paths == {("cogvideox", p) for p in ("direct", *engine_paths)}
+    # Two rounds, the order reversed in the second.
     order = [(row["round"], row["path"]) for row in runs]
-    assert order == [
-        (0, "direct"),
-        (0, "engine-sync"),
-        (0, "engine-async"),
-        (1, "engine-async"),
-        (1, "engine-sync"),
-        (1, "direct"),
-    ], order
+    first = ["direct", *engine_paths]
+    assert order == [(0, p) for p in first] + [(1, p) for p in reversed(first)], order
     assert all(row["requests_per_s"] > 0 for row in runs)
     for row in runs:
-        if row["path"] in ("engine-sync", "engine-async"):
-            assert row["first_request_s"] > 0 and row["steady_request_s"] > 0, row
-            assert 0 <= row["device_idle_share"] < 1, row
-            assert row["bit_for_bit"] is True, row  # every output equal to the direct loop's
-            # Where the wall time went: the forwards and the time around them.
-            assert row["engine_forward_s"] > 0 and row["lead_s"] >= 0 and row["tail_s"] >= 0, row
+        if row["path"] == "direct":
+            assert row["host_call_s"] > 0, row
+            continue
+        assert row["first_request_s"] > 0 and row["steady_request_s"] > 0, row
+        assert 0 <= row["device_idle_share"] < 1, row
+        assert row["bit_for_bit"] is True, row  # every output equal to the direct loop's
+        # Where the wall time went: the forwards and the time around them, and the lone
+        # request's forward and pack.
+        assert row["engine_forward_s"] > 0 and row["lead_s"] >= 0 and row["tail_s"] >= 0, row
+        assert len(row["engine_forwards_s"]) == 2 and row["engine_device_behind_s"] >= 0, row
+        assert 0 < row["steady_forward_s"] <= row["steady_request_s"], row
+        assert 0 <= row["steady_pack_s"] <= row["steady_after_forward_s"], row
+    # Each row was printed as it was made, and written: a run cut short keeps them.
+    assert done.stdout.count(" req/s, forward ") == len(runs)
     assert "median req/s" in done.stdout
     assert "req/s" in done.stdout

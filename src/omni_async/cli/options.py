@@ -66,6 +66,21 @@ def seconds(text: str) -> float | None:
     return None if value == 0 else value
 
 
+def cpu_affinity(text: str) -> str | tuple[int, ...]:
+    """``gpu-local`` or a CPU list (``0-7,16``) for ``WorkerOptions.cpu_affinity``."""
+    from omni_async.worker.affinity import GPU_LOCAL, parse_cpulist
+
+    if text == GPU_LOCAL:
+        return GPU_LOCAL
+    try:
+        cpus = parse_cpulist(text)
+    except ValueError:
+        cpus = frozenset()
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"expected {GPU_LOCAL} or a CPU list such as 0-7,16, got {text!r}")
+    return tuple(sorted(cpus))
+
+
 def device(text: str) -> str:
     """``cpu``, ``cuda`` or ``cuda:<index>``, and CUDA only where a device is there."""
     import torch  # here, not at the top: ``omni-async --help`` does not import torch

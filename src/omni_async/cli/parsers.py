@@ -538,6 +538,15 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=30,
         help="on SIGTERM, how long the requests in flight get to end before the engine closes",
     )
+    d.add_argument(
+        "--cpu-affinity",
+        type=options.cpu_affinity,
+        default=None,
+        help=(
+            "the CPUs each worker process runs on: gpu-local (the CPUs local to its GPU, as nvidia-smi topo -m "
+            "lists them) or a CPU list such as 0-7,16 (default: the CPUs the server has)"
+        ),
+    )
     d.set_defaults(run=_runner("serve"))
 
 

@@ -30,6 +30,7 @@ def config_of(args: argparse.Namespace) -> ServeConfig:
         graceful_s=float(args.graceful_s),
         output_ttl_s=float(args.output_ttl_s),
         video_keep_s=float(args.video_keep_s),
+        cpu_affinity=args.cpu_affinity,
     )
 
 

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from omni_async.engine.engine import AsyncDiffusionEngine
-from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerOptions
+from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 from omni_async.serve.config import ServeConfig
 from omni_async.serve.errors import ApiError
 from omni_async.serve.httpmetrics import MetricsMiddleware
@@ -35,10 +35,10 @@ log = logging.getLogger("omni_async.serve")
 
 def engine_for(config: ServeConfig) -> AsyncDiffusionEngine:
     """An engine over worker processes running ``config.model`` (built at its start)."""
-    spec, device, held = config.model.spec, config.device, config.max_held_outputs
+    spec, options, held = config.model.spec, config.worker_options(), config.max_held_outputs
 
     def executor() -> MultiprocDiffusionExecutor:
-        return MultiprocDiffusionExecutor(spec, options=WorkerOptions(device=device), max_held_outputs=held)
+        return MultiprocDiffusionExecutor(spec, options=options, max_held_outputs=held)
 
     return AsyncDiffusionEngine.from_factory(
         executor,

@@ -8,6 +8,7 @@ import attrs
 
 from omni_async.core.config import InvalidConfig
 from omni_async.engine.config import DEFAULT_MAX_WAITING
+from omni_async.executor.multiproc import WorkerOptions
 from omni_async.serve.models import ServedModel
 
 __all__ = ["ServeConfig"]
@@ -37,7 +38,8 @@ class ServeConfig:
     ``output_ttl_s``: how long an image asked for with ``response_format="url"`` stays
     at its URL (the engine's file sink deletes it then);
     ``graceful_s``: how long a SIGTERM waits for the requests in flight to end before it
-    closes the engine (which fails the rest)."""
+    closes the engine (which fails the rest); ``cpu_affinity``: the CPUs each worker
+    process runs on (``WorkerOptions.cpu_affinity``: None, ``"gpu-local"`` or CPU numbers)."""
 
     model: ServedModel
     device: str = "cpu"
@@ -50,3 +52,11 @@ class ServeConfig:
     video_keep_s: float = attrs.field(default=600.0, validator=_positive)
     output_ttl_s: float = attrs.field(default=600.0, validator=_positive)
     graceful_s: float = attrs.field(default=30.0, validator=_positive)
+    cpu_affinity: str | tuple[int, ...] | None = None
+
+    def worker_options(self) -> WorkerOptions:
+        """The workers' options these settings make (checked when the config is made)."""
+        return WorkerOptions(device=self.device, cpu_affinity=self.cpu_affinity)
+
+    def __attrs_post_init__(self) -> None:
+        self.worker_options()  # InvalidConfig names WorkerOptions' field

@@ -25,6 +25,7 @@ from omni_async.transport.packing import PackInFlight, release_packed_output, st
 from omni_async.transport.platform import CopyStream, DeviceEvent
 from omni_async.transport.rpc import pickle_problem
 from omni_async.transport.shm import SegmentPool
+from omni_async.worker.affinity import apply_cpu_affinity, check_cpu_affinity, cpu_affinity_value
 from omni_async.worker.dist import DistContext, Rendezvous, join_process_group
 from omni_async.worker.loop import WorkerLoop
 from omni_async.worker.output_path import OMNI, OutputPath, check_output_path, resolve_output_path
@@ -216,6 +217,10 @@ class WorkerOptions:
     # has finished, so the copy engine does not idle between them while the packer
     # sends (``omni_async.worker.packer``); 1: one at a time.
     copies_in_flight: int = 2
+    # Which CPUs each worker process runs on: None (as inherited), "gpu-local" (the CPUs
+    # local to the rank's GPU) or CPU numbers (``omni_async.worker.affinity``).  A list
+    # is kept as a sorted tuple.
+    cpu_affinity: str | tuple[int, ...] | None = attrs.field(default=None, converter=cpu_affinity_value)
 
     def __attrs_post_init__(self) -> None:
         check_int("WorkerOptions.reply_rank", self.reply_rank, 0)
@@ -231,6 +236,7 @@ class WorkerOptions:
         check_output_path(self.output_path)
         check_bool("WorkerOptions.defer_packing", self.defer_packing)
         check_int("WorkerOptions.copies_in_flight", self.copies_in_flight, 1)
+        object.__setattr__(self, "cpu_affinity", check_cpu_affinity(self.cpu_affinity, self.device))
 
 
 def check_device(field: str, value: object) -> None:
@@ -295,6 +301,8 @@ def build_worker(
     from omni_async.transport.platform import record_device_event
 
     dev = device_setup(opts.device, rank)
+    # Before the model is built: its host memory is first touched on the pinned CPUs' node.
+    apply_cpu_affinity(opts.cpu_affinity, dev, rank)
     # One clock for the loop (which marks each forward) and the packer (which marks each
     # copy and reads them all): the timings true to the device (omni_async.worker.stamps).
     clock = DeviceClock(dev)
