@@ -520,6 +520,15 @@ def run_batching(
     return rows
 
 
+def round_order(r: int, *, pinned: bool) -> list[str]:
+    """The paths of round ``r`` in the order they run: the direct loop, the engine's sync
+    and async paths (and both pinned, with ``--cpu-affinity``), reversed every other
+    round, so that order effects (a warmer GPU, the allocator, the page cache) fall on
+    all of them alike."""
+    paths = ["direct", "sync", "async"] + (["sync-pinned", "async-pinned"] if pinned else [])
+    return paths if r % 2 == 0 else paths[::-1]
+
+
 def paths_table(rows: list[dict[str, Any]]) -> str:
     """Per workload and path: the median requests/s over its runs, over the direct loop's
     median, the median forward (the direct loop's by CUDA events around the call, the
@@ -602,12 +611,9 @@ def main(argv: list[str] | None = None) -> int:
         direct, expected = loop.run(count)
         direct["round"] = 0
         keep(direct)
-        # The direct loop and the two engine paths in turn, round after round, the order
-        # reversed every other round (direct, sync, async; async, sync, direct; ...): order
-        # effects (a warmer GPU, the allocator, the page cache) fall on all of them alike.
-        paths = ["direct", "sync", "async"] + (["sync-pinned", "async-pinned"] if args.cpu_affinity else [])
+        # The direct loop and the engine's paths in turn, round after round (round_order).
         for r in range(rounds):
-            for path in paths if r % 2 == 0 else paths[::-1]:
+            for path in round_order(r, pinned=bool(args.cpu_affinity)):
                 if path == "direct":
                     if r == 0:
                         continue  # measured above, first: its pixels are the reference

@@ -271,9 +271,9 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
     After OUTPUT_READY (arrived, unclaimed), after COMPUTE_DONE while packing (its pack
     waits for room: the engine holds the budget's other output), during a forward, and
     before one (queued behind it).  Every affected waiter fails with ``WorkerDied``
-    naming the rank and the exit code within a second of the kill; the output the
-    engine already holds stays intact and releasable; after shutdown no worker process
-    and no file of the pool remain.  On Ray (the kill hits the rank's actor process) the
+    naming the rank and the exit code within a second of the kill (three on Ray), not at
+    a deadline; the output the engine already holds stays intact and releasable; after
+    shutdown no worker process and no file of the pool remain.  On Ray (the kill hits the rank's actor process) the
     error is ``ActorDied``, a ``WorkerDied`` naming the rank and its node.
     """
     ex = executor_class(kind, request)(
@@ -304,7 +304,10 @@ def test_sigkill_fails_the_waiters_of_every_stage_within_a_second(
             else:
                 assert (err.rank, err.exitcode) == (victim, -signal.SIGKILL), stage
                 assert f"worker rank {victim} died with exit code {-signal.SIGKILL}" in str(err)
-            assert elapsed < 1.0, f"{stage}: WorkerDied after {elapsed:.2f} s"
+            # Ray hears of an actor's death from its own control plane: 1.1 s once on the
+            # loaded 2-core machine.  Either bound is far below the deadlines (60 s).
+            limit = 3.0 if kind == "ray" else 1.0
+            assert elapsed < limit, f"{stage}: WorkerDied after {elapsed:.2f} s"
         # After OUTPUT_READY: the unclaimed output was released, and a wait says why.
         late = ex.wait_output_ready(_oid(ready)).exception(timeout=5)
         assert isinstance(late, WorkerDied) and late.rank == victim

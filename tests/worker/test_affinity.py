@@ -114,13 +114,6 @@ def test_a_worker_asked_for_one_cpu_runs_every_thread_there_and_serves() -> None
     assert sorted(os.sched_getaffinity(0)) == allowed
 
 
-def test_a_worker_left_unpinned_keeps_the_executors_cpus() -> None:
-    allowed = frozenset(os.sched_getaffinity(0))
-    with MultiprocDiffusionExecutor(TINY) as ex:
-        (pid,) = worker_pids(ex)
-        assert set(thread_cpus(pid).values()) == {allowed}
-
-
 def test_cpus_the_process_may_not_use_fail_the_start_naming_them() -> None:
     """A CPU outside this process's set (a typo, another container's) fails the executor's
     start with the field, the CPUs and the ones allowed; nothing is left running."""
@@ -176,8 +169,12 @@ def test_a_pinned_worker_runs_no_more_torch_threads_than_its_cpus(monkeypatch: p
     each other; a CPU forward ran 10x slower)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     spec = WorkerSpec("helpers.mp_workers:TorchThreadsWorker")
-    one = [sorted(os.sched_getaffinity(0))[0]]
-    with MultiprocDiffusionExecutor(spec) as ex:  # unpinned: the pool as the environment sized it
+    allowed = frozenset(os.sched_getaffinity(0))
+    one = [min(allowed)]
+    with MultiprocDiffusionExecutor(spec) as ex:
+        # Unpinned: the executor's CPUs, and the pool as the environment sized it.
         assert output_of(ex, "unpinned") == {"threads": 2}
+        (pid,) = worker_pids(ex)
+        assert set(thread_cpus(pid).values()) == {allowed}
     with MultiprocDiffusionExecutor(spec, options=WorkerOptions(cpu_affinity=one)) as ex:
         assert output_of(ex, "pinned") == {"threads": 1}
