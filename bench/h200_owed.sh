@@ -233,11 +233,11 @@ client-c1)
     save
     ;;
 affinity)
-    timeout 300 python3 bench/probes/launch_affinity.py --rounds 3 --json "$out/launch_affinity.json" 2>&1 \
+    timeout 450 python3 bench/probes/launch_affinity.py --rounds 3 --json "$out/launch_affinity.json" 2>&1 \
         | grep -v -i "float32\|warn" | tee "$out/launch_affinity.log" | tail -16
     save
     # The CUDA tests of WorkerOptions.cpu_affinity (a gpu-local worker's threads on its GPU's CPUs).
-    timeout 120 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests/worker/test_affinity.py 2>&1 \
+    timeout 100 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests/worker/test_affinity.py 2>&1 \
         | tee "$out/affinity_tests.log" | tail -4
     save
     ;;

@@ -53,22 +53,24 @@ def gpu_local_cpus() -> tuple[str, list[int]]:
         return bus, []
 
 
-def spin_on_events(stop: threading.Event) -> None:
+def spin_on_events(stop: threading.Event, blocking: bool = False) -> None:
     """What a worker's finisher thread does beside the forward: wait on a CUDA event (with
     CUDA's default schedule, a spin on a core when the process has fewer contexts than
-    cores), here over and over on a short kernel of a side stream."""
+    cores), here over and over on a short kernel of a side stream.  ``blocking``: the
+    event made with ``cudaEventBlockingSync``, whose wait sleeps instead of spinning (the
+    fix, if the spin is the cause)."""
     import torch
 
     side = torch.cuda.Stream()
     while not stop.is_set():
         with torch.cuda.stream(side):
             torch.cuda._sleep(200_000)  # about 0.1 ms of one SM
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=blocking)
         done.record(side)
         done.synchronize()
 
 
-def child(requests: int, preset: str, spinner: bool) -> None:
+def child(requests: int, preset: str, spinner: bool, blocking: bool = False) -> None:
     """One process: the PixArt pipeline of ``preset`` (h200: CUDA; tiny: a CPU smoke run),
     2 warm-up calls, then ``requests`` timed; ``spinner``: with ``spin_on_events`` beside them."""
     sys.path.insert(0, os.path.dirname(HERE))
@@ -78,7 +80,7 @@ def child(requests: int, preset: str, spinner: bool) -> None:
     loop = ds.DirectLoop("pixart", work, ds.PRESETS[preset]["device"])
     stop = threading.Event()
     if spinner:
-        threading.Thread(target=spin_on_events, args=(stop,), daemon=True).start()
+        threading.Thread(target=spin_on_events, args=(stop, blocking), daemon=True).start()
     times = []
     for r in ds.requests("pixart", work, requests, "p"):
         t0 = time.perf_counter()
@@ -96,9 +98,10 @@ def main() -> int:
     ap.add_argument("--preset", default="h200", help="h200 (CUDA), or tiny: a smoke run on the CPU")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--spinner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--blocking", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.requests, args.preset, args.spinner)
+        child(args.requests, args.preset, args.spinner, args.blocking)
         return 0
     allowed = sorted(os.sched_getaffinity(0))
     bus, local = gpu_local_cpus()
@@ -115,11 +118,19 @@ def main() -> int:
     sets = {"unpinned": allowed}
     if args.preset == "h200":
         sets["unpinned+spinner"] = allowed  # a thread spin-waiting on CUDA events beside the forward
+        sets["unpinned+sleeper"] = allowed  # the same waits on blocking-sync events: sleeping, not spinning
     if local:
         sets["gpu-local"] = local
     if remote:
         sets["remote"] = remote
-    runs = []
+    runs: list[dict[str, object]] = []
+
+    def write(done: list[dict[str, object]]) -> None:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"command": " ".join(sys.argv), "gpu": bus, "local": local, "remote": remote,
+                           "topo": topo, "lscpu": lscpu, "runs": done}, fh, indent=2)  # fmt: skip
+
     for r in range(args.rounds):
         order = list(sets) if r % 2 == 0 else list(reversed(list(sets)))
         for name in order:
@@ -132,8 +143,10 @@ def main() -> int:
                 "--preset",
                 args.preset,
             ]
-            if name.endswith("+spinner"):
+            if name.endswith(("+spinner", "+sleeper")):
                 cmd.append("--spinner")
+            if name.endswith("+sleeper"):
+                cmd.append("--blocking")
             cmd = ["taskset", "-c", ",".join(map(str, sets[name])), *cmd]
             out = subprocess.run(cmd, capture_output=True, text=True)
             line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
@@ -149,13 +162,11 @@ def main() -> int:
                 **got,
             }
             runs.append(row)
+            write(runs)  # after every run: a probe cut short by its time limit keeps them
             print(
                 f"round {r} {name:16} forward median {row['forward_s_median']:.4f} s  call {row['call_s_median']:.4f} s"
             )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"command": " ".join(sys.argv), "gpu": bus, "local": local, "remote": remote,
-                       "topo": topo, "lscpu": lscpu, "runs": runs}, fh, indent=2)  # fmt: skip
+    write(runs)
     return 0
 
 
