@@ -237,6 +237,32 @@ PRESETS: dict[str, dict[str, Any]] = {
             },
         },
     },
+    # PixArt-Sigma-512's 28 layers and 20 steps at a width of 24 (256x256 images, the tiny
+    # VAE): a forward bound by the host's Python, as PixArt-Sigma-512's is by its kernel
+    # launches on a GPU.  Whether a worker process runs such a forward slower than the
+    # direct loop's own process does, on the CPU (bench/results/diffusers_serving_cpu_launch.json).
+    "cpu-launch": {
+        "device": "cpu",
+        "requests": 6,
+        "batch": 2,
+        "workloads": {
+            "pixart": {
+                "pipeline": FAMILIES["pixart"][0],
+                "components": {
+                    **FAMILIES["pixart"][1],
+                    "transformer": (
+                        FAMILIES["pixart"][1]["transformer"][0],
+                        {**FAMILIES["pixart"][1]["transformer"][1], "num_layers": 28},
+                    ),
+                },
+                "dtype": None,
+                "text_dim": TEXT_DIM,
+                "seq": 8,
+                "mask": True,
+                "params": {"height": 256, "width": 256, "num_inference_steps": 20},
+            },
+        },
+    },
     "h200": {
         "device": "cuda",
         "requests": 8,
@@ -549,7 +575,9 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             runs = [r for r in mine if r["path"] == path]
             if runs:
                 med = statistics.median(r["requests_per_s"] for r in runs)
-                fwds = [r[key] for r in runs if r.get(key) is not None]
+                # On the CPU the direct loop's forward is its call (no device time).
+                fwds = [r.get(key) or r.get("host_call_s") for r in runs]
+                fwds = [f for f in fwds if f is not None]
                 fwd = f"{statistics.median(fwds):6.3f}" if fwds else f"{'-':>6}"
                 equal = "-" if path == "direct" else str(all(r.get("bit_for_bit") for r in runs))
                 lines.append(f"{name:9} {path:16} {len(runs):4} {med:12.3f} {med / direct:8.3f} {fwd} {equal:>9}")
@@ -589,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         """The figures so far (a device run cut short by its time limit keeps its rows)."""
         if args.json:
             report = {
+                "command": " ".join(["python3", *sys.argv]),
                 "preset": args.preset,
                 "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
                 "torch": torch.__version__,
@@ -600,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def keep(row: dict[str, Any]) -> None:
         rows.append(row)
-        fwd = row.get("engine_forward_s", row.get("device_forward_s"))
+        fwd = row.get("engine_forward_s") or row.get("device_forward_s") or row.get("host_call_s")
         print(f"  {row['workload']} {row['path']} round {row.get('round')}: {row['requests_per_s']} req/s, forward {fwd}",
               flush=True)  # fmt: skip
         write(complete=False)
