@@ -39,11 +39,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import inspect
 import itertools
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -546,13 +549,36 @@ def run_batching(
     return rows
 
 
-def round_order(r: int, *, pinned: bool) -> list[str]:
-    """The paths of round ``r`` in the order they run: the direct loop, the engine's sync
-    and async paths (and both pinned, with ``--cpu-affinity``), reversed every other
-    round, so that order effects (a warmer GPU, the allocator, the page cache) fall on
-    all of them alike."""
-    paths = ["direct", "sync", "async"] + (["sync-pinned", "async-pinned"] if pinned else [])
+def round_order(r: int, *, pinned: bool, fresh: bool = False) -> list[str]:
+    """The paths of round ``r`` in the order they run: the direct loop (and the same loop
+    in a fresh process, with ``--fresh-direct``), the engine's sync and async paths (and
+    both pinned, with ``--cpu-affinity``), reversed every other round, so that order
+    effects (a warmer GPU, the allocator, the page cache) fall on all of them alike."""
+    paths = ["direct", *(["direct-fresh"] if fresh else []), "sync", "async"]
+    paths += ["sync-pinned", "async-pinned"] if pinned else []
     return paths if r % 2 == 0 else paths[::-1]
+
+
+def digests(outputs: list[Any]) -> list[str]:
+    """Each output's pixels as a digest: what a fresh process's outputs are compared by."""
+    return [hashlib.sha256(np.ascontiguousarray(px).tobytes()).hexdigest() for px in outputs]
+
+
+def run_direct_fresh(preset: str, name: str, count: int, expected: list[Any]) -> dict[str, Any]:
+    """The direct loop in a process of its own, built and warmed there as the engine's
+    worker is: the spread of a launch-bound forward from process to process falls on the
+    direct loop's runs as on the engine's, not only on the bench's one process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--direct-child", "--preset", preset, "--workloads", name,
+           "--requests", str(count)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    line = next((x for x in done.stdout.splitlines() if x.startswith('{"row"')), None)
+    if line is None:
+        raise RuntimeError(f"the direct loop's process failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    got = json.loads(line)
+    row: dict[str, Any] = got["row"]
+    row["path"] = "direct-fresh"
+    row["bit_for_bit"] = got["digests"] == digests(expected)
+    return row
 
 
 def paths_table(rows: list[dict[str, Any]]) -> str:
@@ -567,6 +593,7 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
         direct = statistics.median(r["requests_per_s"] for r in mine if r["path"] == "direct")
         for path, key in (
             ("direct", "device_forward_s"),
+            ("direct-fresh", "device_forward_s"),
             ("engine-sync", "engine_forward_s"),
             ("engine-async", "engine_forward_s"),
             ("engine-sync-pinned", "engine_forward_s"),
@@ -600,8 +627,20 @@ def main(argv: list[str] | None = None) -> int:
         help="also run both engine paths with their workers pinned so (WorkerOptions.cpu_affinity: gpu-local or "
         "a CPU list such as 0-7), as paths engine-sync-pinned and engine-async-pinned, in the same rounds",
     )
+    parser.add_argument(
+        "--fresh-direct",
+        action="store_true",
+        help="also run the direct loop in a fresh process each round (path direct-fresh), as the engine's worker is",
+    )
     parser.add_argument("--json", default=None, help="write the figures here")
+    parser.add_argument("--direct-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.direct_child:  # run_direct_fresh's process: one run, its row and digests on stdout
+        preset_ = PRESETS[args.preset]
+        child_loop = DirectLoop(args.workloads, preset_["workloads"][args.workloads], str(preset_["device"]))
+        row, outputs = child_loop.run(int(args.requests or preset_["requests"]))
+        print(json.dumps({"row": row, "digests": digests(outputs)}))
+        return 0
     preset = PRESETS[args.preset]
     device = str(preset["device"])
     if device == "cuda" and not torch.cuda.is_available():
@@ -642,11 +681,13 @@ def main(argv: list[str] | None = None) -> int:
         keep(direct)
         # The direct loop and the engine's paths in turn, round after round (round_order).
         for r in range(rounds):
-            for path in round_order(r, pinned=bool(args.cpu_affinity)):
+            for path in round_order(r, pinned=bool(args.cpu_affinity), fresh=args.fresh_direct):
                 if path == "direct":
                     if r == 0:
                         continue  # measured above, first: its pixels are the reference
                     row, _ = loop.run(count)
+                elif path == "direct-fresh":
+                    row = run_direct_fresh(args.preset, name, count, expected)
                 else:
                     row = run_engine(
                         name, work, device, count, async_output=path.startswith("async"),
