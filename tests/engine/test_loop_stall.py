@@ -2,9 +2,10 @@
 reuse memory without ever changing a result the caller holds.
 
 ``LoopStallMonitor`` measures the loop's lag with a periodic callback.  With 16 PNG
-requests in flight at once the longest stall must stay well under what one encode of
-the same pixels costs when run on the loop, measured in the same test on the same
-machine under the same load (a ratio, not a fixed number: the CI machine is noisy).
+requests in flight at once the loop's stalls (their 99th percentile, and the code the
+loop ran in its longest) must stay well under what one encode of the same pixels costs
+when run on the loop, measured in the same test on the same machine under the same load
+(a ratio, not a fixed number: the CI machine is noisy).
 An encode (or a blocking wait for one) on the loop stalls it for at least that long.
 """
 
@@ -26,7 +27,7 @@ from omni_async.core.errors import UsageError
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.encoders import EncodedOutput, encode_image
 from omni_async.engine.engine import AsyncDiffusionEngine
-from omni_async.engine.loop_stall import LoopStallMonitor
+from omni_async.engine.loop_stall import LoopStallMonitor, LoopStalls
 from omni_async.engine.owned import POOLED_FROM_BYTES
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor, WorkerSpec
 
@@ -71,7 +72,7 @@ def test_sixteen_png_encodes_never_stall_the_loop_for_a_fraction_of_one_encode(
 ) -> None:
     params = {"forward_ms": 0.0, "shape": [SIDE, SIDE, 3], "dtype": "float32", "picture": True}
 
-    async def body() -> tuple[float, float]:
+    async def body() -> tuple[LoopStalls, float]:
         # One encoder process: two would take both cores of the CI machine, and the loop's
         # thread then waits for a core (stalls of 20-80 ms that no code of ours causes).
         async with AsyncDiffusionEngine(ex, encode_workers=1) as engine:
@@ -92,11 +93,18 @@ def test_sixteen_png_encodes_never_stall_the_loop_for_a_fraction_of_one_encode(
                 )
             assert all(isinstance(r.output, EncodedOutput) and r.media_type == "image/png" for r in results)
             await assert_quiescent(engine)
-        return monitor.stalls().max_ms, 1e3 * min(on_loop)
+        return monitor.stalls(), 1e3 * min(on_loop)
 
-    stall_ms, encode_ms = run(body())
+    stalls, encode_ms = run(body())
     assert encode_ms >= 20, f"one PNG encode took {encode_ms:.1f} ms: too fast for the ratio to tell anything"
-    assert stall_ms < 0.5 * encode_ms, f"the loop stalled {stall_ms:.1f} ms; one encode on it takes {encode_ms:.1f} ms"
+    # An encode on the loop, or a wait for one, stalls it once per request: 16 stalls of an
+    # encode each, most of the samples.  The loop never ran an encode's worth of code, and
+    # its 99th percentile stays under half an encode.  Not its maximum: with both cores
+    # busy (the other test worker, TLC's threads, the encoder), the loop's thread once
+    # waited 104 ms for a core while running 0 ms of code (CI, one encode 127 ms).
+    assert stalls.max_cpu_ms < 0.5 * encode_ms, f"the loop ran code for an encode's time: {stalls.line()}"
+    assert stalls.p99_ms < 0.5 * encode_ms, f"one encode takes {encode_ms:.1f} ms; the loop: {stalls.line()}"
+    assert stalls.samples >= 100, stalls.line()
 
 
 def test_a_result_the_caller_holds_never_changes_while_its_memory_waits_for_reuse(

@@ -87,6 +87,15 @@ def _one_of(*choices: object) -> Callable[[object], bool]:
     return lambda v: any(type(v) is type(c) and v == c for c in choices)
 
 
+def _cpu_affinity(v: object) -> bool:
+    if v is None or v == "gpu-local":
+        return True
+    if not isinstance(v, list | tuple | set | frozenset | range):
+        return False
+    cpus = list(v)
+    return bool(cpus) and len(set(cpus)) == len(cpus) and all(_int(c, 0) for c in cpus)
+
+
 def _bool(v: object) -> bool:
     return isinstance(v, bool)
 
@@ -131,6 +140,8 @@ class Rule:
     accepts: Callable[[object], bool]
     valid: st.SearchStrategy[object]
     base: Mapping[str, object] = attrs.field(factory=dict)
+    # What the field keeps of a value it accepts (as given, unless this says otherwise).
+    kept: Callable[[object], object] = lambda v: v
 
 
 DEADLINE = Rule(_or_none(_seconds), st.none() | SECONDS)
@@ -198,6 +209,16 @@ RULES: dict[Target, tuple[str, dict[str, Rule]]] = {
             "lease_timeout": Rule(_or_none(lambda v: _seconds(v, zero=True)), st.none() | SECONDS_OR_ZERO),
             "output_path": Rule(_one_of(*OUTPUT_PATHS), st.sampled_from(OUTPUT_PATHS)),
             "defer_packing": Rule(_bool, st.booleans()),
+            # None, "gpu-local" (base: a CUDA device) or CPU numbers, kept as a sorted tuple.
+            "cpu_affinity": Rule(
+                _cpu_affinity,
+                st.none()
+                | st.just("gpu-local")
+                | st.lists(st.integers(0, 512), min_size=1, unique=True)
+                | st.frozensets(st.integers(0, 512), min_size=1),
+                base={"device": "cuda"},
+                kept=lambda v: tuple(sorted(v)) if isinstance(v, list | tuple | set | frozenset | range) else v,
+            ),
             "copies_in_flight": Rule(lambda v: _int(v, 1), st.integers(1, 8)),
         },
     ),
@@ -355,8 +376,9 @@ def _check(target: Target, name: str, value: object) -> None:
             assert isinstance(exc, ValueError) and field in str(exc), exc
         return
     assert rule.accepts(value), f"{field} accepted {value!r}, which its rule refuses"
-    if made is not None:  # a class (not a check function): the value is kept as given
-        assert getattr(made, name) is value or getattr(made, name) == value
+    if made is not None:  # a class (not a check function): the value is kept (as given, or as its rule says)
+        want = rule.kept(value)
+        assert getattr(made, name) is want or getattr(made, name) == want
 
 
 @pytest.mark.parametrize(("target", "name"), CASES)

@@ -59,11 +59,12 @@ _FIELD = "WorkerOptions.cpu_affinity"
 
 
 def cpu_affinity_value(value: str | Iterable[int] | None) -> CpuAffinity:
-    """``WorkerOptions.cpu_affinity``'s converter: CPU numbers given as any iterable are
-    kept as a tuple (``check_cpu_affinity`` then checks and sorts them)."""
-    if value is None or isinstance(value, str) or not isinstance(value, Iterable):
-        return value
-    return tuple(value)
+    """``WorkerOptions.cpu_affinity``'s converter: CPU numbers given as a list, tuple, set
+    or range are kept as a tuple (``check_cpu_affinity`` then checks and sorts them);
+    anything else is left for it to refuse."""
+    if isinstance(value, list | tuple | set | frozenset | range):
+        return tuple(value)
+    return value  # type: ignore[return-value]  # refused by check_cpu_affinity
 
 
 def check_cpu_affinity(value: object, device: str) -> CpuAffinity:
@@ -79,7 +80,7 @@ def check_cpu_affinity(value: object, device: str) -> CpuAffinity:
                 _FIELD, f"{GPU_LOCAL!r} pins each worker to its GPU's CPUs, and WorkerOptions.device is {device!r}"
             )
         return GPU_LOCAL
-    if isinstance(value, tuple):  # any iterable, as the converter keeps it
+    if isinstance(value, tuple):  # a list, tuple, set or range, as the converter keeps it
         cpus = list(value)
         if cpus and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus):
             if len(set(cpus)) != len(cpus):
