@@ -6,6 +6,9 @@ Each workload is a ``diffusers`` pipeline with random weights from configs writt
 per second of:
 
 * ``direct``: the loop a client writes: pipeline call, ``.cpu()``, uint8 pixels, next;
+  in this process, for every round;
+* ``direct-fresh`` (``--fresh-direct``): the same loop in a fresh process each round, as
+  the engine's worker is one (its outputs compared with the direct loop's by digest);
 * ``engine-sync``: ``AsyncDiffusionEngine(async_output=False)`` over a worker process
   (``MultiprocDiffusionExecutor``): the copy on the worker's main thread;
 * ``engine-async``: the same engine with the asynchronous output path (COMPUTE_DONE,
@@ -13,6 +16,8 @@ per second of:
 * ``engine-decode`` (Wan, whose pipeline can stop at its latents): ``engine-async`` with
   ``decode="device"``: the VAE decode moves from the forward to the device stage, on the
   packer's side stream while the next request denoises;
+* ``engine-sync-pinned``, ``engine-async-pinned`` (``--cpu-affinity gpu-local`` or a CPU
+  list): both engine paths with their worker pinned (``WorkerOptions.cpu_affinity``);
 
 with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
 runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
@@ -29,10 +34,17 @@ forward's end and the next one's start on the worker, from the worker's stamps, 
 stamps are device-true: CUDA events on a GPU).  Each engine run also times the first
 request after the executor started (``first_request_s``; the worker ran one warm-up
 forward while starting: ``DiffusersPipelineWorker(warmup=...)``) against one more
-request alone once warm (``steady_request_s``).
+request alone once warm (``steady_request_s``), that request's forward and pack
+(``steady_forward_s``, ``steady_pack_s``), every forward of the run (``engine_forwards_s``)
+and how far the device ran behind each call's return on the host
+(``engine_device_behind_s``: near 0, the host's launches set the forward's pace).  The
+direct loop's rows give each call's host time (``host_call_s``) beside its device time.
+Rows are printed and written as they are made: a run cut short keeps them.
 
 Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_serving.json
         python bench/diffusers_serving.py --preset h200 --json $OUT/diffusers_serving.json
+        python bench/diffusers_serving.py --preset h200 --workloads pixart --rounds 3 --fresh-direct \\
+            --cpu-affinity gpu-local --json $OUT/pixart.json
 """
 
 from __future__ import annotations
@@ -619,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default="dit,wan,pixart,cogvideox", help="comma-separated: dit, wan, pixart, cogvideox"
     )
     parser.add_argument(
-        "--rounds", type=int, default=1, help="direct, engine-sync and engine-async runs each, in alternating order"
+        "--rounds", type=int, default=1, help="runs of every path each, in alternating order (round_order)"
     )
     parser.add_argument(
         "--cpu-affinity",
