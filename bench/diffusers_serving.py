@@ -16,8 +16,8 @@ per second of:
 * ``engine-decode`` (Wan, whose pipeline can stop at its latents): ``engine-async`` with
   ``decode="device"``: the VAE decode moves from the forward to the device stage, on the
   packer's side stream while the next request denoises;
-* ``engine-sync-pinned``, ``engine-async-pinned`` (``--cpu-affinity gpu-local`` or a CPU
-  list): both engine paths with their worker pinned (``WorkerOptions.cpu_affinity``);
+* ``engine-async-pinned`` (``--cpu-affinity gpu-local`` or a CPU list): the engine's
+  asynchronous path (its default) with the worker pinned (``WorkerOptions.cpu_affinity``);
 
 with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
 runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
@@ -39,6 +39,7 @@ request alone once warm (``steady_request_s``), that request's forward and pack
 and how far the device ran behind each call's return on the host
 (``engine_device_behind_s``: near 0, the host's launches set the forward's pace).  The
 direct loop's rows give each call's host time (``host_call_s``) beside its device time.
+Every row says which CPUs the forwards' launching thread ran on (``launching_cpus``).
 Rows are printed and written as they are made: a run cut short keeps them.
 
 Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_serving.json
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import hashlib
 import inspect
 import itertools
@@ -60,6 +62,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -399,8 +402,10 @@ class DirectLoop:
         """One measured run of ``count`` requests: its row and each output's pixels."""
         t0 = time.perf_counter()
         self.host_calls.clear()
+        sampler = CpuSampler(os.getpid(), threading.get_native_id())  # this thread launches the forwards
         made = [self.call(r) for r in requests(self.name, self.work, count, "d")]
         wall = time.perf_counter() - t0
+        launching_cpus = sampler.stop()
         device_times = [t for _, t in made if t is not None]
         forward = statistics.median(device_times) if device_times else None
         row = summary(self.name, "direct", count, wall, forward, None)
@@ -408,7 +413,41 @@ class DirectLoop:
         # The call's return on the host against the device's forward: near equal, the
         # host's launches bound the forward (as engine_device_behind_s near 0 says).
         row["host_call_s"] = round(statistics.median(self.host_calls), 4)
+        row["launching_cpus"] = launching_cpus
         return row, [px for px, _ in made]
+
+
+class CpuSampler:
+    """Which CPUs a thread ran on over a run: ``/proc/<pid>/task/<tid>/stat``'s last CPU,
+    every 20 ms on a thread of its own (the forward's launching thread is a process's main
+    thread: ``tid = pid``).  ``stop()``: {cpu: samples}, to lay against the GPU's NUMA node
+    (the probe's ``lscpu`` lines) when a run's forwards were slow."""
+
+    def __init__(self, pid: int, tid: int | None = None) -> None:
+        self._path = f"/proc/{pid}/task/{tid or pid}/stat"
+        self._seen: collections.Counter[int] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> bool:
+        try:
+            with open(self._path, encoding="ascii") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return False  # the thread is gone
+        self._seen[int(fields[36])] += 1  # field 39 of stat(5): the CPU it last ran on
+        return True
+
+    def _run(self) -> None:
+        while self._sample() and not self._stop.wait(0.02):
+            pass
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()  # and where it is now: a run shorter than one period has a sample too
+        return {str(cpu): n for cpu, n in sorted(self._seen.items())}
 
 
 def pixels_of(output: Any) -> Any:
@@ -479,19 +518,26 @@ def run_engine(
         engine = AsyncDiffusionEngine.from_factory(factory, pipeline="diffusers", async_output=async_output)
         async with engine:
             first = await one(engine, requests(name, work, 1, "first")[0])  # the first after start
+            executor = engine.executor
+            assert isinstance(executor, MultiprocDiffusionExecutor)
+            (pid,) = [p.pid for p in executor.procs if p.pid is not None]
+            sampler = CpuSampler(pid)  # the worker's main thread: the one that launches the forward
             # time.monotonic(): the clock of the worker's forward stamps (worker/stamps.py).
             t0 = time.monotonic()
             results = await asyncio.gather(*(engine.generate(r) for r in requests(name, work, count, "e")))
             t1 = time.monotonic()
+            cpus[:] = [sampler.stop()]
             steady = await one(engine, requests(name, work, 1, "steady")[0])  # alone again, warm
             return t1 - t0, list(results), first, steady, (t0, t1)
 
+    cpus: list[dict[str, int]] = []
     wall, results, (first, _), (steady, alone), (t0, t1) = asyncio.run(body())
     path = "engine-decode" if decode == "device" else "engine-async" if async_output else "engine-sync"
     if cpu_affinity is not None:
         path += "-pinned"
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
+    row["launching_cpus"] = cpus[0]  # {cpu: samples} of the worker's main thread over the run
     row["first_request_s"], row["steady_request_s"] = round(first, 4), round(steady, 4)
     row["first_over_steady"] = round(first / steady, 3)
     # Where the wall time went: the engine's own forwards (their median, against the direct
@@ -564,10 +610,10 @@ def run_batching(
 def round_order(r: int, *, pinned: bool, fresh: bool = False) -> list[str]:
     """The paths of round ``r`` in the order they run: the direct loop (and the same loop
     in a fresh process, with ``--fresh-direct``), the engine's sync and async paths (and
-    both pinned, with ``--cpu-affinity``), reversed every other round, so that order
+    the async one pinned, with ``--cpu-affinity``), reversed every other round, so that order
     effects (a warmer GPU, the allocator, the page cache) fall on all of them alike."""
     paths = ["direct", *(["direct-fresh"] if fresh else []), "sync", "async"]
-    paths += ["sync-pinned", "async-pinned"] if pinned else []
+    paths += ["async-pinned"] if pinned else []
     return paths if r % 2 == 0 else paths[::-1]
 
 
@@ -608,7 +654,6 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             ("direct-fresh", "device_forward_s"),
             ("engine-sync", "engine_forward_s"),
             ("engine-async", "engine_forward_s"),
-            ("engine-sync-pinned", "engine_forward_s"),
             ("engine-async-pinned", "engine_forward_s"),
         ):
             runs = [r for r in mine if r["path"] == path]
@@ -636,8 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-affinity",
         default=None,
-        help="also run both engine paths with their workers pinned so (WorkerOptions.cpu_affinity: gpu-local or "
-        "a CPU list such as 0-7), as paths engine-sync-pinned and engine-async-pinned, in the same rounds",
+        help="also run the engine's async path with its worker pinned so (WorkerOptions.cpu_affinity: gpu-local "
+        "or a CPU list such as 0-7), as path engine-async-pinned, in the same rounds",
     )
     parser.add_argument(
         "--fresh-direct",

@@ -40,8 +40,8 @@
 #           pinned to the GPU's local CPUs against the others, and beside a thread spin-waiting
 #           on CUDA events (issue 30's engine < direct: run it first next time), then the CUDA
 #           tests of WorkerOptions.cpu_affinity; part 10-pinned: part 10 with the direct loop
-#           also in a fresh process each round, and the engine's workers also pinned to the
-#           GPU's CPUs (cpu_affinity="gpu-local"), in the same rounds
+#           also in a fresh process each round, and the engine's async path with its worker
+#           pinned to the GPU's CPUs (cpu_affinity="gpu-local"), in the same rounds
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
 # 10 again, client-c1, serve-video, dit-rounds, host. Still owed: affinity, 10-pinned, host-bench
@@ -243,8 +243,8 @@ affinity)
     save
     ;;
 10-pinned)
-    # Issue 30's PixArt rounds with three more paths: the direct loop in a fresh process
-    # each round (as the engine's worker is), and both engine paths with their worker
+    # Issue 30's PixArt rounds with two more paths: the direct loop in a fresh process
+    # each round (as the engine's worker is), and the engine's async path with its worker
     # pinned to its GPU's CPUs (WorkerOptions.cpu_affinity="gpu-local"), in the same
     # alternating rounds; rows are written as they are made (a cut-short run keeps them).
     timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
