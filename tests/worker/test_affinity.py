@@ -116,7 +116,8 @@ def test_a_worker_asked_for_one_cpu_runs_every_thread_there_and_serves() -> None
 
 def test_cpus_the_process_may_not_use_fail_the_start_naming_them() -> None:
     """A CPU outside this process's set (a typo, another container's) fails the executor's
-    start with the field, the CPUs and the ones allowed; nothing is left running."""
+    start with the field, the CPUs and the ones allowed (and leaves no segment: the
+    suite's own check after every test)."""
     allowed = os.sched_getaffinity(0)
     outside = max(allowed) + 4096
     with pytest.raises(WorkerStartupFailed) as caught:
