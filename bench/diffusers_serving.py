@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_async.cli import options as cli_options
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
@@ -81,7 +82,6 @@ from omni_async.integrations.diffusers import (
 )
 from omni_async.integrations.diffusers.source import ComponentConfig
 from omni_async.integrations.diffusers.tiny import FAMILIES, TEXT_DIM, TINY_DIT, TINY_WAN, WAN_TEXT_DIM
-from omni_async.worker.affinity import parse_cpulist
 
 BUILDER = "omni_async.integrations.diffusers:random_pipeline"
 DEADLINES = Deadlines(compute_timeout=600, output_timeout=600, rpc_timeout=600)
@@ -497,7 +497,7 @@ def run_engine(
     forward: float | None,
     decode: str = "forward",
     expected: list[Any] | None = None,
-    cpu_affinity: str | None = None,
+    cpu_affinity: str | tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
     spec = DiffusersPipelineWorker.spec(
@@ -680,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--cpu-affinity",
+        type=cli_options.cpu_affinity,  # as omni-async serve reads it: gpu-local or a CPU list
         default=None,
         help="also run the engine's async path with its worker pinned so (WorkerOptions.cpu_affinity: gpu-local "
         "or a CPU list such as 0-7), as path engine-async-pinned, in the same rounds",
@@ -704,9 +705,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the h200 preset needs a CUDA device")
     count = int(args.requests or preset["requests"])
     rounds = int(args.rounds)
-    affinity: Any = None
-    if args.cpu_affinity:
-        affinity = args.cpu_affinity if args.cpu_affinity == "gpu-local" else sorted(parse_cpulist(args.cpu_affinity))
     rows: list[dict[str, Any]] = []
 
     def write(complete: bool) -> None:
@@ -749,7 +747,7 @@ def main(argv: list[str] | None = None) -> int:
                     row = run_engine(
                         name, work, device, count, async_output=path.startswith("async"),
                         forward=direct["device_forward_s"], expected=expected,
-                        cpu_affinity=affinity if path.endswith("-pinned") else None,
+                        cpu_affinity=args.cpu_affinity if path.endswith("-pinned") else None,
                     )  # fmt: skip
                 row["round"] = r
                 keep(row)
