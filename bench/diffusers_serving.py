@@ -498,6 +498,7 @@ def run_engine(
     decode: str = "forward",
     expected: list[Any] | None = None,
     cpu_affinity: str | tuple[int, ...] | None = None,
+    inference_mode: bool = True,
 ) -> dict[str, Any]:
     # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
     spec = DiffusersPipelineWorker.spec(
@@ -506,7 +507,7 @@ def run_engine(
     )  # fmt: skip
 
     def factory() -> MultiprocDiffusionExecutor:
-        options = WorkerOptions(device=device, cpu_affinity=cpu_affinity)
+        options = WorkerOptions(device=device, cpu_affinity=cpu_affinity, inference_mode=inference_mode)
         return MultiprocDiffusionExecutor(spec, deadlines=DEADLINES, options=options)
 
     async def one(engine: AsyncDiffusionEngine, r: DiffusionRequest) -> tuple[float, Any]:
@@ -535,6 +536,8 @@ def run_engine(
     path = "engine-decode" if decode == "device" else "engine-async" if async_output else "engine-sync"
     if cpu_affinity is not None:
         path += "-pinned"
+    if not inference_mode:
+        path += "-nograd"  # the forward under the pipeline's own no_grad only, as the direct loop's
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
     row["launching_cpus"] = cpus[0]  # {cpu: samples} of the worker's main thread over the run
@@ -607,13 +610,15 @@ def run_batching(
     return rows
 
 
-def round_order(r: int, *, pinned: bool, fresh: bool = False) -> list[str]:
+def round_order(r: int, *, pinned: bool, fresh: bool = False, nograd: bool = False) -> list[str]:
     """The paths of round ``r`` in the order they run: the direct loop (and the same loop
     in a fresh process, with ``--fresh-direct``), the engine's sync and async paths (and
-    the async one pinned, with ``--cpu-affinity``), reversed every other round, so that order
-    effects (a warmer GPU, the allocator, the page cache) fall on all of them alike."""
+    the async one pinned, with ``--cpu-affinity``, and without the worker's inference mode,
+    with ``--nograd``), reversed every other round, so that order effects (a warmer GPU,
+    the allocator, the page cache) fall on all of them alike."""
     paths = ["direct", *(["direct-fresh"] if fresh else []), "sync", "async"]
     paths += ["async-pinned"] if pinned else []
+    paths += ["async-nograd"] if nograd else []
     return paths if r % 2 == 0 else paths[::-1]
 
 
@@ -655,6 +660,7 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             ("engine-sync", "engine_forward_s"),
             ("engine-async", "engine_forward_s"),
             ("engine-async-pinned", "engine_forward_s"),
+            ("engine-async-nograd", "engine_forward_s"),
         ):
             runs = [r for r in mine if r["path"] == path]
             if runs:
@@ -689,6 +695,12 @@ def main(argv: list[str] | None = None) -> int:
         "--fresh-direct",
         action="store_true",
         help="also run the direct loop in a fresh process each round (path direct-fresh), as the engine's worker is",
+    )
+    parser.add_argument(
+        "--nograd",
+        action="store_true",
+        help="also run the engine's async path with WorkerOptions(inference_mode=False), the forward under the "
+        "pipeline's own no_grad only as in the direct loop (path engine-async-nograd), in the same rounds",
     )
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--direct-child", action="store_true", help=argparse.SUPPRESS)
@@ -736,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         keep(direct)
         # The direct loop and the engine's paths in turn, round after round (round_order).
         for r in range(rounds):
-            for path in round_order(r, pinned=bool(args.cpu_affinity), fresh=args.fresh_direct):
+            for path in round_order(r, pinned=bool(args.cpu_affinity), fresh=args.fresh_direct, nograd=args.nograd):
                 if path == "direct":
                     if r == 0:
                         continue  # measured above, first: its pixels are the reference
@@ -748,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
                         name, work, device, count, async_output=path.startswith("async"),
                         forward=direct["device_forward_s"], expected=expected,
                         cpu_affinity=args.cpu_affinity if path.endswith("-pinned") else None,
+                        inference_mode=not path.endswith("-nograd"),
                     )  # fmt: skip
                 row["round"] = r
                 keep(row)

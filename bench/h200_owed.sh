@@ -51,7 +51,7 @@
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, 10-pinned, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
+part="${1:?part 1 to 11, 10-pinned, 10-im, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -250,6 +250,15 @@ affinity)
     timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
         --fresh-direct --cpu-affinity gpu-local --json "$out/diffusers_serving_pixart_pinned.json" 2>&1 \
         | tee "$out/diffusers_serving_pixart_pinned.log" | tail -16
+    save
+    ;;
+10-im)
+    # Part 10-pinned with the worker's forwards under torch.inference_mode (now the
+    # default, WorkerOptions.inference_mode) and, in the same rounds, the async path
+    # without it (engine-async-nograd: the pipeline's own no_grad only, as the direct loop).
+    timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
+        --fresh-direct --cpu-affinity gpu-local --nograd --json "$out/diffusers_serving_pixart_im.json" 2>&1 \
+        | tee "$out/diffusers_serving_pixart_im.log" | tail -18
     save
     ;;
 host-bench)

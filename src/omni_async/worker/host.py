@@ -10,6 +10,7 @@ executor only sends a ``WorkerSpec`` and ``WorkerOptions`` across.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -221,6 +222,12 @@ class WorkerOptions:
     # local to the rank's GPU) or CPU numbers (``omni_async.worker.affinity``).  A list
     # is kept as a sorted tuple.
     cpu_affinity: str | tuple[int, ...] | None = attrs.field(default=None, converter=cpu_affinity_value)
+    # Forwards (``execute_model``, ``execute_model_batch``) and the packer's threads run
+    # under ``torch.inference_mode()``: no autograd bookkeeping on each op, which a forward
+    # bound by its kernel launches feels (``WorkerLoop``'s ``forward_mode``).  Their
+    # tensors are then inference tensors.  False for a model whose forward needs autograd
+    # (one may instead wrap that part in ``torch.inference_mode(False)``).
+    inference_mode: bool = True
 
     def __attrs_post_init__(self) -> None:
         check_int("WorkerOptions.reply_rank", self.reply_rank, 0)
@@ -236,6 +243,7 @@ class WorkerOptions:
         check_output_path(self.output_path)
         check_bool("WorkerOptions.defer_packing", self.defer_packing)
         check_int("WorkerOptions.copies_in_flight", self.copies_in_flight, 1)
+        check_bool("WorkerOptions.inference_mode", self.inference_mode)
         object.__setattr__(self, "cpu_affinity", check_cpu_affinity(self.cpu_affinity, self.device))
 
 
@@ -356,10 +364,16 @@ def build_worker(
     worker = spec.build(rank, dist)
     # After the build: importing the factory's module registers its post-processes here.
     stage = spec.device_stage()
+    # The forwards' and the packer's mode (WorkerOptions.inference_mode).
+    mode: Callable[[], contextlib.AbstractContextManager[object]] = (
+        torch.inference_mode if opts.inference_mode else contextlib.nullcontext
+    )
     if spec.postprocess is not None:
         # Compiling a fused device stage takes seconds: here, before the first request,
-        # rather than in its first pack (``PostProcess.warmup``).
-        get_postprocess(spec.postprocess).warm_up(dev)
+        # rather than in its first pack (``PostProcess.warmup``); in the packer's mode,
+        # which the compiled kernel's guards check.
+        with mode():
+            get_postprocess(spec.postprocess).warm_up(dev)
     packer = Packer(
         rank,
         sender,
@@ -373,6 +387,7 @@ def build_worker(
         clock=clock,
         start_pack=start_pack,
         copies_in_flight=opts.copies_in_flight,
+        thread_mode=mode,
     )
     loop = WorkerLoop(
         rank,
@@ -385,6 +400,7 @@ def build_worker(
         backpressure_timeout=opts.backpressure_timeout,
         device_stage=stage,
         clock=clock,
+        forward_mode=mode,
     )
     if pool is not None and packing is None and opts.output_path == OMNI and rank == opts.reply_rank:
         # The rank that packs maps (and on CUDA pins) the segments made ahead of it, now

@@ -139,12 +139,17 @@ class WorkerLoop:
         tracer: Tracer | None = None,
         device_stage: DeviceStage | None = None,
         clock: DeviceClock | None = None,
+        forward_mode: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         """``device_stage``: a post-process's device stage, run on step mode's outputs
         before ``pack_sync`` (request mode's run in the packer, which has its own).
         ``clock``: the worker's ``DeviceClock`` (the packer's too; None: the host's clock),
         with which the reply rank marks each forward's start and end on the device
-        (``omni_async.worker.stamps``): recorded here, never waited for."""
+        (``omni_async.worker.stamps``): recorded here, never waited for.
+        ``forward_mode``: a context the forwards (``ASYNC_METHODS``) run in, with their
+        streamed chunks and step mode's pack (the worker process's ``torch.inference_mode``,
+        ``WorkerOptions.inference_mode``); other calls run without it."""
+        self._forward_mode = forward_mode
         self._device_stage = device_stage
         self._clock = clock if clock is not None else DeviceClock("cpu")
         # The segments the process that hosts the loop mapped and pinned while starting
@@ -199,6 +204,13 @@ class WorkerLoop:
         self._resume_packer()
 
     def handle_rpc(self, req: RpcRequest) -> None:
+        if req.method in ASYNC_METHODS:
+            with self._forward_mode():
+                self._handle_rpc(req)
+        else:
+            self._handle_rpc(req)
+
+    def _handle_rpc(self, req: RpcRequest) -> None:
         if not (req.async_output and req.method in ASYNC_METHODS):
             self._resume_packer()  # a drain, a control call, a synchronous call: never behind a hold
         if req.method == DROP_OUTPUTS:

@@ -206,6 +206,7 @@ class Packer:
         clock: DeviceClock | None = None,
         start_pack: StartPackFn | None = None,
         copies_in_flight: int = 2,
+        thread_mode: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         """``device_stage``: a post-process's device stage (``PostProcess.device``), run on
         each output on the side stream before ``pack``; the byte budget then counts what
@@ -213,7 +214,10 @@ class Packer:
         ``DeviceClock`` (the one its loop marks forwards with; None: the host's clock),
         which times each pack from the copy's start on the device (``worker.stamps``).
         ``start_pack``: ``pack`` split in two (``StartPackFn``); with it, up to
-        ``copies_in_flight`` outputs have their copies queued at once (1: one at a time)."""
+        ``copies_in_flight`` outputs have their copies queued at once (1: one at a time).
+        ``thread_mode``: a context each of the packer's threads runs in (the worker's
+        ``torch.inference_mode``: its outputs are inference tensors, and a compiled device
+        stage's guards check the mode)."""
         if max_outputs < 1:
             raise ValueError(f"max_outputs must be >= 1, got {max_outputs}")
         if isinstance(copies_in_flight, bool) or not isinstance(copies_in_flight, int) or copies_in_flight < 1:
@@ -241,16 +245,21 @@ class Packer:
         self._held = 0  # > 0: the main thread is handing off a forward's outputs (see held())
         self._machine = lifecycle_machine(f"omni-packer-{rank}")
         self.metrics = PackerMetrics()
-        self._thread = threading.Thread(target=self._run, name=f"omni-packer-{rank}", daemon=True)
+        self._thread_mode = thread_mode
+        self._thread = threading.Thread(
+            target=self._in_mode, args=(self._run,), name=f"omni-packer-{rank}", daemon=True
+        )
         # Runs the device stage one output ahead of the copy (module docstring).
         self._stager = (
-            threading.Thread(target=self._run_stager, name=f"omni-stager-{rank}", daemon=True)
+            threading.Thread(target=self._in_mode, args=(self._run_stager,), name=f"omni-stager-{rank}", daemon=True)
             if device_stage is not None
             else None
         )
         # Finishes the packs the packer thread started, in order (module docstring).
         self._finisher = (
-            threading.Thread(target=self._run_finisher, name=f"omni-finisher-{rank}", daemon=True)
+            threading.Thread(
+                target=self._in_mode, args=(self._run_finisher,), name=f"omni-finisher-{rank}", daemon=True
+            )
             if self._depth > 1
             else None
         )
@@ -434,6 +443,11 @@ class Packer:
         if m.in_flight_outputs + count > self._max_outputs:
             return False
         return self._max_bytes is None or m.in_flight_bytes + nbytes <= self._max_bytes
+
+    def _in_mode(self, body: Callable[[], None]) -> None:
+        """A packer thread's body, in ``thread_mode``."""
+        with self._thread_mode():
+            body()
 
     def _run(self) -> None:
         # The side stream is created on this thread: a CUDA stream belongs to the
