@@ -114,6 +114,16 @@ class PipelineHandle:
         except (OSError, TypeError):
             return ""
 
+    def module_source(self) -> str:
+        """The source of the module that defines the pipeline's class ('' when it cannot be read)."""
+        module = inspect.getmodule(type(self.pipeline))
+        if module is None:
+            return ""
+        try:
+            return inspect.getsource(module)
+        except (OSError, TypeError):
+            return ""
+
     def class_source(self, name: str) -> str:
         """The source of the pipeline class's attribute ``name`` (a method or property; ''
         when absent or unreadable)."""

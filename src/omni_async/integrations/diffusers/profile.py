@@ -137,6 +137,10 @@ class PipelineProfile:
     unconditional: bool = False
     # The family's decode is known (decode.DECODES): previews; with latent_output, decode="device".
     decode_known: bool = False
+    # The pipeline's own code takes gradients inside its call (``torch.enable_grad``,
+    # ``torch.autograd.grad``: Attend-and-Excite, DiffEdit, Pix2Pix-Zero): the worker runs
+    # its call outside the worker's inference mode (``WorkerOptions.inference_mode``).
+    needs_autograd: bool = False
 
     @property
     def device_decode(self) -> bool:
@@ -272,7 +276,13 @@ def profile_of(handle: PipelineHandle) -> PipelineProfile:
         default_steps=_int(handle.call_default("num_inference_steps")) or 50,
         decode_known=decode_of(handle) is not None,
         unconditional="batch_size" in params and not params & {"prompt", "prompt_embeds", "class_labels"},
+        needs_autograd=takes_gradients(handle.module_source()),
     )
+
+
+def takes_gradients(source: str) -> bool:
+    """Whether a pipeline module's source takes gradients (autograd inside its no_grad call)."""
+    return re.search(r"\btorch\.enable_grad\b|\bautograd\.grad\b|\bset_grad_enabled\(\s*True", source) is not None
 
 
 def _int(value: object) -> int | None:

@@ -36,6 +36,7 @@ static ``batch_key``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -275,11 +276,15 @@ class DiffusersPipelineWorker:
 
     def _call(self, kwargs: dict[str, object], hook: StepHook) -> object:
         self.pipeline_calls += 1
-        if self.profile.step_callback:
-            kwargs.update(callback_on_step_end=hook.callback, callback_on_step_end_tensor_inputs=["latents"])
-            return self.handle(**kwargs)
-        with hooked_scheduler(self.handle, hook):
-            return self.handle(**kwargs)
+        # A pipeline that takes gradients in its call cannot run in the worker's inference
+        # mode (its tensors could not require grad): it runs in the ordinary mode, under its
+        # own no_grad, as when called directly.
+        with torch.inference_mode(False) if self.profile.needs_autograd else contextlib.nullcontext():
+            if self.profile.step_callback:
+                kwargs.update(callback_on_step_end=hook.callback, callback_on_step_end_tensor_inputs=["latents"])
+                return self.handle(**kwargs)
+            with hooked_scheduler(self.handle, hook):
+                return self.handle(**kwargs)
 
     def _call_kwargs(self, requests: Sequence[DiffusionRequest], hook: StepHook) -> dict[str, object]:
         """The pipeline's arguments for ``requests`` (equal ``batch_key``): the shared ones
