@@ -42,6 +42,10 @@
 #           tests of WorkerOptions.cpu_affinity; part 10-pinned: part 10 with the direct loop
 #           also in a fresh process each round, and the engine's async path with its worker
 #           pinned to the GPU's CPUs (cpu_affinity="gpu-local"), in the same rounds
+#   part 10-im: part 10-pinned with the worker's forwards in inference mode (the default
+#           since dc94620) and the async path without it (engine-async-nograd) in the same
+#           rounds; part im-check: the CUDA tests in inference mode, then the direct
+#           forward under no_grad against inference mode (bench/probes/inference_mode.py)
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
 # 10 again, client-c1, serve-video, dit-rounds, host. Still owed: affinity, 10-pinned, host-bench
@@ -51,7 +55,7 @@
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, 10-pinned, 10-im, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
+part="${1:?part 1 to 11, 10-pinned, 10-im, im-check, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -259,6 +263,16 @@ affinity)
     timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
         --fresh-direct --cpu-affinity gpu-local --nograd --json "$out/diffusers_serving_pixart_im.json" 2>&1 \
         | tee "$out/diffusers_serving_pixart_im.log" | tail -18
+    save
+    ;;
+im-check)
+    # The CUDA tests with forwards and the packer in inference mode (WorkerOptions.inference_mode,
+    # on by default since dc94620), then PixArt-Sigma-512's forward called directly under its
+    # own no_grad against inside torch.inference_mode, alternating, in one process.
+    timeout 240 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
+    save
+    timeout 240 python3 bench/probes/inference_mode.py --preset h200 --rounds 4 --calls 3 \
+        --json "$out/inference_mode_h200.json" 2>&1 | grep -v -i warn | tee "$out/inference_mode_h200.log" | tail -4
     save
     ;;
 host-bench)
