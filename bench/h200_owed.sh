@@ -42,7 +42,7 @@
 #           tests of WorkerOptions.cpu_affinity; part 10-pinned: part 10 with the direct loop
 #           also in a fresh process each round, and the engine's async path with its worker
 #           pinned to the GPU's CPUs (cpu_affinity="gpu-local"), in the same rounds
-#   part 10-im: part 10-pinned with the worker's forwards in inference mode (the default
+#   part 10-im: part 10 with the worker's forwards in inference mode (the default
 #           since dc94620) and the async path without it (engine-async-nograd) in the same
 #           rounds; part im-check: the CUDA tests in inference mode, then the direct
 #           forward under no_grad against inference mode (bench/probes/inference_mode.py)
@@ -257,11 +257,11 @@ affinity)
     save
     ;;
 10-im)
-    # Part 10-pinned with the worker's forwards under torch.inference_mode (now the
-    # default, WorkerOptions.inference_mode) and, in the same rounds, the async path
-    # without it (engine-async-nograd: the pipeline's own no_grad only, as the direct loop).
+    # Part 10 with the worker's forwards under torch.inference_mode (now the default,
+    # WorkerOptions.inference_mode) and, in the same rounds, the async path without it
+    # (engine-async-nograd: the pipeline's own no_grad only, as the direct loop's).
     timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
-        --fresh-direct --cpu-affinity gpu-local --nograd --json "$out/diffusers_serving_pixart_im.json" 2>&1 \
+        --nograd --json "$out/diffusers_serving_pixart_im.json" 2>&1 \
         | tee "$out/diffusers_serving_pixart_im.log" | tail -18
     save
     ;;

@@ -209,6 +209,7 @@ RULES: dict[Target, tuple[str, dict[str, Rule]]] = {
             "lease_timeout": Rule(_or_none(lambda v: _seconds(v, zero=True)), st.none() | SECONDS_OR_ZERO),
             "output_path": Rule(_one_of(*OUTPUT_PATHS), st.sampled_from(OUTPUT_PATHS)),
             "defer_packing": Rule(_bool, st.booleans()),
+            "inference_mode": Rule(_bool, st.booleans()),
             # None, "gpu-local" (base: a CUDA device) or CPU numbers, kept as a sorted tuple.
             "cpu_affinity": Rule(
                 _cpu_affinity,
