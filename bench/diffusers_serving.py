@@ -649,7 +649,7 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
     median, the median forward (the direct loop's by CUDA events around the call, the
     engine's from its worker's device stamps), and whether every output was equal to the
     direct loop's."""
-    head = f"{'workload':9} {'path':16} {'runs':>4} {'median req/s':>12} {'/ direct':>8} {'fwd s':>6} {'all equal':>9}"
+    head = f"{'workload':9} {'path':20} {'runs':>4} {'median req/s':>12} {'/ direct':>8} {'fwd s':>6} {'all equal':>9}"
     lines = [head]
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == name]
@@ -670,7 +670,7 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
                 fwds = [f for f in fwds if f is not None]
                 fwd = f"{statistics.median(fwds):6.3f}" if fwds else f"{'-':>6}"
                 equal = "-" if path == "direct" else str(all(r.get("bit_for_bit") for r in runs))
-                lines.append(f"{name:9} {path:16} {len(runs):4} {med:12.3f} {med / direct:8.3f} {fwd} {equal:>9}")
+                lines.append(f"{name:9} {path:20} {len(runs):4} {med:12.3f} {med / direct:8.3f} {fwd} {equal:>9}")
     return "\n".join(lines)
 
 
@@ -772,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
             for row in run_batching(work, device, count, int(preset["batch"]), direct["device_forward_s"]):
                 keep(row)
     print(
-        f"{'workload':9} {'path':16} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10} {'bits':>5}"
+        f"{'workload':9} {'path':20} {'req/s':>7} {'seconds':>8} {'dev fwd s':>9} {'dev idle s':>10} {'gap s':>6} {'idle':>6} {'1st/steady':>10} {'bits':>5}"
         f" {'eng fwd s':>9} {'lead s':>6} {'tail s':>6}"
     )
     for row in rows:
@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = "-" if row.get("first_over_steady") is None else f"{row['first_over_steady']:.2f}"
         bits = {True: "equal", False: "DIFF", None: "-"}[row.get("bit_for_bit")]
         print(
-            f"{row['workload']:9} {row['path']:16} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10} {bits:>5}"
+            f"{row['workload']:9} {row['path']:20} {row['requests_per_s']:7.3f} {row['seconds']:8.2f} {shown[0]:>9} {shown[1]:>10} {shown[2]:>6} {idle:>6} {ratio:>10} {bits:>5}"
             f" {shown[3]:>9} {shown[4]:>6} {shown[5]:>6}"
         )
     print(paths_table(rows))
