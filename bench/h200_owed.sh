@@ -260,7 +260,7 @@ affinity)
     # Part 10 with the worker's forwards under torch.inference_mode (now the default,
     # WorkerOptions.inference_mode) and, in the same rounds, the async path without it
     # (engine-async-nograd: the pipeline's own no_grad only, as the direct loop's).
-    timeout 570 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 8 --rounds 3 \
+    timeout 520 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 \
         --nograd --json "$out/diffusers_serving_pixart_im.json" 2>&1 \
         | tee "$out/diffusers_serving_pixart_im.log" | tail -18
     save
