@@ -261,7 +261,7 @@ affinity)
     # WorkerOptions.inference_mode) and, in the same rounds, the async path without it
     # (engine-async-nograd: the pipeline's own no_grad only, as the direct loop's).
     # Written straight into $dest, row by row: a run cut short by the device's time keeps its rows.
-    timeout 450 python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 \
+    timeout "${IM_TIMEOUT:-450}" python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 \
         --nograd --json "$dest/diffusers_serving_pixart_im.json" 2>&1 \
         | grep -v -i warn | tee "$dest/diffusers_serving_pixart_im.log" | tail -18
     save
