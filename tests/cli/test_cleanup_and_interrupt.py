@@ -119,6 +119,9 @@ def test_ctrl_c_while_a_command_imports_is_one_line_not_a_traceback() -> None:
         text=True,
         env=env,
         start_new_session=True,
+        # A terminal's foreground job: SIGINT's default action even when this run inherited
+        # it ignored (a background job of a script: the ignored signal would be lost).
+        preexec_fn=_default_sigint,
     )
     # Once torch's library is mapped, the command is importing torch (for a second or more).
     deadline = time.monotonic() + 60
