@@ -267,14 +267,14 @@ affinity)
     save
     ;;
 im-check)
-    # The CUDA tests with forwards and the packer in inference mode (WorkerOptions.inference_mode,
-    # on by default since dc94620), then PixArt-Sigma-512's forward called directly under its
-    # own no_grad against inside torch.inference_mode, alternating, in one process.
-    timeout 240 python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 | tee "$out/cuda_tests.log" | tail -8
-    save
-    timeout 240 python3 bench/probes/inference_mode.py --preset h200 --rounds 4 --calls 3 \
-        --json "$out/inference_mode_h200.json" 2>&1 | grep -v -i warn | tee "$out/inference_mode_h200.log" | tail -4
-    save
+    # PixArt-Sigma-512's forward called directly under its own no_grad against inside
+    # torch.inference_mode, alternating, in one process; then the CUDA tests with forwards
+    # and the packer in inference mode (WorkerOptions.inference_mode, on by default since
+    # dc94620).  Both written straight into $dest (a call cut short keeps what ran).
+    timeout "${PROBE_TIMEOUT:-200}" python3 bench/probes/inference_mode.py --preset h200 --rounds 4 --calls 3 \
+        --json "$dest/inference_mode_h200.json" 2>&1 | grep -v -i warn | tee "$dest/inference_mode_h200.log" | tail -4
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 \
+        | tee "$dest/cuda_tests.log" | tail -8
     ;;
 host-bench)
     timeout 420 python3 bench/host_path.py --device cuda --rounds 2 --parts bench --bench-requests 12 \
