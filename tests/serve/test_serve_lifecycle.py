@@ -22,10 +22,15 @@ def _image(url: str, timeout: float = 60) -> httpx.Response:
     return httpx.post(f"{url}/v1/images/generations", json={"prompt": "p", **SLOW}, timeout=timeout)
 
 
-def _running(url: str) -> float:
+def _active(url: str) -> dict[str, float]:
+    """The engine's requests now, by state (waiting, running, holding, postprocessing)."""
     text = httpx.get(f"{url}/metrics").text
-    line = next(x for x in text.splitlines() if x.startswith('omni_async_engine_active_requests{state="running"}'))
-    return float(line.split()[-1])
+    prefix = 'omni_async_engine_active_requests{state="'
+    return {x[len(prefix) :].split('"')[0]: float(x.split()[-1]) for x in text.splitlines() if x.startswith(prefix)}
+
+
+def _running(url: str) -> float:
+    return _active(url).get("running", 0.0)
 
 
 def test_full_queue_is_429_then_sigterm_lets_requests_in_flight_end() -> None:
@@ -77,8 +82,13 @@ def test_sigterm_to_the_whole_process_group_lets_requests_in_flight_end() -> Non
         _image(server.url)  # the encoder process is up (the first encode starts the pool)
         with ThreadPoolExecutor(2) as pool:
             in_flight = [pool.submit(_image, server.url) for _ in range(2)]
+            # Both in the engine (one running, one waiting for it) before the stop: a request
+            # still connecting when it comes would be refused, as a stopping server should.
             deadline = time.monotonic() + 10
-            while _running(server.url) < 1 and time.monotonic() < deadline:
+            while time.monotonic() < deadline:
+                now = _active(server.url)
+                if now.get("running", 0.0) >= 1 and sum(now.values()) >= 2:
+                    break
                 time.sleep(0.02)
             code = server.stop(signal.SIGTERM, group=True)
             answers = [f.result() for f in in_flight]
