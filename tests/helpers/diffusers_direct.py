@@ -3,7 +3,8 @@ request stands for: what ``DiffusersPipelineWorker`` must reproduce bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -14,6 +15,24 @@ from omni_async.integrations.diffusers.tiny import (
     tiny_prompt_embeds,
     tiny_wan,
 )
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a busy CPU: torch's intra-op threads wait on each other at every op
+    when the cores are taken (CI's two cores run two test processes and their workers), so
+    a tiny forward took 0.9 s on two threads and 0.01 s on one.  One thread here and in the
+    workers (OMP_NUM_THREADS, read by torch as a spawned worker imports it): the same count
+    on both sides, so the reductions, and the pixels, are the same too."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
 
 DIT = "omni_async.integrations.diffusers.tiny:tiny_dit"
 WAN = "omni_async.integrations.diffusers.tiny:tiny_wan"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.autograd_pipeline import gradient_nudged_ddim
+from helpers.diffusers_direct import one_torch_thread
 from omni_async.core.config import Deadlines
 from omni_async.core.messages import DiffusionRequest
 from omni_async.engine.engine import AsyncDiffusionEngine
@@ -33,16 +34,9 @@ DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
 
 @pytest.fixture(autouse=True)
 def one_cpu_thread() -> Iterator[None]:
-    """One intra-op thread here and in the workers (OMP_NUM_THREADS): the same reductions,
-    so the same pixels, on both sides."""
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    """One torch thread here and in the workers: the same pixels on both sides."""
+    with one_torch_thread():
+        yield
 
 
 DEPRECATED = "diffusers.pipelines.deprecated"

@@ -27,6 +27,7 @@ from helpers.diffusers_direct import (
     family_params,
     family_pipeline,
     family_spec_kwargs,
+    one_torch_thread,
     pixels_of,
     text_params,
 )
@@ -56,19 +57,9 @@ DEADLINES = Deadlines(compute_timeout=120, output_timeout=120, rpc_timeout=120)
 
 @pytest.fixture(autouse=True, scope="module")
 def one_cpu_thread() -> Iterator[None]:
-    """Tiny models on a busy CPU: torch's intra-op threads wait on each other at every op
-    when the cores are taken (CI's two cores run two test processes and their workers), so
-    a tiny forward took 0.9 s on two threads and 0.01 s on one.  One thread here and in the
-    workers (OMP_NUM_THREADS, read by torch as a spawned worker imports it): the same count
-    on both sides, so the reductions, and the pixels, are the same too."""
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+    """One torch thread here and in the workers (``one_torch_thread``)."""
+    with one_torch_thread():
+        yield
 
 
 def _worker(name: str, **kwargs: object) -> DiffusersPipelineWorker:
