@@ -109,32 +109,17 @@ class PipelineHandle:
 
     def call_source(self) -> str:
         """The source of ``__call__`` ('' when it cannot be read)."""
-        try:
-            return inspect.getsource(type(self.pipeline).__call__)
-        except (OSError, TypeError):
-            return ""
+        return _source_of(type(self.pipeline).__call__)
 
     def module_source(self) -> str:
         """The source of the module that defines the pipeline's class ('' when it cannot be read)."""
-        module = inspect.getmodule(type(self.pipeline))
-        if module is None:
-            return ""
-        try:
-            return inspect.getsource(module)
-        except (OSError, TypeError):
-            return ""
+        return _source_of(inspect.getmodule(type(self.pipeline)))
 
     def class_source(self, name: str) -> str:
         """The source of the pipeline class's attribute ``name`` (a method or property; ''
         when absent or unreadable)."""
         found = inspect.getattr_static(type(self.pipeline), name, None)
-        target = found.fget if isinstance(found, property) else found
-        if target is None:
-            return ""
-        try:
-            return inspect.getsource(target)
-        except (OSError, TypeError):
-            return ""
+        return _source_of(found.fget if isinstance(found, property) else found)
 
     def __call__(self, **kwargs: object) -> object:
         return cast("Callable[..., object]", self.pipeline)(**kwargs)
@@ -214,3 +199,13 @@ def int_or_none(value: object) -> int | None:
     if isinstance(value, (list, tuple)) and value:
         value = value[-1]
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _source_of(obj: object) -> str:
+    """``inspect.getsource(obj)``; '' for None or what has no readable source."""
+    if obj is None:
+        return ""
+    try:
+        return inspect.getsource(obj)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
