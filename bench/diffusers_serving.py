@@ -499,11 +499,13 @@ def run_engine(
     expected: list[Any] | None = None,
     cpu_affinity: str | tuple[int, ...] | None = None,
     inference_mode: bool = True,
+    cuda_graphs: bool = False,
 ) -> dict[str, Any]:
-    # warmup=: one forward while the worker starts, so the first client pays no one-time costs.
+    # warmup=: one forward while the worker starts, so the first client pays no one-time costs
+    # (with cuda_graphs, the denoiser's graphs are captured then).
     spec = DiffusersPipelineWorker.spec(
         builder=BUILDER, builder_kwargs=builder_kwargs(work), device=device, postprocess="diffusers",
-        warmup=requests(name, work, 1, "warmup")[0].params, decode=decode,
+        warmup=requests(name, work, 1, "warmup")[0].params, decode=decode, cuda_graphs=cuda_graphs,
     )  # fmt: skip
 
     def factory() -> MultiprocDiffusionExecutor:
@@ -538,6 +540,8 @@ def run_engine(
         path += "-pinned"
     if not inference_mode:
         path += "-nograd"  # the forward under the pipeline's own no_grad only, as the direct loop's
+    if cuda_graphs:
+        path += "-graphs"  # the denoiser replayed as CUDA graphs (DiffusersPipelineWorker(cuda_graphs=True))
     row = summary(name, path, count, wall, forward, _forward_gap(results))
     row["device_idle_share"] = _idle_share(results)
     row["launching_cpus"] = cpus[0]  # {cpu: samples} of the worker's main thread over the run
@@ -610,15 +614,17 @@ def run_batching(
     return rows
 
 
-def round_order(r: int, *, pinned: bool, fresh: bool = False, nograd: bool = False) -> list[str]:
+def round_order(r: int, *, pinned: bool, fresh: bool = False, nograd: bool = False, graphs: bool = False) -> list[str]:
     """The paths of round ``r`` in the order they run: the direct loop (and the same loop
     in a fresh process, with ``--fresh-direct``), the engine's sync and async paths (and
-    the async one pinned, with ``--cpu-affinity``, and without the worker's inference mode,
-    with ``--nograd``), reversed every other round, so that order effects (a warmer GPU,
-    the allocator, the page cache) fall on all of them alike."""
+    the async one pinned, with ``--cpu-affinity``; without the worker's inference mode,
+    with ``--nograd``; both with the denoiser as CUDA graphs, with ``--graphs``), reversed
+    every other round, so that order effects (a warmer GPU, the allocator, the page cache)
+    fall on all of them alike."""
     paths = ["direct", *(["direct-fresh"] if fresh else []), "sync", "async"]
     paths += ["async-pinned"] if pinned else []
     paths += ["async-nograd"] if nograd else []
+    paths += ["sync-graphs", "async-graphs"] if graphs else []
     return paths if r % 2 == 0 else paths[::-1]
 
 
@@ -661,6 +667,8 @@ def paths_table(rows: list[dict[str, Any]]) -> str:
             ("engine-async", "engine_forward_s"),
             ("engine-async-pinned", "engine_forward_s"),
             ("engine-async-nograd", "engine_forward_s"),
+            ("engine-sync-graphs", "engine_forward_s"),
+            ("engine-async-graphs", "engine_forward_s"),
         ):
             runs = [r for r in mine if r["path"] == path]
             if runs:
@@ -701,6 +709,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run the engine's async path with WorkerOptions(inference_mode=False), the forward under the "
         "pipeline's own no_grad only as in the direct loop (path engine-async-nograd), in the same rounds",
+    )
+    parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="also run the engine's sync and async paths with the denoiser replayed as CUDA graphs "
+        "(DiffusersPipelineWorker(cuda_graphs=True): paths engine-sync-graphs, engine-async-graphs), in the same rounds",
     )
     parser.add_argument("--json", default=None, help="write the figures here")
     parser.add_argument("--direct-child", action="store_true", help=argparse.SUPPRESS)
@@ -748,7 +762,10 @@ def main(argv: list[str] | None = None) -> int:
         keep(direct)
         # The direct loop and the engine's paths in turn, round after round (round_order).
         for r in range(rounds):
-            for path in round_order(r, pinned=bool(args.cpu_affinity), fresh=args.fresh_direct, nograd=args.nograd):
+            order = round_order(
+                r, pinned=bool(args.cpu_affinity), fresh=args.fresh_direct, nograd=args.nograd, graphs=args.graphs
+            )
+            for path in order:
                 if path == "direct":
                     if r == 0:
                         continue  # measured above, first: its pixels are the reference
@@ -756,12 +773,16 @@ def main(argv: list[str] | None = None) -> int:
                 elif path == "direct-fresh":
                     row = run_direct_fresh(args.preset, name, count, expected)
                 else:
-                    row = run_engine(
-                        name, work, device, count, async_output=path.startswith("async"),
-                        forward=direct["device_forward_s"], expected=expected,
-                        cpu_affinity=args.cpu_affinity if path.endswith("-pinned") else None,
-                        inference_mode=not path.endswith("-nograd"),
-                    )  # fmt: skip
+                    try:
+                        row = run_engine(
+                            name, work, device, count, async_output=path.startswith("async"),
+                            forward=direct["device_forward_s"], expected=expected,
+                            cpu_affinity=args.cpu_affinity if path.endswith("-pinned") else None,
+                            inference_mode=not path.endswith("-nograd"), cuda_graphs=path.endswith("-graphs"),
+                        )  # fmt: skip
+                    except Exception as exc:  # noqa: BLE001  # one path's failure: said, and the other paths still run
+                        print(f"  {name} {path} round {r}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                        continue
                 row["round"] = r
                 keep(row)
         del loop

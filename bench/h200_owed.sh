@@ -55,7 +55,7 @@
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, 10-pinned, 10-im, im-check, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
+part="${1:?part 1 to 11, 10-pinned, 10-im, 10-graphs, im-check, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -265,6 +265,16 @@ affinity)
         --nograd --json "$dest/diffusers_serving_pixart_im.json" 2>&1 \
         | grep -v -i warn | tee "$dest/diffusers_serving_pixart_im.log" | tail -18
     save
+    ;;
+10-graphs)
+    # Issue 30: the CUDA tests of the denoiser as CUDA graphs (DiffusersPipelineWorker(cuda_graphs=True),
+    # omni_async.worker.graphs), then PixArt's rounds with the graphs paths beside the default ones
+    # (engine-sync-graphs, engine-async-graphs), every output against the direct loop's.
+    timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda \
+        tests/worker/test_graphs.py tests/integrations/test_diffusers_graphs.py 2>&1 | tee "$dest/graphs_tests.log" | tail -8
+    timeout "${IM_TIMEOUT:-420}" python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 \
+        --graphs --json "$dest/diffusers_serving_pixart_graphs.json" 2>&1 \
+        | grep -v -i "warn\|kept in float32" | tee "$dest/diffusers_serving_pixart_graphs.log" | tail -24
     ;;
 im-check)
     # PixArt-Sigma-512's forward called directly under its own no_grad against inside

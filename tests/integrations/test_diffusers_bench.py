@@ -93,3 +93,4 @@ def test_the_rounds_alternate_their_order() -> None:
     assert bench.round_order(2, pinned=True) == ["direct", "sync", "async", "async-pinned"]
     assert bench.round_order(3, pinned=True) == ["async-pinned", "async", "sync", "direct"]
     assert bench.round_order(1, pinned=False, fresh=True) == ["async", "sync", "direct-fresh", "direct"]
+    assert bench.round_order(1, pinned=False, graphs=True) == ["async-graphs", "sync-graphs", "async", "sync", "direct"]

@@ -131,6 +131,10 @@ class PipelineHandle:
             return cast("object | None", components.get(name))
         return cast("object | None", getattr(self.pipeline, name, None))
 
+    def denoiser_name(self) -> str:
+        """The denoiser's component name: ``transformer`` where the pipeline has one, else ``unet``."""
+        return "transformer" if self.component("transformer") is not None else "unet"
+
     def module(self, name: str) -> torch.nn.Module | None:
         found = self.component(name)
         return found if isinstance(found, torch.nn.Module) else None

@@ -215,7 +215,7 @@ def _cfg_guidance(handle: PipelineHandle, params: frozenset[str]) -> bool:
 def profile_of(handle: PipelineHandle) -> PipelineProfile:
     """The profile of a pipeline (built, or with its parameters left uninitialised)."""
     params = handle.call_parameters()
-    denoiser_name = "transformer" if handle.component("transformer") is not None else "unet"
+    denoiser_name = handle.denoiser_name()
     transformer = handle.config(denoiser_name)
     denoiser_class = type(handle.component(denoiser_name)).__name__
     num_classes = None

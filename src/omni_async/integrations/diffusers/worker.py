@@ -52,7 +52,7 @@ from omni_async.core.messages import (
     DiffusionRequest,
 )
 from omni_async.integrations.diffusers.decode import DECODES, decode_of
-from omni_async.integrations.diffusers.edge import no_process_lock_for_progress_bars
+from omni_async.integrations.diffusers.edge import PipelineHandle, no_process_lock_for_progress_bars
 from omni_async.integrations.diffusers.pixels import DECODE_LATER, ENCODE_LATER, PIPELINE, encodable
 from omni_async.integrations.diffusers.profile import (
     OWN_PARAMETERS,
@@ -67,6 +67,7 @@ from omni_async.integrations.diffusers.profile import (
 from omni_async.integrations.diffusers.source import PipelineSource
 from omni_async.integrations.diffusers.steps import DecodeLater, LatentDecoder, StepHook, hooked_scheduler
 from omni_async.worker.cancel import cancel_requested
+from omni_async.worker.graphs import CudaGraphForward
 from omni_async.worker.host import WorkerSpec
 
 __all__ = ["DiffusersPipelineWorker"]
@@ -77,7 +78,9 @@ _SOURCE_KEYS = ("builder", "builder_kwargs", "pretrained", "pretrained_kwargs")
 
 
 def _source(kwargs: Mapping[str, object]) -> PipelineSource:
-    unknown = sorted(set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae", "warmup", "decode"})
+    unknown = sorted(
+        set(kwargs) - {*_SOURCE_KEYS, "device", "generator_device", "slice_vae", "warmup", "decode", "cuda_graphs"}
+    )
     if unknown:
         raise UsageError(f"DiffusersPipelineWorker: unknown keyword argument(s) {unknown}")
     builder, pretrained = kwargs.get("builder"), kwargs.get("pretrained")
@@ -106,7 +109,10 @@ class DiffusersPipelineWorker:
     ``decode`` (``"forward"``: the pipeline decodes its latents in the forward;
     ``"device"``: where the pipeline can return latents, the forward stops there and the
     VAE decode runs in the device stage, on the packer's side stream while the next
-    forward runs -- needs ``postprocess="diffusers"``).
+    forward runs -- needs ``postprocess="diffusers"``); ``cuda_graphs`` (False; True: the
+    denoiser's forward is captured as a CUDA graph per input signature and replayed,
+    ``omni_async.worker.graphs.CudaGraphForward``: the same kernels, launched by one host
+    call a step -- for a forward bound by the host's launches; CUDA devices only).
     """
 
     pipeline_name: ClassVar[str] = PIPELINE
@@ -123,8 +129,10 @@ class DiffusersPipelineWorker:
         slice_vae: bool = True,
         warmup: Mapping[str, object] | None = None,
         decode: str = "forward",
+        cuda_graphs: bool = False,
     ) -> None:
         _check_decode(decode)
+        _check_cuda_graphs(cuda_graphs, device)
         no_process_lock_for_progress_bars()
         self.source = _source(
             {
@@ -150,6 +158,9 @@ class DiffusersPipelineWorker:
         # False once the pipeline refused a list of generators: batches run member by member.
         self.generator_lists = True
         self.pipeline_calls = 0
+        # The denoiser's forward as CUDA graphs (captured on the first call of each signature:
+        # the warm-up's, where there is one).
+        self.graphed = _graph_denoiser(self.handle, self.device) if cuda_graphs else None
         if warmup is not None:
             # One call with a request's parameters before the worker reports ready: the
             # first forward's one-time costs (kernel choice, allocator growth, lazy
@@ -190,6 +201,7 @@ class DiffusersPipelineWorker:
         source = _source(kwargs)  # a wrong argument fails here, not in a worker that cannot start
         decode = kwargs.get("decode", "forward")
         _check_decode(decode)
+        _check_cuda_graphs(kwargs.get("cuda_graphs", False), kwargs.get("device", "auto"))
         if decode == "device" and postprocess != PIPELINE:
             raise UsageError(
                 f"DiffusersPipelineWorker.spec: decode='device' decodes in the device stage of "
@@ -346,6 +358,34 @@ def _check_device_decode(profile: PipelineProfile) -> None:
             f"DiffusersPipelineWorker: decode='device' runs the pipeline's own decode, and that of "
             f"{profile.pipeline} is not known here (known: {sorted(DECODES)}): use decode='forward'"
         )
+
+
+def _check_cuda_graphs(cuda_graphs: object, device: object) -> None:
+    if not isinstance(cuda_graphs, bool):
+        raise UsageError(f"DiffusersPipelineWorker: cuda_graphs must be True or False, got {cuda_graphs!r}")
+    if cuda_graphs and not (str(device) == "auto" or torch.device(str(device)).type == "cuda"):
+        raise UsageError(
+            f"DiffusersPipelineWorker: cuda_graphs=True replays the denoiser as CUDA graphs, and device={device!r} "
+            "is not a CUDA device; leave cuda_graphs off there"
+        )
+
+
+def _graph_denoiser(handle: PipelineHandle, device: torch.device) -> CudaGraphForward[..., object]:
+    """Replace the denoiser's ``forward`` with one replayed as CUDA graphs; the wrapper."""
+    if device.type != "cuda":
+        raise UsageError(
+            f"DiffusersPipelineWorker: cuda_graphs=True needs a CUDA device, and this worker's device is "
+            f"{str(device)!r}; leave cuda_graphs off there"
+        )
+    name = handle.denoiser_name()
+    module = handle.module(name)
+    if module is None:
+        raise UsageError(f"DiffusersPipelineWorker: cuda_graphs=True, but {handle.class_name} has no {name} module")
+    graphed: CudaGraphForward[..., object] = CudaGraphForward(
+        module.forward, device=device, name=f"{handle.class_name}.{name}"
+    )
+    module.forward = graphed  # nn.Module calls the instance's forward
+    return graphed
 
 
 def _check_decode(decode: object) -> None:
