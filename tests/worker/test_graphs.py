@@ -135,6 +135,26 @@ def test_a_call_that_syncs_with_the_host_is_not_captured_and_runs_eagerly(caplog
     assert torch.equal(ok(t), t + 1) and ok.stats.captures == 1
 
 
+class _Box:
+    """A container torch's pytree does not know."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+@pytest.mark.cuda
+def test_an_output_the_wrapper_cannot_copy_runs_eagerly() -> None:
+    """Its tensor sits in the graph's memory: the next replay would change it under the caller."""
+    dev = _cuda()
+    graphed = CudaGraphForward(lambda t: _Box(t * 2), device=dev)
+    first = graphed(torch.ones(4, device=dev))
+    second = graphed(torch.full((4,), 5.0, device=dev))
+    assert torch.equal(first.t, torch.full((4,), 2.0, device=dev)) and torch.equal(
+        second.t, torch.full((4,), 10.0, device=dev)
+    )
+    assert graphed.graphs() == 0 and graphed.stats.failed_captures == 1 and graphed.stats.eager_calls == 2
+
+
 @pytest.mark.cuda
 def test_an_expanded_argument_keeps_its_layout_in_the_graph() -> None:
     """Pipelines pass ``t.expand(batch)`` (stride 0): the captured call sees that layout, as the eager one does."""

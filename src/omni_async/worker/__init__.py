@@ -6,7 +6,8 @@ processes build it (``WorkerSpec``, ``WorkerOptions``), what a model split acros
 ranks is told of its world (``DistContext``), its post-processing
 (``PostProcess`` and its registry), cooperative cancellation between denoising steps
 (``cancel_requested``, ``raise_if_cancelled``) and intermediate outputs of a streaming
-request (``emit_chunk``, ``streaming_requested``; ``emit_frames`` for a video's parts).  The names that need torch load on
+request (``emit_chunk``, ``streaming_requested``; ``emit_frames`` for a video's parts),
+and a launch-bound forward replayed as CUDA graphs (``CudaGraphForward``).  The names that need torch load on
 first use (PEP 562), so ``import omni_async.worker`` stays light.
 """
 
@@ -21,6 +22,7 @@ from omni_async.worker.stream import emit_chunk, emit_frames, streaming_requeste
 
 if TYPE_CHECKING:
     from omni_async.worker.dist import DistContext
+    from omni_async.worker.graphs import CudaGraphForward
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.worker.loop import DiffusionWorkerModel
     from omni_async.worker.postprocess import (
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     )
 
 _LAZY: dict[str, str] = {
+    "CudaGraphForward": "omni_async.worker.graphs",
     "DistContext": "omni_async.worker.dist",
     "WorkerOptions": "omni_async.worker.host",
     "WorkerSpec": "omni_async.worker.host",
@@ -47,6 +50,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
 
 __all__ = [
     "BatchDiffusionOutput",
+    "CudaGraphForward",
     "DiffusionOutput",
     "DiffusionRequest",
     "DiffusionWorkerModel",

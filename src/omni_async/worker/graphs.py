@@ -19,7 +19,10 @@ could give a wrong answer or cannot be made:
 * an argument is neither a tensor nor hashable (the signature could not tell calls apart);
 * the stream is already capturing, or ``max_graphs`` signatures are captured already;
 * the capture itself failed (the callable synchronizes with the host, say, as a
-  ``.item()`` does): that signature runs eagerly from then on, and the failure is logged once.
+  ``.item()`` does), or the output holds an object that is neither a tensor nor a plain
+  value (a container ``torch.utils._pytree`` does not know: its tensors could not be copied
+  out, and the next replay would change them under the caller): that signature runs
+  eagerly from then on, and the failure is logged once.
 
 What a graph cannot see, and so must not change between calls of one signature: Python
 state the callable reads (a cache hook's step counter, an attribute set between calls).
@@ -45,6 +48,8 @@ R = TypeVar("R")
 
 #: A signature that runs eagerly (not captured, or its capture failed).
 _EAGER = "eager"
+#: What a captured call's output may hold: tensors (copied out after each replay) and values.
+_COPYABLE = (torch.Tensor, type(None), bool, int, float, str, bytes)
 
 
 @attrs.define
@@ -131,6 +136,12 @@ class CudaGraphForward(Generic[P, R]):
         out: R = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
         return out
 
+    def _eager(self, key: Hashable, why: str) -> str:
+        self._graphs[key] = _EAGER
+        self.stats.failed_captures += 1
+        log.warning("CudaGraphForward(%s): %s; calls of this signature run eagerly, as without graphs", self.name, why)
+        return _EAGER
+
     def graphs(self) -> int:
         """How many signatures are captured (and replay)."""
         return sum(isinstance(g, _Graph) for g in self._graphs.values())
@@ -179,16 +190,11 @@ class CudaGraphForward(Generic[P, R]):
             current.wait_stream(side)
         except Exception as exc:  # noqa: BLE001  # any failure to capture: run this signature eagerly
             current.wait_stream(side)
-            self._graphs[key] = _EAGER
-            self.stats.failed_captures += 1
-            log.warning(
-                "CudaGraphForward(%s): could not capture a call (%s: %s); calls of this signature run "
-                "eagerly, as without graphs",
-                self.name,
-                type(exc).__name__,
-                exc,
-            )
-            return _EAGER
+            return self._eager(key, f"could not capture a call ({type(exc).__name__}: {exc})")
+        opaque = [type(x).__qualname__ for x in pytree.tree_leaves(output) if not isinstance(x, _COPYABLE)]
+        if opaque:
+            # A replay overwrites the captured outputs; one the wrapper cannot copy would change under its caller.
+            return self._eager(key, f"its output holds {sorted(set(opaque))}, which a replay would overwrite")
         entry = _Graph(graph, inputs, output)
         self._graphs[key] = entry
         self.stats.captures += 1
