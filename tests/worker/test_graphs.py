@@ -17,6 +17,10 @@ from omni_async.worker.graphs import CudaGraphForward
 def test_refuses_a_device_that_is_not_cuda_and_empty_limits() -> None:
     with pytest.raises(ValueError, match="CUDA graphs run on a CUDA device, got 'cpu'"):
         CudaGraphForward(torch.relu, device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees none here"):
+            CudaGraphForward(torch.relu, device="cuda:0")
+        return
     with pytest.raises(ValueError, match="max_graphs and warmup_calls must be >= 1"):
         CudaGraphForward(torch.relu, device="cuda:0", max_graphs=0)
 

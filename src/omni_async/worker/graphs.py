@@ -108,6 +108,8 @@ class CudaGraphForward(Generic[P, R]):
         dev = torch.device(device)
         if dev.type != "cuda":
             raise ValueError(f"CudaGraphForward({name}): CUDA graphs run on a CUDA device, got {str(dev)!r}")
+        if not torch.cuda.is_available():
+            raise ValueError(f"CudaGraphForward({name}): CUDA graphs need a CUDA device, and torch sees none here")
         if max_graphs < 1 or warmup_calls < 1:
             raise ValueError(f"CudaGraphForward({name}): max_graphs and warmup_calls must be >= 1")
         self.fn = fn
