@@ -42,3 +42,24 @@ def test_a_diffusers_pipeline_served_with_its_own_parameters() -> None:
         if server.proc.poll() is None:
             server.stop()
     assert not server.left_behind(), server.left_behind()
+
+
+def test_cuda_graphs_reach_a_diffusers_models_spec_and_are_refused_elsewhere() -> None:
+    """``--cuda-graphs``: the worker's ``cuda_graphs=True`` for a diffusers model on a CUDA
+    device (checked without the device: the spec is data), refused at once for the others."""
+    import subprocess
+    import sys
+
+    from omni_async.core.errors import UsageError
+    from omni_async.serve import served_model
+
+    model = served_model(MODEL, device="cuda", cuda_graphs=True)
+    assert model.spec.kwargs["cuda_graphs"] is True
+    assert served_model(MODEL, device="cpu").spec.kwargs["cuda_graphs"] is False
+    with pytest.raises(UsageError, match="device='cpu' is not a CUDA device"):
+        served_model(MODEL, device="cpu", cuda_graphs=True)
+    with pytest.raises(UsageError, match="model 'tiny' is not a diffusers:MODULE:BUILDER model"):
+        served_model("tiny", cuda_graphs=True)
+    cli = [sys.executable, "-m", "omni_async.cli", "serve", "--model", "tiny", "--device", "cpu", "--cuda-graphs"]
+    done = subprocess.run(cli, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--cuda-graphs replays a diffusers pipeline's denoiser" in done.stderr

@@ -547,6 +547,14 @@ def add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "lists them) or a CPU list such as 0-7,16 (default: the CPUs the server has)"
         ),
     )
+    d.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help=(
+            "for a diffusers:... model on a CUDA device: replay the pipeline's denoiser as CUDA graphs "
+            "(DiffusersPipelineWorker(cuda_graphs=True)), for a forward bound by the host's kernel launches"
+        ),
+    )
     d.set_defaults(run=_runner("serve"))
 
 

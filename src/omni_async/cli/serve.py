@@ -19,7 +19,7 @@ __all__ = ["add_parser", "run"]
 
 def config_of(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        model=served_model(args.model, device=args.device),
+        model=served_model(args.model, device=args.device, cuda_graphs=args.cuda_graphs),
         device=args.device,
         max_waiting=args.max_waiting,
         max_batch_size=args.max_batch_size,

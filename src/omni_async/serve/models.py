@@ -142,8 +142,15 @@ def _options(device: str) -> dict[str, object]:
     return {"device": device}
 
 
-def served_model(name: str, *, device: str = "cpu") -> ServedModel:
-    """The model ``omni-async serve --model NAME`` serves (``UsageError`` for an unknown name)."""
+def served_model(name: str, *, device: str = "cpu", cuda_graphs: bool = False) -> ServedModel:
+    """The model ``omni-async serve --model NAME`` serves (``UsageError`` for an unknown name).
+    ``cuda_graphs``: a ``diffusers:`` model's denoiser replayed as CUDA graphs
+    (``DiffusersPipelineWorker(cuda_graphs=True)``); refused for the others."""
+    if cuda_graphs and not name.startswith("diffusers:"):
+        raise UsageError(
+            f"--cuda-graphs replays a diffusers pipeline's denoiser as CUDA graphs; model {name!r} is not a "
+            "diffusers:MODULE:BUILDER model, leave it off"
+        )
     if name == "tiny":
         return ServedModel(
             name="tiny",
@@ -167,18 +174,18 @@ def served_model(name: str, *, device: str = "cpu") -> ServedModel:
             parameters={"steps": "int in 1..1000", "digest": "bool"},
         )
     if name.startswith("diffusers:"):
-        return _diffusers(name.removeprefix("diffusers:"), device)
+        return _diffusers(name.removeprefix("diffusers:"), device, cuda_graphs)
     raise UsageError(f"unknown model {name!r}; choose from {', '.join(MODEL_CHOICES)}")
 
 
-def _diffusers(builder: str, device: str) -> ServedModel:
+def _diffusers(builder: str, device: str, cuda_graphs: bool) -> ServedModel:
     module, sep, attr = builder.partition(":")
     if not sep or not module or not attr:
         raise UsageError(f"--model diffusers:MODULE:BUILDER, e.g. diffusers:mypkg.pipes:build, got {builder!r}")
     # By import path, as the worker processes reach it (the serving layer imports no integration).
     worker = importlib.import_module("omni_async.integrations.diffusers").DiffusersPipelineWorker
     kwargs: dict[str, object] = {"builder": builder, "device": device}
-    spec: WorkerSpec = worker.spec(postprocess="diffusers", **kwargs)
+    spec: WorkerSpec = worker.spec(postprocess="diffusers", cuda_graphs=cuda_graphs, **kwargs)
     schema = worker.parameter_schema(**kwargs)
     params = schema.get("parameters", {}) if isinstance(schema, Mapping) else {}
     published: dict[str, object] = dict(params) if isinstance(params, Mapping) else {}
