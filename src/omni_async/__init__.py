@@ -149,6 +149,7 @@ if TYPE_CHECKING:
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
     from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
     from omni_async.worker.dist import DistContext
+    from omni_async.worker.graphs import CudaGraphForward
     from omni_async.worker.encode import DeviceEncoded
     from omni_async.worker.finalize import FusedPointwise
     from omni_async.worker.host import WorkerOptions, WorkerSpec
@@ -177,6 +178,7 @@ _LAZY: dict[str, str] = {
     "ExecutorMetrics": "omni_async.executor.metrics",
     "OutputBudget": "omni_async.transport.budget",
     "DistContext": "omni_async.worker.dist",
+    "CudaGraphForward": "omni_async.worker.graphs",
     "WorkerOptions": "omni_async.worker.host",
     "WorkerSpec": "omni_async.worker.host",
     "DiTPipelineWorker": "omni_async.models.dit",
