@@ -149,9 +149,9 @@ if TYPE_CHECKING:
     from omni_async.transport.platform import CopyStream, DeviceEvent, record_device_event, wait_device_event
     from omni_async.transport.shm import Lease, PoolStats, SegmentPool, list_segments, sweep_dead_executors
     from omni_async.worker.dist import DistContext
-    from omni_async.worker.graphs import CudaGraphForward
     from omni_async.worker.encode import DeviceEncoded
     from omni_async.worker.finalize import FusedPointwise
+    from omni_async.worker.graphs import CudaGraphForward
     from omni_async.worker.host import WorkerOptions, WorkerSpec
     from omni_async.worker.loop import DiffusionWorkerModel, WorkerInfo, WorkerLoop
     from omni_async.worker.output_path import InvalidOutputPath
