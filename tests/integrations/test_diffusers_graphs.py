@@ -54,7 +54,11 @@ def _cuda() -> torch.device:
 
 
 def _direct(pipe: Any, params: dict[str, object]) -> torch.Tensor:
-    return pixels_of(direct_family_call(pipe, [params]))
+    """The pipeline called directly, its tensors on its device (as the worker moves them:
+    PixArt's attention masks are used as given)."""
+    dev = pipe.device
+    on_device = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+    return pixels_of(direct_family_call(pipe, [on_device]))
 
 
 @pytest.mark.cuda

@@ -26,7 +26,10 @@ could give a wrong answer or cannot be made:
 
 What a graph cannot see, and so must not change between calls of one signature: Python
 state the callable reads (a cache hook's step counter, an attribute set between calls).
-The wrapper is for one thread (a worker's forward); it is not re-entrant.
+The wrapper is for one thread (a worker's forward); it is not re-entrant.  Other threads
+may use the device while it captures (the capture is thread-local: a worker's packer
+copies on), except to draw from CUDA's default generator, which a capture reserves
+(torch raises "Offset increment outside graph capture" in that thread).
 """
 
 from __future__ import annotations
