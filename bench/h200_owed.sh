@@ -55,7 +55,7 @@
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
 #   bash bench/h200_owed.sh PART
 set -uo pipefail
-part="${1:?part 1 to 11, 10-pinned, 10-im, 10-graphs, im-check, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
+part="${1:?part 1 to 11, 10-pinned, 10-im, 10-graphs, cuda-tests, im-check, host, host-bench, video, serve, serve-video, dit-rounds, client-c1 or affinity}"
 dest="${OUT:-./h200_out}"
 out="/tmp/h200_owed_$part"
 mkdir -p "$out" "$dest"
@@ -275,6 +275,11 @@ affinity)
     timeout "${IM_TIMEOUT:-420}" python3 bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 \
         --graphs --json "$dest/diffusers_serving_pixart_graphs.json" 2>&1 \
         | grep -v -i "warn\|kept in float32" | tee "$dest/diffusers_serving_pixart_graphs.log" | tail -24
+    ;;
+cuda-tests)
+    # Every CUDA test (the graphs' among them), into the out folder as they run.
+    timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -o addopts="" -q -rs -p no:cacheprovider -m cuda tests 2>&1 \
+        | tee "$dest/cuda_tests.log" | tail -12
     ;;
 im-check)
     # PixArt-Sigma-512's forward called directly under its own no_grad against inside
