@@ -31,7 +31,10 @@ class ServerProcess:
 
     def __init__(self, *options: str, start_timeout: float = 60.0, own_group: bool = False) -> None:
         """``own_group``: the server leads a process group of its own (for ``stop(group=True)``)."""
-        env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
+        # This checkout's sources first, then whatever the suite was given (a device run's
+        # packages come on PYTHONPATH).
+        path = [os.path.abspath(SRC), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
         cmd = [sys.executable, "-m", "omni_async.cli", "serve", "--port", "0", *options]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=own_group

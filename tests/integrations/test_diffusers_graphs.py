@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers.diffusers_direct import direct_family_call, family_params, family_pipeline, family_spec_kwargs, pixels_of
+from helpers.diffusers_direct import direct_family_call, family_params, family_spec_kwargs, pixels_of
 from helpers.diffusers_direct import one_torch_thread as _one_torch_thread
 from omni_async.core.config import Deadlines
 from omni_async.core.errors import UsageError
@@ -21,6 +21,7 @@ from omni_async.engine.engine import AsyncDiffusionEngine
 from omni_async.executor.multiproc import MultiprocDiffusionExecutor
 from omni_async.integrations.diffusers import DiffusersPipelineWorker
 from omni_async.integrations.diffusers.pixels import to_uint8
+from omni_async.integrations.diffusers.source import PipelineSource
 from omni_async.worker.graphs import CudaGraphForward
 from omni_async.worker.host import WorkerOptions
 
@@ -53,6 +54,15 @@ def _cuda() -> torch.device:
     return torch.device("cuda", 0)
 
 
+def _pipeline(dev: torch.device) -> Any:
+    """The tiny PixArt-Sigma as the worker builds it (its random weights drawn on ``dev``:
+    drawn on the CPU they are other weights), to call directly."""
+    builder = str(family_spec_kwargs("pixart")["builder"])
+    pipe: Any = PipelineSource(builder=builder, builder_kwargs={"name": "pixart"}).load(dev).pipeline
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def _direct(pipe: Any, params: dict[str, object]) -> torch.Tensor:
     """The pipeline called directly, its tensors on its device (as the worker moves them:
     PixArt's attention masks are used as given)."""
@@ -64,7 +74,7 @@ def _direct(pipe: Any, params: dict[str, object]) -> torch.Tensor:
 @pytest.mark.cuda
 def test_the_denoiser_replays_as_graphs_in_process_bit_for_bit() -> None:
     dev = _cuda()
-    pipe = family_pipeline("pixart").to(dev)
+    pipe = _pipeline(dev)
     worker = DiffusersPipelineWorker(**family_spec_kwargs("pixart"), device=str(dev), cuda_graphs=True)  # type: ignore[arg-type]
     assert worker.graphed is not None
     with torch.inference_mode():  # as the worker process runs its forwards
@@ -87,7 +97,7 @@ def test_served_through_the_engine_with_graphs_bit_for_bit(async_output: bool) -
     """Over a worker process (forwards in inference mode, the packer copying on its side
     stream while the next forward replays), with a warm-up that captures at start."""
     dev = _cuda()
-    pipe = family_pipeline("pixart").to(dev)
+    pipe = _pipeline(dev)
     seeds = [11, 12, 13, 14]
     spec = DiffusersPipelineWorker.spec(
         **family_spec_kwargs("pixart"),
