@@ -42,6 +42,9 @@ def test_cuda_graphs_off_a_cuda_device_or_not_a_bool_is_refused_at_once() -> Non
         DiffusersPipelineWorker.spec(**kwargs, cuda_graphs="yes")  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="cuda_graphs=True replays"):
         DiffusersPipelineWorker(**kwargs, device="cpu", cuda_graphs=True)  # type: ignore[arg-type]
+    if not torch.cuda.is_available():  # "auto" finds the CPU: refused as the worker starts
+        with pytest.raises(UsageError, match="needs a CUDA device, and this worker's device is 'cpu'"):
+            DiffusersPipelineWorker(**kwargs, cuda_graphs=True)  # type: ignore[arg-type]
     # Off (the default) builds anywhere, and the denoiser keeps its own forward.
     worker = DiffusersPipelineWorker(**kwargs, device="cpu")  # type: ignore[arg-type]
     assert worker.graphed is None

@@ -17,7 +17,8 @@ could give a wrong answer or cannot be made:
 * an argument is a tensor on another device (a capture would read its host memory once, at
   capture, and replay that) or requires grad while grad is enabled;
 * an argument is neither a tensor nor hashable (the signature could not tell calls apart);
-* the stream is already capturing, or ``max_graphs`` signatures are captured already;
+* the stream is already capturing, or ``max_graphs`` signatures have had their capture
+  (made or failed) already;
 * the capture itself failed (the callable synchronizes with the host, say, as a
   ``.item()`` does), or the output holds an object that is neither a tensor nor a plain
   value (a container ``torch.utils._pytree`` does not know: its tensors could not be copied

@@ -363,7 +363,13 @@ def _check_device_decode(profile: PipelineProfile) -> None:
 def _check_cuda_graphs(cuda_graphs: object, device: object) -> None:
     if not isinstance(cuda_graphs, bool):
         raise UsageError(f"DiffusersPipelineWorker: cuda_graphs must be True or False, got {cuda_graphs!r}")
-    if cuda_graphs and not (str(device) == "auto" or torch.device(str(device)).type == "cuda"):
+    if not cuda_graphs or str(device) == "auto":
+        return  # "auto": the worker checks the device it finds (_graph_denoiser)
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError as exc:
+        raise UsageError(f"DiffusersPipelineWorker: device={device!r} is not a device torch knows ({exc})") from exc
+    if kind != "cuda":
         raise UsageError(
             f"DiffusersPipelineWorker: cuda_graphs=True replays the denoiser as CUDA graphs, and device={device!r} "
             "is not a CUDA device; leave cuda_graphs off there"
