@@ -18,6 +18,10 @@ per second of:
   packer's side stream while the next request denoises;
 * ``engine-async-pinned`` (``--cpu-affinity gpu-local`` or a CPU list): the engine's
   asynchronous path (its default) with the worker pinned (``WorkerOptions.cpu_affinity``);
+* ``engine-async-nograd`` (``--nograd``): the asynchronous path with the worker's forwards
+  outside inference mode (``WorkerOptions(inference_mode=False)``), as the direct loop's;
+* ``engine-sync-graphs``, ``engine-async-graphs`` (``--graphs``): both paths with the
+  denoiser replayed as CUDA graphs (``DiffusersPipelineWorker.spec(..., cuda_graphs=True)``);
 
 with the pixels made uint8 in the worker (``postprocess="diffusers"``) for both engine
 runs, and all requests submitted at once.  ``batching`` runs DiT requests in batches of
@@ -46,6 +50,8 @@ Usage:  python bench/diffusers_serving.py --preset tiny --json /tmp/diffusers_se
         python bench/diffusers_serving.py --preset h200 --json $OUT/diffusers_serving.json
         python bench/diffusers_serving.py --preset h200 --workloads pixart --rounds 3 --fresh-direct \\
             --cpu-affinity gpu-local --json $OUT/pixart.json
+        python bench/diffusers_serving.py --preset h200 --workloads pixart --requests 6 --rounds 3 --graphs \\
+            --json $OUT/pixart_graphs.json
 """
 
 from __future__ import annotations

@@ -46,10 +46,14 @@
 #           since dc94620) and the async path without it (engine-async-nograd) in the same
 #           rounds; part im-check: the CUDA tests in inference mode, then the direct
 #           forward under no_grad against inference mode (bench/probes/inference_mode.py)
+#   part 10-graphs: the CUDA tests of the denoiser as CUDA graphs, then part 10's rounds with
+#           engine-sync-graphs and engine-async-graphs (DiffusersPipelineWorker(cuda_graphs=True));
+#           part cuda-tests: every CUDA test
 # Run on 2026-12-05 (bench/results/h200_issues30_32/README.md): 10, 11, video, serve (its
 # video run then used the tiny model's 64x64 default); then (bench/results/h200_2026-12-05b/)
-# 10 again, client-c1, serve-video, dit-rounds, host. Still owed: affinity, 10-pinned, host-bench
-# (the next device session: in that order).
+# 10 again, client-c1, serve-video, dit-rounds, host; then (bench/results/h200_2026-12-05c/) 10-im,
+# 10-graphs and cuda-tests.  Still owed: cuda-tests (after the graph tests' fixes), im-check,
+# affinity, 10-pinned, host-bench (the next device session: in that order).
 # (bench/last_mile.py ran in an earlier part 1: bench/results/h200_issue19_20/)
 #
 # Run from the repo root with the wheels in .whl/ (bash bench/h200_wheels.sh fetches them):
