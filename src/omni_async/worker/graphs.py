@@ -74,20 +74,23 @@ class _Graph:
     output: object  # the captured call's output tree, its tensors in the graph's pool
 
 
+def _collapsed(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``t``'s shape and strides with each expanded dimension (stride 0) cut to size 1."""
+    return [1 if st == 0 else n for n, st in zip(t.shape, t.stride(), strict=True)], [st or 1 for st in t.stride()]
+
+
 def _buffer_like(x: torch.Tensor) -> torch.Tensor:
     """A new tensor of ``x``'s shape and strides (an expanded dimension, stride 0, stays
     expanded), to copy ``x`` into before each replay: the captured kernels see the layout
     the eager call would have."""
-    kept = [1 if st == 0 else n for n, st in zip(x.shape, x.stride(), strict=True)]
-    strides = [1 if st == 0 else st for st in x.stride()]
-    base = torch.empty_strided(kept, strides, dtype=x.dtype, device=x.device)
-    return base.expand(x.shape)
+    shape, strides = _collapsed(x)
+    return torch.empty_strided(shape, strides, dtype=x.dtype, device=x.device).expand(x.shape)
 
 
 def _copy_in(buffer: torch.Tensor, x: torch.Tensor) -> None:
-    kept = [1 if st == 0 else n for n, st in zip(buffer.shape, buffer.stride(), strict=True)]
-    base = buffer.as_strided(kept, [1 if st == 0 else st for st in buffer.stride()])
-    base.copy_(x.as_strided(kept, x.stride(), x.storage_offset()) if kept != list(x.shape) else x)
+    """``x`` into ``buffer`` (same shape and strides): each expanded dimension's one element."""
+    shape, strides = _collapsed(buffer)
+    buffer.as_strided(shape, strides).copy_(x.as_strided(shape, x.stride(), x.storage_offset()))
 
 
 class CudaGraphForward(Generic[P, R]):
